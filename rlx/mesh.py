@@ -1,0 +1,146 @@
+"""Device mesh and logical-axis rules.
+
+One mesh with four named axes, ``(data, fsdp, tensor, expert)``. Parameters and activations carry
+*logical* axis names (``embed``, ``mlp``, ``heads``, ...); a rules table maps each logical name to
+mesh axes. Training and sampling use different tables: training shards weights over ``fsdp`` (ZeRO-3
+style, gathered per layer by XLA), sampling keeps weights whole along ``fsdp`` and only splits them
+over ``tensor``/``expert`` so that a decode step needs no weight all-gather.
+
+The mesh is always passed explicitly; nothing here reads a global mesh. Axes are created as
+``AxisType.Auto`` on purpose: GSPMD propagates shardings from the parameters and the batch, which is
+what the model code (plain ``jnp`` ops, no ``out_sharding=`` arguments) expects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+LogicalRules = tuple[tuple[str, tuple[str, ...] | str | None], ...]
+
+# logical name -> mesh axes. Order of the table matters only for readability.
+TRAIN_RULES: LogicalRules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
+    ("norm", None),
+    ("lora_rank", None),
+)
+
+SAMPLE_RULES: LogicalRules = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("expert_mlp", "tensor"),
+    ("norm", None),
+    ("lora_rank", None),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the four mesh axes; their product must equal the number of devices used."""
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    expert: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return (self.data, self.fsdp, self.tensor, self.expert)
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes)
+
+
+def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build a ``Mesh`` over ``(data, fsdp, tensor, expert)`` with Auto axis types.
+
+    Raises ``ValueError`` naming the sizes when their product does not match the device count.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if shape.num_devices != len(devices):
+        raise ValueError(
+            f"mesh data*fsdp*tensor*expert = {'*'.join(map(str, shape.sizes))} = {shape.num_devices}"
+            f" but {len(devices)} devices are available; set config.mesh sizes whose product is "
+            f"{len(devices)}"
+        )
+    if any(s < 1 for s in shape.sizes):
+        raise ValueError(f"mesh sizes must be >= 1, got {shape}")
+    grid = _device_grid(shape, devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _device_grid(shape: MeshShape, devices: list[jax.Device]) -> np.ndarray:
+    try:  # topology-aware placement where the platform offers it
+        from jax.experimental import mesh_utils
+
+        return mesh_utils.create_device_mesh(shape.sizes, devices=devices)
+    except Exception:  # noqa: BLE001 - fall back to plain order (CPU, odd shapes)
+        return np.asarray(devices, dtype=object).reshape(shape.sizes)
+
+
+def logical_to_spec(
+    axes: Sequence[str | None] | None, rules: LogicalRules, mesh: Mesh | None = None
+) -> PartitionSpec:
+    """Map logical axis names to a ``PartitionSpec``.
+
+    A mesh axis is used at most once per spec (later dims that would reuse it stay replicated), and
+    when ``mesh`` is given, mesh axes of size 1 are dropped so specs stay readable.
+    """
+    if axes is None:
+        return PartitionSpec()
+    table: Mapping[str, tuple[str, ...] | str | None] = dict(rules)
+    used: set[str] = set()
+    out: list[tuple[str, ...] | str | None] = []
+    for name in axes:
+        target = table.get(name) if name is not None else None
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        keep = tuple(
+            a for a in mesh_axes if a not in used and (mesh is None or mesh.shape[a] > 1)
+        )
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return PartitionSpec(*out)
+
+
+def named_sharding(
+    mesh: Mesh, axes: Sequence[str | None] | None, rules: LogicalRules, shape: Sequence[int] = ()
+) -> NamedSharding:
+    """``NamedSharding`` for an array with logical ``axes``; dims that do not divide stay whole."""
+    spec = logical_to_spec(axes, rules, mesh)
+    if shape:
+        spec = _drop_indivisible(spec, shape, mesh)
+    return NamedSharding(mesh, spec)
+
+
+def _drop_indivisible(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+    parts = []
+    for dim, part in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (part,) if isinstance(part, str) else tuple(part or ())
+        size = math.prod(mesh.shape[n] for n in names)
+        parts.append(part if dim % size == 0 else None)
+    return PartitionSpec(*parts)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = TRAIN_RULES) -> NamedSharding:
+    """Sharding for a batch-major array: first dim over the batch axes, the rest replicated."""
+    return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1), rules)

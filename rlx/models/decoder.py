@@ -1,0 +1,126 @@
+"""The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+``Transformer(input_ids, positions=None, segment_ids=None, attention_mask=None) -> logits [B,T,V]``.
+With neither ``positions`` nor ``segment_ids``, the batch is taken as unpadded. ``attention_mask``
+(1 = real token, HF style) is turned into segment ids and, when positions are absent, into per-row
+positions counted over real tokens only, so left padding is exact. Packed batches pass
+``segment_ids`` (1, 2, ... per packed sequence, 0 for padding) and positions restarting per segment.
+
+The same module serves the learner and the built-in sampler; ``hidden_states`` and ``logits`` are
+exposed separately so the learner can compute log-probs chunk by chunk without [B, T, V] logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from rlx.models.config import ModelConfig
+from rlx.models.layers import Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq
+from rlx.models.moe import DenseMLP, SparseMoE
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """``dtype``: compute dtype; ``param_dtype``: storage dtype of trainable/full parameters."""
+
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    moe_impl: str = "ragged"  # "ragged" | "dense" (see rlx.models.moe)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, p: Precision, rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
+        self.q_proj = Linear(d, cfg.num_heads * hd, ("embed", "heads"), bias=cfg.qkv_bias, **kw)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
+        self.o_proj = Linear(cfg.num_heads * hd, d, ("heads", "embed"), bias=False, **kw)
+        norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+        self.rope = cfg.rope
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+
+    def __call__(self, x, positions, segment_ids):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(self.rope, self.head_dim)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        mask = attention_mask(segment_ids, segment_ids, positions, positions)
+        out = gqa_attention(q, k, v, mask)  # [b, t, h, d]
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, p: Precision, rngs):
+        norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
+        kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        self.self_attn = Attention(cfg, p, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
+        if cfg.is_sparse_layer(layer):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, impl=p.moe_impl, **kw)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. ``rngs=None`` builds zero weights to be filled by a loader."""
+
+    def __init__(self, cfg: ModelConfig, precision: Precision = Precision(), rngs: nnx.Rngs | None = None):
+        p = precision
+        self.config, self.precision = cfg, p
+        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), p.param_dtype, ("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, i, p, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=p.dtype, param_dtype=p.param_dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,
+            dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
+
+    def hidden_states(
+        self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
+        segment_ids: Int[Array, "b t"] | None = None, attention_mask: Int[Array, "b t"] | None = None,
+    ) -> Float[Array, "b t d"]:
+        """Final-norm hidden states ``[B, T, D]``."""
+        positions, segment_ids = resolve_positions(input_ids, positions, segment_ids, attention_mask)
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.precision.dtype)
+        for layer in self.layers:
+            x = layer(x, positions, segment_ids)
+        return self.norm(x)
+
+    def logits(self, h: Float[Array, "... d"]) -> Float[Array, "... v"]:
+        """Project hidden states to vocabulary logits (tied or separate head)."""
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype))
+
+    def __call__(self, input_ids, positions=None, segment_ids=None, attention_mask=None):
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids, attention_mask))
+
+
+def resolve_positions(input_ids, positions, segment_ids, attention_mask):
+    """Fill in positions / segment ids from an HF-style attention mask or an unpadded batch."""
+    b, t = input_ids.shape
+    if segment_ids is None:
+        segment_ids = (jnp.ones((b, t), jnp.int32) if attention_mask is None
+                       else attention_mask.astype(jnp.int32))
+    if positions is None:
+        if attention_mask is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        else:
+            positions = jnp.maximum(jnp.cumsum(attention_mask.astype(jnp.int32), axis=1) - 1, 0)
+    return positions.astype(jnp.int32), segment_ids.astype(jnp.int32)

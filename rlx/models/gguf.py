@@ -1,0 +1,320 @@
+"""Reading GGUF checkpoints (llama.cpp's file format) into Hugging Face names and layout.
+
+`read_gguf(path)` returns a `GGUFCheckpoint`: a transformers-style `config.json` dict built from the
+`{arch}.*` metadata, the tensors under HF names (`model.layers.{i}.self_attn.q_proj.weight`, ...) as
+float32 arrays in HF layout ([out, in] for linears), the GGUF quantization type of each tensor, the
+tokenizer and the chat template.
+
+Tensors stay in the memory-mapped file until asked for: `checkpoint.tensors[name]` dequantizes one
+tensor (with the `gguf` package's own block decoders) each time it is read, and
+`checkpoint.raw(name)` returns the quantized blocks as they are stored (uint8, one row of blocks per
+output row), for code that keeps a Q4_0/Q4_1/Q8_0 base instead of dequantizing it.
+
+llama.cpp's converter permutes the rows of q_proj and k_proj of llama-architecture models (it
+interleaves the two rotary halves of each head). We undo that permutation on the rows of the stored
+blocks, so both `raw` and the dequantized tensors are in HF order and equal what transformers loads
+from the same file. Qwen2/Qwen3 files are stored unpermuted.
+
+Supported: architectures llama, qwen2, qwen3; tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1.
+Everything else raises `GGUFError`, as do llama3-style rope scaling and missing tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import gguf
+import numpy as np
+
+from rlx.tokenizer import Tokenizer
+
+__all__ = ["GGUFCheckpoint", "GGUFError", "GGUFTensors", "RawTensor", "SUPPORTED_TYPES", "read_gguf"]
+
+SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+
+
+class GGUFError(ValueError):
+    """A GGUF file uses something this reader does not support, or lacks something it needs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arch:
+    """How one GGUF architecture maps onto a transformers model class."""
+
+    model_type: str
+    hf_class: str
+    permute_qk: bool  # llama.cpp permuted q/k rows for rope
+    qkv_bias: bool  # q/k/v projections carry biases
+    qk_norm: bool  # per-head RMSNorm on q and k
+    extra_config: tuple[tuple[str, Any], ...] = ()
+
+
+_ARCHS: dict[str, _Arch] = {
+    "llama": _Arch("llama", "LlamaForCausalLM", True, False, False,
+                   (("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1))),
+    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", False, True, False,
+                   (("use_sliding_window", False), ("max_window_layers", 0))),
+    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", False, False, True,
+                   (("attention_bias", False), ("use_sliding_window", False), ("max_window_layers", 0))),
+}
+
+# GGUF per-layer tensor name (after `blk.{i}.`) -> HF name (after `model.layers.{i}.`).
+_LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BIAS_NAMES = {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}
+_QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RawTensor:
+    """A tensor as stored: `blocks` is uint8 [*shape[:-1], bytes per row] of `qtype` blocks (for F32,
+    F16 and BF16 the little-endian element bytes), rows already in HF order."""
+
+    qtype: str
+    blocks: np.ndarray
+    shape: tuple[int, ...]
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 values, shape `self.shape`."""
+        qtype = gguf.GGMLQuantizationType[self.qtype]
+        values = gguf.quants.dequantize(self.blocks, qtype)
+        if qtype == gguf.GGMLQuantizationType.F32:
+            values = values.copy()  # a view into the file otherwise
+        return values.astype(np.float32, copy=False).reshape(self.shape)
+
+
+class GGUFTensors(Mapping[str, np.ndarray]):
+    """HF name -> float32 array, dequantized from the memory-mapped file on every access."""
+
+    def __init__(self, stored: Mapping[str, Any], names: Mapping[str, str], heads: Mapping[str, int]) -> None:
+        self._stored = stored  # GGUF name -> gguf.ReaderTensor
+        self._names = dict(names)  # HF name -> GGUF name
+        self._heads = dict(heads)  # HF name -> head count whose rope permutation to undo
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.raw(name).dequantize()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def gguf_name(self, name: str) -> str:
+        """The GGUF name the HF tensor `name` is stored under."""
+        return self._names[name]
+
+    def raw(self, name: str) -> RawTensor:
+        """The stored blocks of `name`, rows un-permuted to HF order."""
+        tensor = self._stored[self._names[name]]
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        data = np.asarray(tensor.data)
+        blocks = data.view(np.uint8).reshape(*shape[:-1], -1)
+        if name in self._heads:
+            blocks = _unpermute_rows(blocks, self._heads[name])
+        return RawTensor(tensor.tensor_type.name, blocks, shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFCheckpoint:
+    """A GGUF file read under Hugging Face conventions."""
+
+    path: str
+    architecture: str  # the GGUF `general.architecture`
+    hf_config: dict[str, Any]
+    tensors: GGUFTensors
+    tensor_types: dict[str, str]  # HF name -> GGUF type name, e.g. "Q4_1"
+    tokenizer: Tokenizer | None  # None when the file carries no vocabulary
+    chat_template: str | None
+
+    def raw(self, name: str) -> RawTensor:
+        """The quantized blocks of HF tensor `name`, as stored (rows in HF order)."""
+        return self.tensors.raw(name)
+
+
+def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
+    """Reads the metadata of a GGUF file and maps its tensors to HF names (tensor data stays mapped)."""
+    path = os.fspath(path)
+    reader = _open(path)
+    meta = _metadata(reader)
+    arch_name = meta.get("general.architecture")
+    arch = _ARCHS.get(arch_name)
+    if arch is None:
+        raise GGUFError(f"{path}: GGUF architecture {arch_name!r} is not supported; supported: {sorted(_ARCHS)}")
+    stored = {tensor.name: tensor for tensor in reader.tensors}
+    _reject_rope_scaling(arch_name, meta, stored)
+    config = _hf_config(arch_name, arch, meta, stored)
+    names = _tensor_names(arch, config["num_hidden_layers"], tied=config["tie_word_embeddings"])
+    _check_tensors(path, names, stored, _expected_shapes(config, arch))
+    heads: dict[str, int] = {}
+    if arch.permute_qk:
+        for layer in range(config["num_hidden_layers"]):
+            heads[f"model.layers.{layer}.self_attn.q_proj.weight"] = config["num_attention_heads"]
+            heads[f"model.layers.{layer}.self_attn.k_proj.weight"] = config["num_key_value_heads"]
+    tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.tokens" in reader.fields else None
+    return GGUFCheckpoint(
+        path=path,
+        architecture=arch_name,
+        hf_config=config,
+        tensors=GGUFTensors(stored, names, heads),
+        tensor_types={hf: stored[gg].tensor_type.name for hf, gg in names.items()},
+        tokenizer=tokenizer,
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def _open(path: str) -> gguf.GGUFReader:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path!r}")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except ValueError as err:  # bad magic, unknown tensor type id, duplicated tensor, ...
+        raise GGUFError(f"{path}: not a readable GGUF file: {err}") from err
+    if reader.byte_order != "I":
+        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
+    return reader
+
+
+def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Decoded metadata values, without the large tokenizer arrays (the tokenizer reads those)."""
+    meta = {}
+    for key, field in reader.fields.items():
+        is_array = bool(field.types) and field.types[0] == gguf.GGUFValueType.ARRAY
+        if not (is_array and key.startswith("tokenizer.ggml.")):
+            meta[key] = field.contents()
+    return meta
+
+
+def _reject_rope_scaling(arch_name: str, meta: Mapping[str, Any], stored: Mapping[str, Any]) -> None:
+    scaling = meta.get(f"{arch_name}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise GGUFError(f"rope scaling {scaling!r} ({arch_name}.rope.scaling.type) is not supported yet")
+    if "rope_freqs.weight" in stored:
+        raise GGUFError("llama3-style rope frequency scaling (tensor 'rope_freqs.weight') is not supported yet")
+
+
+def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, Any]:
+    """A transformers `config.json` dict from the `{arch}.*` and `tokenizer.ggml.*` metadata."""
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch_name}.{key}", default)
+        if value is None:
+            raise GGUFError(f"metadata key {arch_name}.{key!r} is missing")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = meta.get(f"{arch_name}.attention.key_length")
+    if head_dim is None and arch.permute_qk:  # llama stores the rotary width, which is the head size
+        head_dim = meta.get(f"{arch_name}.rope.dimension_count")
+    if "token_embd.weight" not in stored:
+        raise GGUFError("required tensor 'token_embd.weight' (HF 'model.embed_tokens.weight') is missing")
+    vocab = meta.get(f"{arch_name}.vocab_size", int(stored["token_embd.weight"].shape[-1]))
+    rope_theta = float(get("rope.freq_base", 10000.0))
+    config: dict[str, Any] = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(head_dim) if head_dim is not None else hidden // heads,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "max_position_embeddings": int(get("context_length")),
+        "tie_word_embeddings": "output.weight" not in stored,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        **dict(arch.extra_config),
+    }
+    for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                        ("padding_token_id", "pad_token_id"), ("unknown_token_id", "unk_token_id")):
+        if (value := meta.get(f"tokenizer.ggml.{key}")) is not None:
+            config[hf_key] = int(value)
+    return config
+
+
+def _tensor_names(arch: _Arch, n_layers: int, tied: bool) -> dict[str, str]:
+    """HF name -> GGUF name of every tensor the model needs, in HF state-dict order."""
+    per_layer = dict(_LAYER_NAMES)
+    if arch.qkv_bias:
+        per_layer.update(_BIAS_NAMES)
+    if arch.qk_norm:
+        per_layer.update(_QK_NORM_NAMES)
+    names = {"model.embed_tokens.weight": "token_embd.weight"}
+    for layer in range(n_layers):
+        for gguf_name, hf_name in per_layer.items():
+            names[f"model.layers.{layer}.{hf_name}"] = f"blk.{layer}.{gguf_name}"
+    names["model.norm.weight"] = "output_norm.weight"
+    if not tied:
+        names["lm_head.weight"] = "output.weight"
+    return names
+
+
+def _expected_shapes(config: Mapping[str, Any], arch: _Arch) -> dict[str, tuple[int, ...]]:
+    """HF name suffix -> HF shape, for checking the metadata against the tensors."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    return {
+        "embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden), "norm.weight": (hidden,),
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "q_proj.weight": (q_rows, hidden), "k_proj.weight": (kv_rows, hidden), "v_proj.weight": (kv_rows, hidden),
+        "o_proj.weight": (hidden, q_rows), "gate_proj.weight": (inter, hidden), "up_proj.weight": (inter, hidden),
+        "down_proj.weight": (hidden, inter),
+        "q_proj.bias": (q_rows,), "k_proj.bias": (kv_rows,), "v_proj.bias": (kv_rows,),
+        "q_norm.weight": (config["head_dim"],), "k_norm.weight": (config["head_dim"],),
+    }
+
+
+def _check_tensors(
+    path: str, names: Mapping[str, str], stored: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
+) -> None:
+    """Every needed tensor is present, of a supported type and of the shape the metadata implies."""
+    for hf_name, gguf_name in names.items():
+        tensor = stored.get(gguf_name)
+        if tensor is None:
+            raise GGUFError(f"{path}: required tensor {hf_name!r} (GGUF {gguf_name!r}) is missing")
+        qtype = tensor.tensor_type.name
+        if qtype not in SUPPORTED_TYPES:
+            raise GGUFError(
+                f"{path}: tensor {gguf_name!r} ({hf_name}) has unsupported type {qtype}; "
+                f"supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        suffix = ".".join(hf_name.split(".")[-2:])
+        if shapes[suffix] != shape:
+            raise GGUFError(
+                f"{path}: tensor {gguf_name!r} ({hf_name}) has shape {list(shape)}, "
+                f"but the metadata implies {list(shapes[suffix])}"
+            )
+
+
+def _unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's rope permutation of q/k rows.
+
+    Within each head llama.cpp stores row `2*i + j` (i < head_dim/2, j in {0, 1}) for HF row
+    `j*head_dim/2 + i`: the two rotary halves are interleaved. Trailing axes are untouched, so this
+    works on dequantized rows and on rows of quantized blocks alike.
+    """
+    n_rows = rows.shape[0]
+    if n_rows % (2 * n_heads):
+        raise GGUFError(f"cannot un-permute {n_rows} rows over {n_heads} heads")
+    grouped = rows.reshape(n_heads, n_rows // n_heads // 2, 2, *rows.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(rows.shape)

@@ -1,0 +1,210 @@
+"""HF transformers checkpoints in and out: ``from_hf`` / ``to_hf`` and the parameter name map.
+
+Loading never builds the whole model on one device: the model is created abstractly
+(``nnx.eval_shape``), each parameter's sharding is derived from its logical axes, and every device
+reads just its slice from the memory-mapped safetensors files (``jax.make_array_from_callback``).
+HF linears are ``[out, in]``; rlx kernels are ``[in, out]``, and MoE experts are stacked ``[E, ...]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
+from rlx.models.config import ModelConfig, from_hf_config, to_hf_config
+from rlx.models.decoder import Precision, Transformer
+from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder, save_sharded
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSource:
+    """Where one rlx parameter comes from: HF names and how to lay them out."""
+
+    hf_names: tuple[str, ...]
+    layout: str  # "copy" | "T" (transpose a linear) | "stack_T" (stack experts, transpose each)
+
+
+def param_map(cfg: ModelConfig) -> dict[str, ParamSource]:
+    """rlx parameter path ('layers/0/self_attn/q_proj/kernel') -> HF source."""
+    out = {"embed": ParamSource(("model.embed_tokens.weight",), "copy"),
+           "norm/weight": ParamSource(("model.norm.weight",), "copy")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head/kernel"] = ParamSource(("lm_head.weight",), "T")
+    for i in range(cfg.num_layers):
+        out.update(_layer_map(cfg, i))
+    return out
+
+
+def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
+    us, hf = f"layers/{i}", f"model.layers.{i}"
+    out = {f"{us}/{n}/weight": ParamSource((f"{hf}.{n}.weight",), "copy")
+           for n in ("input_layernorm", "post_attention_layernorm")}
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        out[f"{us}/self_attn/{p}/kernel"] = ParamSource((f"{hf}.self_attn.{p}.weight",), "T")
+    if cfg.qkv_bias:
+        for p in ("q_proj", "k_proj", "v_proj"):
+            out[f"{us}/self_attn/{p}/bias"] = ParamSource((f"{hf}.self_attn.{p}.bias",), "copy")
+    if cfg.qk_norm:
+        for n in ("q_norm", "k_norm"):
+            out[f"{us}/self_attn/{n}/weight"] = ParamSource((f"{hf}.self_attn.{n}.weight",), "copy")
+    if not cfg.is_sparse_layer(i):
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{us}/mlp/{p}/kernel"] = ParamSource((f"{hf}.mlp.{p}.weight",), "T")
+        return out
+    out.update(_moe_map(cfg, us, hf))
+    return out
+
+
+def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
+    m = cfg.moe
+    assert m is not None
+    if cfg.model_type == "mixtral":
+        block, names = f"{hf}.block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    else:
+        block, names = f"{hf}.mlp", {p: p for p in ("gate_proj", "up_proj", "down_proj")}
+    out = {f"{us}/mlp/router": ParamSource((f"{block}.gate.weight",), "T")}
+    for ours, theirs in names.items():
+        srcs = tuple(f"{block}.experts.{e}.{theirs}.weight" for e in range(m.num_experts))
+        out[f"{us}/mlp/experts/{ours}"] = ParamSource(srcs, "stack_T")
+    if m.shared_intermediate_size:
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{us}/mlp/shared_expert/{p}/kernel"] = ParamSource(
+                (f"{block}.shared_expert.{p}.weight",), "T")
+    if m.shared_expert_gate:
+        out[f"{us}/mlp/shared_gate"] = ParamSource((f"{block}.shared_expert_gate.weight",), "T")
+    return out
+
+
+def _read_slice(tensors: Mapping[str, np.ndarray], src: ParamSource, index: tuple) -> np.ndarray:
+    """The ``index`` slice (in rlx layout) of one parameter, read from HF tensors."""
+    if src.layout == "copy":
+        return np.asarray(tensors[src.hf_names[0]][index])
+    if src.layout == "T":
+        return np.asarray(tensors[src.hf_names[0]][tuple(reversed(index))]).T
+    e_idx, rest = index[0], index[1:]
+    names = src.hf_names[e_idx]
+    return np.stack([np.asarray(tensors[n][tuple(reversed(rest))]).T for n in names])
+
+
+def _expected_hf_shape(src: ParamSource, shape: tuple[int, ...]) -> tuple[int, ...]:
+    if src.layout == "copy":
+        return shape
+    return tuple(reversed(shape if src.layout == "T" else shape[1:]))
+
+
+def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], shapes: dict[str, tuple]) -> None:
+    """Every needed HF tensor exists with the right shape; errors name the tensor and the fix."""
+    for path, src in param_map(cfg).items():
+        want = _expected_hf_shape(src, shapes[path])
+        for name in src.hf_names:
+            if name not in tensors:
+                raise CheckpointError(
+                    f"checkpoint is missing tensor {name!r} (needed for rlx parameter {path!r}); "
+                    "is the config.json from the same model as the weights?")
+            got = tuple(tensors[name].shape)
+            if got != want:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {got}, but config.json implies {want}; "
+                    "the weights and config.json disagree")
+
+
+def load_model(
+    cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *, precision: Precision = Precision(),
+    mesh: Mesh | None = None, rules: LogicalRules = TRAIN_RULES,
+) -> Transformer:
+    """Build a ``Transformer`` whose parameters are read slice-wise from ``tensors`` (HF names)."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    sources = param_map(cfg)
+    flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
+    check_tensors(cfg, tensors, {p: tuple(v.shape) for p, v in flat.items() if p in sources})
+    loaded = []
+    for key, var in nnx.to_flat_state(state):
+        path = "/".join(map(str, key))
+        sharding = _sharding(mesh, var, rules)
+        src = sources[path]
+        dtype = var.dtype
+        arr = jax.make_array_from_callback(
+            tuple(var.shape), sharding,
+            lambda idx, src=src, dtype=dtype: _read_slice(tensors, src, idx).astype(dtype))
+        loaded.append((key, var.replace(arr)))
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _sharding(mesh: Mesh | None, var, rules: LogicalRules):
+    if mesh is None:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    axes = var.get_metadata().get("logical_axes")
+    return named_sharding(mesh, axes, rules, tuple(var.shape))
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise CheckpointError(f"{path}: no config.json; pass a HF model folder (config.json + *.safetensors)")
+    with open(file) as f:
+        return from_hf_config(json.load(f))
+
+
+def from_hf(
+    path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
+    rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged",
+) -> Transformer:
+    """Load a local HF folder (config.json + safetensors, sharded or not) into a sharded model."""
+    cfg = read_hf_config(path)
+    precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
+    return load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
+
+
+def hf_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
+    """HF-named host arrays for every parameter of ``model`` (experts split per expert)."""
+    out: dict[str, np.ndarray] = {}
+    sources = param_map(model.config)
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        path = "/".join(map(str, key))
+        src = sources[path]
+        value = np.asarray(jax.device_get(var[...])).astype(dtype)
+        if src.layout == "copy":
+            out[src.hf_names[0]] = value
+        elif src.layout == "T":
+            out[src.hf_names[0]] = np.ascontiguousarray(value.T)
+        else:
+            for e, name in enumerate(src.hf_names):
+                out[name] = np.ascontiguousarray(value[e].T)
+    return out
+
+
+def to_hf(model: Transformer, path: str, dtype=np.float32, tokenizer=None,
+          max_shard_bytes: int = 2 << 30) -> None:
+    """Write ``model`` as a HF folder that ``AutoModelForCausalLM.from_pretrained`` loads."""
+    os.makedirs(path, exist_ok=True)
+    hf_cfg = to_hf_config(model.config)
+    hf_cfg["torch_dtype"] = np.dtype(dtype).name
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    save_sharded(hf_state_dict(model, dtype), path, max_shard_bytes)
+    if tokenizer is not None:
+        tokenizer.save(path)
+
+
+def param_bytes_per_device(model: Transformer) -> dict[str, int]:
+    """Bytes of parameters held by each device (from the arrays' actual shards)."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device)
+            out[key] = out.get(key, 0) + shard.data.nbytes
+    return out
+
+
+__all__ = ["from_hf", "to_hf", "load_model", "param_map", "hf_state_dict", "read_hf_config",
+           "param_bytes_per_device", "CheckpointError"]

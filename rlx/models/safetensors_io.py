@@ -1,0 +1,157 @@
+"""Zero-copy reading of safetensors files and HF sharded folders.
+
+The ``safetensors`` package's numpy backend cannot represent bf16 or fp8 tensors, and its flax
+backend materialises whole tensors on the default device. Loading a large model shard by shard
+needs neither: we memory-map the file and view each tensor with the ``ml_dtypes`` dtype named in the
+(documented, JSON) header, so a loader can read just the slice a device owns.
+Writing goes through ``safetensors`` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+
+DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or folder that cannot be read as asked; the message names the file/tensor."""
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """Parse a safetensors header; returns (header dict, byte offset of the data section)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: too short to be a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8 or n > 100_000_000:
+            raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    return header, 8 + n
+
+
+class SafetensorsFolder(Mapping[str, np.ndarray]):
+    """All tensors of one file, or of an HF folder (``model.safetensors`` or a sharded index)."""
+
+    def __init__(self, path: str):
+        files = _tensor_files(path)
+        self._where: dict[str, tuple[str, dict, int]] = {}
+        for file in files:
+            header, start = read_header(file)
+            size = os.path.getsize(file)
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                _check_entry(file, name, info, size - start)
+                self._where[name] = (file, info, start)
+        self._maps: dict[str, np.memmap] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise KeyError(name)
+        file, info, start = self._where[name]
+        if file not in self._maps:
+            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+        lo, hi = info["data_offsets"]
+        buf = self._maps[file][start + lo : start + hi]
+        return buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name][1]["shape"])
+
+    def dtype_name(self, name: str) -> str:
+        return self._where[name][1]["dtype"]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def _tensor_files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        return sorted({os.path.join(path, v) for v in weight_map.values()})
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not found:
+        raise CheckpointError(
+            f"{path}: no model.safetensors, model.safetensors.index.json or *.safetensors found"
+        )
+    return found
+
+
+def _check_entry(file: str, name: str, info: dict, data_size: int) -> None:
+    dtype = info.get("dtype")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype!r}")
+    lo, hi = info.get("data_offsets", (0, -1))
+    n = int(np.prod(info.get("shape", []), dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    if not (0 <= lo <= hi <= data_size) or hi - lo != n:
+        raise CheckpointError(
+            f"{file}: tensor {name!r} offsets {lo}..{hi} do not match shape {info.get('shape')} "
+            f"and dtype {dtype} (file truncated or corrupt?)"
+        )
+
+
+def save_sharded(tensors: Mapping[str, np.ndarray], path: str, max_shard_bytes: int = 2 << 30) -> None:
+    """Write ``tensors`` as HF safetensors shards (+ index when more than one) into ``path``."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    used = 0
+    for name, arr in tensors.items():
+        if used and used + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][name] = arr
+        used += arr.nbytes
+    if len(shards) == 1:
+        _save_file(shards[0], os.path.join(path, "model.safetensors"))
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _save_file(shard, os.path.join(path, fname))
+        weight_map.update({k: fname for k in shard})
+    total = sum(a.nbytes for a in tensors.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def _save_file(shard: dict[str, np.ndarray], file: str) -> None:
+    """numpy writer for numpy dtypes; the flax writer for bf16/fp8 (numpy cannot name them)."""
+    plain = all(a.dtype.kind in "fiub" and a.dtype.itemsize in (1, 2, 4, 8) and
+                a.dtype.name in np.sctypeDict for a in shard.values())
+    if plain:
+        from safetensors.numpy import save_file
+
+        save_file({k: np.ascontiguousarray(v) for k, v in shard.items()}, file, {"format": "pt"})
+    else:
+        import jax.numpy as jnp
+        from safetensors.flax import save_file as save_jax
+
+        save_jax({k: jnp.asarray(v) for k, v in shard.items()}, file, {"format": "pt"})
