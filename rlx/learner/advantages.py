@@ -1,0 +1,178 @@
+"""Advantage estimators, on the host in numpy.
+
+Outcome-reward estimators take one scalar reward per completion and the uid of the prompt it
+answers; groups are formed by uid, never by position, so completions may arrive in any order and
+groups may have different sizes. Each returns one float32 advantage per completion (computed in
+float64; the learner broadcasts it over the completion's tokens).
+
+* `grpo` - GRPO (Shao et al. 2024, DeepSeekMath, "outcome supervision"): A_i = (r_i - mean_g) /
+  (std_g + eps). Departure: the std uses `std_ddof=1` (unbiased) by default, the convention of the
+  common open-source trainers; the paper does not say. `normalize_std=False` gives mean-only.
+* `dr_grpo` - Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = r_i - mean_g,
+  no std division. (Its other half, the constant length normaliser, lives in the loss.)
+* `rloo` - RLOO (Ahmadian et al. 2024, "Back to Basics"): A_i = r_i - mean_{j != i, j in g} r_j,
+  which equals n/(n-1) * (r_i - mean_g).
+* `reinforce_pp` - REINFORCE++ (Hu 2025). `baseline="group"` is the paper's "REINFORCE++-baseline"
+  variant for several samples per prompt: subtract the group mean, then whiten over the whole batch
+  (A - mean_batch) / (std_batch + eps). `baseline="batch"` is plain REINFORCE++ on outcome rewards:
+  whiten the raw rewards over the batch. Departure: the per-token KL penalty that the paper folds
+  into the return is not added here; use `LossConfig(kl_as="reward-penalty")` upstream of this.
+  Whitening uses the population std (ddof=0).
+
+A group of one completion carries no relative signal: its advantage is 0 for grpo, dr_grpo and
+rloo (RLOO's leave-one-out mean is undefined there; the paper assumes k >= 2).
+
+`gae` is Generalized Advantage Estimation (Schulman et al. 2016) for PPO with a critic, per token.
+Masked positions (padding, or tool/environment tokens inside a multi-turn completion) are skipped:
+they get advantage 0 and the recursion carries over them as if they were absent.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+from jaxtyping import Float, Shaped
+
+Rewards = Float[np.ndarray, " n"]
+Uids = Shaped[np.ndarray, " n"] | Sequence
+
+
+def _validate(rewards: np.ndarray, uids) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 rewards [n] and an int group id per completion [n] (first-seen order)."""
+    rewards = np.asarray(rewards)
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be 1-D [n], got shape {rewards.shape}")
+    if not np.issubdtype(rewards.dtype, np.number) and rewards.dtype != np.bool_:
+        raise ValueError(f"rewards must be numeric, got dtype {rewards.dtype}")
+    rewards = rewards.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(rewards))
+    if bad.size:
+        raise ValueError(
+            f"rewards must be finite; reward[{bad[0]}] = {rewards[bad[0]]} "
+            f"({bad.size} non-finite in total)"
+        )
+    uid_list = list(uids)
+    if len(uid_list) != rewards.shape[0]:
+        raise ValueError(
+            f"uids and rewards must have the same length; got {len(uid_list)} uids "
+            f"for {rewards.shape[0]} rewards"
+        )
+    first_seen: dict = {}
+    group = np.array([first_seen.setdefault(u, len(first_seen)) for u in uid_list], np.int64)
+    return rewards, group
+
+
+def _group_stats(
+    rewards: np.ndarray, group: np.ndarray, ddof: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-completion group size, group mean and group std (with `ddof`), each [n]."""
+    n_groups = int(group.max()) + 1 if group.size else 0
+    count = np.bincount(group, minlength=n_groups).astype(np.float64)  # [G]
+    mean = np.bincount(group, weights=rewards, minlength=n_groups) / np.maximum(count, 1)  # [G]
+    sq_dev = (rewards - mean[group]) ** 2  # [n]
+    dof = np.maximum(count - ddof, 1)  # [G]
+    std = np.sqrt(np.bincount(group, weights=sq_dev, minlength=n_groups) / dof)  # [G]
+    return count[group], mean[group], std[group]
+
+
+def grpo(
+    rewards: Rewards, uids: Uids, normalize_std: bool = True, eps: float = 1e-6, std_ddof: int = 1
+) -> Rewards:
+    """GRPO: (r - group mean) / (group std + eps), or r - group mean when `normalize_std=False`."""
+    rewards, group = _validate(rewards, uids)
+    count, mean, std = _group_stats(rewards, group, std_ddof)
+    adv = np.where(count > 1, rewards - mean, 0.0)  # [n]
+    if normalize_std:
+        denom = np.where(count > 1, std + eps, 1.0)  # [n]
+        adv = adv / np.where(denom > 0, denom, 1.0)  # a constant group with eps=0 stays 0
+    return adv.astype(np.float32)
+
+
+def dr_grpo(rewards: Rewards, uids: Uids) -> Rewards:
+    """Dr. GRPO: r - group mean (no std normalisation)."""
+    return grpo(rewards, uids, normalize_std=False)
+
+
+def rloo(rewards: Rewards, uids: Uids) -> Rewards:
+    """RLOO: r_i minus the mean reward of the other completions of the same prompt."""
+    rewards, group = _validate(rewards, uids)
+    count, mean, _ = _group_stats(rewards, group, ddof=0)
+    others = np.maximum(count - 1, 1)
+    loo_mean = (mean * count - rewards) / others  # [n]
+    return np.where(count > 1, rewards - loo_mean, 0.0).astype(np.float32)
+
+
+def reinforce_pp(
+    rewards: Rewards, uids: Uids, baseline: str = "group", eps: float = 1e-6
+) -> Rewards:
+    """REINFORCE++: subtract the group mean ("group") or nothing ("batch"), then batch-whiten."""
+    rewards, group = _validate(rewards, uids)
+    if baseline == "group":
+        _, mean, _ = _group_stats(rewards, group, ddof=0)
+        centred = rewards - mean
+    elif baseline == "batch":
+        centred = rewards
+    else:
+        raise ValueError(f"baseline must be 'group' or 'batch', got {baseline!r}")
+    if centred.size == 0:
+        return centred.astype(np.float32)
+    return ((centred - centred.mean()) / (centred.std() + eps)).astype(np.float32)
+
+
+ESTIMATORS: dict[str, Callable[..., np.ndarray]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce_pp": reinforce_pp,
+}
+
+
+def compute_advantages(name: str, rewards: Rewards, uids: Uids, **kw) -> Rewards:
+    """Run the outcome-reward estimator `name` (see ESTIMATORS); kw go to the estimator.
+
+    GAE needs per-token rewards and critic values and is called directly as `gae(...)`.
+    """
+    if name not in ESTIMATORS:
+        hint = " (GAE takes values and a mask: call gae() directly)" if name == "gae" else ""
+        raise ValueError(
+            f"unknown advantage estimator {name!r}{hint}; known: {', '.join(sorted(ESTIMATORS))}"
+        )
+    return ESTIMATORS[name](rewards, uids, **kw)
+
+
+def gae(
+    rewards: Float[np.ndarray, "b t"],
+    values: Float[np.ndarray, "b t1"],
+    mask: Float[np.ndarray, "b t"],
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[Float[np.ndarray, "b t"], Float[np.ndarray, "b t"]]:
+    """GAE advantages and returns (= advantages + values), both zero where `mask` is 0.
+
+    values: [B, T + 1] where the last column bootstraps a truncated completion, or [B, T] meaning
+    every completion terminated (bootstrap 0). Masked tokens are skipped by the recursion:
+    delta_t = r_t + gamma * V(next unmasked) - V_t, A_t = delta_t + gamma * lam * A(next unmasked).
+    """
+    rewards = np.asarray(rewards, np.float64)
+    values = np.asarray(values, np.float64)
+    mask = np.asarray(mask).astype(bool)
+    if rewards.ndim != 2 or mask.shape != rewards.shape:
+        raise ValueError(f"rewards and mask must both be [B, T]; got {rewards.shape}, {mask.shape}")
+    b, t = rewards.shape
+    if values.shape not in ((b, t), (b, t + 1)):
+        raise ValueError(f"values must be [B, T] or [B, T + 1] = {(b, t + 1)}; got {values.shape}")
+    if not np.all(np.isfinite(rewards[mask])):
+        raise ValueError("rewards must be finite on unmasked tokens")
+    next_value = values[:, t] if values.shape[1] == t + 1 else np.zeros(b)  # [B]
+    next_adv = np.zeros(b)  # [B]
+    advantages = np.zeros((b, t))  # [B, T]
+    for i in reversed(range(t)):
+        m = mask[:, i]  # [B]
+        delta = rewards[:, i] + gamma * next_value - values[:, i]  # [B]
+        adv = delta + gamma * lam * next_adv  # [B]
+        advantages[:, i] = np.where(m, adv, 0.0)
+        next_value = np.where(m, values[:, i], next_value)
+        next_adv = np.where(m, adv, next_adv)
+    returns = np.where(mask, advantages + values[:, :t], 0.0)  # [B, T]
+    return advantages.astype(np.float32), returns.astype(np.float32)
