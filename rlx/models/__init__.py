@@ -3,10 +3,11 @@
 from rlx.models.config import ModelConfig, ModelConfigError, MoEConfig, RopeConfig, from_hf_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.hf import from_hf, hf_state_dict, load_model, param_bytes_per_device, to_hf
+from rlx.models.loading import LoadedModel, from_gguf, load_from_section
 from rlx.models.safetensors_io import CheckpointError
 
 __all__ = [
     "ModelConfig", "ModelConfigError", "MoEConfig", "RopeConfig", "from_hf_config", "to_hf_config",
     "Precision", "Transformer", "from_hf", "to_hf", "load_model", "hf_state_dict",
-    "param_bytes_per_device", "CheckpointError",
+    "param_bytes_per_device", "CheckpointError", "from_gguf", "LoadedModel", "load_from_section",
 ]

@@ -112,14 +112,19 @@ class GGUFTensors(Mapping[str, np.ndarray]):
     def __len__(self) -> int:
         return len(self._names)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The HF shape of `name`, without reading its data."""
+        return tuple(int(d) for d in reversed(self._stored[self._names[name]].shape.tolist()))
+
     def gguf_name(self, name: str) -> str:
         """The GGUF name the HF tensor `name` is stored under."""
         return self._names[name]
 
     def raw(self, name: str) -> RawTensor:
-        """The stored blocks of `name`, rows un-permuted to HF order."""
+        """The stored blocks of `name`, rows un-permuted to HF order (a read-only view of the file
+        unless un-permuting made a copy)."""
         tensor = self._stored[self._names[name]]
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shape = self.shape(name)
         data = np.asarray(tensor.data)
         blocks = data.view(np.uint8).reshape(*shape[:-1], -1)
         if name in self._heads:

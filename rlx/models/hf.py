@@ -110,7 +110,7 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], shapes: d
                 raise CheckpointError(
                     f"checkpoint is missing tensor {name!r} (needed for rlx parameter {path!r}); "
                     "is the config.json from the same model as the weights?")
-            got = tuple(tensors[name].shape)
+            got = tuple(tensors.shape(name) if hasattr(tensors, "shape") else tensors[name].shape)
             if got != want:
                 raise CheckpointError(
                     f"tensor {name!r} has shape {got}, but config.json implies {want}; "

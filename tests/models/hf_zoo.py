@@ -12,7 +12,7 @@ import torch
 import transformers
 
 _COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+               num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
                max_position_embeddings=256)
 
 

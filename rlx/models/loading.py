@@ -1,0 +1,65 @@
+"""Entry points that turn a checkpoint on disk (HF folder or GGUF file) into a sharded model."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from rlx.mesh import TRAIN_RULES, LogicalRules
+from rlx.models.config import from_hf_config
+from rlx.models.decoder import Precision, Transformer
+from rlx.models.hf import load_model, read_hf_config
+from rlx.models.safetensors_io import SafetensorsFolder
+from rlx.tokenizer import Tokenizer
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model with its tokenizer (None when the checkpoint carries none) and where it came from."""
+
+    model: Transformer
+    tokenizer: Tokenizer | None
+    source: str
+    format: str
+
+
+def from_gguf(
+    path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
+    rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged",
+) -> Transformer:
+    """Load a llama.cpp GGUF file (dequantized to ``param_dtype``) into a sharded model."""
+    return load_gguf(path, dtype, mesh, param_dtype=param_dtype, rules=rules, moe_impl=moe_impl).model
+
+
+def load_gguf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN_RULES,
+              moe_impl="ragged") -> LoadedModel:
+    from rlx.models.gguf import read_gguf
+
+    ckpt = read_gguf(path)
+    cfg = from_hf_config(ckpt.hf_config)
+    precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
+    model = load_model(cfg, ckpt.tensors, precision=precision, mesh=mesh, rules=rules)
+    return LoadedModel(model, ckpt.tokenizer, path, "gguf")
+
+
+def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN_RULES,
+            moe_impl="ragged") -> LoadedModel:
+    cfg = read_hf_config(path)
+    precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
+    model = load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
+    has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
+    return LoadedModel(model, Tokenizer.from_dir(path) if has_tok else None, path, "hf")
+
+
+def load_from_section(section, mesh: Mesh | None, rules: LogicalRules = TRAIN_RULES) -> LoadedModel:
+    """Load what a validated ``config.model`` section names."""
+    from rlx.config import resolve_path
+
+    loader = load_gguf if section.resolved_format == "gguf" else load_hf
+    return loader(resolve_path(section.path), _DTYPES[section.dtype], mesh,
+                  param_dtype=_DTYPES[section.param_dtype], rules=rules, moe_impl=section.moe_impl)
