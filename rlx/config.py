@@ -1,0 +1,178 @@
+"""Run configuration: an ``ml_collections.ConfigDict`` turned into frozen, validated dataclasses.
+
+Configs are Python files with ``get_config()`` (see ``configs/``); command-line overrides use
+``--config.a.b=v``. ``parse_config`` walks the dataclass schema below, refuses unknown keys and
+wrong types with the dotted field name, then each section validates its values once. Every error is
+a ``ConfigError`` whose message is a single line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import os
+import types
+import typing
+from typing import Any
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """An invalid config; ``str(e)`` is one line naming the field and how to fix it."""
+
+
+def _choice(field: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"config.{field}={value!r} is not one of {list(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which checkpoint to load and in which precision."""
+
+    path: str = ""  # HF folder, .gguf file, or package://pkg/file.gguf (a file shipped in a package)
+    format: str = "auto"  # "auto" (by extension) | "hf" | "gguf"
+    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
+    param_dtype: str = "float32"  # storage dtype of full-precision parameters
+    moe_impl: str = "ragged"  # "ragged" (sorted grouped matmul) | "dense" (all experts, einsum)
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("config.model.path is empty; set it to a HF folder or a .gguf file")
+        local = resolve_path(self.path)
+        if not os.path.exists(local):
+            raise ConfigError(f"config.model.path={self.path!r} does not exist; point it at a HF "
+                              "model folder (config.json + *.safetensors) or a .gguf file")
+        _choice("model.format", self.format, ("auto", "hf", "gguf"))
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+        _choice("model.param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        _choice("model.moe_impl", self.moe_impl, ("ragged", "dense"))
+
+    @property
+    def resolved_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        return "gguf" if self.path.endswith(".gguf") else "hf"
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """Device mesh sizes; their product must equal the number of devices."""
+
+    data: int = 1  # data-parallel replicas
+    fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
+    tensor: int = 1  # tensor parallelism over heads / mlp / vocab
+    expert: int = 1  # expert parallelism for MoE layers
+
+    def validate(self) -> None:
+        for name in ("data", "fsdp", "tensor", "expert"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"config.mesh.{name}={getattr(self, name)} must be >= 1")
+
+    def check_devices(self, n_devices: int) -> None:
+        product = self.data * self.fsdp * self.tensor * self.expert
+        if product != n_devices:
+            raise ConfigError(
+                f"config.mesh data*fsdp*tensor*expert = {self.data}*{self.fsdp}*{self.tensor}*"
+                f"{self.expert} = {product}, but {n_devices} devices are visible; choose sizes "
+                f"whose product is {n_devices}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSection:
+    """Multi-host initialisation (``jax.distributed``); off for a single process."""
+
+    enabled: bool = False  # call jax.distributed.initialize before anything else
+    coordinator_address: str = ""  # "host:port"; empty: auto-detect (TPU, SLURM)
+    num_processes: int = 0  # 0: auto-detect
+    process_id: int = 0  # ignored when auto-detecting
+
+    def validate(self) -> None:
+        if self.num_processes < 0:
+            raise ConfigError("config.distributed.num_processes must be >= 0 (0 = auto-detect)")
+        if self.enabled and self.num_processes and not (0 <= self.process_id < self.num_processes):
+            raise ConfigError(f"config.distributed.process_id={self.process_id} must be in "
+                              f"[0, {self.num_processes})")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The whole run. Sections mirror the keys of ``get_config()``."""
+
+    model: ModelSection = ModelSection()
+    mesh: MeshSection = MeshSection()
+    distributed: DistributedSection = DistributedSection()
+    seed: int = 0  # seeds parameter init, data order and sampling
+    output_dir: str = "runs/default"  # tensorboard logs, metrics, checkpoints, exports
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                section.validate()
+
+
+def resolve_path(path: str) -> str:
+    """Turn ``package://pkg/rel/path`` into a filesystem path; other paths are returned as is."""
+    if not path.startswith("package://"):
+        return os.path.expanduser(path)
+    pkg, _, rel = path[len("package://"):].partition("/")
+    try:
+        return str(importlib.resources.files(pkg).joinpath(rel))
+    except ModuleNotFoundError:
+        raise ConfigError(f"config path {path!r}: Python package {pkg!r} is not installed; "
+                          f"pip install it (e.g. `pip install -e .[demo]`)") from None
+
+
+def parse_config(cd: ml_collections.ConfigDict | dict, cls: type = RunConfig) -> Any:
+    """Convert and validate; raises ``ConfigError`` naming the offending field."""
+    cfg = _convert(cls, cd, "")
+    cfg.validate()
+    return cfg
+
+
+def _convert(cls: type, data: Any, prefix: str) -> Any:
+    if isinstance(data, ml_collections.ConfigDict):
+        data = data.to_dict()
+    if not isinstance(data, dict):
+        raise ConfigError(f"config{prefix} must be a section (dict), got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown key config{prefix}.{unknown[0]}; known keys of config{prefix or ''}: "
+                          f"{sorted(fields)}")
+    kwargs = {name: _value(hints[name], data[name], f"{prefix}.{name}") for name in data}
+    return cls(**kwargs)
+
+
+def _value(tp: Any, value: Any, field: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _convert(tp, value, field)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return None if value is None else _value(args[0], value, field)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config{field}={value!r} must be a list")
+        (inner, *_) = typing.get_args(tp) or (Any,)
+        return tuple(_value(inner, v, field) for v in value)
+    return _scalar(tp, value, field)
+
+
+def _scalar(tp: Any, value: Any, field: str) -> Any:
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"config{field}={value!r} has type {type(value).__name__}, "
+                          f"expected {tp.__name__}")
+    return value
+
+
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict of a config (for logging and checkpoint metadata)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,45 @@
+"""Build the mesh and the model from a validated config and describe them (param count, bytes)."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from rlx.config import DistributedSection, RunConfig
+from rlx.mesh import MeshShape, make_mesh
+from rlx.models import load_from_section, param_bytes_per_device
+
+
+def init_distributed(section: DistributedSection) -> None:
+    """``jax.distributed.initialize`` from the config, or auto-detected (TPU, SLURM) when empty."""
+    if not section.enabled:
+        return
+    kwargs = {}
+    if section.coordinator_address:
+        kwargs["coordinator_address"] = section.coordinator_address
+    if section.num_processes:
+        kwargs.update(num_processes=section.num_processes, process_id=section.process_id)
+    jax.distributed.initialize(**kwargs)
+
+
+def build_and_summarize(cfg: RunConfig) -> str:
+    init_distributed(cfg.distributed)
+    cfg.mesh.check_devices(jax.device_count())
+    m = cfg.mesh
+    mesh = make_mesh(MeshShape(m.data, m.fsdp, m.tensor, m.expert))
+    loaded = load_from_section(cfg.model, mesh)
+    model = loaded.model
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    per_device = param_bytes_per_device(model)
+    c = model.config
+    lines = [
+        f"model      {c.architecture} from {loaded.format} {loaded.source}",
+        f"params     {n_params:,} ({n_params * 1e-6:.1f}M); layers {c.num_layers}, hidden "
+        f"{c.hidden_size}, heads {c.num_heads}/{c.num_kv_heads}, vocab {c.vocab_size}"
+        + (f", experts {c.moe.num_experts} top-{c.moe.top_k}" if c.moe else ""),
+        f"mesh       {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} devices",
+        f"bytes/dev  max {max(per_device.values()) / 2**20:.2f} MiB, "
+        f"min {min(per_device.values()) / 2**20:.2f} MiB, total {sum(per_device.values()) / 2**20:.2f} MiB",
+        f"tokenizer  {'yes, vocab ' + str(loaded.tokenizer.vocab_size) if loaded.tokenizer else 'none'}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Broken HF checkpoints give errors that name the tensor / field and the fix."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from rlx.models import CheckpointError, ModelConfigError, from_hf
+from tests.models.hf_zoo import make_hf_model
+
+
+@pytest.fixture()
+def folder(tmp_path_factory, tmp_path):
+    src = make_hf_model("qwen2", str(tmp_path_factory.mktemp("zoo")))
+    dst = str(tmp_path / "model")
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(folder, fn):
+    file = os.path.join(folder, "model.safetensors")
+    tensors = load_file(file)
+    fn(tensors)
+    save_file(tensors, file)
+
+
+def test_missing_tensor_is_named(folder):
+    _edit_tensors(folder, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.bias'"):
+        from_hf(folder)
+
+
+def test_shape_mismatch_is_named(folder):
+    def shrink(t):
+        t["model.layers.0.mlp.up_proj.weight"] = np.zeros((40, 32), np.float32)
+    _edit_tensors(folder, shrink)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(40, 32\).*\(48, 32\)"):
+        from_hf(folder)
+
+
+def test_unsupported_architecture_is_named(folder):
+    cfg_file = os.path.join(folder, "config.json")
+    cfg = json.load(open(cfg_file))
+    cfg["architectures"] = ["GPTNeoXForCausalLM"]
+    json.dump(cfg, open(cfg_file, "w"))
+    with pytest.raises(ModelConfigError, match="GPTNeoXForCausalLM.*supports.*LlamaForCausalLM"):
+        from_hf(folder)
+
+
+def test_missing_config_field_is_named(folder):
+    cfg_file = os.path.join(folder, "config.json")
+    cfg = json.load(open(cfg_file))
+    del cfg["hidden_size"]
+    json.dump(cfg, open(cfg_file, "w"))
+    with pytest.raises(ModelConfigError, match="missing required field 'hidden_size'"):
+        from_hf(folder)
+
+
+def test_truncated_safetensors_is_refused(folder):
+    file = os.path.join(folder, "model.safetensors")
+    size = os.path.getsize(file)
+    with open(file, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        from_hf(folder)
+
+
+def test_no_weights_in_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises((CheckpointError, ModelConfigError)):
+        from_hf(str(tmp_path))

@@ -1,0 +1,52 @@
+"""``python -m rlx.launch`` end to end in a subprocess: summary on success, one-line errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.models.hf_zoo import make_hf_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_hf_model("qwen3_moe", str(tmp_path_factory.mktemp("zoo")))
+
+
+def _launch(*overrides: str, devices: int = 8) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "rlx.launch", f"--config={CONFIG}", *overrides],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def test_launch_loads_shards_and_summarises(model_dir):
+    r = _launch(f"--config.model.path={model_dir}", "--config.mesh.data=2",
+                "--config.mesh.tensor=2", "--config.mesh.expert=2")
+    assert r.returncode == 0, r.stderr
+    assert "Qwen3MoeForCausalLM" in r.stdout
+    assert "experts 8 top-2" in r.stdout
+    assert "'data': 2, 'fsdp': 1, 'tensor': 2, 'expert': 2" in r.stdout
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("--config.mesh.fsdp=3", "config.mesh data*fsdp*tensor*expert = 8*3*1*1 = 24, but 8 devices"),
+    ("--config.model.dtype=float64", "config.model.dtype='float64' is not one of"),
+    ("--config.model.path=/no/such/model", "config.model.path='/no/such/model' does not exist"),
+])
+def test_bad_config_exits_nonzero_with_one_line(model_dir, override, needle):
+    args = [f"--config.model.path={model_dir}", "--config.mesh.data=8", override]
+    r = _launch(*args)
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.strip().splitlines() if l.startswith("rlx:")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_unknown_override_key_is_refused(model_dir):
+    r = _launch(f"--config.model.path={model_dir}", "--config.model.nope=1")
+    assert r.returncode != 0
+    assert "nope" in r.stderr
