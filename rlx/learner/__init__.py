@@ -1,4 +1,5 @@
-"""The learner's math: advantages (host numpy), losses and chunked log-probs (jnp).
+"""The learner: advantages (host numpy), losses and chunked log-probs (jnp), host batching
+(`batching`), state and optimizer (`state`), and the compiled train / log-prob steps (`step`).
 
 Import the submodules directly (`from rlx.learner import losses`); nothing is imported here.
 """

@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 PerToken = Float[Array, "b t"]
 Scalar = Float[Array, ""]
@@ -160,8 +160,35 @@ def _masked_extreme(x: PerToken, mask: PerToken, largest: bool) -> Scalar:
     return jnp.where(jnp.any(mask > 0), value, 0.0)
 
 
+def _per_sequence(
+    x: PerToken, mask: PerToken, segment_ids: Int[Array, "b t"] | None
+) -> tuple[Array, Array]:
+    """Masked sums of x and token counts per completion: [B] (one per row) without segment ids,
+    else [B, T + 1] indexed by the packed segment id (0 = padding, never counted)."""
+    masked = jnp.where(mask > 0, x.astype(jnp.float32), 0.0)  # [B, T]
+    if segment_ids is None:
+        return jnp.sum(masked, axis=-1), jnp.sum(mask, axis=-1)
+    b, t = segment_ids.shape
+    flat = (jnp.arange(b, dtype=jnp.int32)[:, None] * (t + 1) + segment_ids).reshape(-1)  # [B*T]
+    seg_sum = lambda v: jax.ops.segment_sum(v.reshape(-1), flat, b * (t + 1))  # noqa: E731
+    real = (segment_ids > 0).astype(jnp.float32)  # [B, T]
+    return (seg_sum(masked * real).reshape(b, t + 1),  # [B, T + 1]
+            seg_sum(mask * real).reshape(b, t + 1))
+
+
+def sequence_count(mask: PerToken, segment_ids: Int[Array, "b t"] | None = None) -> Scalar:
+    """Number of completions with at least one unmasked token (rows, or packed segments)."""
+    mask = mask.astype(jnp.float32)
+    _, seq_len = _per_sequence(mask, mask, segment_ids)
+    return jnp.sum(seq_len > 0).astype(jnp.float32)
+
+
 def aggregate(
-    per_token: PerToken, mask: PerToken, mode: str, norm_length: int | None = None
+    per_token: PerToken,
+    mask: PerToken,
+    mode: str,
+    norm_length: int | None = None,
+    segment_ids: Int[Array, "b t"] | None = None,
 ) -> Scalar:
     """Reduce a per-token loss to a scalar. Completions with no unmasked token are not counted.
 
@@ -169,11 +196,12 @@ def aggregate(
     seq-mean-token-sum:      mean_b sum_t x m
     seq-mean-token-mean:     mean_b (sum_t x m / sum_t m)                (GRPO)
     seq-mean-token-sum-norm: sum_bt x m / (n_seq * norm_length or T)     (Dr. GRPO)
+
+    A completion is a row, or with `segment_ids` (packed rows) one non-zero segment of a row.
     """
     _check_choice("aggregation", mode, AGGREGATIONS)
     mask = mask.astype(jnp.float32)
-    seq_sum = jnp.sum(jnp.where(mask > 0, per_token.astype(jnp.float32), 0.0), axis=-1)  # [B]
-    seq_len = jnp.sum(mask, axis=-1)  # [B]
+    seq_sum, seq_len = _per_sequence(per_token, mask, segment_ids)  # [B] or [B, T + 1]
     n_seq = jnp.maximum(jnp.sum(seq_len > 0), 1).astype(jnp.float32)  # []
     if mode == "token-mean":
         return jnp.sum(seq_sum) / jnp.maximum(jnp.sum(seq_len), 1.0)
@@ -196,24 +224,32 @@ def kl_penalty(logp: PerToken, ref_logp: PerToken, estimator: str = "k3") -> Per
     return jnp.exp(-log_ratio) + log_ratio - 1.0  # k3: r - log r - 1, r = pi_ref / pi
 
 
-def _seq_mean(x: PerToken, mask: PerToken) -> Float[Array, "b 1"]:
-    """Per-completion mean of x over its unmasked tokens, kept as a [B, 1] column."""
-    return jnp.sum(jnp.where(mask > 0, x, 0.0), axis=-1, keepdims=True) / jnp.maximum(
-        jnp.sum(mask, axis=-1, keepdims=True), 1.0
-    )
+def _seq_mean(x: PerToken, mask: PerToken, segment_ids=None) -> Float[Array, "b _"]:
+    """Per-completion mean of x over its unmasked tokens: a [B, 1] column, or with segment ids
+    each token's own segment mean, [B, T]."""
+    if segment_ids is None:
+        return jnp.sum(jnp.where(mask > 0, x, 0.0), axis=-1, keepdims=True) / jnp.maximum(
+            jnp.sum(mask, axis=-1, keepdims=True), 1.0
+        )
+    seq_sum, seq_len = _per_sequence(x, mask, segment_ids)  # [B, T + 1]
+    means = seq_sum / jnp.maximum(seq_len, 1.0)  # [B, T + 1]
+    return jnp.take_along_axis(means, segment_ids, axis=1)  # [B, T]
 
 
-def _log_ratio(logp: PerToken, old_logp: PerToken, mask: PerToken, cfg: LossConfig) -> PerToken:
+def _log_ratio(
+    logp: PerToken, old_logp: PerToken, mask: PerToken, cfg: LossConfig, segment_ids=None
+) -> PerToken:
     """log r per token: token-level for ppo/dapo/dr_grpo, GSPO-token form for gspo."""
     log_ratio = logp - old_logp  # [B, T]
     if cfg.policy_loss != "gspo":
         return log_ratio
-    seq_log_ratio = _seq_mean(log_ratio, mask)  # [B, 1]  log s_i
+    seq_log_ratio = _seq_mean(log_ratio, mask, segment_ids)  # [B, 1] or [B, T]  log s_i
     return jax.lax.stop_gradient(seq_log_ratio) + logp - jax.lax.stop_gradient(logp)
 
 
 def _tis_weights(
-    old_logp: PerToken, sampler_logp: PerToken | None, mask: PerToken, cfg: LossConfig
+    old_logp: PerToken, sampler_logp: PerToken | None, mask: PerToken, cfg: LossConfig,
+    segment_ids=None,
 ) -> tuple[PerToken, Scalar]:
     """Stop-gradient importance weights and the fraction of tokens truncated or dropped."""
     if sampler_logp is None or cfg.tis_mode == "off":
@@ -224,8 +260,8 @@ def _tis_weights(
         weights = jnp.minimum(raw, cfg.tis_cap)
         altered = raw > cfg.tis_cap
     else:
-        seq_ratio = jnp.exp(_seq_mean(log_w, mask))  # [B, 1]
-        keep = (seq_ratio >= cfg.tis_seq_low) & (seq_ratio <= cfg.tis_seq_high)  # [B, 1]
+        seq_ratio = jnp.exp(_seq_mean(log_w, mask, segment_ids))  # [B, 1] or [B, T]
+        keep = (seq_ratio >= cfg.tis_seq_low) & (seq_ratio <= cfg.tis_seq_high)
         weights = jnp.broadcast_to(keep, log_w.shape).astype(jnp.float32)
         altered = weights == 0
     weights = jax.lax.stop_gradient(weights)
@@ -281,8 +317,13 @@ def policy_loss(
     ref_logp: PerToken | None = None,
     sampler_logp: PerToken | None = None,
     entropy: PerToken | None = None,
+    segment_ids: Int[Array, "b t"] | None = None,
 ) -> tuple[Scalar, LossMetrics]:
-    """Scalar policy loss (surrogate + KL + entropy, see module doc) and its metrics."""
+    """Scalar policy loss (surrogate + KL + entropy, see module doc) and its metrics.
+
+    `segment_ids` (packed rows: 1, 2, ... per completion, 0 = padding) make every per-completion
+    quantity (aggregation, GSPO ratio, sequence-mask TIS) per segment instead of per row.
+    """
     mask = _f32(loss_mask)
     logp, old_logp, advantages = (_on_mask(x, mask) for x in (logp, old_logp, advantages))
     ref_logp, sampler_logp, entropy = (_on_mask(x, mask) for x in (ref_logp, sampler_logp, entropy))
@@ -290,11 +331,12 @@ def policy_loss(
         raise ValueError("LossConfig.kl_coef > 0 with kl_as='loss' needs ref_logp")
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError("LossConfig.entropy_coef > 0 needs the per-token entropy")
-    agg = lambda x: aggregate(x, mask, cfg.resolved_aggregation, cfg.norm_length)  # noqa: E731
+    agg = lambda x: aggregate(  # noqa: E731
+        x, mask, cfg.resolved_aggregation, cfg.norm_length, segment_ids)
 
-    ratio = jnp.exp(_log_ratio(logp, old_logp, mask, cfg))  # [B, T]
+    ratio = jnp.exp(_log_ratio(logp, old_logp, mask, cfg, segment_ids))  # [B, T]
     surrogate, clip_low, clip_high = _clipped_surrogate(ratio, advantages, cfg)
-    tis_w, tis_altered = _tis_weights(old_logp, sampler_logp, mask, cfg)
+    tis_w, tis_altered = _tis_weights(old_logp, sampler_logp, mask, cfg, segment_ids)
     pg_loss = agg(surrogate * tis_w)
     loss = pg_loss
 

@@ -8,6 +8,10 @@ positions counted over real tokens only, so left padding is exact. Packed batche
 
 The same module serves the learner and the built-in sampler; ``hidden_states`` and ``logits`` are
 exposed separately so the learner can compute log-probs chunk by chunk without [B, T, V] logits.
+
+``adapter`` (default True) on every call enables the LoRA adapters attached by ``rlx.quant.apply_lora``;
+``adapter=False`` gives the frozen base, i.e. the reference policy, from the same weights and the same
+jitted function (pass it as a static argument). Without adapters the flag changes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rlx.models.config import ModelConfig
-from rlx.models.layers import Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq
+from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq,
+                               weight_value)
 from rlx.models.moe import DenseMLP, SparseMoE
 
 
@@ -46,11 +51,11 @@ class Attention(nnx.Module):
         self.rope = cfg.rope
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
 
-    def __call__(self, x, positions, segment_ids):
+    def __call__(self, x, positions, segment_ids, adapter: bool = True):
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, adapter).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.rope, self.head_dim)
@@ -58,7 +63,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq)
         mask = attention_mask(segment_ids, segment_ids, positions, positions)
         out = gqa_attention(q, k, v, mask)  # [b, t, h, d]
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), adapter)
 
 
 class Block(nnx.Module):
@@ -73,9 +78,9 @@ class Block(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, positions, segment_ids):
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, positions, segment_ids, adapter: bool = True):
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, adapter)
+        return x + self.mlp(self.post_attention_layernorm(x), adapter)
 
 
 class Transformer(nnx.Module):
@@ -94,22 +99,30 @@ class Transformer(nnx.Module):
     def hidden_states(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
         segment_ids: Int[Array, "b t"] | None = None, attention_mask: Int[Array, "b t"] | None = None,
+        adapter: bool = True,
     ) -> Float[Array, "b t d"]:
         """Final-norm hidden states ``[B, T, D]``."""
         positions, segment_ids = resolve_positions(input_ids, positions, segment_ids, attention_mask)
-        x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.precision.dtype)
+        x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, positions, segment_ids)
+            x = layer(x, positions, segment_ids, adapter)
         return self.norm(x)
 
-    def logits(self, h: Float[Array, "... d"]) -> Float[Array, "... v"]:
+    def embed_tokens(self, input_ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
+        """Embedding rows in the compute dtype (a quantized embedding dequantizes only these rows)."""
+        dtype = self.precision.dtype
+        if isinstance(self.embed, nnx.Variable):
+            return jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
+        return self.embed.take(input_ids, dtype)
+
+    def logits(self, h: Float[Array, "... d"], adapter: bool = True) -> Float[Array, "... v"]:
         """Project hidden states to vocabulary logits (tied or separate head)."""
         if self.lm_head is not None:
-            return self.lm_head(h)
-        return jnp.einsum("...d,vd->...v", h, self.embed[...].astype(h.dtype))
+            return self.lm_head(h, adapter)
+        return jnp.einsum("...d,vd->...v", h, weight_value(self.embed, h.dtype))
 
-    def __call__(self, input_ids, positions=None, segment_ids=None, attention_mask=None):
-        return self.logits(self.hidden_states(input_ids, positions, segment_ids, attention_mask))
+    def __call__(self, input_ids, positions=None, segment_ids=None, attention_mask=None, adapter: bool = True):
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids, attention_mask, adapter), adapter)
 
 
 def resolve_positions(input_ids, positions, segment_ids, attention_mask):

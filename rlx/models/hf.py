@@ -104,6 +104,8 @@ def _expected_hf_shape(src: ParamSource, shape: tuple[int, ...]) -> tuple[int, .
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], shapes: dict[str, tuple]) -> None:
     """Every needed HF tensor exists with the right shape; errors name the tensor and the fix."""
     for path, src in param_map(cfg).items():
+        if path not in shapes:
+            continue
         want = _expected_hf_shape(src, shapes[path])
         for name in src.hf_names:
             if name not in tensors:
@@ -119,17 +121,23 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], shapes: d
 
 def load_model(
     cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *, precision: Precision = Precision(),
-    mesh: Mesh | None = None, rules: LogicalRules = TRAIN_RULES,
+    mesh: Mesh | None = None, rules: LogicalRules = TRAIN_RULES, skip: frozenset[str] = frozenset(),
 ) -> Transformer:
-    """Build a ``Transformer`` whose parameters are read slice-wise from ``tensors`` (HF names)."""
+    """Build a ``Transformer`` whose parameters are read slice-wise from ``tensors`` (HF names).
+
+    Parameters whose rlx path is in ``skip`` are left abstract (``jax.ShapeDtypeStruct``) for the
+    caller to replace, e.g. by a frozen quantized tensor (``rlx.quant``)."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     sources = param_map(cfg)
     flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
-    check_tensors(cfg, tensors, {p: tuple(v.shape) for p, v in flat.items() if p in sources})
+    check_tensors(cfg, tensors, {p: tuple(v.shape) for p, v in flat.items() if p in sources and p not in skip})
     loaded = []
     for key, var in nnx.to_flat_state(state):
         path = "/".join(map(str, key))
+        if path in skip:
+            loaded.append((key, var))
+            continue
         sharding = _sharding(mesh, var, rules)
         src = sources[path]
         dtype = var.dtype
@@ -166,10 +174,11 @@ def from_hf(
 
 
 def hf_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
-    """HF-named host arrays for every parameter of ``model`` (experts split per expert)."""
+    """HF-named host arrays for every float base parameter of ``model`` (experts split per expert;
+    LoRA adapters and quantized weights are left to ``rlx.export``)."""
     out: dict[str, np.ndarray] = {}
     sources = param_map(model.config)
-    for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    for key, var in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))):
         path = "/".join(map(str, key))
         src = sources[path]
         value = np.asarray(jax.device_get(var[...])).astype(dtype)

@@ -1,7 +1,11 @@
 """Building blocks of the decoder: linear, RMSNorm, rotary embedding, masked GQA attention.
 
 Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata (see ``rlx.mesh``); kernels
-are stored ``[in, out]``. Attention takes explicit per-token ``positions`` and ``segment_ids`` so that
+are stored ``[in, out]``. A ``Linear`` kernel may instead be a frozen quantized tensor (``rlx.quant``:
+any object with ``dequantize(dtype)``), dequantized inside the jitted matmul; a ``Linear`` may carry a
+LoRA adapter (``lora``, called on the unquantized input and skipped when ``adapter=False``) and an
+activation fake-quantizer (``act_quant``) that reproduces a W8A8 server's per-token dynamic
+activation quantization with a straight-through gradient. Attention takes explicit per-token ``positions`` and ``segment_ids`` so that
 left/right padded and packed batches are exact: token ``i`` attends to token ``j`` iff ``j <= i``
 and both carry the same non-zero segment id (0 marks padding).
 """
@@ -32,18 +36,57 @@ def param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str = "normal", scale
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
+def weight_value(w, dtype) -> Array:
+    """A weight in ``dtype``: a float ``nnx.Variable``, or a frozen quantized tensor dequantized here."""
+    if isinstance(w, nnx.Variable):
+        return w[...].astype(dtype)
+    return w.dequantize(dtype)
+
+
+def quantize_activations(x: Float[Array, "... d"], mode: str) -> Float[Array, "... d"]:
+    """Per-token dynamic activation quantization as a W8A8 server does it, straight-through gradient.
+
+    ``int8_token``: scale = absmax / 127, ``round(x / scale)``; ``fp8_token``: scale = absmax / 448,
+    e4m3 cast; ``fp8_group128``: the fp8 rule per 128 inputs of a token (block-fp8 servers). The value
+    is the dequantized activation; its gradient is the identity (``x - stop_gradient(x)`` is an exact 0).
+    """
+    if mode == "none":
+        return x
+    xf = x.astype(jnp.float32)
+    d = xf.shape[-1]
+    if mode == "fp8_group128":
+        pad = (-d) % 128
+        xf = jnp.pad(xf, [(0, 0)] * (xf.ndim - 1) + [(0, pad)]).reshape(*xf.shape[:-1], -1, 128)
+    bound = 127.0 if mode == "int8_token" else 448.0
+    scale = jnp.max(jnp.abs(xf), axis=-1, keepdims=True) / bound
+    scale = jnp.where(scale > 0, scale, 1.0)
+    if mode == "int8_token":
+        q = jnp.clip(jnp.round(xf / scale), -128, 127) * scale
+    else:
+        q = jnp.clip(xf / scale, -448.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    q = q.reshape(*q.shape[:-2], -1)[..., :d] if mode == "fp8_group128" else q
+    return jax.lax.stop_gradient(q.astype(x.dtype)) + (x - jax.lax.stop_gradient(x))
+
+
 class Linear(nnx.Module):
-    """``y = x @ kernel (+ bias)`` with ``kernel: [in, out]``."""
+    """``y = x @ kernel (+ bias) (+ lora(x))`` with ``kernel: [in, out]``."""
 
     def __init__(self, d_in: int, d_out: int, axes, *, bias: bool, dtype, param_dtype, rngs):
         self.kernel = param(rngs, (d_in, d_out), param_dtype, axes)
         self.bias = param(None, (d_out,), param_dtype, axes[1:], "zeros") if bias else None
         self.dtype = dtype
+        self.axes = tuple(axes)
+        self.lora = nnx.data(None)  # set by rlx.quant.apply_lora
+        self.act_quant = "none"  # set by rlx.quant.quantize_model for W8A8 serving formats
 
-    def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
-        y = jnp.einsum("...d,df->...f", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+    def __call__(self, x: Float[Array, "... d_in"], adapter: bool = True) -> Float[Array, "... d_out"]:
+        h = x.astype(self.dtype)
+        xq = quantize_activations(h, self.act_quant)
+        y = jnp.einsum("...d,df->...f", xq, weight_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if adapter and self.lora is not None:
+            y = y + self.lora(h).astype(y.dtype)
         return y
 
 

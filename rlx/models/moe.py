@@ -5,7 +5,10 @@ top-k weights when ``norm_topk_prob`` (always for Mixtral). Qwen2-MoE adds a sha
 by ``sigmoid(x @ w_gate)``.
 
 Experts are stacked parameters ``[E, in, out]`` and run as one batched computation, never a Python
-loop over experts. Two implementations give the same numbers:
+loop over experts. Expert weights may be frozen quantized tensors (``rlx.quant``) and each projection
+may carry a batched per-expert LoRA adapter (``gate_lora`` / ``up_lora`` / ``down_lora``, with
+``ragged(x, group_sizes)`` and ``dense(x)`` methods); ``adapter=False`` skips the adapters. Two
+implementations give the same numbers:
 
 - ``ragged``: tokens sorted by expert, ``jax.lax.ragged_dot`` over contiguous groups (k x tokens
   rows, no wasted FLOPs). Best on one device and with the expert axis unsharded.
@@ -22,7 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rlx.models.config import MoEConfig
-from rlx.models.layers import Linear, param
+from rlx.models.layers import Linear, param, quantize_activations, weight_value
 
 
 class DenseMLP(nnx.Module):
@@ -34,8 +37,9 @@ class DenseMLP(nnx.Module):
         self.up_proj = Linear(d, f, ("embed", "mlp"), **kw)
         self.down_proj = Linear(f, d, ("mlp", "embed"), **kw)
 
-    def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: Float[Array, "... d"], adapter: bool = True) -> Float[Array, "... d"]:
+        h = jax.nn.silu(self.gate_proj(x, adapter)) * self.up_proj(x, adapter)
+        return self.down_proj(h, adapter)
 
 
 class Experts(nnx.Module):
@@ -46,11 +50,20 @@ class Experts(nnx.Module):
         self.up_proj = param(rngs, (e, d, f), param_dtype, ("expert", "embed", "expert_mlp"))
         self.down_proj = param(rngs, (e, f, d), param_dtype, ("expert", "expert_mlp", "embed"))
         self.dtype = dtype
+        self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)  # set by rlx.quant.apply_lora
+        self.act_quant = "none"  # set by rlx.quant.quantize_model for W8A8 serving formats
 
     def weights(self):
-        return tuple(w[...].astype(self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        return tuple(weight_value(w, self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
 
-    def ragged(self, x: Float[Array, "n d"], idx: Int[Array, "n k"], gates: Float[Array, "n k"]):
+    def _ragged(self, x, w, lora, group_sizes, adapter: bool):
+        y = jax.lax.ragged_dot(quantize_activations(x, self.act_quant), w, group_sizes)
+        if adapter and lora is not None:
+            y = y + lora.ragged(x, group_sizes).astype(y.dtype)
+        return y
+
+    def ragged(self, x: Float[Array, "n d"], idx: Int[Array, "n k"], gates: Float[Array, "n k"],
+               adapter: bool = True):
         """Sort (token, slot) pairs by expert and run grouped matmuls."""
         n, k = idx.shape
         wg, wu, wd = self.weights()
@@ -59,19 +72,27 @@ class Experts(nnx.Module):
         token = order // k
         group_sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)
         xs = x[token]  # [n*k, d]
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, wg, group_sizes))
-        h = h * jax.lax.ragged_dot(xs, wu, group_sizes)
-        y = jax.lax.ragged_dot(h, wd, group_sizes)  # [n*k, d]
+        h = jax.nn.silu(self._ragged(xs, wg, self.gate_lora, group_sizes, adapter))
+        h = h * self._ragged(xs, wu, self.up_lora, group_sizes, adapter)
+        y = self._ragged(h, wd, self.down_lora, group_sizes, adapter)  # [n*k, d]
         y = y * gates.reshape(-1)[order][:, None].astype(y.dtype)
         return jnp.zeros_like(x).at[token].add(y)
 
-    def dense(self, x: Float[Array, "n d"], idx: Int[Array, "n k"], gates: Float[Array, "n k"]):
+    def _dense(self, x, w, lora, spec: str, adapter: bool):
+        y = jnp.einsum(spec, quantize_activations(x, self.act_quant), w)
+        if adapter and lora is not None:
+            y = y + lora.dense(x).astype(y.dtype)
+        return y
+
+    def dense(self, x: Float[Array, "n d"], idx: Int[Array, "n k"], gates: Float[Array, "n k"],
+              adapter: bool = True):
         """All experts on all tokens, weighted by a gate matrix that is zero off the top-k."""
         wg, wu, wd = self.weights()
         combine = jnp.zeros((x.shape[0], wg.shape[0]), gates.dtype)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], idx].add(gates)  # [n, e]
-        h = jax.nn.silu(jnp.einsum("nd,edf->nef", x, wg)) * jnp.einsum("nd,edf->nef", x, wu)
-        y = jnp.einsum("nef,efd->ned", h, wd)
+        h = jax.nn.silu(self._dense(x, wg, self.gate_lora, "nd,edf->nef", adapter))
+        h = h * self._dense(x, wu, self.up_lora, "nd,edf->nef", adapter)
+        y = self._dense(h, wd, self.down_lora, "nef,efd->ned", adapter)
         return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
@@ -99,14 +120,14 @@ class SparseMoE(nnx.Module):
             gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         return idx, gates.astype(self.dtype)
 
-    def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+    def __call__(self, x: Float[Array, "b t d"], adapter: bool = True) -> Float[Array, "b t d"]:
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         idx, gates = self.route(flat)
         run = self.experts.ragged if self.impl == "ragged" else self.experts.dense
-        out = run(flat, idx, gates)
+        out = run(flat, idx, gates, adapter)
         if self.shared_expert is not None:
-            shared = self.shared_expert(flat)
+            shared = self.shared_expert(flat, adapter)
             if self.shared_gate is not None:
                 shared = jax.nn.sigmoid(flat @ self.shared_gate[...].astype(self.dtype)) * shared
             out = out + shared

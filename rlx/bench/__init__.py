@@ -1,0 +1,1 @@
+"""Benchmarks, each a module with ``main(argv) -> int`` run by name: ``python -m rlx.bench NAME``."""

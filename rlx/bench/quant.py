@@ -1,0 +1,109 @@
+"""Quantization error of every base format on tiny random models, as a markdown table.
+
+Metric: for each decoder block, the block is fed the f32 model's own input to that block (teacher
+forcing, so errors do not compound) and its output compared with the f32 block's:
+``||y_q - y_f32|| / ||y_f32||`` over all tokens, then averaged over blocks. Two models: a dense
+Llama-style one and a Qwen3-MoE-style one (experts quantized too). GGUF rows quantize with the
+``gguf`` package's llama.cpp quantizer (measurement only; rlx itself never requantizes into GGUF),
+then run rlx's in-graph block dequantization. W8A8 rows also fake-quantize activations per token as
+the named server does.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlx.models.config import ModelConfig, MoEConfig
+from rlx.models.decoder import Precision, Transformer, resolve_positions
+from rlx.models.moe import SparseMoE
+from rlx.quant.config import QuantConfig
+from rlx.quant.gguf_blocks import GGUFTensor
+from rlx.quant.quantize import linears, quantize_model
+
+_BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+             num_kv_heads=2, head_dim=64)
+MODELS = {
+    "dense": ModelConfig(architecture="LlamaForCausalLM", **_BASE),
+    "moe": ModelConfig(architecture="Qwen3MoeForCausalLM", qk_norm=True, **_BASE, moe=MoEConfig(
+        num_experts=8, top_k=2, intermediate_size=128, norm_topk_prob=True, sparse_layers=(0, 1))),
+}
+ROWS = [  # (label, QuantConfig or GGUF type)
+    ("int8 channel", QuantConfig(format="int8")),
+    ("int8 + int8 act (w8a8_int8)", QuantConfig(format="int8", serving="w8a8_int8")),
+    ("int4 g64 sym", QuantConfig(format="int4", group_size=64)),
+    ("int4 g64 asym", QuantConfig(format="int4", group_size=64, symmetric=False)),
+    ("nf4 g64", QuantConfig(format="nf4", group_size=64)),
+    ("fp8 channel", QuantConfig(format="fp8")),
+    ("fp8 channel + fp8 act", QuantConfig(format="fp8", serving="compressed-tensors")),
+    ("fp8 block128 + fp8 act", QuantConfig(format="fp8", fp8_granularity="block128", serving="fp8")),
+    ("GGUF Q8_0", "Q8_0"), ("GGUF Q4_1", "Q4_1"), ("GGUF Q4_0", "Q4_0"),
+]
+
+
+def _gguf_tensor(w: np.ndarray, qtype: str) -> GGUFTensor:
+    import gguf
+
+    hf = np.ascontiguousarray(np.swapaxes(w, -1, -2))  # [..., out, in]
+    t = gguf.GGMLQuantizationType[qtype]
+    blocks = gguf.quants.quantize(hf.reshape(-1, hf.shape[-1]), t)
+    return GGUFTensor(qtype, hf.shape, jnp.asarray(blocks.reshape(*hf.shape[:-1], -1)), None, kernel=True)
+
+
+def gguf_model(model: Transformer, qtype: str) -> Transformer:
+    for lin in linears(model):
+        lin.kernel = _gguf_tensor(np.asarray(lin.kernel[...]), qtype)
+    for layer in model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            ex = layer.mlp.experts
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                setattr(ex, name, _gguf_tensor(np.asarray(getattr(ex, name)[...]), qtype))
+    return model
+
+
+def block_errors(ref: Transformer, quant: Transformer, ids) -> list[float]:
+    """Relative output error of each block, fed the f32 model's block inputs."""
+    pos, seg = resolve_positions(ids, None, None, None)
+    x = ref.embed_tokens(ids)
+    errs = []
+    for a, b in zip(ref.layers, quant.layers):
+        ya, yb = a(x, pos, seg), b(x, pos, seg)
+        errs.append(float(jnp.linalg.norm(yb - ya) / jnp.linalg.norm(ya)))
+        x = ya
+    return errs
+
+
+def run(seed: int = 0, tokens: int = 64, models=tuple(MODELS)) -> dict[str, dict[str, float]]:
+    table: dict[str, dict[str, float]] = {}
+    for name in models:
+        cfg = MODELS[name]
+        ids = jax.random.randint(jax.random.key(seed + 1), (2, tokens // 2), 0, cfg.vocab_size)
+        ref = Transformer(cfg, Precision(), nnx.Rngs(seed))
+        for label, spec in ROWS:
+            model = Transformer(cfg, Precision(), nnx.Rngs(seed))
+            model = gguf_model(model, spec) if isinstance(spec, str) else quantize_model(model, spec)
+            table.setdefault(label, {})[name] = float(np.mean(block_errors(ref, model, ids)))
+    return table
+
+
+def markdown(table: dict[str, dict[str, float]]) -> str:
+    cols = list(next(iter(table.values())))
+    lines = ["| format | " + " | ".join(f"{c} rel. error" for c in cols) + " |",
+             "|---|" + "---:|" * len(cols)]
+    for label, row in table.items():
+        lines.append(f"| {label} | " + " | ".join(f"{row[c]:.2e}" for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlx.bench quant", description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of dense,moe")
+    args = parser.parse_args(argv)
+    print(markdown(run(args.seed, args.tokens, tuple(args.models.split(",")))))
+    return 0

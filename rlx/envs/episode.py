@@ -1,0 +1,248 @@
+"""Drive multi-turn episodes with any rollout engine and keep the env's tokens out of the loss.
+
+One round generates the next assistant turn of every unfinished episode in a single
+`engine.generate` call (n=1 per episode; `group_size` copies of each example run side by side),
+then steps each episode's environment with the turn's text (on `env_workers` threads). The token sequence only ever grows
+at its end: the model's tokens are kept exactly as sampled (never re-tokenized), and what the
+env adds is the difference between chat-template renderings of the conversation before and
+after its messages:
+
+    env tokens = encode(trailer + render(chat + tool messages, generation prompt)
+                                - render(chat, no generation prompt))
+
+where `chat` ends with the assistant turn just generated and `trailer` is what the template
+writes after the model's last sampled token (e.g. "\\n" after `<|im_end|>`, or the whole turn
+closing when the model stopped on a stop string). So the sequence a learner sees is token for
+token what the engine was conditioned on. `loss_mask` is 1 exactly on the sampled tokens,
+`sampler_logp` holds their log-probs and 0 elsewhere.
+
+Budget: `max_completion_tokens` bounds everything after the prompt (model and env tokens). A turn
+that hits the budget or the engine's per-turn `max_new_tokens` ends the episode with finish
+reason "length" and reward 0 (the cut text is not graded); so does an env reply that leaves no
+room for another model token (that reply is then not appended).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlx.data.chat import render_chat
+from rlx.data.sources import Example, Message
+from rlx.envs.base import Env, EnvError, StepInfo
+from rlx.rewards import RewardResult
+from rlx.rollout.base import Prompt, Rollout, RolloutEngine, SamplingParams
+from rlx.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeConfig:
+    max_completion_tokens: int = 1024  # model + env tokens after the prompt, per episode
+    group_size: int = 1  # episodes per example (a GRPO group)
+    env_workers: int = 1  # threads stepping environments (tools, grading) concurrently
+
+    def __post_init__(self):
+        if min(self.max_completion_tokens, self.group_size, self.env_workers) < 1:
+            raise ValueError("EpisodeConfig needs max_completion_tokens, group_size and "
+                             "env_workers >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One assistant turn and the tokens the env appended after it."""
+
+    model_ids: tuple[int, ...]  # sampled by the engine (loss mask 1)
+    sampler_logp: tuple[float, ...]
+    env_ids: tuple[int, ...]  # appended by the env (loss mask 0); () on the last turn
+    text: str  # the turn's text as given to the env (without the stop token)
+    info: StepInfo | None  # None when the turn was cut by the token budget
+    weight_version: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+    """A finished episode: prompt, completion (model and env tokens interleaved), mask, reward."""
+
+    uid: str  # the example's uid (the GRPO group)
+    sample_index: int  # which of the group_size episodes of this example
+    prompt_ids: np.ndarray  # int32 [P]
+    completion_ids: np.ndarray  # int32 [C]
+    loss_mask: np.ndarray  # int32 [C]: 1 on sampled tokens, 0 on env tokens
+    sampler_logp: np.ndarray  # float32 [C]: sampler log-probs, 0 on env tokens
+    reward: float
+    reward_result: RewardResult
+    finish_reason: str  # "final_answer" | "turn_limit" | "length"
+    turns: tuple[Turn, ...]
+    messages: tuple[Message, ...]  # the transcript, prompt chat included
+
+    def to_rollout(self, uid: int, weight_version: int = 0):
+        """As the learner's `rlx.types.Rollout` (with `completion_mask` and `reward`)."""
+        from rlx.types import Rollout as TrainRollout  # imports flax: only when asked
+
+        return TrainRollout(
+            uid=uid, prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
+            sampler_logp=self.sampler_logp, weight_version=weight_version,
+            completion_mask=self.loss_mask, reward=self.reward,
+        )
+
+
+@dataclasses.dataclass
+class _State:
+    """An episode in progress (mutable, internal)."""
+
+    env: Env
+    example: Example
+    sample_index: int
+    messages: list[Message]
+    tools: tuple[Mapping[str, Any], ...]
+    prompt_ids: list[int]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    turns: list[Turn] = dataclasses.field(default_factory=list)
+    finish: tuple[str, RewardResult] | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.example.uid}#{self.sample_index}"
+
+
+def run_episodes(
+    engine: RolloutEngine,
+    make_env: Callable[[], Env],
+    examples: Sequence[Example],
+    tokenizer: Tokenizer,
+    sampling: SamplingParams,
+    config: EpisodeConfig = EpisodeConfig(),
+) -> list[Episode]:
+    """Runs `config.group_size` episodes per example to the end; results in example order.
+
+    The group's episodes are separate prompts of one `generate` call (`sampling.n` must be 1);
+    an engine that seeds each prompt alike (`sampling.seed` set) would make them identical.
+    """
+    if sampling.n != 1:
+        raise ValueError("run_episodes samples one turn per episode: use "
+                         "EpisodeConfig.group_size for groups, with sampling.n == 1")
+    stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *_eos(tokenizer))))
+    states = [_start(make_env(), example, index, tokenizer)
+              for example in examples for index in range(config.group_size)]
+    with concurrent.futures.ThreadPoolExecutor(config.env_workers) as pool:
+        while active := [s for s in states if s.finish is None]:
+            room = max(config.max_completion_tokens - len(s.ids) for s in active)
+            turn_sampling = dataclasses.replace(
+                sampling, max_new_tokens=min(sampling.max_new_tokens, room), stop_token_ids=stops)
+            prompts = [Prompt(s.key, tuple(s.prompt_ids + s.ids)) for s in active]
+            rollouts = engine.generate(prompts, turn_sampling)
+            _check_rollouts(active, rollouts)
+            advance = functools.partial(_advance, tokenizer=tokenizer, stops=stops,
+                                        budget=config.max_completion_tokens)
+            list(pool.map(advance, active, rollouts))  # list(): re-raises env errors
+    return [_episode(s) for s in states]
+
+
+def _check_rollouts(active: Sequence[_State], rollouts: Sequence[Rollout]) -> None:
+    if len(rollouts) != len(active):
+        raise RuntimeError(f"engine returned {len(rollouts)} rollouts for {len(active)} prompts")
+    for state, rollout in zip(active, rollouts):
+        if rollout.prompt_uid != state.key:
+            raise RuntimeError(f"rollout for {rollout.prompt_uid!r} where {state.key!r} was "
+                               "expected")
+
+
+def _eos(tokenizer: Tokenizer) -> tuple[int, ...]:
+    return () if tokenizer.eos_id is None else (tokenizer.eos_id,)
+
+
+def _start(env: Env, example: Example, sample_index: int, tokenizer: Tokenizer) -> _State:
+    observation = env.reset(example)
+    messages = list(observation.messages)
+    text = render_chat(tokenizer, messages, observation.tools, add_generation_prompt=True)
+    return _State(env, example, sample_index, messages, observation.tools,
+                  tokenizer.encode(text, add_special_tokens=False))
+
+
+def _advance(
+    state: _State, rollout: Rollout, tokenizer: Tokenizer, stops: tuple[int, ...], budget: int
+) -> None:
+    """Appends one sampled turn, steps the env and appends its reply (or ends the episode)."""
+    room = budget - len(state.ids)
+    ids = [int(t) for t in rollout.completion_ids[:room]]
+    logp = [float(x) for x in rollout.sampler_logp[:room]]
+    cut = rollout.finish_reason == "length" or len(rollout.completion_ids) > room
+    state.ids += ids
+    state.mask += [1] * len(ids)
+    state.logp += logp
+    stopped = not cut and bool(ids) and ids[-1] in stops
+    text = tokenizer.decode(ids[:-1] if stopped else ids)
+    version, assistant = rollout.weight_version, Message("assistant", text)
+    if cut:
+        state.turns.append(Turn(tuple(ids), tuple(logp), (), text, None, version))
+        state.messages.append(assistant)
+        state.finish = ("length", RewardResult.zero("cut at the token budget"))
+        return
+    result = state.env.step(text)
+    env_ids: tuple[int, ...] = ()
+    if result.done:
+        state.finish = (result.info.reason, result.info.reward_result
+                        or RewardResult(score=result.reward))
+    else:
+        env_ids = tuple(_env_tokens(tokenizer, state, assistant, result.observation.messages, ids))
+        if len(state.ids) + len(env_ids) >= budget:
+            env_ids = ()
+            state.finish = ("length", RewardResult.zero("no room left for another turn"))
+    state.messages.append(assistant)
+    if env_ids:
+        state.messages += result.observation.messages
+        state.ids += env_ids
+        state.mask += [0] * len(env_ids)
+        state.logp += [0.0] * len(env_ids)
+    state.turns.append(Turn(tuple(ids), tuple(logp), env_ids, text, result.info, version))
+
+
+def _env_tokens(
+    tokenizer: Tokenizer, state: _State, assistant: Message, replies: Sequence[Message],
+    sampled: Sequence[int],
+) -> list[int]:
+    """Tokens to append after the sampled turn: the turn's closing and the env's messages, up
+    to the next assistant generation header."""
+    before = render_chat(tokenizer, state.messages, state.tools, add_generation_prompt=True)
+    chat = [*state.messages, assistant]
+    with_turn = render_chat(tokenizer, chat, state.tools, add_generation_prompt=False)
+    after = render_chat(tokenizer, [*chat, *replies], state.tools, add_generation_prompt=True)
+    if not (with_turn.startswith(before) and after.startswith(with_turn)):
+        raise EnvError("the chat template rewrites earlier turns when a turn is added; "
+                       "episodes need a template that renders a conversation append-only")
+    trailer = _trailer(with_turn[len(before):], tokenizer.decode(sampled), assistant.content,
+                       tokenizer)
+    return tokenizer.encode(trailer + after[len(with_turn):], add_special_tokens=False)
+
+
+def _trailer(turn_text: str, sampled_text: str, content: str, tokenizer: Tokenizer) -> str:
+    """What the template writes after the model's last sampled token, within its turn."""
+    if turn_text.startswith(sampled_text):
+        return turn_text[len(sampled_text):]
+    eos = tokenizer.decode(_eos(tokenizer)) if tokenizer.eos_id is not None else ""
+    if eos and sampled_text.endswith(eos) and eos in turn_text:
+        return turn_text[turn_text.rindex(eos) + len(eos):]
+    if turn_text.startswith(content):
+        return turn_text[len(content):]
+    raise EnvError("the chat template changes the assistant's text; cannot find where the "
+                   "sampled tokens end in the rendered turn")
+
+
+def _episode(state: _State) -> Episode:
+    reason, result = state.finish
+    return Episode(
+        uid=state.example.uid, sample_index=state.sample_index,
+        prompt_ids=np.asarray(state.prompt_ids, np.int32),
+        completion_ids=np.asarray(state.ids, np.int32),
+        loss_mask=np.asarray(state.mask, np.int32),
+        sampler_logp=np.asarray(state.logp, np.float32),
+        reward=float(result.score), reward_result=result, finish_reason=reason,
+        turns=tuple(state.turns), messages=tuple(state.messages),
+    )

@@ -1,0 +1,108 @@
+"""Parser for Qwen/Hermes-format tool calls in assistant text.
+
+A call is a block `<tool_call>{"name": "...", "arguments": {...}}</tool_call>` (whitespace
+around the JSON allowed); a turn may hold several. Each block becomes a `ToolCall` or, when it
+cannot be used, a `ToolCallError` with a message for the model, in the order they appear:
+bad JSON, a JSON value that is not an object, a missing or non-string "name", "arguments" that
+is not an object (a JSON string holding an object is accepted, as some models write that), and
+a block opened but never closed. A missing "arguments" means no arguments. Blocks beyond
+`max_calls` are reported as errors. The parser never raises on model text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|\Z)", re.DOTALL)
+_MAX_ERROR_SNIPPET = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """A well-formed call (arguments not yet checked against the tool's schema)."""
+
+    name: str
+    arguments: Mapping[str, Any]
+    raw: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCallError:
+    """A block that is not a usable call, with the reason."""
+
+    message: str
+    raw: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedTurn:
+    """The calls of one assistant turn, in order, and the text outside the blocks."""
+
+    items: tuple[ToolCall | ToolCallError, ...]
+    text: str
+
+    @property
+    def calls(self) -> tuple[ToolCall, ...]:
+        return tuple(i for i in self.items if isinstance(i, ToolCall))
+
+    @property
+    def errors(self) -> tuple[ToolCallError, ...]:
+        return tuple(i for i in self.items if isinstance(i, ToolCallError))
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """Whether the turn tried to call anything (well-formed or not)."""
+        return bool(self.items)
+
+
+def _snippet(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= _MAX_ERROR_SNIPPET else text[:_MAX_ERROR_SNIPPET] + "..."
+
+
+def parse_block(body: str) -> ToolCall | ToolCallError:
+    """One block's content as a call or an error."""
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, RecursionError) as e:
+        message = getattr(e, "msg", "too deeply nested")
+        return ToolCallError(f"tool call is not valid JSON ({message}): {_snippet(body)}", body)
+    if not isinstance(value, dict):
+        return ToolCallError("tool call must be a JSON object with \"name\" and \"arguments\"",
+                             body)
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCallError("tool call has no \"name\" string", body)
+    arguments = value.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCallError(f"\"arguments\" of {name!r} must be a JSON object", body)
+    return ToolCall(name, arguments, body)
+
+
+def parse_tool_calls(text: str, max_calls: int = 8) -> ParsedTurn:
+    """All tool-call blocks in `text`."""
+    items: list[ToolCall | ToolCallError] = []
+    outside: list[str] = []
+    position = 0
+    for match in _BLOCK.finditer(text):
+        outside.append(text[position:match.start()])
+        position = match.end()
+        body = match.group(1)
+        if not match.group(0).endswith(CLOSE):
+            items.append(ToolCallError(f"unterminated {OPEN} block: {_snippet(body)}", body))
+        elif len(items) >= max_calls:
+            items.append(ToolCallError(f"more than {max_calls} tool calls in one turn", body))
+        else:
+            items.append(parse_block(body))
+    outside.append(text[position:])
+    return ParsedTurn(tuple(items), "".join(outside))

@@ -1,0 +1,274 @@
+"""Exports for serving, each published atomically with a version string.
+
+``publish(path, version, kind, write)`` writes into a fresh temp folder next to ``path``, adds
+``rlx_export.json`` (``{"version", "kind", ...}``), then renames it into place; a reader sees either
+the old complete folder or the new complete one (an existing folder is first renamed aside, then
+removed). Three kinds:
+
+- ``export_peft``: the LoRA adapter as HF PEFT (``adapter_config.json`` + ``adapter_model.safetensors``,
+  names ``base_model.model.<hf module>.lora_A.weight`` ``[r, in]`` / ``lora_B.weight`` ``[out, r]``).
+  transformers-5 MoE models store experts fused (``mlp.experts.gate_up_proj [E, 2f, d]``,
+  ``mlp.experts.down_proj [E, d, f]``, plain ``nn.Parameter``s that ``target_modules`` cannot reach);
+  peft 0.21 adapts them through ``target_parameters`` with ``lora_A [E*r, in]`` (row ``e*r + j``) and
+  ``lora_B [out, r*E]`` (column ``j*E + e``). rlx's separate per-expert gate and up adapters (rank r
+  each) are exported exactly as one block-diagonal adapter of rank 2r on ``gate_up_proj``
+  (``rank_pattern`` / ``alpha_pattern`` keep alpha / r). peft nests two wrapped parameters of one
+  module: ``gate_up_proj``'s adapter is then named ``experts.base_layer.lora_*`` and ``down_proj``'s
+  ``experts.lora_*``. peft refuses dropout on wrapped parameters, so such configs carry
+  ``lora_dropout: 0`` (dropout plays no part in serving).
+- ``export_base``: the frozen base in the layout SGLang loads as the same values (mapping in
+  ``rlx.quant.serving``; a GGUF base is the GGUF file it was loaded from).
+- ``export_merged``: base dequantized + ``(alpha / r) B A`` merged, plain HF safetensors (float32 by
+  default) that any consumer loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlx.models.config import to_hf_config
+from rlx.models.decoder import Transformer
+from rlx.models.hf import param_map
+from rlx.models.safetensors_io import save_sharded
+from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
+from rlx.quant.loading import node_at
+from rlx.quant.lora import LoRA
+from rlx.quant.serving import quantization_config, to_serving
+
+_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def publish(path: str, version: str, kind: str, write: Callable[[str], dict | None]) -> str:
+    """Run ``write(tmp_dir)`` and move the result to ``path`` atomically; returns ``path``."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    try:
+        extra = write(tmp) or {}
+        with open(os.path.join(tmp, "rlx_export.json"), "w") as f:
+            json.dump({"version": str(version), "kind": kind, **extra}, f, indent=2)
+        old = None
+        if os.path.exists(path):
+            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_version(path: str) -> str:
+    with open(os.path.join(path, "rlx_export.json")) as f:
+        return json.load(f)["version"]
+
+
+def _np(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x), np.float32)
+
+
+def _hf_module(path: str) -> str:
+    """'layers/0/self_attn/q_proj/kernel' -> 'model.layers.0.self_attn.q_proj'."""
+    parts = path.split("/")[:-1]
+    return "model." + ".".join(parts)
+
+
+def _dense_adapters(model: Transformer) -> dict[str, LoRA]:
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, LoRA) and node.lora_a.ndim == 2:
+            out[_hf_module("/".join(map(str, path)))] = node
+    return out
+
+
+def _expert_tensors(lg, lu, ld, prefix: str, nested: bool) -> dict[str, np.ndarray]:
+    """PEFT ``target_parameters`` tensors of one layer's experts (see the module docstring)."""
+    out = {}
+    if lg is not None or lu is not None:
+        parts = [p for p in (lg, lu) if p is not None]
+        f = parts[0].lora_b.shape[-1]
+        e = parts[0].lora_a.shape[0]
+        a = np.concatenate([_np(p.lora_a[...]).transpose(0, 2, 1) for p in parts], axis=1)  # [E, R, d]
+        big_r = a.shape[1]
+        b = np.zeros((e, 2 * f, big_r), np.float32)  # [E, 2f, R], block diagonal
+        col = 0
+        for row, p in ((0, lg), (f, lu)):
+            if p is not None:
+                r = p.lora_a.shape[-1]
+                b[:, row:row + f, col:col + r] = _np(p.lora_b[...]).transpose(0, 2, 1)
+                col += r
+        name = f"{prefix}.base_layer" if nested else prefix
+        out[f"{name}.lora_A.weight"] = a.reshape(e * big_r, -1)
+        out[f"{name}.lora_B.weight"] = np.ascontiguousarray(b.transpose(1, 2, 0).reshape(2 * f, big_r * e))
+    if ld is not None:
+        e, _, r = ld.lora_a.shape
+        out[f"{prefix}.lora_A.weight"] = _np(ld.lora_a[...]).transpose(0, 2, 1).reshape(e * r, -1)
+        bd = _np(ld.lora_b[...]).transpose(2, 1, 0)  # [d, r, E]
+        out[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(bd.reshape(bd.shape[0], r * e))
+    return out
+
+
+def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
+    """(PEFT-named adapter tensors, the shape facts ``adapter_config.json`` needs)."""
+    tensors, modules, params, fused_rank = {}, set(), set(), 0
+    for name, lo in _dense_adapters(model).items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = _np(lo.lora_a[...]).T.copy()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = _np(lo.lora_b[...]).T.copy()
+        modules.add(name.rsplit(".", 1)[1])
+    for i, layer in enumerate(model.layers):
+        ex = getattr(layer.mlp, "experts", None)
+        if ex is None or (ex.gate_lora, ex.up_lora, ex.down_lora) == (None, None, None):
+            continue
+        has_gu = ex.gate_lora is not None or ex.up_lora is not None
+        nested = has_gu and ex.down_lora is not None
+        prefix = f"base_model.model.model.layers.{i}.mlp.experts"
+        tensors.update(_expert_tensors(ex.gate_lora, ex.up_lora, ex.down_lora, prefix, nested))
+        if has_gu:
+            params.add("mlp.experts.gate_up_proj")
+            fused_rank = sum(p.lora_a.shape[-1] for p in (ex.gate_lora, ex.up_lora) if p is not None)
+        if ex.down_lora is not None:
+            params.add("mlp.experts.down_proj")
+    return tensors, {"target_modules": sorted(modules), "target_parameters": sorted(params),
+                     "fused_rank": fused_rank}
+
+
+def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
+                base_model_name_or_path: str | None = None) -> str:
+    """Write the adapters of ``model`` as a HF PEFT adapter folder (published atomically)."""
+    tensors, facts = peft_state(model)
+    if not tensors:
+        raise QuantConfigError("the model has no LoRA adapters to export; call rlx.quant.apply_lora first")
+    rank_pattern, alpha_pattern = {}, {}
+    if facts["fused_rank"] and facts["fused_rank"] != lora.rank:
+        rank_pattern["gate_up_proj"] = facts["fused_rank"]
+        alpha_pattern["gate_up_proj"] = lora.alpha * facts["fused_rank"] / lora.rank
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0 if facts["target_parameters"] else lora.dropout,
+        "target_modules": facts["target_modules"], "target_parameters": facts["target_parameters"] or None,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
+    }
+
+    def write(tmp: str) -> dict:
+        from safetensors.numpy import save_file
+
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        return {"rank": lora.rank, "alpha": lora.alpha}
+
+    return publish(path, version, "peft", write)
+
+
+def _value(node, dtype=np.float32) -> np.ndarray:
+    if isinstance(node, nnx.Variable):
+        return np.asarray(jax.device_get(node[...])).astype(dtype)
+    return np.asarray(jax.device_get(node.dequantize())).astype(dtype)
+
+
+def _delta(model: Transformer, path: str) -> np.ndarray | None:
+    """``(alpha / r) A @ B`` in rlx layout for the weight at ``path``, or None without an adapter."""
+    owner_path, _, leaf = path.rpartition("/")
+    owner = node_at(model, owner_path) if owner_path else model
+    lo = owner.lora if leaf == "kernel" else getattr(owner, f"{leaf.removesuffix('_proj')}_lora", None)
+    if not isinstance(lo, LoRA):
+        return None
+    return np.matmul(_np(lo.lora_a[...]), _np(lo.lora_b[...])) * np.float32(lo.scaling)
+
+
+def _layout(src, value: np.ndarray, out: dict) -> None:
+    if src.layout == "copy":
+        out[src.hf_names[0]] = value
+    elif src.layout == "T":
+        out[src.hf_names[0]] = np.ascontiguousarray(value.T)
+    else:
+        for e, name in enumerate(src.hf_names):
+            out[name] = np.ascontiguousarray(value[e].T)
+
+
+def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
+    """HF-named float tensors of base (dequantized) + merged adapters."""
+    out: dict[str, np.ndarray] = {}
+    for path, src in param_map(model.config).items():
+        value = _value(node_at(model, path), np.float32)
+        delta = _delta(model, path)
+        if delta is not None:
+            value = value + delta
+        _layout(src, value.astype(dtype), out)
+    return out
+
+
+def _write_config(tmp: str, model: Transformer, dtype, qc: dict | None = None) -> None:
+    hf_cfg = to_hf_config(model.config)
+    hf_cfg["torch_dtype"] = np.dtype(dtype).name
+    if qc:
+        hf_cfg["quantization_config"] = qc
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+
+
+def export_merged(model: Transformer, path: str, version: str, dtype=np.float32) -> str:
+    """A plain HF folder with the adapters merged into the dequantized base."""
+    def write(tmp: str) -> dict:
+        _write_config(tmp, model, dtype)
+        save_sharded(merged_state_dict(model, dtype), tmp)
+        return {"dtype": np.dtype(dtype).name}
+
+    return publish(path, version, "merged", write)
+
+
+def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+    """HF-named tensors of the frozen base in ``q.serving``'s layout (adapters left out)."""
+    out: dict[str, np.ndarray] = {}
+    for path, src in param_map(model.config).items():
+        node = node_at(model, path)
+        if isinstance(node, nnx.Variable) or q.serving == "hf" or src.layout == "copy":
+            _layout(src, _value(node, dtype), out)
+            continue
+        leaves = {k: np.asarray(jax.device_get(v)) for k, v in node.leaves().items()}
+        if src.layout == "T":
+            out.update(to_serving(leaves, src.hf_names[0][: -len(".weight")], q))
+        else:
+            for e, name in enumerate(src.hf_names):
+                out.update(to_serving({k: v[e] for k, v in leaves.items()}, name[: -len(".weight")], q))
+    return out
+
+
+def export_base(model: Transformer, q: QuantConfig, path: str, version: str, dtype=np.float32,
+                gguf_file: str | None = None) -> str:
+    """The frozen base as SGLang loads it (``q.serving``; see ``rlx.quant.serving``)."""
+    if q.serving == "gguf":
+        if not gguf_file:
+            raise QuantConfigError("serving='gguf' exports the GGUF file the base was loaded from; pass gguf_file")
+
+        def write_gguf(tmp: str) -> dict:
+            shutil.copyfile(gguf_file, os.path.join(tmp, os.path.basename(gguf_file)))
+            return {"serving": "gguf", "file": os.path.basename(gguf_file)}
+
+        return publish(path, version, "base", write_gguf)
+
+    def write(tmp: str) -> dict:
+        _write_config(tmp, model, dtype, quantization_config(q))
+        save_sharded(base_state_dict(model, q, dtype), tmp)
+        return {"serving": q.serving, "format": q.format}
+
+    return publish(path, version, "base", write)
+
+
+__all__ = ["publish", "read_version", "export_peft", "export_base", "export_merged", "peft_state",
+           "merged_state_dict", "base_state_dict"]

@@ -1,0 +1,279 @@
+"""The compiled learner steps: `make_train_step` and `make_logprob_step`.
+
+`train_step(state, batch) -> (state, metrics)` is one optimizer update on a `TrainBatch`:
+
+1. The batch is split into `micro_batches` groups of rows (micro-batch j = rows j, j + k, ...,
+   so each micro-batch stays spread over the data axes) and a `lax.scan` accumulates gradients.
+2. Each micro-batch computes `policy_loss` on learner log-probs from the chunked log-softmax
+   (`token_logprobs`, no [B, T, V] tensor) and is rescaled by its share of the whole batch's
+   normaliser (tokens for "token-mean", completions otherwise), so the sum over micro-batches is
+   exactly the loss of the whole batch: DAPO's token mean is over the batch, not per micro-batch.
+3. A non-finite loss or gradient norm skips the update: params and optimizer state are kept,
+   `step` and `skipped` count up, `metrics.skipped` is 1.
+4. Shardings (params / optimizer FSDP-sharded from logical axes, batch over the data axes) and
+   donation of the state are declared at the `jax.jit`.
+
+Log-prob alignment follows `rlx.types`: position t of the output is log p(input_ids[t] | <t); the
+first token of each sequence has no prediction and gets 0 (and no loss).
+
+`make_logprob_step` computes old or reference log-probs with the same code. The reference of mode
+B (adapter off, same weights) is a different `apply_fn`; a separate reference model in mode A is a
+different `params` argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Float
+
+from rlx.learner.logprobs import Projection, token_logprobs
+from rlx.learner.losses import LossConfig, LossMetrics, policy_loss, sequence_count
+from rlx.learner.state import (
+    OptimizerConfig, TrainState, make_optimizer, make_schedule, state_shardings, variable_shardings,
+)
+from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
+from rlx.types import LogProbs, StepMetrics, TrainBatch
+
+ApplyFn = Callable[[nnx.Module, TrainBatch], tuple[Float[Array, "b t d"], Projection]]
+
+
+def model_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True):
+    """Default `apply_fn`: final hidden states and the lm-head of an rlx `Transformer`."""
+    hidden = model.hidden_states(batch.input_ids, batch.positions, batch.segment_ids,
+                                 adapter=adapter)
+    return hidden, functools.partial(model.logits, adapter=adapter)
+
+
+def reference_forward(model: nnx.Module, batch: TrainBatch):
+    """Mode B reference policy: the same weights with the LoRA adapters switched off."""
+    return model_forward(model, batch, adapter=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Learner step settings. Hashable (static under jit)."""
+
+    loss: LossConfig = LossConfig()
+    micro_batches: int = 1  # gradient-accumulation steps per update; must divide the rows
+    logprob_chunk: int = 1024  # tokens per chunk of the chunked log-softmax
+    compute_entropy: bool = True  # per-token entropy (metric; needed for entropy_coef > 0)
+
+    def __post_init__(self):
+        if self.micro_batches < 1 or self.logprob_chunk < 1:
+            raise ValueError("StepConfig.micro_batches and logprob_chunk must be >= 1")
+        if self.loss.entropy_coef > 0 and not self.compute_entropy:
+            raise ValueError("StepConfig: loss.entropy_coef > 0 needs compute_entropy=True")
+        if self.loss.resolved_aggregation == "seq-mean-token-sum-norm" and (
+                self.loss.norm_length is None):
+            raise ValueError("StepConfig: aggregation 'seq-mean-token-sum-norm' needs "
+                             "loss.norm_length (the generation budget); the padded length "
+                             "depends on bucketing and packing")
+
+
+def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
+                      apply_fn: ApplyFn = model_forward) -> LogProbs:
+    """Per-token log-probs (and entropies) aligned with `input_ids`; 0 where nothing predicts."""
+    hidden, project = apply_fn(model, batch)  # [B, T, D]
+    targets = jnp.roll(batch.input_ids, -1, axis=1)  # [B, T]  token t + 1, predicted at t
+    logp, entropy = token_logprobs(hidden, project, targets, cfg.logprob_chunk,
+                                   cfg.compute_entropy)  # [B, T] each
+    predicted = _predicted(batch.segment_ids)  # [B, T]
+
+    def align(x):  # value for token t lives at position t - 1
+        if x is None:
+            return None
+        return jnp.where(predicted, jnp.pad(x[:, :-1], ((0, 0), (1, 0))), 0.0)  # [B, T]
+
+    return LogProbs(align(logp), align(entropy))
+
+
+def _predicted(segment_ids) -> jax.Array:
+    """Tokens with a predecessor in the same sequence: [B, T] bool."""
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))  # [B, T]
+    return (segment_ids > 0) & (segment_ids == prev)
+
+
+def _normaliser(mask, segment_ids, cfg: LossConfig):
+    """The quantity `aggregate` divides by, up to a constant: tokens or completions."""
+    if cfg.resolved_aggregation == "token-mean":
+        return jnp.sum(mask)
+    return sequence_count(mask, segment_ids)
+
+
+def _micro_loss(params, frozen, mb: TrainBatch, total_norm, graphdef, cfg: StepConfig, apply_fn):
+    """One micro-batch: its loss scaled to its share of the whole batch, and its metrics."""
+    model = nnx.merge(graphdef, params, frozen)
+    lp = sequence_logprobs(model, mb, cfg, apply_fn)
+    old = jax.lax.stop_gradient(lp.logp) if mb.old_logp is None else mb.old_logp
+    loss, metrics = policy_loss(lp.logp, old, mb.advantages, mb.loss_mask, cfg.loss,
+                                ref_logp=mb.ref_logp, sampler_logp=mb.sampler_logp,
+                                entropy=lp.entropy, segment_ids=mb.segment_ids)
+    scale = _normaliser(mb.loss_mask, mb.segment_ids, cfg.loss) / jnp.maximum(total_norm, 1.0)
+    return loss * scale, (metrics, scale, jnp.sum(mb.loss_mask))
+
+
+_MAX_FIELDS = ("ratio_max", "tis_weight_max", "mismatch_abs_max")
+_MIN_FIELDS = ("ratio_min",)
+_SCALED_FIELDS = ("pg_loss",)
+
+
+def _combine(acc: LossMetrics, m: LossMetrics, scale, tokens) -> LossMetrics:
+    """Fold one micro-batch's metrics in: loss terms by `scale`, token means by `tokens`."""
+    out = {}
+    for name, a, x in zip(LossMetrics._fields, acc, m):
+        if name in _MAX_FIELDS:
+            out[name] = jnp.maximum(a, jnp.where(tokens > 0, x, -jnp.inf))
+        elif name in _MIN_FIELDS:
+            out[name] = jnp.minimum(a, jnp.where(tokens > 0, x, jnp.inf))
+        elif name in _SCALED_FIELDS:
+            out[name] = a + x * scale
+        else:
+            out[name] = a + x * tokens
+    return LossMetrics(**out)
+
+
+def _finish(acc: LossMetrics, tokens) -> LossMetrics:
+    out = {}
+    for name, a in zip(LossMetrics._fields, acc):
+        if name in _MAX_FIELDS + _MIN_FIELDS:
+            out[name] = jnp.where(jnp.isfinite(a), a, 0.0)
+        elif name in _SCALED_FIELDS:
+            out[name] = a
+        else:
+            out[name] = a / jnp.maximum(tokens, 1.0)
+    return LossMetrics(**out)
+
+
+def _split_micro(batch: TrainBatch, k: int, row_sharding) -> TrainBatch:
+    """[B, T] fields -> [k, B / k, T]; micro-batch j holds rows j, j + k, ..."""
+    rows = batch.shape[0]
+    if rows % k:
+        raise ValueError(f"{rows} batch rows do not split into {k} micro-batches; pad rows to a "
+                         "multiple of micro_batches x data-parallel size (rows_multiple)")
+
+    def split(x):
+        x = x.reshape(rows // k, k, *x.shape[1:]).swapaxes(0, 1)  # [k, B / k, T]
+        if row_sharding is not None:
+            spec = PartitionSpec(None, *row_sharding.spec)
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(row_sharding.mesh, spec))
+        return x
+
+    return jax.tree.map(split, batch)
+
+
+def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
+                  graphdef: nnx.GraphDef, cfg: StepConfig, apply_fn: ApplyFn = model_forward,
+                  row_sharding: NamedSharding | None = None):
+    """Gradient of the whole-batch loss wrt `params`, accumulated over micro-batches.
+
+    Returns (grads, loss, LossMetrics, tokens, sequences). Pure; jit it (the train step does).
+    """
+    mask = batch.loss_mask * _predicted(batch.segment_ids)  # [B, T]  no loss without a prediction
+    batch = batch.replace(loss_mask=mask)
+    total_norm = _normaliser(mask, batch.segment_ids, cfg.loss)
+    grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+    def body(carry, mb):
+        grads, loss, acc = carry
+        (mb_loss, (metrics, scale, tokens)), mb_grads = grad_fn(
+            params, frozen, mb, total_norm, graphdef, cfg, apply_fn)
+        grads = jax.tree.map(jnp.add, grads, mb_grads)
+        return (grads, loss + mb_loss, _combine(acc, metrics, scale, tokens)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    acc = LossMetrics(**{n: jnp.inf if n in _MIN_FIELDS else -jnp.inf if n in _MAX_FIELDS
+                         else zero for n in LossMetrics._fields})
+    init = (jax.tree.map(jnp.zeros_like, params), zero, acc)
+    micro = _split_micro(batch, cfg.micro_batches, row_sharding)
+    (grads, loss, acc), _ = jax.lax.scan(body, init, micro)
+    tokens = jnp.sum(mask)
+    return grads, loss, _finish(acc, tokens), tokens, sequence_count(mask, batch.segment_ids)
+
+
+def _where_tree(ok, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+
+def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, cfg: StepConfig,
+                optimizer: optax.GradientTransformation, schedule, apply_fn, row_sharding):
+    grads, loss, lm, tokens, seqs = compute_grads(
+        state.params, state.frozen, batch, graphdef=graphdef, cfg=cfg, apply_fn=apply_fn,
+        row_sharding=row_sharding)
+    grad_norm = optax.global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    lr = schedule(state.step - state.skipped)
+    new_state = state.replace(
+        step=state.step + 1,
+        skipped=state.skipped + (~ok).astype(jnp.int32),
+        params=_where_tree(ok, params, state.params),
+        opt_state=_where_tree(ok, opt_state, state.opt_state),
+        rng=jax.random.split(state.rng)[0],
+    )
+    metrics = StepMetrics(
+        loss=loss, **lm._asdict(), grad_norm=grad_norm, skipped=(~ok).astype(jnp.float32),
+        tokens=tokens, sequences=seqs, lr=jnp.where(ok, lr, 0.0).astype(jnp.float32))
+    return new_state, metrics
+
+
+def make_train_step(
+    graphdef: nnx.GraphDef,
+    state: TrainState,
+    mesh: Mesh,
+    cfg: StepConfig,
+    optimizer_cfg: OptimizerConfig,
+    *,
+    rules: LogicalRules = TRAIN_RULES,
+    apply_fn: ApplyFn = model_forward,
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, StepMetrics]]:
+    """Compile `(state, batch) -> (state, metrics)`; `state` (concrete or abstract) fixes the
+    shardings. The state argument is donated: do not reuse it after the call."""
+    optimizer = make_optimizer(optimizer_cfg)
+    shardings = state_shardings(state, optimizer, mesh, rules)
+    rows = batch_sharding(mesh, 2, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    step = functools.partial(
+        _train_step, graphdef=graphdef, cfg=cfg, optimizer=optimizer,
+        schedule=make_schedule(optimizer_cfg), apply_fn=apply_fn,
+        row_sharding=batch_sharding(mesh, 1, rules))
+    return jax.jit(step, in_shardings=(shardings, rows),
+                   out_shardings=(shardings, replicated), donate_argnums=(0,))
+
+
+def make_logprob_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    frozen: nnx.State,
+    mesh: Mesh,
+    cfg: StepConfig,
+    *,
+    rules: LogicalRules = TRAIN_RULES,
+    apply_fn: ApplyFn = model_forward,
+) -> Callable[[nnx.State, nnx.State, TrainBatch], LogProbs]:
+    """Compile `(params, frozen, batch) -> LogProbs` (old or reference log-probs, no gradient).
+
+    `params` / `frozen` (concrete or abstract) fix the shardings. For a reference that is a
+    separate model, pass its params; for mode B's adapter-off reference, pass an `apply_fn` that
+    runs the model without adapters.
+    """
+    rows = batch_sharding(mesh, 2, rules)
+
+    def run(p, f, batch):
+        model = nnx.merge(graphdef, p, f)
+        return sequence_logprobs(model, batch, cfg, apply_fn)
+
+    return jax.jit(
+        run,
+        in_shardings=(variable_shardings(params, mesh, rules),
+                      variable_shardings(frozen, mesh, rules), rows),
+        out_shardings=rows,
+    )

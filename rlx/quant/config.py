@@ -1,0 +1,105 @@
+"""Frozen configuration of the base representation (``QuantConfig``) and of the adapter (``LoraConfig``).
+
+The serving format decides the learner's forward: where the server quantizes activations too
+(SGLang ``w8a8_int8``; ``fp8`` / fp8 ``compressed-tensors``, which are W8A8 with dynamic activation
+scales), the learner fake-quantizes activations the same way (``activation_mode``); weight-only
+formats keep activations in the compute dtype. A base format that the named serving format cannot
+carry is refused when the config is built, with the allowed pairs in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FORMATS = ("none", "int8", "int4", "fp8", "nf4", "gguf")
+SERVING_FORMATS = ("hf", "w8a8_int8", "fp8", "compressed-tensors", "gguf")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+# base format -> serving formats that carry its exact values (README table).
+_COMPATIBLE = {
+    "none": ("hf",),
+    "int8": ("hf", "w8a8_int8", "compressed-tensors"),
+    "int4": ("hf", "compressed-tensors"),
+    "fp8": ("hf", "fp8", "compressed-tensors"),
+    "nf4": ("hf",),
+    "gguf": ("hf", "gguf"),
+}
+
+
+class QuantConfigError(ValueError):
+    """A quantization or LoRA setting rlx cannot honour; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How the frozen base is stored and which serving format it must match."""
+
+    format: str = "none"  # "none" | "int8" | "int4" | "fp8" | "nf4" | "gguf"
+    group_size: int = 64  # int4 / nf4: values per scale along the input dimension
+    symmetric: bool = True  # int4 only: False stores a zero point per group (min/max calibration)
+    fp8_granularity: str = "channel"  # "channel" (one scale per output) | "block128" (128x128 tiles)
+    scale_dtype: str = "float32"  # "float32" | "bfloat16" | "float16": scales are rounded to this
+    quantize_embed: bool = False  # also quantize the token embedding
+    quantize_lm_head: bool = False  # also quantize a separate (untied) lm_head
+    serving: str = "hf"  # "hf" | "w8a8_int8" | "fp8" | "compressed-tensors" | "gguf"
+
+    def __post_init__(self):
+        _one_of("format", self.format, FORMATS)
+        _one_of("serving", self.serving, SERVING_FORMATS)
+        _one_of("fp8_granularity", self.fp8_granularity, ("channel", "block128"))
+        _one_of("scale_dtype", self.scale_dtype, ("float32", "bfloat16", "float16"))
+        if self.group_size < 2 or self.group_size % 2:
+            raise QuantConfigError(f"group_size={self.group_size} must be an even number >= 2")
+        if not self.symmetric and self.format != "int4":
+            raise QuantConfigError(f"symmetric=False is only supported for format='int4', not {self.format!r}")
+        if self.serving not in _COMPATIBLE[self.format]:
+            raise QuantConfigError(
+                f"serving={self.serving!r} cannot serve a {self.format!r} base as the same values; "
+                f"for format={self.format!r} use one of {_COMPATIBLE[self.format]}")
+        if (self.quantize_embed or self.quantize_lm_head) and self.serving not in ("hf", "gguf"):
+            raise QuantConfigError(
+                f"serving={self.serving!r} keeps embeddings and lm_head in float; set quantize_embed="
+                "quantize_lm_head=False or serve the dequantized base (serving='hf')")
+        if self.serving == "w8a8_int8" and not self.symmetric:
+            raise QuantConfigError("serving='w8a8_int8' needs symmetric int8 weights")
+
+    @property
+    def activation_mode(self) -> str:
+        """How the learner quantizes activations to match the server: "none" | "int8_token" |
+        "fp8_token" | "fp8_group128"."""
+        if self.serving == "w8a8_int8":
+            return "int8_token"
+        if self.format == "fp8" and self.serving in ("fp8", "compressed-tensors"):
+            return "fp8_group128" if self.fp8_granularity == "block128" else "fp8_token"
+        return "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """Low-rank adapters ``W x + (alpha / rank) * B A dropout(x)`` on the chosen projections."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapter's input only (active in nnx train mode)
+    targets: tuple[str, ...] = LORA_TARGETS  # any of q, k, v, o, gate, up, down
+    experts: bool = True  # also adapt MoE experts (one adapter per expert, run batched)
+    param_dtype: str = "float32"  # adapter storage dtype: "float32" | "bfloat16"
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise QuantConfigError(f"lora rank={self.rank} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise QuantConfigError(f"lora dropout={self.dropout} must be in [0, 1)")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        if bad or not self.targets:
+            raise QuantConfigError(f"lora targets {list(self.targets)}: each must be one of {LORA_TARGETS}")
+        _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def _one_of(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise QuantConfigError(f"{field}={value!r} is not supported; use one of {tuple(allowed)}")

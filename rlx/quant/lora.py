@@ -1,0 +1,128 @@
+"""LoRA adapters (Hu et al. 2021) on the decoder's projections, incl. batched per-expert adapters.
+
+``y = W x + (alpha / rank) * B A dropout(x)`` with ``A: [in, r]`` and ``B: [r, out]`` as
+``nnx.LoRAParam`` (so ``nnx.LoRAParam`` filters pick exactly the trainable state). Init follows
+PEFT's default: ``A ~ U(-1/sqrt(in), 1/sqrt(in))`` (kaiming-uniform with a = sqrt 5), ``B = 0``, so a
+fresh adapter leaves the model unchanged. MoE experts get ``A: [E, in, r]``, ``B: [E, r, out]``,
+run with ``ragged_dot`` over the same expert groups as the base (or an einsum in the dense path).
+
+The adapter sees the unquantized input (as SGLang's LoRA path does under a W8A8 base). Dropout is
+``nnx.Dropout`` (active in ``model.train()``, off in ``model.eval()``). qwix's ``LoraProvider`` is not
+used: it intercepts flax ``nnx.Linear`` / einsum calls and owns the quantized base itself, while rlx
+keeps its own frozen base representations and needs per-expert adapters on stacked expert weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int
+
+from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
+from rlx.models.decoder import Transformer
+from rlx.models.layers import Linear
+from rlx.models.moe import DenseMLP, Experts, SparseMoE
+from rlx.quant.config import LoraConfig
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+class LoRA(nnx.Module):
+    """One adapter; with ``experts=E`` a stack of E adapters applied per expert group."""
+
+    def __init__(self, d_in: int, d_out: int, cfg: LoraConfig, axes, *, dtype, rngs: nnx.Rngs,
+                 experts: int | None = None):
+        lead = () if experts is None else (experts,)
+        lead_axes = () if experts is None else ("expert",)
+        pdt = _DTYPES[cfg.param_dtype]
+        bound = 1.0 / math.sqrt(d_in)
+        a = jax.random.uniform(rngs.params(), lead + (d_in, cfg.rank), jnp.float32, -bound, bound)
+        self.lora_a = nnx.LoRAParam(a.astype(pdt), logical_axes=lead_axes + (axes[0], "lora_rank"))
+        self.lora_b = nnx.LoRAParam(jnp.zeros(lead + (cfg.rank, d_out), pdt),
+                                    logical_axes=lead_axes + ("lora_rank", axes[1]))
+        self.dropout = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout > 0 else None
+        self.scaling, self.dtype = cfg.scaling, dtype
+
+    def _in(self, x):
+        x = x.astype(self.dtype)
+        return self.dropout(x) if self.dropout is not None else x
+
+    def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
+        h = self._in(x) @ self.lora_a[...].astype(self.dtype)  # [..., r]
+        return (h @ self.lora_b[...].astype(self.dtype)) * self.scaling
+
+    def ragged(self, x: Float[Array, "m d_in"], group_sizes: Int[Array, "e"]) -> Float[Array, "m d_out"]:
+        """Rows of ``x`` sorted by expert, ``group_sizes[e]`` rows for expert ``e``."""
+        h = jax.lax.ragged_dot(self._in(x), self.lora_a[...].astype(self.dtype), group_sizes)
+        return jax.lax.ragged_dot(h, self.lora_b[...].astype(self.dtype), group_sizes) * self.scaling
+
+    def dense(self, x) -> Array:
+        """``[n, d]`` (same input for every expert) or ``[n, e, d]`` -> ``[n, e, out]``."""
+        spec = "nd,edr->ner" if x.ndim == 2 else "ned,edr->ner"
+        h = jnp.einsum(spec, self._in(x), self.lora_a[...].astype(self.dtype))
+        return jnp.einsum("ner,erf->nef", h, self.lora_b[...].astype(self.dtype)) * self.scaling
+
+
+def _linear_lora(lin: Linear, cfg: LoraConfig, rngs) -> LoRA:
+    d_in, d_out = lin.kernel.shape
+    return LoRA(d_in, d_out, cfg, lin.axes, dtype=lin.dtype, rngs=rngs)
+
+
+def _mlp_adapters(mlp: DenseMLP, cfg: LoraConfig, rngs) -> None:
+    for t, name in _MLP.items():
+        if t in cfg.targets:
+            lin = getattr(mlp, name)
+            lin.lora = _linear_lora(lin, cfg, rngs)
+
+
+def _expert_adapters(ex: Experts, cfg: LoraConfig, rngs) -> None:
+    axes = {"gate": ("embed", "expert_mlp"), "up": ("embed", "expert_mlp"), "down": ("expert_mlp", "embed")}
+    for t, name in _MLP.items():
+        if t in cfg.targets:
+            e, d_in, d_out = getattr(ex, name).shape
+            setattr(ex, f"{t}_lora", LoRA(d_in, d_out, cfg, axes[t], dtype=ex.dtype, rngs=rngs, experts=e))
+
+
+def apply_lora(model: Transformer, cfg: LoraConfig, rngs: nnx.Rngs, *, mesh: Mesh | None = None,
+               rules: LogicalRules = TRAIN_RULES) -> Transformer:
+    """Attach adapters to ``model`` in place (and return it); on a mesh they are sharded by logical axes."""
+    for layer in model.layers:
+        for t, name in _ATTN.items():
+            if t in cfg.targets:
+                lin = getattr(layer.self_attn, name)
+                lin.lora = _linear_lora(lin, cfg, rngs)
+        mlp = layer.mlp
+        if isinstance(mlp, DenseMLP):
+            _mlp_adapters(mlp, cfg, rngs)
+            continue
+        assert isinstance(mlp, SparseMoE)
+        if mlp.shared_expert is not None:
+            _mlp_adapters(mlp.shared_expert, cfg, rngs)
+        if cfg.experts:
+            _expert_adapters(mlp.experts, cfg, rngs)
+    if mesh is not None:
+        shard_variables(model, nnx.LoRAParam, mesh, rules)
+    return model
+
+
+def shard_variables(model: nnx.Module, kind, mesh: Mesh, rules: LogicalRules) -> None:
+    """Place every ``kind`` variable of ``model`` by its logical axes on ``mesh`` (in place)."""
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, kind):
+            axes = var.get_metadata().get("logical_axes")
+            var.set_value(jax.device_put(var[...], named_sharding(mesh, axes, rules, var.shape)))
+
+
+def lora_targets(model: Transformer) -> list[tuple[str, LoRA]]:
+    """(rlx path of the adapted weight, adapter) for every adapter of ``model``."""
+    out = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, LoRA):
+            out.append(("/".join(map(str, path)), node))
+    return out

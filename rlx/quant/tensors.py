@@ -1,0 +1,179 @@
+"""Frozen quantized matrices, stored on device as they serve and dequantized inside the jitted matmul.
+
+``QuantWeight`` is the nnx variable type of every frozen quantized leaf (packed integers, fp8 values,
+scales, zero points, GGUF blocks). It is deliberately not an ``nnx.Param``: ``nnx.Param`` /
+``nnx.LoRAParam`` filters select trainables and never touch it, and nothing differentiates through
+integer leaves.
+
+``QTensor`` holds one logical matrix (``[in, out]`` kernel, ``[E, in, out]`` experts, or a
+``[vocab, d]`` embedding stored transposed) in kernel orientation ``[..., K, N]``, K being the
+contraction axis along which groups and packing run::
+
+    w[..., k, n] = (decode(values)[..., k, n] - zero[..., k // bk, n // bn]) * scale[..., k // bk, n // bn]
+
+with ``(bk, bn)`` the scale block: int8 and fp8 "channel" ``(K, 1)`` (one scale per output), int4 /
+nf4 ``(group, 1)``, fp8 "block128" ``(128, 128)`` (ceil-divided edges, as DeepSeek/Qwen FP8 files).
+``decode`` is: int8 -> value; int4 -> nibble - 8; nf4 -> NF4 table[nibble]; fp8 e4m3 -> value.
+int4 and nf4 are packed two per byte along K (XLA:CPU would spend a byte on an int4 element):
+row ``2i`` in the low nibble, row ``2i + 1`` in the high nibble.
+
+The quantize math (calibration, scales, zero points, rounding, NF4 buckets) is qwix's
+(``qwix.quantize``); qwix has no packed storage, no ceil-divided 128x128 tiles and no sharding
+metadata, which is what this module adds. GGUF blocks live in ``rlx.quant.gguf_blocks``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import qwix
+from flax import nnx
+from jaxtyping import Array
+
+from rlx.quant.config import QuantConfigError
+
+_NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+                 -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+                 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
+_SCALE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class QuantWeight(nnx.Variable):
+    """A frozen leaf of a quantized base (never trained, never an ``nnx.Param``)."""
+
+
+def pack_nibbles(u: Array) -> Array:
+    """``[..., K, N]`` values in [0, 16) -> ``[..., K/2, N]`` uint8 (row 2i low, 2i+1 high)."""
+    u = u.astype(jnp.uint8)
+    return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
+
+
+def unpack_nibbles(p: Array) -> Array:
+    """Inverse of ``pack_nibbles``: ``[..., K/2, N]`` uint8 -> ``[..., K, N]`` uint8."""
+    both = jnp.stack([p & 0x0F, p >> 4], axis=-2)  # [..., K/2, 2, N]
+    return both.reshape(*p.shape[:-2], 2 * p.shape[-2], p.shape[-1])
+
+
+def expand_blocks(s: Array, k: int, n: int, bk: int, bn: int) -> Array:
+    """Repeat a per-block ``[..., ceil(K/bk), ceil(N/bn)]`` array to ``[..., K, N]``."""
+    if s.shape[-2] == 1 and s.shape[-1] == n:  # one scale per output column: broadcast
+        return s
+    return jnp.repeat(jnp.repeat(s, bk, axis=-2)[..., :k, :], bn, axis=-1)[..., :n]
+
+
+class QTensor(nnx.Module):
+    """A frozen int8 / int4 / nf4 / fp8 matrix (see the module docstring for the layout)."""
+
+    def __init__(self, fmt: str, shape, values, scale, zero, block, axes, transposed: bool = False):
+        self.fmt, self.shape, self.block, self.transposed = fmt, tuple(shape), tuple(block), transposed
+        self.values = QuantWeight(values, logical_axes=axes)
+        self.scale = QuantWeight(scale, logical_axes=axes)
+        self.zero = None if zero is None else QuantWeight(zero, logical_axes=axes)
+
+    @property
+    def kn(self) -> tuple[int, int]:
+        """(K, N) of the storage orientation."""
+        return (self.shape[-1], self.shape[-2]) if self.transposed else (self.shape[-2], self.shape[-1])
+
+    def decode(self) -> Array:
+        """Quantized values as f32 ``[..., K, N]`` (before zero point and scale)."""
+        v = self.values[...]
+        if self.fmt == "int4":
+            return unpack_nibbles(v).astype(jnp.float32) - 8.0
+        if self.fmt == "nf4":
+            return jnp.asarray(_NF4)[unpack_nibbles(v).astype(jnp.int32)]
+        return v.astype(jnp.float32)
+
+    def dequantize(self, dtype=jnp.float32) -> Array:
+        """The logical matrix in ``dtype`` (computed in f32, one rounding at the end)."""
+        k, n = self.kn
+        bk, bn = self.block
+        q = self.decode()
+        if self.zero is not None:
+            q = q - expand_blocks(self.zero[...].astype(jnp.float32), k, n, bk, bn)
+        w = q * expand_blocks(self.scale[...].astype(jnp.float32), k, n, bk, bn)
+        w = jnp.swapaxes(w, -1, -2) if self.transposed else w
+        return w.astype(dtype)
+
+    def take(self, ids: Array, dtype) -> Array:
+        """Rows ``ids`` of the logical matrix (embedding lookup)."""
+        return jnp.take(self.dequantize(dtype), ids, axis=0)
+
+    def leaves(self) -> dict[str, Array]:
+        out = {"values": self.values[...], "scale": self.scale[...]}
+        if self.zero is not None:
+            out["zero"] = self.zero[...]
+        return out
+
+
+def _storage_axes(axes, transposed: bool):
+    if axes is None:
+        return None
+    axes = tuple(axes)
+    return axes[:-2] + (axes[-1], axes[-2]) if transposed else axes
+
+
+def quantize_array(w: Array, fmt: str, *, group_size: int = 64, symmetric: bool = True,
+                   fp8_granularity: str = "channel", scale_dtype: str = "float32",
+                   axes=None, transposed: bool = False) -> QTensor:
+    """Quantize a float matrix (logical layout; ``transposed`` for ``[vocab, d]`` embeddings)."""
+    shape = tuple(w.shape)
+    x = jnp.asarray(w, jnp.float32)
+    x = jnp.swapaxes(x, -1, -2) if transposed else x  # [..., K, N]
+    k, n = x.shape[-2:]
+    lead = tuple(range(x.ndim - 2))
+    if fmt == "int8":
+        block, how = (k, 1), dict(qtype=jnp.int8, channelwise_axes=lead + (x.ndim - 1,))
+    elif fmt in ("int4", "nf4"):
+        if k % group_size:
+            raise QuantConfigError(
+                f"group_size={group_size} does not divide the input dimension {k} of a {shape} "
+                "matrix; pick a group size that divides every layer's input size")
+        qtype = jnp.int4 if fmt == "int4" else "nf4"
+        block = (group_size, 1)
+        how = dict(qtype=qtype, channelwise_axes=lead + (x.ndim - 1,), tiled_axes={x.ndim - 2: group_size})
+        if not symmetric:
+            how["calibration_method"] = "minmax"
+    elif fmt == "fp8":
+        if fp8_granularity == "block128":
+            return _quantize_fp8_blocks(x, shape, scale_dtype, axes, transposed)
+        block, how = (k, 1), dict(qtype=jnp.float8_e4m3fn, channelwise_axes=lead + (x.ndim - 1,))
+    else:
+        raise QuantConfigError(f"cannot quantize to format {fmt!r}")
+    qa = _qwix_quantize(x, how, scale_dtype)
+    values = qa.qvalue
+    if fmt == "int4":
+        values = pack_nibbles(values.astype(jnp.int8) + 8)
+    elif fmt == "nf4":
+        values = pack_nibbles(values.astype(jnp.uint8))
+    zero = None if qa.zero_point is None else qa.zero_point.astype(jnp.int8)
+    return QTensor(fmt, shape, values, qa.scale.astype(_SCALE_DTYPES[scale_dtype]), zero, block,
+                   _storage_axes(axes, transposed), transposed)
+
+
+def _qwix_quantize(x: Array, how: dict, scale_dtype: str):
+    """qwix quantization whose qvalues are computed with the scale rounded to ``scale_dtype``."""
+    from qwix._src.core import qarray  # the scale-given quantizer is not re-exported by qwix
+
+    qa = qwix.quantize(x, **how)
+    if scale_dtype == "float32":
+        return qa
+    scale = qa.scale.astype(_SCALE_DTYPES[scale_dtype]).astype(jnp.float32)
+    return qarray.quantize_with_scale_zero_point(x, how["qtype"], scale, qa.zero_point)
+
+
+def _quantize_fp8_blocks(x: Array, shape, scale_dtype: str, axes, transposed: bool) -> QTensor:
+    """fp8 e4m3 with one scale per 128x128 tile; edges are zero-padded (padding never sets a max)."""
+    k, n = x.shape[-2:]
+    pk, pn = math.ceil(k / 128) * 128, math.ceil(n / 128) * 128
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, pk - k), (0, pn - n)]
+    lead = tuple(range(x.ndim - 2))
+    qa = _qwix_quantize(jnp.pad(x, pad), dict(qtype=jnp.float8_e4m3fn, channelwise_axes=lead,
+                                              tiled_axes={x.ndim - 2: 128, x.ndim - 1: 128}), scale_dtype)
+    values = qa.qvalue[..., :k, :n]
+    return QTensor("fp8", shape, values, qa.scale.astype(_SCALE_DTYPES[scale_dtype]), None, (128, 128),
+                   _storage_axes(axes, transposed), transposed)

@@ -1,0 +1,1 @@
+"""Rollout engines behind one protocol: the built-in JAX engine and SGLang servers."""

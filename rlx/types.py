@@ -1,0 +1,134 @@
+"""Typed records passed between the stages of an RL step.
+
+* `Rollout` - one sampled completion on the host (numpy), tagged with its prompt uid and the
+  version of the weights that produced it.
+* `TrainBatch` - what the learner consumes: [B, T] rows (padded, or packed with several sequences
+  per row), one array per field, all of them batch-major so one `NamedSharding` shards the lot.
+* `StepMetrics` - the scalars one train step reports.
+
+Token alignment: every per-token field of `TrainBatch` is aligned with `input_ids`; position t
+holds the quantity of token `input_ids[t]` given the tokens before it (its log-prob, advantage,
+...). Prompt tokens, padding and tool/environment tokens have `loss_mask` 0. The learner shifts
+its own log-probs to this alignment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+PerToken = Float[Array, "b t"]
+Scalar = Float[Array, ""]
+
+BATCH_FIELDS = (
+    "input_ids", "positions", "segment_ids", "loss_mask", "advantages", "sampler_logp",
+    "old_logp", "ref_logp", "uid", "weight_version",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One completion of one prompt, on the host.
+
+    `sampler_logp[i]` is the engine's log-prob of `completion_ids[i]`. `completion_mask` (default:
+    all ones) is 0 on completion tokens the policy did not generate (tool outputs, environment
+    turns); they are fed to the model but carry no loss.
+    """
+
+    uid: int  # index of the prompt; groups for advantages are formed by uid
+    prompt_ids: np.ndarray  # [P] int
+    completion_ids: np.ndarray  # [C] int
+    sampler_logp: np.ndarray  # [C] float
+    weight_version: int = 0  # policy version that sampled it
+    completion_mask: np.ndarray | None = None  # [C] {0, 1}; None: all generated
+    reward: float | None = None
+
+    def __post_init__(self):
+        c = len(self.completion_ids)
+        if len(self.prompt_ids) < 1:
+            raise ValueError("Rollout.prompt_ids must hold at least one token")
+        if len(self.sampler_logp) != c:
+            raise ValueError(f"Rollout.sampler_logp has {len(self.sampler_logp)} entries for {c} "
+                             "completion tokens")
+        if self.completion_mask is not None and len(self.completion_mask) != c:
+            raise ValueError(f"Rollout.completion_mask has {len(self.completion_mask)} entries "
+                             f"for {c} completion tokens")
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+
+@struct.dataclass
+class TrainBatch:
+    """A learner batch: every field is [B, T] (host numpy or device arrays).
+
+    Padded rows carry one sequence each (segment id 1, padding 0); packed rows carry several
+    (segment ids 1, 2, ..., positions restarting at 0 per segment). `old_logp` None means the
+    policy has not moved since sampling (ratio 1, on-policy); `ref_logp` None: no KL term.
+    """
+
+    input_ids: Int[Array, "b t"]
+    positions: Int[Array, "b t"]
+    segment_ids: Int[Array, "b t"]  # 1, 2, ... per sequence in the row; 0 = padding
+    loss_mask: PerToken  # 1 on generated completion tokens only
+    advantages: PerToken  # per-completion advantage broadcast over its tokens
+    sampler_logp: PerToken  # rollout engine's log-probs (0 off the loss mask)
+    old_logp: PerToken | None = None  # learner log-probs before this update
+    ref_logp: PerToken | None = None  # reference policy log-probs
+    uid: Int[Array, "b t"] | None = None  # prompt uid of each token's sequence; -1 on padding
+    weight_version: Int[Array, "b t"] | None = None  # sampling weight version; -1 on padding
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.input_ids.shape)
+
+    def validate(self) -> None:
+        """Host check: every present field is [B, T]. Raises ValueError naming the field."""
+        for name in BATCH_FIELDS:
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != self.shape:
+                raise ValueError(f"TrainBatch.{name} has shape {tuple(value.shape)}, expected "
+                                 f"{self.shape} like input_ids")
+
+    def rows(self, index) -> "TrainBatch":
+        """The rows `index` (a slice or an index array) of every field."""
+        return self.replace(**{
+            n: None if getattr(self, n) is None else getattr(self, n)[index] for n in BATCH_FIELDS
+        })
+
+
+class LogProbs(NamedTuple):
+    """Output of a log-prob step, aligned with `input_ids` (position 0 of each sequence is 0)."""
+
+    logp: PerToken
+    entropy: PerToken | None
+
+
+class StepMetrics(NamedTuple):
+    """Scalars of one train step. Token statistics are means over loss-mask tokens of the batch."""
+
+    loss: Scalar  # total loss (policy + KL - entropy bonus)
+    pg_loss: Scalar  # policy-gradient term
+    kl: Scalar  # KL estimate to the reference (0 without ref_logp)
+    entropy: Scalar  # policy entropy per token
+    clip_frac_low: Scalar
+    clip_frac_high: Scalar
+    ratio_mean: Scalar
+    ratio_min: Scalar
+    ratio_max: Scalar
+    tis_weight_mean: Scalar
+    tis_weight_max: Scalar
+    tis_clipped_frac: Scalar
+    mismatch_abs_mean: Scalar  # |log pi_learner - log pi_sampler|
+    mismatch_abs_max: Scalar
+    mismatch_kl: Scalar  # k3 KL(sampler || learner)
+    grad_norm: Scalar  # global norm before clipping
+    skipped: Scalar  # 1.0 when the update was skipped (non-finite loss or gradients)
+    tokens: Scalar  # loss-mask tokens in the batch
+    sequences: Scalar  # completions in the batch
+    lr: Scalar  # learning rate applied this step

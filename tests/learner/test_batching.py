@@ -1,0 +1,101 @@
+"""Host batching (pad / pack) and the segment-aware loss reductions that make packing exact."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.learner.batching import pack_rollouts, pad_rollouts
+from rlx.learner.losses import LossConfig, aggregate, policy_loss, sequence_count
+from rlx.types import Rollout
+from tests.learner.step_helpers import random_rollouts
+
+
+def _rollout(uid, p, c, version=0, mask=None):
+    return Rollout(uid, np.arange(100, 100 + p), np.arange(200, 200 + c),
+                   -np.arange(1, c + 1, dtype=np.float32), version, mask)
+
+
+def test_pad_layout_buckets_and_padding_rows():
+    rollouts = [_rollout(0, 2, 3, 5), _rollout(0, 1, 2, 5, mask=np.array([1, 0]))]
+    batch = pad_rollouts(rollouts, np.array([0.5, -1.0]), buckets=(4, 6, 16), rows_multiple=4)
+    batch.validate()
+    assert batch.shape == (4, 6)  # longest is 5 tokens -> bucket 6; 2 rows -> 4
+    np.testing.assert_array_equal(batch.input_ids[0], [100, 101, 200, 201, 202, 0])
+    np.testing.assert_array_equal(batch.positions[0], [0, 1, 2, 3, 4, 0])
+    np.testing.assert_array_equal(batch.segment_ids[0], [1, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 1, 1, 1, 0])
+    np.testing.assert_array_equal(batch.advantages[0], [0, 0, 0.5, 0.5, 0.5, 0])
+    np.testing.assert_array_equal(batch.sampler_logp[0], [0, 0, -1, -2, -3, 0])
+    np.testing.assert_array_equal(batch.loss_mask[1], [0, 1, 0, 0, 0, 0])  # tool token masked
+    np.testing.assert_array_equal(batch.weight_version[0], [5] * 5 + [-1])
+    assert (batch.segment_ids[2:] == 0).all() and (batch.uid[2:] == -1).all()
+    assert batch.old_logp is None and batch.ref_logp is None
+    assert pad_rollouts(rollouts, np.zeros(2), length_multiple=8).shape == (2, 8)  # no bucket fits
+
+
+def test_duck_typed_rollouts_with_string_uids_and_versions():
+    """Any record with the token fields works; string uids / versions become int indices."""
+    ns = lambda **kw: type("R", (), kw)()  # noqa: E731
+    rollouts = [ns(prompt_uid=u, prompt_ids=np.array([1]), completion_ids=np.array([2, 3]),
+                   sampler_logp=np.zeros(2), weight_version=v)
+                for u, v in (("q-b", "w7"), ("q-a", "w8"), ("q-b", "w8"))]
+    batch = pack_rollouts(rollouts, np.ones(3), row_len=9)
+    assert batch.shape == (1, 9)
+    np.testing.assert_array_equal(batch.uid[0], [0, 0, 0, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(batch.weight_version[0], [0, 0, 0, 1, 1, 1, 1, 1, 1])
+
+
+def test_pack_places_every_rollout_once_contiguously():
+    rollouts = random_rollouts(9, 50, seed=3)
+    old = [r.sampler_logp - 1 for r in rollouts]
+    batch = pack_rollouts(rollouts, np.arange(1.0, 10.0), row_len=12, rows_multiple=2, old_logp=old)
+    batch.validate()
+    assert batch.shape[0] % 2 == 0 and batch.shape[1] == 12
+    found = []
+    for row in range(batch.shape[0]):
+        for seg in range(1, batch.segment_ids[row].max() + 1):
+            (cols,) = np.nonzero(batch.segment_ids[row] == seg)
+            assert (np.diff(cols) == 1).all()  # contiguous
+            np.testing.assert_array_equal(batch.positions[row, cols], np.arange(len(cols)))
+            found.append((row, cols))
+    assert len(found) == 9
+    for i, r in enumerate(rollouts):  # advantage i + 1 identifies rollout i
+        hits = [(row, cols) for row, cols in found if np.any(batch.advantages[row, cols] == i + 1)]
+        assert len(hits) == 1
+        row, cols = hits[0]
+        ids = np.concatenate([r.prompt_ids, r.completion_ids])
+        np.testing.assert_array_equal(batch.input_ids[row, cols], ids)
+        done = cols[len(r.prompt_ids):]
+        np.testing.assert_allclose(batch.old_logp[row, done], old[i])
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_rollouts(rollouts, np.zeros(9), row_len=3)
+
+
+def test_segment_aggregation_hand_golden():
+    # one packed row: segment 1 = tokens x = (1, 3), segment 2 = (5), then a padding slot;
+    # the first token of each segment is a prompt token (mask 0, x ignored).
+    x = jnp.array([[9.0, 1.0, 3.0, 9.0, 5.0, 9.0]])
+    mask = jnp.array([[0.0, 1.0, 1.0, 0.0, 1.0, 0.0]])
+    seg = jnp.array([[1, 1, 1, 2, 2, 0]])
+    assert float(sequence_count(mask, seg)) == 2
+    assert float(aggregate(x, mask, "token-mean", segment_ids=seg)) == pytest.approx(9 / 3)
+    assert float(aggregate(x, mask, "seq-mean-token-sum", segment_ids=seg)) == pytest.approx(
+        (4 + 5) / 2)
+    assert float(aggregate(x, mask, "seq-mean-token-mean", segment_ids=seg)) == pytest.approx(
+        (4 / 2 + 5 / 1) / 2)  # 3.5
+    assert float(aggregate(x, mask, "seq-mean-token-sum-norm", 4, segment_ids=seg)) == (
+        pytest.approx(9 / (2 * 4)))
+
+
+@pytest.mark.parametrize("cfg", [LossConfig("gspo"), LossConfig("ppo", tis_mode="sequence-mask")])
+def test_packed_row_loss_equals_two_rows(cfg):
+    """Per-sequence quantities (GSPO ratio, sequence-mask TIS) are per segment, not per row."""
+    rs = np.random.RandomState(0)
+    logp, old, samp = (jnp.asarray(-rs.uniform(0.5, 2, (1, 6)), jnp.float32) for _ in range(3))
+    adv = jnp.array([[0.0, 1.0, 1.0, 0.0, -2.0, -2.0]])
+    mask = jnp.array([[0.0, 1.0, 1.0, 0.0, 1.0, 1.0]])
+    seg = jnp.array([[1, 1, 1, 2, 2, 2]])
+    packed, _ = policy_loss(logp, old, adv, mask, cfg, sampler_logp=samp, segment_ids=seg)
+    two = lambda a: jnp.concatenate([a[:, :3], a[:, 3:]], axis=0)  # noqa: E731  [2, 3]
+    rows, _ = policy_loss(two(logp), two(old), two(adv), two(mask), cfg, sampler_logp=two(samp))
+    assert float(packed) == pytest.approx(float(rows), abs=1e-6)
