@@ -32,18 +32,20 @@ BATCH_FIELDS = (
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    """One completion of one prompt, on the host.
+    """One completion of one prompt, on the host; what every rollout engine returns.
 
     `sampler_logp[i]` is the engine's log-prob of `completion_ids[i]`. `completion_mask` (default:
     all ones) is 0 on completion tokens the policy did not generate (tool outputs, environment
     turns); they are fed to the model but carry no loss.
     """
 
-    uid: int  # index of the prompt; groups for advantages are formed by uid
+    prompt_uid: str  # groups for advantages are formed by this uid (any hashable works)
     prompt_ids: np.ndarray  # [P] int
     completion_ids: np.ndarray  # [C] int
     sampler_logp: np.ndarray  # [C] float
-    weight_version: int = 0  # policy version that sampled it
+    finish_reason: str = "length"  # "stop" (eos / stop string) | "length"
+    weight_version: int = 0  # policy version (learner step) that sampled it
+    sample_index: int = 0  # which of the n samples of its prompt
     completion_mask: np.ndarray | None = None  # [C] {0, 1}; None: all generated
     reward: float | None = None
 

@@ -61,7 +61,7 @@ class Turn:
     env_ids: tuple[int, ...]  # appended by the env (loss mask 0); () on the last turn
     text: str  # the turn's text as given to the env (without the stop token)
     info: StepInfo | None  # None when the turn was cut by the token budget
-    weight_version: str
+    weight_version: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +80,12 @@ class Episode:
     turns: tuple[Turn, ...]
     messages: tuple[Message, ...]  # the transcript, prompt chat included
 
-    def to_rollout(self, uid: int, weight_version: int = 0):
-        """As the learner's `rlx.types.Rollout` (with `completion_mask` and `reward`)."""
-        from rlx.types import Rollout as TrainRollout  # imports flax: only when asked
+    def to_rollout(self, uid: str, weight_version: int = 0):
+        """As an `rlx.types.Rollout` (with `completion_mask` and `reward`)."""
+        from rlx.types import Rollout  # imports flax: only when asked
 
-        return TrainRollout(
-            uid=uid, prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
+        return Rollout(
+            prompt_uid=uid, prompt_ids=self.prompt_ids, completion_ids=self.completion_ids,
             sampler_logp=self.sampler_logp, weight_version=weight_version,
             completion_mask=self.loss_mask, reward=self.reward,
         )

@@ -68,7 +68,7 @@ def _index(values) -> np.ndarray:
 
 def _tags(rollouts) -> tuple[np.ndarray, np.ndarray]:
     """Per-rollout int uid and weight version."""
-    uids = _index([r.uid if hasattr(r, "uid") else r.prompt_uid for r in rollouts])
+    uids = _index([r.prompt_uid for r in rollouts])
     versions = [getattr(r, "weight_version", 0) for r in rollouts]
     if all(str(v).lstrip("-").isdigit() for v in versions):
         return uids, np.array([int(v) for v in versions], np.int32)

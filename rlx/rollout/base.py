@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from rlx.types import Rollout
+
 
 class RolloutError(RuntimeError):
     """A rollout engine failed in a way rlx cannot hide (all servers dead, version mismatch...)."""
@@ -50,19 +52,6 @@ class Prompt:
 
     uid: str
     token_ids: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """One completion: token ids, the sampler's log-prob of each, why it stopped, which policy."""
-
-    prompt_uid: str
-    prompt_ids: np.ndarray  # int32 [P]
-    completion_ids: np.ndarray  # int32 [C]
-    sampler_logp: np.ndarray  # float32 [C]
-    finish_reason: str  # "stop" | "length"
-    weight_version: str
-    sample_index: int = 0
 
 
 class RolloutEngine(Protocol):

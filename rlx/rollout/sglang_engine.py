@@ -23,7 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import requests
 
-from rlx.rollout.base import Prompt, Rollout, RolloutError, SamplingParams
+from rlx.rollout.base import Prompt, RolloutError, SamplingParams
+from rlx.types import Rollout
 
 
 class SGLangEngine:
@@ -31,7 +32,7 @@ class SGLangEngine:
 
     def __init__(self, urls: Sequence[str], *, request_timeout_s: float = 600.0,
                  max_retries: int = 4, concurrency: int = 64, backoff_s: float = 0.5,
-                 weight_version: str | None = None):
+                 weight_version: int | None = None):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
         self.urls = [u.rstrip("/") for u in urls]
@@ -42,7 +43,7 @@ class SGLangEngine:
         self._lock = threading.Lock()
         self.adapter: str | None = None  # name of the loaded LoRA adapter (mode B)
         self.retries = 0  # requests re-sent after a connection failure (a metric)
-        self.weight_version = (self._set_version(weight_version) if weight_version is not None
+        self.weight_version = (self._set_version(str(weight_version)) if weight_version is not None
                                else self._server_version())
 
     # --- dispatch -------------------------------------------------------------------------
@@ -125,7 +126,7 @@ class SGLangEngine:
             completion_ids=np.asarray([e[1] for e in entries], np.int32),
             sampler_logp=np.asarray([e[0] for e in entries], np.float32),
             finish_reason="length" if finish == "length" else "stop",
-            weight_version=version, sample_index=j)
+            weight_version=_version_number(version), sample_index=j)
 
     def score(self, sequences: Sequence[tuple[Sequence[int], int]]) -> list[np.ndarray]:
         """Log-probs SGLang assigns to the tokens after each prompt (teacher-forced)."""
@@ -142,24 +143,24 @@ class SGLangEngine:
         return np.asarray([e[0] for e in entries[1:]], np.float32)
 
     # --- weights --------------------------------------------------------------------------
-    def load_adapter(self, path: str, version: str) -> None:
+    def load_adapter(self, path: str, version: int) -> None:
         """Mode B: hot-load the PEFT adapter at ``path`` as policy ``version``; unload the old one."""
         name = f"policy-{version}"
         self._broadcast("/load_lora_adapter", {"lora_name": name, "lora_path": path})
         old, self.adapter = self.adapter, name
         if old is not None and old != name:
             self._broadcast("/unload_lora_adapter", {"lora_name": old})
-        self.weight_version = self._set_version(version)
+        self.weight_version = self._set_version(str(version))
 
-    def update_weights_from_disk(self, path: str, version: str) -> None:
+    def update_weights_from_disk(self, path: str, version: int) -> None:
         """Mode A: reload full weights from an rlx HF export at ``path``."""
         for res in self._broadcast("/update_weights_from_disk",
-                                   {"model_path": path, "weight_version": version}):
+                                   {"model_path": path, "weight_version": str(version)}):
             if not res.get("success", False):
                 raise RolloutError(f"SGLang refused the weights at {path}: {res.get('message')}")
         self._broadcast("/flush_cache", {})
         self.weight_version = self._server_version()
-        if self.weight_version != version:
+        if self.weight_version != str(version):
             raise RolloutError(f"after loading {path}, SGLang reports weight_version "
                                f"{self.weight_version!r}, expected {version!r}")
 
@@ -200,3 +201,8 @@ def sampling_payload(s: SamplingParams, sample_index: int) -> dict:
     if s.seed is not None:
         out["sampling_seed"] = s.seed + sample_index
     return out
+
+
+def _version_number(version: str) -> int:
+    """rlx publishes policy versions as their learner step; a fresh server reports 'default'."""
+    return int(version) if version.lstrip("-").isdigit() else 0

@@ -48,7 +48,7 @@ class ReplayEngine:
                 text = self.answers[prompt.uid][i % len(self.answers[prompt.uid])]
                 ids = np.asarray(self.tokenizer.encode(text) + [self.tokenizer.eos_id], np.int32)
                 out.append(Rollout(prompt.uid, np.asarray(prompt.token_ids, np.int32), ids,
-                                   np.zeros(len(ids), np.float32), "stop", "v0", i))
+                                   np.zeros(len(ids), np.float32), "stop", 0, i))
         return out
 
 

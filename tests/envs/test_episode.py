@@ -56,7 +56,7 @@ class ScriptedEngine:
             self.emitted.setdefault(prompt.uid, []).append(ids)
             logp = -(np.arange(len(ids), dtype=np.float32) + 1) / 100
             out.append(Rollout(prompt.uid, np.asarray(prompt.token_ids, np.int32),
-                               np.asarray(ids, np.int32), logp, reason, "v7"))
+                               np.asarray(ids, np.int32), logp, reason, 7))
         return out
 
     def score(self, sequences):
@@ -120,7 +120,7 @@ def test_scripted_policy_solves_the_task_and_masks_are_exact(tokenizer_kind):
     assert episode.reward == 1.0
     check_tokens(episode, engine, tok, [env_reply("391"), env_reply("396"), ""])
     assert [t.info.tool_calls for t in episode.turns[:2]] == [1, 1]
-    assert all(t.weight_version == "v7" for t in episode.turns)
+    assert all(t.weight_version == 7 for t in episode.turns)
     # Append-only: prompt + completion is the chat template's rendering of the transcript
     # (which ends with the template's "\n" after the final <|im_end|>).
     full = tok.decode(np.concatenate([episode.prompt_ids, episode.completion_ids]))

@@ -103,7 +103,7 @@ def random_rollouts(n: int, vocab: int, seed: int = 0, max_prompt: int = 5,
     for i in range(n):
         p, c = rs.randint(1, max_prompt + 1), rs.randint(1, max_completion + 1)
         out.append(Rollout(
-            uid=i // 2, prompt_ids=rs.randint(0, vocab, p), completion_ids=rs.randint(0, vocab, c),
+            prompt_uid=i // 2, prompt_ids=rs.randint(0, vocab, p), completion_ids=rs.randint(0, vocab, c),
             sampler_logp=-rs.uniform(1.5, 4.0, c).astype(np.float32), weight_version=3,
         ))
     return out

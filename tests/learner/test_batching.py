@@ -12,7 +12,8 @@ from tests.learner.step_helpers import random_rollouts
 
 def _rollout(uid, p, c, version=0, mask=None):
     return Rollout(uid, np.arange(100, 100 + p), np.arange(200, 200 + c),
-                   -np.arange(1, c + 1, dtype=np.float32), version, mask)
+                   -np.arange(1, c + 1, dtype=np.float32), weight_version=version,
+                   completion_mask=mask)
 
 
 def test_pad_layout_buckets_and_padding_rows():

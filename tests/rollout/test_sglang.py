@@ -105,14 +105,14 @@ def test_full_weight_update_from_an_rlx_export(exported, server):
     new = _perturbed(model)
     to_hf(new, os.path.join(tmp, "v1"))
     engine = SGLangEngine([server.url])
-    engine.update_weights_from_disk(os.path.join(tmp, "v1"), version="step-1")
+    engine.update_weights_from_disk(os.path.join(tmp, "v1"), version=1)
     rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=4))
-    assert {r.weight_version for r in rollouts} == {"step-1"}
+    assert {r.weight_version for r in rollouts} == {1}
     probe = _probe(rollouts)
     run_preflight(new, engine.score, probe, engine_name="sglang", base_format="f32", threshold=5e-3)
     with pytest.raises(PreflightError):
         run_preflight(model, engine.score, probe, engine_name="sglang", base_format="f32", threshold=5e-3)
-    engine.update_weights_from_disk(os.path.join(tmp, "v0"), version="step-0")  # restore
+    engine.update_weights_from_disk(os.path.join(tmp, "v0"), version=0)  # restore
 
 
 def _wait_for_requests(log_path, n, timeout_s=120):
@@ -127,7 +127,7 @@ def _wait_for_requests(log_path, n, timeout_s=120):
 def test_killed_server_mid_generation_is_retried_elsewhere_without_loss(exported, server):
     tmp, _ = exported
     with SGLangServer(_spec(os.path.join(tmp, "v0"), tmp, "victim")) as victim:
-        engine = SGLangEngine([victim.url, server.url], backoff_s=0.2, weight_version="step-0")
+        engine = SGLangEngine([victim.url, server.url], backoff_s=0.2, weight_version=0)
         prompts = [Prompt(f"q{i}", (1 + i, 2, 3)) for i in range(16)]
         result = {}
         worker = threading.Thread(target=lambda: result.update(out=engine.generate(
