@@ -17,6 +17,8 @@ from typing import Any
 
 import ml_collections
 
+from rlx.quant.config import LoraConfig, QuantConfig
+
 
 class ConfigError(ValueError):
     """An invalid config; ``str(e)`` is one line naming the field and how to fix it."""
@@ -101,6 +103,8 @@ class RunConfig:
     """The whole run. Sections mirror the keys of ``get_config()``."""
 
     model: ModelSection = ModelSection()
+    quant: QuantConfig = QuantConfig()  # frozen base representation + serving format (mode B)
+    lora: LoraConfig = LoraConfig()  # adapter shape (used when train.mode == "lora")
     mesh: MeshSection = MeshSection()
     distributed: DistributedSection = DistributedSection()
     seed: int = 0  # seeds parameter init, data order and sampling
@@ -144,7 +148,12 @@ def _convert(cls: type, data: Any, prefix: str) -> Any:
         raise ConfigError(f"unknown key config{prefix}.{unknown[0]}; known keys of config{prefix or ''}: "
                           f"{sorted(fields)}")
     kwargs = {name: _value(hints[name], data[name], f"{prefix}.{name}") for name in data}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:  # a section's own __post_init__ check
+        raise ConfigError(f"config{prefix}: {e}") from None
 
 
 def _value(tp: Any, value: Any, field: str) -> Any:

@@ -1,5 +1,5 @@
-"""Small helpers for the learner-step tests: a tiny decoder, a stand-in for mode B (int8 frozen
-base + LoRA adapters), a jitted sampler without KV cache, and synthetic rollouts."""
+"""Small helpers for the learner-step tests: a tiny decoder, mode B (int8 frozen base + LoRA
+adapters from rlx.quant), a jitted sampler without KV cache, and synthetic rollouts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from rlx.models import ModelConfig, Transformer
-from rlx.models.layers import Linear
+from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from rlx.types import Rollout
 
 TINY = ModelConfig(
@@ -20,53 +20,20 @@ TINY = ModelConfig(
 )
 
 
-def tiny_model(seed: int = 0, cfg: ModelConfig = TINY) -> Transformer:
-    return Transformer(cfg, rngs=nnx.Rngs(seed))
-
-
-class FrozenWeight(nnx.Variable):
-    """A non-Param variable: frozen base weights (here int8 and their scales)."""
-
-
-class QLoRALinear(nnx.Module):
-    """y = x @ (int8 kernel * scale) + bias + (alpha / r) x @ A @ B; only A and B train."""
-
-    def __init__(self, base: Linear, rank: int, alpha: float, rngs: nnx.Rngs):
-        w = base.kernel[...]  # [in, out]
-        axes = base.kernel.get_metadata()["logical_axes"]
-        scale = jnp.maximum(jnp.max(jnp.abs(w), axis=0), 1e-8) / 127.0  # [out]
-        self.qkernel = FrozenWeight(jnp.round(w / scale).astype(jnp.int8), logical_axes=axes)
-        self.scale = FrozenWeight(scale, logical_axes=axes[1:])
-        self.bias = base.bias
-        d_in, d_out = w.shape
-        a = jax.random.normal(rngs.params(), (d_in, rank)) / np.sqrt(d_in)
-        self.lora_a = nnx.LoRAParam(a, logical_axes=(axes[0], "lora_rank"))
-        self.lora_b = nnx.LoRAParam(jnp.zeros((rank, d_out)), logical_axes=("lora_rank", axes[1]))
-        self.lora_scale = alpha / rank
-        self.dtype = base.dtype
-
-    def __call__(self, x, adapter: bool = True):
-        w = self.qkernel[...].astype(jnp.float32) * self.scale[...]  # [in, out]
-        y = jnp.einsum("...d,df->...f", x.astype(self.dtype), w.astype(self.dtype))
-        if self.bias is not None:
-            y = y + self.bias[...]
-        if not adapter:
-            return y
-        delta = jnp.einsum("...d,dr,rf->...f", x, self.lora_a[...], self.lora_b[...])
-        return y + self.lora_scale * delta
+def tiny_model(seed: int = 0, cfg: ModelConfig = TINY, head_scale: float = 1.0) -> Transformer:
+    """A random tiny decoder. ``head_scale`` multiplies the 0.02-scale lm-head: after the final
+    RMSNorm such a head caps every logit gap near 0.6, which a frozen head (mode B) could never turn
+    into a confident policy, unlike a pretrained model's head; learning tests use an O(1) head."""
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    if model.lm_head is not None and head_scale != 1.0:
+        model.lm_head.kernel.value = model.lm_head.kernel[...] * head_scale
+    return model
 
 
 def add_qlora(model: Transformer, rank: int = 4, alpha: float = 8.0, seed: int = 1) -> Transformer:
-    """Mode B stand-in: every attention / MLP projection and the lm-head become QLoRALinear."""
-    rngs = nnx.Rngs(seed)
-    for layer in model.layers:
-        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
-                              (layer.mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for name in names:
-                setattr(parent, name, QLoRALinear(getattr(parent, name), rank, alpha, rngs))
-    if model.lm_head is not None:
-        model.lm_head = QLoRALinear(model.lm_head, rank, alpha, rngs)
-    return model
+    """Mode B: an int8 frozen base (rlx.quant) with LoRA adapters on every projection."""
+    quantize_model(model, QuantConfig(format="int8"))
+    return apply_lora(model, LoraConfig(rank=rank, alpha=alpha), nnx.Rngs(seed))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "length"))

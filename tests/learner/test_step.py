@@ -27,8 +27,8 @@ def _mesh(shape=MeshShape()):
     return make_mesh(shape, jax.devices()[: shape.num_devices])
 
 
-def _model(mode: str, seed: int = 0):
-    model = tiny_model(seed)
+def _model(mode: str, seed: int = 0, head_scale: float = 1.0):
+    model = tiny_model(seed, head_scale=head_scale)
     if mode == "B":
         return add_qlora(model), nnx.LoRAParam
     return model, nnx.Param
@@ -186,7 +186,7 @@ def test_logprob_step_matches_dense_and_reference_is_adapter_off():
 def _emit7_run(mode, lr, steps=30, prompts=8, group=8, prompt_len=3, length=4):
     """GRPO from the model's own samples; reward = fraction of completion tokens equal to 7."""
     mesh = _mesh()
-    model, trainable = _model(mode)
+    model, trainable = _model(mode, head_scale=25.0)
     opt_cfg = OptimizerConfig(learning_rate=lr, schedule="constant")
     graphdef, state = create_train_state(model, make_optimizer(opt_cfg), mesh, trainable=trainable)
     step = make_train_step(graphdef, state, mesh, StepConfig(LossConfig("dapo")), opt_cfg)
