@@ -152,6 +152,14 @@ class SGLangEngine:
             self._broadcast("/unload_lora_adapter", {"lora_name": old})
         self.weight_version = self._set_version(str(version))
 
+    def loaded_adapters(self) -> dict[str, set[str]]:
+        """LoRA adapter names each healthy server holds (from its /v1/models listing)."""
+        out = {}
+        for url in [u for u in self.urls if self.healthy[u]]:
+            cards = requests.get(f"{url}/v1/models", timeout=30).json().get("data", [])
+            out[url] = {c["id"] for c in cards if c.get("parent")}
+        return out
+
     def update_weights_from_disk(self, path: str, version: int) -> None:
         """Mode A: reload full weights from an rlx HF export at ``path``."""
         for res in self._broadcast("/update_weights_from_disk",

@@ -38,12 +38,19 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
 FAMILIES = tuple(_configs())
 
 
+def _extra_configs() -> dict[str, transformers.PretrainedConfig]:
+    """Shapes for servers whose CPU kernels want widths in multiples of 64 (SGLang's LoRA pool)."""
+    wide = dict(_COMMON, hidden_size=64, intermediate_size=128)
+    return {"llama_wide": transformers.LlamaConfig(**wide, tie_word_embeddings=False)}
+
+
 def make_hf_model(family: str, root: str) -> str:
     """Create, save and return the folder of a tiny HF model of ``family`` (cached under root)."""
     path = os.path.join(root, family)
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(_configs()[family])
+        config = {**_configs(), **_extra_configs()}[family]
+        model = transformers.AutoModelForCausalLM.from_config(config)
         with torch.no_grad():  # norms are initialised to exactly 1; perturb them to catch mix-ups
             for name, p in model.named_parameters():
                 if "norm" in name:

@@ -4,7 +4,8 @@ Two workarounds belong to this test harness only (never to rlx itself):
 - SGLang's kernel package loads ``libcuda.so.1`` even when it runs on the CPU; a one-symbol stub
   library, built here with the system C compiler, satisfies the loader.
 - On a CPU, SGLang's LoRA path pins host memory; a ``sitecustomize.py`` on the server's
-  ``PYTHONPATH`` turns ``Tensor.pin_memory`` into a no-op in the server process.
+  ``PYTHONPATH`` turns pinning (``Tensor.pin_memory`` and the ``pin_memory=`` argument of the
+  tensor factories) into a no-op in the server process.
 
 The SGLang interpreter is ``$RLX_SGLANG_PYTHON`` or the venv that ``.ci/sglang_env.sh`` creates.
 """
@@ -18,10 +19,25 @@ SGLANG_PYTHON = os.environ.get(
     "RLX_SGLANG_PYTHON", os.path.expanduser("~/.cache/rlx/sglang-0.5.23/bin/python"))
 
 _STUB_C = "int cuPointerGetAttribute(void* a, int b, unsigned long long c) { return 100; }\n"
-_SITECUSTOMIZE = (
-    "import torch\n"
-    "torch.Tensor.pin_memory = lambda self, *args, **kwargs: self\n"
-)
+_SITECUSTOMIZE = """\
+import functools
+import torch
+
+torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
+def _unpinned(make):
+    @functools.wraps(make)
+    def wrapper(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return make(*args, **kwargs)
+    return wrapper
+
+
+for _name in ("tensor", "empty", "zeros", "ones", "full", "arange", "as_tensor", "empty_like",
+              "zeros_like", "ones_like"):
+    setattr(torch, _name, _unpinned(getattr(torch, _name)))
+"""
 
 
 def sglang_available() -> bool:

@@ -150,3 +150,66 @@ def test_all_servers_dead_is_a_clear_error():
     with pytest.raises(RolloutError, match="no healthy SGLang server left|failed on every attempt|does not answer"):
         SGLangEngine(engine_urls, backoff_s=0.01, max_retries=1).generate(
             PROMPTS[:1], SamplingParams(max_new_tokens=2))
+
+
+# --- mode B: LoRA adapters exported by rlx, hot-loaded into SGLang --------------------------------
+
+def _with_random_adapter(base_path, seed):
+    from flax import nnx
+
+    from rlx.quant import LoraConfig, apply_lora
+
+    lcfg = LoraConfig(rank=4, alpha=8.0)
+    model = apply_lora(from_hf(base_path), lcfg, nnx.Rngs(seed))
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    lora = jax.tree.map(lambda x: 0.3 * jax.random.normal(next(keys), x.shape), lora)
+    return nnx.merge(graphdef, lora, rest), lcfg
+
+
+@pytest.fixture(scope="module")
+def lora_base(exported):
+    tmp, _ = exported
+    path = os.path.join(tmp, "lora-base")
+    to_hf(from_hf(make_hf_model("llama_wide", os.path.join(tmp, "zoo"))), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_server(exported, lora_base):
+    tmp, _ = exported
+    spec = _spec(lora_base, tmp, "lora")
+    spec = ServerSpec(**{**spec.__dict__, "extra_args": cpu_server_args(lora_rank=4)
+                         + ("--skip-tokenizer-init",)})
+    with SGLangServer(spec) as s:
+        yield s
+
+
+def test_lora_adapter_exported_hot_loaded_used_and_unloaded(exported, lora_base, lora_server):
+    from rlx.export import export_peft
+
+    tmp, _ = exported
+    base = lora_base
+    policy1, lcfg = _with_random_adapter(base, seed=1)
+    policy2, _ = _with_random_adapter(base, seed=2)
+    engine = SGLangEngine([lora_server.url], weight_version=0)
+    engine.load_adapter(export_peft(policy1, lcfg, os.path.join(tmp, "adapter-1"), "1"), version=1)
+    rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=7))
+    assert {r.weight_version for r in rollouts} == {1}
+    probe = _probe(rollouts)
+    report = run_preflight(policy1, engine.score, probe, engine_name="sglang", base_format="f32+lora",
+                           threshold=5e-3)
+    assert report.max_abs <= 5e-3
+    # the reference policy (adapter off) is the base the server holds without an adapter
+    with pytest.raises(PreflightError):
+        run_preflight(policy1, engine.score, probe, engine_name="sglang", base_format="f32+lora",
+                      threshold=5e-3, adapter=False)
+    # a wrong adapter loaded on the server fails the preflight with a clear message
+    engine.load_adapter(export_peft(policy2, lcfg, os.path.join(tmp, "adapter-2"), "2"), version=2)
+    with pytest.raises(PreflightError, match=r"sglang \(base format f32\+lora\) and the learner disagree"):
+        run_preflight(policy1, engine.score, probe, engine_name="sglang", base_format="f32+lora",
+                      threshold=5e-3)
+    run_preflight(policy2, engine.score, probe, engine_name="sglang", base_format="f32+lora",
+                  threshold=5e-3)
+    # the first adapter was unloaded when the second arrived
+    assert engine.loaded_adapters() == {lora_server.url: {"policy-2"}}

@@ -1,0 +1,292 @@
+"""The built-in JAX rollout engine: the learner's own model code, sampling with a KV cache.
+
+``JaxEngine(model, tokenizer=..., mesh=...)`` runs ``Transformer.decode`` (``rlx.models.kv_cache``)
+on the very weights the learner trains: mode A full parameters, or mode B's frozen quantized base
+(int8/int4/nf4/fp8 ``QTensor``s, GGUF blocks) plus LoRA adapters, without any conversion.
+``update_weights(weights, version)`` takes a new model, or an ``nnx.State`` holding some of its
+variables (e.g. only the ``nnx.LoRAParam`` adapters in mode B), in memory; with unchanged shapes and
+dtypes nothing is recompiled. Weights are copied by default, so that the learner may donate its
+buffers to its next step while the engine still samples from the previous version.
+
+Requests are expanded to ``n`` rows per prompt, sorted by prompt length and cut into device batches
+of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, prompt width and
+new-token budget rounded up to powers of two (rows also to a multiple of the data-parallel size), so
+one compilation serves every batch of a bucket; ``compilations()`` counts them. Prompts are left
+padded; each row keeps its own positions, so padding does not change any row's tokens
+(``rlx.rollout.jax_sampling``).
+
+Stopping: a row ends on any of ``sampling.stop_token_ids`` (kept as its last token; end-of-sequence
+is not implicit, pass it there) or after ``max_new_tokens``. Stop strings are checked on the host
+after decoding: the completion is cut after the first token at which the decoded text contains a
+stop string (token granularity: that token is kept whole) and its finish reason becomes "stop".
+Rows with stop strings still run on device until a stop token or the budget.
+
+``sampler_logp`` is the raw policy's log-prob of each sampled token (temperature 1, no top-k/top-p
+truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlx.learner.state import variable_shardings
+from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, logical_to_spec, named_sharding
+from rlx.rollout.base import Prompt, RolloutError, SamplingParams
+from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, score_batch
+from rlx.types import Rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Shape buckets: powers of two at least these minimums; ``max_rows`` rows per device call."""
+
+    min_prompt: int = 16
+    min_new_tokens: int = 16
+    min_rows: int = 1
+    max_rows: int = 256
+
+    def rows(self, n: int, multiple: int) -> int:
+        return _round_up(_pow2(max(n, self.min_rows)), multiple)
+
+    def prompt(self, n: int) -> int:
+        return _pow2(max(n, self.min_prompt))
+
+    def new_tokens(self, n: int) -> int:
+        return _pow2(max(n, self.min_new_tokens))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _eval_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """Split a copy of ``model`` in eval mode (LoRA dropout off), leaving ``model`` untouched."""
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)
+    copy.eval()
+    return nnx.split(copy)
+
+
+def uid_hash(uid) -> int:
+    """A stable 32-bit hash of a prompt uid (seeds its samples)."""
+    return zlib.crc32(str(uid).encode())
+
+
+def stop_string_cut(tokenizer, ids: Sequence[int], stops: Sequence[str]) -> int | None:
+    """Fewest leading tokens of ``ids`` whose decoded text contains one of ``stops``, or None.
+
+    Binary search over prefixes: containment is monotone in the prefix length.
+    """
+    def hit(k: int) -> bool:
+        text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
+        return any(s in text for s in stops)
+
+    if not stops or not len(ids) or not hit(len(ids)):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
+    return lo
+
+
+def _pack_left(seqs: Sequence[Sequence[int]], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ids [rows, width] and lengths [rows]; missing rows have length 0."""
+    ids = np.zeros((rows, width), np.int32)
+    lens = np.zeros((rows,), np.int32)
+    for r, s in enumerate(seqs):
+        if len(s):
+            ids[r, width - len(s):] = s
+        lens[r] = len(s)
+    return ids, lens
+
+
+class JaxEngine:
+    """``RolloutEngine`` on the learner's own model (see the module docstring)."""
+
+    name = "jax"
+
+    def __init__(self, model: nnx.Module, *, tokenizer=None, mesh: Mesh | None = None,
+                 rules: LogicalRules = SAMPLE_RULES, buckets: Buckets = Buckets(),
+                 weight_version: int = 0, seed: int = 0, adapter: bool = True,
+                 copy_weights: bool = True, score_chunk: int = 256):
+        self.tokenizer, self.mesh, self.rules, self.buckets = tokenizer, mesh, rules, buckets
+        self.adapter, self.copy_weights, self.score_chunk = adapter, copy_weights, score_chunk
+        self.weight_version = int(weight_version)
+        self._seed, self._calls = seed, 0
+        self._fns: dict = {}
+        self._graphdef, self._state = None, None
+        self.update_weights(model, weight_version)
+
+    # --- weights --------------------------------------------------------------------------
+    def update_weights(self, weights: nnx.Module | nnx.State, version: int) -> None:
+        """Install a new model, or new values for some of its variables, as policy ``version``."""
+        if isinstance(weights, nnx.Module):
+            graphdef, state = _eval_split(weights)
+            self._config = weights.config
+            if graphdef != self._graphdef:
+                self._fns.clear()
+                self._graphdef = graphdef
+                self._state_shardings = (None if self.mesh is None
+                                         else variable_shardings(state, self.mesh, self.rules))
+            self._state = self._place(state)
+        else:
+            self._check_open()
+            known = {p for p, _ in nnx.to_flat_state(self._state)}
+            unknown = [p for p, _ in nnx.to_flat_state(weights) if p not in known]
+            if unknown:
+                raise ValueError(f"update_weights: the engine's model has no variable at "
+                                 f"{['/'.join(map(str, p)) for p in unknown[:5]]}")
+            self._state = nnx.merge_state(self._state, self._place(weights))
+        self.weight_version = int(version)
+
+    def _place(self, state: nnx.State) -> nnx.State:
+        """Own copy of ``state`` on the engine's shardings (sampling rules over the mesh)."""
+        if self.mesh is not None:
+            shardings = variable_shardings(state, self.mesh, self.rules)
+            return jax.device_put(state, shardings, may_alias=not self.copy_weights)
+        if not self.copy_weights:
+            return state
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+
+    # --- compiled functions ---------------------------------------------------------------
+    def _data_parallel(self) -> int:
+        if self.mesh is None:
+            return 1
+        spec = logical_to_spec(("batch",), self.rules, self.mesh)[0]
+        names = (spec,) if isinstance(spec, str) else tuple(spec or ())
+        return math.prod(self.mesh.shape[a] for a in names)
+
+    def _jit(self, fn, n_rows_args: tuple[int, ...], n_scalars: int, out_ndims: tuple[int, ...]):
+        """``jax.jit`` with the state on its shardings, row arrays over the batch axes."""
+        if self.mesh is None:
+            return jax.jit(fn)
+        rows = [batch_sharding(self.mesh, nd, self.rules) for nd in n_rows_args]
+        scalars = [NamedSharding(self.mesh, PartitionSpec())] * n_scalars
+        outs = tuple(batch_sharding(self.mesh, nd, self.rules) for nd in out_ndims)
+        return jax.jit(fn, in_shardings=(self._state_shardings, *rows, *scalars),
+                       out_shardings=outs if len(outs) > 1 else outs[0])
+
+    def _generate_fn(self, spec: SamplerSpec, new_tokens: int):
+        kv = rows = None
+        if self.mesh is not None:
+            cfg = self._config
+            dp = self._data_parallel()
+            kv = named_sharding(self.mesh, ("batch", None, "kv_heads", None), self.rules,
+                                (dp, 1, cfg.num_kv_heads, cfg.head_dim))
+            rows = batch_sharding(self.mesh, 2, self.rules)
+        static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows)
+        if static not in self._fns:
+            fn = functools.partial(generate_batch, static=static)
+            # ids [b, p]; lens, uid hash, sample index [b]; seed, temperature, top_p, max_new, stops
+            self._fns[static] = self._jit(fn, (2, 1, 1, 1), 5, (2, 2, 1, 1))
+        return self._fns[static]
+
+    def _score_fn(self):
+        key = ("score", self._graphdef, self.adapter, self.score_chunk)
+        if key not in self._fns:
+            fn = functools.partial(score_batch, graphdef=self._graphdef, adapter=self.adapter,
+                                   chunk=self.score_chunk)
+            self._fns[key] = self._jit(fn, (2, 1), 0, (2,))
+        return self._fns[key]
+
+    def compilations(self) -> int:
+        """Programs compiled so far (one per bucket and sampling mode)."""
+        return sum(f._cache_size() for f in self._fns.values())
+
+    # --- generation -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        """``sampling.n`` completions per prompt, prompt-major, tagged with ``weight_version``."""
+        self._check_open()
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass JaxEngine(..., tokenizer=...)")
+        for p in prompts:
+            if not len(p.token_ids):
+                raise ValueError(f"prompt {p.uid!r} has no tokens")
+        seed = sampling.seed if sampling.seed is not None else self._seed + self._calls
+        self._calls += 1
+        rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
+        order = sorted(rows, key=lambda r: -len(prompts[r[0]].token_ids))
+        out: dict[tuple[int, int], Rollout] = {}
+        step = self.buckets.max_rows
+        for start in range(0, len(order), step):
+            chunk = order[start:start + step]
+            out.update(zip(chunk, self._run_batch([(prompts[i], j) for i, j in chunk], sampling, seed)))
+        return [out[r] for r in rows]
+
+    def _run_batch(self, reqs: list[tuple[Prompt, int]], sampling: SamplingParams,
+                   seed: int) -> list[Rollout]:
+        b = self.buckets
+        rows = b.rows(len(reqs), self._data_parallel())
+        ids, lens = _pack_left([p.token_ids for p, _ in reqs], rows,
+                               b.prompt(max(len(p.token_ids) for p, _ in reqs)))
+        hashes = np.zeros((rows,), np.uint32)
+        hashes[:len(reqs)] = [uid_hash(p.uid) for p, _ in reqs]
+        index = np.zeros((rows,), np.int32)
+        index[:len(reqs)] = [j for _, j in reqs]
+        stops = list(dict.fromkeys(sampling.stop_token_ids))
+        stop_ids = np.full((_pow2(max(len(stops), 4)),), -1, np.int32)
+        stop_ids[:len(stops)] = stops
+        spec = SamplerSpec(greedy=sampling.temperature == 0, top_k=sampling.top_k,
+                           top_p=sampling.top_p is not None and sampling.top_p < 1)
+        fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens))
+        scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
+                   np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))
+        tokens, logps, lengths, stopped = jax.device_get(
+            fn(self._state, ids, lens, hashes, index, *scalars, stop_ids))
+        return [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]), sampling)
+                for r, (p, j) in enumerate(reqs)]
+
+    def _rollout(self, prompt: Prompt, j: int, tokens, logps, length: int, stopped: bool,
+                 sampling: SamplingParams) -> Rollout:
+        ids, logp = tokens[:length], logps[:length]
+        cut = stop_string_cut(self.tokenizer, ids, sampling.stop_strings) if sampling.stop_strings else None
+        if cut is not None:
+            ids, logp, stopped = ids[:cut], logp[:cut], True
+        return Rollout(prompt_uid=prompt.uid, prompt_ids=np.asarray(prompt.token_ids, np.int32),
+                       completion_ids=np.asarray(ids, np.int32),
+                       sampler_logp=np.asarray(logp, np.float32),
+                       finish_reason="stop" if stopped else "length",
+                       weight_version=self.weight_version, sample_index=j)
+
+    # --- scoring and lifecycle ------------------------------------------------------------
+    def score(self, sequences: Sequence[tuple[Sequence[int], int]]) -> list[np.ndarray]:
+        """Teacher-forced raw-policy log-probs of the tokens after each prompt (``[len - p]``)."""
+        self._check_open()
+        for s, p in sequences:
+            if not 1 <= p <= len(s):
+                raise ValueError(f"score: prompt length {p} outside [1, {len(s)}]")
+        out: list[np.ndarray] = []
+        step = self.buckets.max_rows
+        for start in range(0, len(sequences), step):
+            chunk = sequences[start:start + step]
+            width = self.buckets.prompt(max(len(s) for s, _ in chunk))
+            ids, lens = _pack_left([list(s) for s, _ in chunk],
+                                   self.buckets.rows(len(chunk), self._data_parallel()), width)
+            logp = np.asarray(jax.device_get(self._score_fn()(self._state, ids, lens)))
+            out += [logp[r, width - len(s) + p - 1: width - 1] for r, (s, p) in enumerate(chunk)]
+        return out
+
+    def health(self) -> bool:
+        return self._state is not None
+
+    def close(self) -> None:
+        self._state, self._fns = None, {}
+
+    def _check_open(self) -> None:
+        if self._state is None:
+            raise RolloutError("JaxEngine is closed")

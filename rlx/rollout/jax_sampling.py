@@ -1,0 +1,196 @@
+"""Device side of the built-in JAX engine: token sampling, batched generation, teacher-forced scores.
+
+``generate_batch`` runs one bucket of left-padded prompts entirely on device: a prefill of the prompt
+slots through ``Transformer.decode`` (the learner's own modules, writing a ``KVCache``), then a
+``lax.while_loop`` that feeds one token per row per iteration and exits as soon as every row has hit
+a stop token or ``max_new`` tokens are out. There is no host round trip per token.
+
+Sampling (``sample_tokens``): greedy is ``argmax``; otherwise the logits are divided by the
+temperature, optionally cut to the ``top_k`` largest (``lax.top_k``) and/or to the nucleus (smallest
+set, in descending order, whose mass reaches ``top_p``; the token that crosses ``top_p`` is kept) and
+one token is drawn with ``jax.random.categorical``. Every row has its own key, ``fold_in(fold_in(
+key(seed), uid_hash), sample_index)``, folded with the step number at every step, so a request's
+samples do not depend on how requests were batched or padded.
+
+The recorded log-prob is that of the *raw policy*: ``log_softmax`` of the model's f32 logits at
+temperature 1 over the whole vocabulary, evaluated at the sampled token, i.e. what the learner's
+``token_logprobs`` computes for the same sequence. It is not the log-prob of the tempered/truncated
+distribution the token was drawn from (under temperature != 1 or top-k/top-p those differ); the
+learner's importance ratios and the parity preflight compare raw-policy log-probs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from rlx.learner.logprobs import token_logprobs
+from rlx.models.kv_cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSpec:
+    """The static part of the sampling settings (temperature and top_p values are traced)."""
+
+    greedy: bool = False
+    top_k: int | None = None
+    top_p: bool = False  # whether a nucleus cut is applied
+
+
+def categorical(key, logits: Float[Array, " v"]) -> Int[Array, ""]:
+    """One draw from softmax(logits) by inverting its CDF with a single uniform number.
+
+    Exact in distribution like the Gumbel-max trick of ``jax.random.categorical`` but it needs one
+    random number per row instead of one per vocabulary entry (the PRNG dominated a decode step on
+    a CPU). Entries at -inf have zero width and are never drawn.
+    """
+    probs = jax.nn.softmax(logits)  # [v]
+    cdf = jnp.cumsum(probs)  # [v]
+    u = jax.random.uniform(key, (), jnp.float32) * cdf[-1]
+    idx = jnp.searchsorted(cdf, u, side="right")
+    last = logits.shape[0] - 1 - jnp.argmax(probs[::-1] > 0)  # guard against u rounding to cdf[-1]
+    return jnp.minimum(idx, last).astype(jnp.int32)
+
+
+def sample_tokens(logits: Float[Array, "b v"], keys, temperature: Float[Array, ""],
+                  top_p: Float[Array, ""], spec: SamplerSpec) -> Int[Array, " b"]:
+    """One token per row from f32 ``logits`` under ``spec``; ``keys`` holds one PRNG key per row."""
+    if spec.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = logits / temperature  # [b, v]
+    if spec.top_k is None and not spec.top_p:
+        return jax.vmap(categorical)(keys, z)
+    if spec.top_k is not None:
+        vals, idx = jax.lax.top_k(z, min(spec.top_k, z.shape[-1]))  # [b, k] descending
+    else:
+        idx = jnp.argsort(-z, axis=-1)  # [b, v]
+        vals = jnp.take_along_axis(z, idx, axis=-1)
+    if spec.top_p:
+        probs = jax.nn.softmax(vals, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
+        vals = jnp.where(before < top_p, vals, -jnp.inf)  # the first token is always kept
+    choice = jax.vmap(categorical)(keys, vals)  # [b]
+    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+def _pick(logits, keys, step, temperature, top_p, spec):
+    """Sampled token and its raw-policy log-prob for every row at ``step``."""
+    logits = logits.astype(jnp.float32)  # [b, v]
+    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+    tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
+    return tok, logp
+
+
+def row_keys(seed: Int[Array, ""], uid_hash: UInt32[Array, " b"], sample_index: Int[Array, " b"]):
+    """One typed PRNG key per row: ``fold_in(fold_in(key(seed), uid_hash), sample_index)``."""
+    base = jax.random.key(seed)
+    fold = jax.vmap(jax.random.fold_in, (0, 0))
+    return fold(jax.vmap(jax.random.fold_in, (None, 0))(base, uid_hash), sample_index)
+
+
+def _constrain(cache: KVCache, kv: NamedSharding | None, rows: NamedSharding | None) -> KVCache:
+    if kv is None:
+        return cache
+    put = jax.lax.with_sharding_constraint
+    return cache.replace(keys=tuple(put(k, kv) for k in cache.keys),
+                         values=tuple(put(v, kv) for v in cache.values),
+                         positions=put(cache.positions, rows), segment_ids=put(cache.segment_ids, rows))
+
+
+def left_padded(lens: Int[Array, " b"], width: int):
+    """Positions and segment ids [b, width] of rows whose ``lens`` tokens end at the last slot."""
+    start = width - lens  # [b] first real slot
+    slots = jnp.arange(width, dtype=jnp.int32)[None]  # [1, width]
+    return jnp.maximum(slots - start[:, None], 0), (slots >= start[:, None]).astype(jnp.int32)
+
+
+def _prefill(model, prompt_ids, prompt_lens, cache, adapter):
+    """Left-padded prompts through the cached forward pass; logits at the last slot [b, v]."""
+    positions, segments = left_padded(prompt_lens, prompt_ids.shape[1])  # [b, p] each
+    h, cache = model.decode(prompt_ids, positions, segments, cache, adapter)
+    return model.logits(h[:, -1], adapter), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateStatic:
+    """Hashable settings baked into one compiled generate function."""
+
+    graphdef: nnx.GraphDef
+    spec: SamplerSpec
+    new_tokens: int  # output buffer length (the bucket of max_new_tokens)
+    adapter: bool = True
+    kv_sharding: NamedSharding | None = None
+    row_sharding: NamedSharding | None = None
+
+
+def generate_batch(state: nnx.State, prompt_ids: Int[Array, "b p"], prompt_lens: Int[Array, " b"],
+                   uid_hash: UInt32[Array, " b"], sample_index: Int[Array, " b"], seed: Int[Array, ""],
+                   temperature: Float[Array, ""], top_p: Float[Array, ""], max_new: Int[Array, ""],
+                   stop_ids: Int[Array, " k"], *, static: GenerateStatic):
+    """Generate up to ``max_new`` tokens per row. Rows with ``prompt_lens == 0`` are padding.
+
+    Returns (tokens [b, n], raw-policy log-probs [b, n], lengths [b], stopped [b]); entries at or
+    beyond a row's length are 0. ``stopped``: the row ended on a stop token (kept as its last token).
+    """
+    model = nnx.merge(static.graphdef, state)
+    b, p = prompt_ids.shape
+    n = static.new_tokens
+    cache = KVCache.zeros(model.config, b, p + n, model.precision.dtype)
+    cache = _constrain(cache, static.kv_sharding, static.row_sharding)
+    keys = row_keys(seed, uid_hash, sample_index)
+    logits, cache = _prefill(model, prompt_ids, prompt_lens, cache, static.adapter)
+    tok, logp = _pick(logits, keys, 0, temperature, top_p, static.spec)
+    inactive = prompt_lens == 0
+    stopped = jnp.isin(tok, stop_ids) & ~inactive
+    carry = dict(step=jnp.ones((), jnp.int32), cache=cache, last=tok,
+                 tokens=jnp.zeros((b, n), jnp.int32).at[:, 0].set(tok),
+                 logps=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp),
+                 lengths=jnp.where(inactive, 0, 1).astype(jnp.int32), stopped=stopped,
+                 done=stopped | inactive)
+    body = functools.partial(_decode_step, model=model, keys=keys, prompt_lens=prompt_lens,
+                             temperature=temperature, top_p=top_p, stop_ids=stop_ids, static=static)
+    limit = jnp.minimum(max_new, n)
+    out = jax.lax.while_loop(lambda c: (c["step"] < limit) & ~jnp.all(c["done"]), body, carry)
+    return out["tokens"], out["logps"], out["lengths"], out["stopped"]
+
+
+def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, static):
+    """Feed every row's last token, sample the next one; finished rows keep their outputs."""
+    step = c["step"]
+    positions = (prompt_lens + step - 1)[:, None]  # [b, 1]
+    segments = jnp.ones_like(positions)
+    h, cache = model.decode(c["last"][:, None], positions, segments, c["cache"], static.adapter)
+    tok, logp = _pick(model.logits(h[:, 0], static.adapter), keys, step, temperature, top_p,
+                      static.spec)
+    live = ~c["done"]  # [b]
+    put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=step, axis=1)
+    tokens = put(c["tokens"], jnp.where(live, tok, 0))
+    logps = put(c["logps"], jnp.where(live, logp, 0.0))
+    stopped = c["stopped"] | (live & jnp.isin(tok, stop_ids))
+    return dict(step=step + 1, cache=_constrain(cache, static.kv_sharding, static.row_sharding),
+                last=tok, tokens=tokens, logps=logps,
+                lengths=jnp.where(live, step + 1, c["lengths"]), stopped=stopped,
+                done=c["done"] | stopped)
+
+
+def score_batch(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array, " b"], *,
+                graphdef: nnx.GraphDef, adapter: bool = True, chunk: int = 256) -> Float[Array, "b t"]:
+    """Teacher-forced raw-policy log-probs of left-padded rows through the cached forward pass.
+
+    ``out[:, s]`` is log p(ids[:, s + 1] | ids[:, <= s]) for ``s < t - 1``; the last column is 0.
+    """
+    model = nnx.merge(graphdef, state)
+    b, t = ids.shape
+    cache = KVCache.zeros(model.config, b, t, model.precision.dtype)
+    positions, segments = left_padded(lens, t)
+    h, _ = model.decode(ids, positions, segments, cache, adapter)
+    project = functools.partial(model.logits, adapter=adapter)
+    logp, _ = token_logprobs(h[:, :-1], project, ids[:, 1:], chunk)  # [b, t - 1]
+    return jnp.pad(logp, ((0, 0), (0, 1)))

@@ -1,0 +1,264 @@
+"""The built-in JAX engine: learner log-prob parity, greedy = HF, sampling statistics, stops,
+padding, bucketed compilation, weight updates and a sharded mesh.
+
+Tolerances: sampler log-probs vs the learner's ``make_logprob_step`` <= 1e-5 in f32 (both modes;
+bf16 figures are printed). Chi-square tests reject at p < 1e-3 (scipy.stats.chisquare; bins with
+an expected count under 5 are merged into one).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlx.learner.batching import pad_rollouts, shard_batch
+from rlx.learner.step import StepConfig, make_logprob_step
+from rlx.mesh import MeshShape, make_mesh
+from rlx.models import from_hf
+from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
+from rlx.rollout.base import Prompt, SamplingParams
+from rlx.rollout.jax_engine import Buckets, JaxEngine
+from rlx.rollout.preflight import learner_logprobs
+from tests.models.hf_zoo import make_hf_model
+from tests.quant.helpers import quantized_lora_model, randomize_lora_b
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("zoo"))
+
+
+def _prompts(lengths=(3, 11, 6), seed=0, vocab=97):
+    rs = np.random.RandomState(seed)
+    return [Prompt(f"p{i}", tuple(int(t) for t in rs.randint(0, vocab, n))) for i, n in enumerate(lengths)]
+
+
+def _step_logprobs(model, rollouts) -> list[np.ndarray]:
+    """The learner's compiled log-prob step on the rollouts' sequences (1-device mesh)."""
+    mesh = make_mesh(MeshShape(), devices=jax.devices()[:1])
+    trainable = nnx.LoRAParam if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)) else nnx.Param
+    graphdef, params, frozen = nnx.split(model, trainable, ...)
+    step = make_logprob_step(graphdef, params, frozen, mesh, StepConfig(logprob_chunk=64))
+    batch = pad_rollouts(rollouts, np.zeros(len(rollouts)))
+    logp = np.asarray(step(params, frozen, shard_batch(batch, mesh)).logp)  # aligned with ids
+    return [logp[i, len(r.prompt_ids):r.length] for i, r in enumerate(rollouts)]
+
+
+def _max_diff(a, b) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+def _parity(model, sampling=SamplingParams(max_new_tokens=12, n=2, seed=3)):
+    engine = JaxEngine(model)
+    rollouts = engine.generate(_prompts(), sampling)
+    assert all(len(r.completion_ids) == sampling.max_new_tokens for r in rollouts)
+    learner = _step_logprobs(model, rollouts)
+    seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in rollouts]
+    return (_max_diff(learner, [r.sampler_logp for r in rollouts]), _max_diff(learner, engine.score(seqs)),
+            _max_diff(learner, learner_logprobs(model, seqs)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
+    sampled, scored, preflight = _parity(from_hf(make_hf_model(family, zoo)))
+    print(f"mode A {family} f32: sampler {sampled:.2e}, score {scored:.2e}")
+    assert sampled <= TOL and scored <= TOL and preflight <= TOL
+
+
+@pytest.mark.parametrize("family,fmt", [("llama", "int4"), ("qwen3_moe", "int8")])
+def test_sampler_logprobs_equal_learner_mode_b(zoo, family, fmt):
+    model = quantized_lora_model(zoo, family, QuantConfig(format=fmt, group_size=8))
+    sampled, scored, _ = _parity(model)
+    print(f"mode B {family} {fmt} + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
+    assert sampled <= TOL and scored <= TOL
+
+
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_bf16_logprob_figures(zoo, mode):
+    """Reported, loosely bounded: bf16 compute rounds differently in a [B, T] and a 1-token pass."""
+    model = from_hf(make_hf_model("llama", zoo), jnp.bfloat16)
+    if mode == "B":
+        quantize_model(model, QuantConfig(format="int4", group_size=8))
+        apply_lora(model, LoraConfig(rank=3, alpha=5.0, param_dtype="bfloat16"), nnx.Rngs(0))
+        randomize_lora_b(model)
+    sampled, scored, _ = _parity(model)
+    print(f"mode {mode} llama bf16: sampler max |diff| {sampled:.3e}, score {scored:.3e}")
+    assert sampled < 0.1 and scored < 0.1
+
+
+def _hf_greedy(path, prompt, n):
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):]
+    eos = hf.generation_config.eos_token_id
+    return out.tolist(), () if eos is None else tuple(np.atleast_1d(eos).tolist())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_greedy_equals_transformers(zoo, family):
+    path = make_hf_model(family, zoo)
+    prompts = _prompts((5, 2, 9), seed=1)
+    engine = JaxEngine(from_hf(path))
+    refs = [_hf_greedy(path, list(p.token_ids), 12) for p in prompts]
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=refs[0][1])
+    for p, r, (ref, eos) in zip(prompts, engine.generate(prompts, sampling), refs):
+        if eos and set(ref) & set(eos):
+            ref = ref[:min(ref.index(e) for e in eos if e in ref) + 1]
+        assert r.completion_ids.tolist() == ref, p.uid
+        assert r.finish_reason == ("stop" if len(ref) < 12 else "length")
+
+
+def _first_token_probs(model, prompt, temperature=1.0):
+    logits = model(jnp.asarray([prompt]))[0, -1].astype(jnp.float32) / temperature
+    return np.asarray(jax.nn.softmax(logits), np.float64)
+
+
+def _chi2_pvalue(samples, probs) -> float:
+    from scipy import stats
+
+    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
+    expected = probs / probs.sum() * len(samples)
+    small = expected < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    return float(stats.chisquare(counts[keep], expected[keep]).pvalue)
+
+
+def _nucleus(probs, top_p):
+    order = np.argsort(-probs)
+    before = np.cumsum(probs[order]) - probs[order]
+    return order[before < top_p]
+
+
+@pytest.mark.parametrize("case", ["t1", "t0.7", "top_k", "top_p", "top_k_top_p"])
+def test_sampling_matches_model_distribution(zoo, case):
+    """First-token samples vs the (tempered, truncated) softmax; support restricted exactly."""
+    model = from_hf(make_hf_model("llama", zoo))
+    engine = JaxEngine(model, buckets=Buckets(max_rows=2048))
+    prompt = _prompts((4,), seed=5)[0]
+    temperature = 0.7 if case == "t0.7" else 1.0
+    top_k = 5 if "top_k" in case else None
+    top_p = 0.6 if "top_p" in case else None
+    sampling = SamplingParams(max_new_tokens=1, n=4000, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=11)
+    samples = np.array([r.completion_ids[0] for r in engine.generate([prompt], sampling)])
+    probs = _first_token_probs(model, list(prompt.token_ids), temperature)
+    allowed = np.arange(len(probs))
+    if top_k:
+        allowed = np.argsort(-probs)[:top_k]
+    if top_p:
+        restricted = np.zeros_like(probs)
+        restricted[allowed] = probs[allowed]
+        allowed = _nucleus(restricted / restricted.sum(), top_p)
+    target = np.zeros_like(probs)
+    target[allowed] = probs[allowed]
+    assert set(samples.tolist()) <= set(allowed.tolist())
+    if top_k or top_p:
+        assert len(allowed) < len(probs) / 4  # the cut matters
+    assert _chi2_pvalue(samples, target) > 1e-3
+
+
+class _DigitTokenizer:
+    """Token i decodes to "<i>": stop strings can end inside a token or span two."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+def test_stop_token_ids_and_stop_strings(zoo):
+    model = from_hf(make_hf_model("llama", zoo))
+    engine = JaxEngine(model, tokenizer=_DigitTokenizer())
+    prompts = _prompts((4, 7), seed=2)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    free = engine.generate(prompts, greedy)
+    ids = free[0].completion_ids.tolist()
+    k = next(i for i in range(2, 16) if ids[i] not in ids[:i])  # first occurrence of a new token
+    stopped = engine.generate(prompts, SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                      stop_token_ids=(ids[k],)))
+    assert stopped[0].completion_ids.tolist() == ids[:k + 1] and stopped[0].finish_reason == "stop"
+    np.testing.assert_allclose(stopped[0].sampler_logp, free[0].sampler_logp[:k + 1], atol=TOL)
+    other = free[1].completion_ids.tolist()
+    if ids[k] not in other:  # the other row is not affected by row 0's stop
+        assert stopped[1].completion_ids.tolist() == other and stopped[1].finish_reason == "length"
+    # a stop string ending inside token k + 1 (it spans tokens k and k + 1)
+    stop = f"{ids[k]}><{str(ids[k + 1])[:1]}"
+    first = next(j for j in range(1, 17) if stop in _DigitTokenizer().decode(ids[:j]))
+    cut = engine.generate(prompts[:1], SamplingParams(max_new_tokens=16, temperature=0.0,
+                                                      stop_strings=(stop,)))[0]
+    assert cut.completion_ids.tolist() == ids[:first] and cut.finish_reason == "stop"
+    assert len(cut.sampler_logp) == first
+
+
+def test_padded_prompts_equal_prompts_alone(zoo):
+    """Greedy and seeded sampling: batching/padding (prompt buckets 16 and 32) changes nothing."""
+    engine = JaxEngine(from_hf(make_hf_model("qwen2", zoo)))
+    prompts = _prompts((2, 9, 20), seed=3)
+    for sampling in (SamplingParams(max_new_tokens=10, temperature=0.0),
+                     SamplingParams(max_new_tokens=10, n=2, top_k=20, seed=7)):
+        together = engine.generate(prompts, sampling)
+        alone = [r for p in prompts for r in engine.generate([p], sampling)]
+        for a, b in zip(together, alone):
+            assert a.completion_ids.tolist() == b.completion_ids.tolist()
+            assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
+
+
+def test_one_compilation_per_bucket_and_weight_updates(zoo):
+    model = from_hf(make_hf_model("llama", zoo))
+    engine = JaxEngine(model, weight_version=3)
+    s = SamplingParams(max_new_tokens=8, n=1, seed=0)
+    engine.generate(_prompts((3, 5, 7)), s)  # rows 4, prompt 16, new 16
+    engine.generate(_prompts((9, 2, 4, 12), seed=1), s)  # same bucket
+    engine.generate(_prompts((2,)), SamplingParams(max_new_tokens=12, n=3, seed=1))  # rows 4
+    assert engine.compilations() == 1
+    engine.generate(_prompts((20, 3)), s)  # rows 2, prompt bucket 32
+    assert engine.compilations() == 2
+    before = engine.generate(_prompts((3,)), s)[0]  # rows 1
+    assert engine.compilations() == 3
+    params = nnx.state(model, nnx.Param)
+    new = jax.tree.map(lambda x: x * 1.5, params)  # same shapes and dtypes
+    engine.update_weights(new, version=4)
+    after = engine.generate(_prompts((3,)), s)[0]
+    assert engine.compilations() == 3  # new weights, same program
+    assert after.weight_version == 4 and before.weight_version == 3
+    assert np.abs(after.sampler_logp - before.sampler_logp).max() > 1e-3
+    nnx.update(model, new)
+    assert _max_diff(_step_logprobs(model, [after]), [after.sampler_logp]) <= TOL
+
+
+def test_mode_b_adapter_update_without_recompilation(zoo):
+    model = quantized_lora_model(zoo, "llama", QuantConfig(format="int8", group_size=8),
+                                 LoraConfig(rank=3, alpha=5.0), randomize=False)
+    engine = JaxEngine(model)
+    s = SamplingParams(max_new_tokens=8, temperature=0.0)
+    base = engine.generate(_prompts(), s)
+    randomize_lora_b(model, scale=0.5)
+    engine.update_weights(nnx.state(model, nnx.LoRAParam), version=1)
+    tuned = engine.generate(_prompts(), s)
+    assert engine.compilations() == 1
+    assert any(a.completion_ids.tolist() != b.completion_ids.tolist() for a, b in zip(base, tuned))
+    assert _max_diff(_step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
+
+
+@pytest.mark.parametrize("family,shape", [
+    ("llama", MeshShape(data=2, fsdp=2, tensor=2)), ("qwen3_moe", MeshShape(data=2, tensor=2, expert=2))])
+def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
+    path = make_hf_model(family, zoo)
+    sampling = SamplingParams(max_new_tokens=10, n=2, top_p=0.9, seed=5)
+    single = JaxEngine(from_hf(path)).generate(_prompts(), sampling)
+    mesh = make_mesh(shape)
+    engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh)
+    sharded = engine.generate(_prompts(), sampling)
+    kernel = engine._state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
+    assert kernel.addressable_shards[0].data.shape[1] == kernel.shape[1] // 2  # heads over tensor
+    for a, b in zip(single, sharded):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
+    seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in sharded]
+    assert _max_diff(engine.score(seqs), [r.sampler_logp for r in sharded]) <= TOL
