@@ -2,32 +2,92 @@
 
 The learner needs `log softmax(h_t W)[y_t]` for every generated token. With a 150k vocabulary a
 dense [B, T, V] f32 logits tensor (and its cotangent in the backward pass) dominates memory, so
-`token_logprobs` flattens the B*T tokens, splits them into chunks of `chunk_size` tokens and maps a
-`jax.checkpoint`-ed chunk function over them with `lax.map` (a scan). The forward pass keeps only
-the per-token results; the backward pass recomputes one chunk's logits at a time, so peak
-temporary memory is a small multiple of one chunk's `chunk_size * V * 4` bytes.
+`token_logprobs` flattens the B*T tokens and splits them into chunks of `chunk_size` tokens. The
+forward pass keeps only per-token results; the backward pass recomputes logits. This is the
+"chunked cross-entropy" idea used by several LLM trainers, done in plain XLA (no fused kernel);
+the price is recomputing the projection in the backward pass. How far the vocabulary is split
+depends on what `project` is:
 
-This is the "chunked cross-entropy" idea used by several LLM trainers. It departs from a fused
-kernel (e.g. a Pallas/Triton linear-cross-entropy) in that the lm-head is an opaque `project`
-callable and XLA decides the fusion; the price is recomputing the projection in the backward pass.
+* an `LMHead` (a float weight, `[D, V]` kernel or tied `[V, D]` embedding, optional `[V]` bias and
+  matmul dtype): the vocabulary is also split into blocks of `vocab_block` columns, so the unit of
+  work is a [chunk, vocab_block] tile and no [chunk, V] buffer exists in either pass. The forward
+  pass merges per-tile (max, sum of exp, sum of exp * logit) statistics into each token's
+  logsumexp and entropy (an online logsumexp); the backward pass, a hand-written VJP of the whole
+  computation, keeps only those O(tokens) statistics and, per tile, rebuilds the logits, forms
+  their cotangent and accumulates `dh += dz W_blk^T`, `dW_blk += h^T dz` (and the bias). The
+  last block of a vocabulary that `vocab_block` does not divide is shifted left to end at V and
+  its columns already covered by the previous block are masked, so the weight is never padded.
+  dW accumulates over chunks in the weight's dtype (pass an f32 master weight and a bf16 `dtype`
+  for a bf16 matmul with f32 gradients). Peak temporary memory is a few [chunk, vocab_block] f32
+  tiles. Use this for a plain float lm-head. The blocks are dynamic slices along V: under XLA's
+  SPMD partitioner a vocabulary-sharded (tensor-parallel) weight is all-gathered to slice it, so
+  there the callable form, whose logits stay sharded over V, may use less memory.
+* any callable `h -> logits` (a LoRA-adapted, quantized or otherwise opaque lm-head closing over
+  params): it can only be applied to whole rows, so a `jax.checkpoint`-ed chunk function is mapped
+  over the chunks with `lax.map`, and the backward pass holds one chunk's [chunk, V] logits and
+  their cotangent: peak temporary memory is about twice one chunk's `chunk_size * V * 4` bytes.
+  Inside a chunk, log-softmax and entropy have a hand-written VJP: the cotangent of the logits is
+  one fused elementwise expression, `-p * (g_logp + g_H * (z - E_p[z]))`, plus `g_logp` added in
+  place at the target ids (plain autodiff keeps `exp(z - max)`, `p` and `p * z` alive as separate
+  [chunk, V] buffers and scatters the gather's cotangent into a fresh zero buffer).
 
-Inside a chunk, log-softmax and entropy have a hand-written VJP: the cotangent of the logits is
-one fused elementwise expression, `-p * (g_logp + g_H * (z - E_p[z]))`, plus `g_logp` added in place
-at the target ids. Plain autodiff of the same code keeps `exp(z - max)`, `p` and `p * z` alive as
-separate [chunk, V] buffers (and a gather's cotangent is a scatter into a fresh zero buffer), which
-doubles the peak. Log-softmax is always computed in f32, whatever dtype `project` returns.
+Either way log-softmax is computed in f32, whatever dtype the projection returns, and both paths
+give the same values and gradients (to float rounding) as `token_logprobs_dense`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 from jaxtyping import Array, Float, Int
 
 Projection = Callable[[Float[Array, "... d"]], Float[Array, "... v"]]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["weight", "bias"], meta_fields=["transposed", "dtype"],
+)
+@dataclasses.dataclass(frozen=True)
+class LMHead:
+    """A float lm-head whose vocabulary columns can be sliced: `logits = h @ W (+ bias)`.
+
+    `weight` is a `[D, V]` kernel, or a `[V, D]` (tied input) embedding when `transposed`. The
+    matmul runs in `dtype` (None: the promoted dtype of hidden and weight), as does the bias add,
+    like a `Linear` layer computing in its compute dtype. Calling it gives the full logits.
+    """
+
+    weight: Float[Array, "d v"] | Float[Array, "v d"]
+    bias: Float[Array, " v"] | None = None
+    transposed: bool = False
+    dtype: Any = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0 if self.transposed else 1]
+
+    def compute_dtype(self, hidden_dtype) -> jnp.dtype:
+        if self.dtype is not None:
+            return jnp.dtype(self.dtype)
+        return jnp.result_type(hidden_dtype, self.weight.dtype)
+
+    def block(self, start: Int[Array, ""], size: int) -> LMHead:
+        """The head restricted to vocabulary columns [start, start + size)."""
+        weight = lax.dynamic_slice_in_dim(self.weight, start, size, 0 if self.transposed else 1)
+        bias = None if self.bias is None else lax.dynamic_slice_in_dim(self.bias, start, size)
+        return LMHead(weight, bias, self.transposed, self.dtype)
+
+    def __call__(self, h: Float[Array, "... d"]) -> Float[Array, "... v"]:
+        cd = self.compute_dtype(h.dtype)
+        spec = "...d,vd->...v" if self.transposed else "...d,dv->...v"
+        z = jnp.einsum(spec, h.astype(cd), self.weight.astype(cd))
+        return z if self.bias is None else z + self.bias.astype(cd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -78,27 +138,180 @@ def _check_shapes(hidden: Array, targets: Array) -> None:
         )
 
 
+class _Blocking(NamedTuple):
+    """Static settings of the blocked path (hashable: a non-differentiable custom_vjp argument)."""
+
+    vocab_block: int
+    compute_entropy: bool
+
+
+def _vocab_blocks(vocab_size: int, vocab_block: int) -> tuple[Int[Array, " k"], Int[Array, " k"]]:
+    """Start column of each block, and the first column it owns (earlier ones are masked).
+
+    Block k owns columns [k * vocab_block, ...); the last block starts at V - vocab_block so that
+    it stays inside the weight, and overlaps the previous one when vocab_block does not divide V.
+    """
+    owned = np.arange(0, vocab_size, vocab_block, dtype=np.int32)  # [K]
+    return jnp.asarray(np.minimum(owned, vocab_size - vocab_block)), jnp.asarray(owned)
+
+
+def _tile(
+    sub: LMHead, h_c: Float[Array, "c d"], y_c: Int[Array, " c"], start, owned
+) -> tuple[Float[Array, "c vb"], Array, Array]:
+    """f32 logits of one [chunk, block] tile, its owned-column mask and its target mask."""
+    z = sub(h_c).astype(jnp.float32)  # [C, Vb]
+    cols = start + jnp.arange(z.shape[1])  # [Vb]
+    valid = (cols >= owned)[None, :]  # [1, Vb]
+    return z, valid, valid & (cols[None, :] == y_c[:, None])  # ..., [C, Vb]
+
+
+def _tile_stats(z, valid, is_target) -> tuple[Float[Array, " c"], ...]:
+    """Per row over owned columns: max m, sum e, sum e * (z - m) with e = exp(z - m), and z[y]."""
+    m = jnp.max(jnp.where(valid, z, -jnp.inf), axis=-1)  # [C]
+    shifted = jnp.where(valid, z - m[:, None], 0.0)  # [C, Vb]
+    e = jnp.where(valid, jnp.exp(shifted), 0.0)  # [C, Vb]
+    z_y = jnp.sum(jnp.where(is_target, z, 0.0), axis=-1)
+    return m, jnp.sum(e, axis=-1), jnp.sum(e * shifted, axis=-1), z_y
+
+
+def _merge_stats(a, b):
+    """Combine the statistics of two disjoint column sets (online logsumexp)."""
+    m = jnp.maximum(a[0], b[0])
+    scale_a, scale_b = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+    total = a[1] * scale_a + b[1] * scale_b
+    moment = scale_a * (a[2] + a[1] * (a[0] - m)) + scale_b * (b[2] + b[1] * (b[0] - m))
+    return m, total, moment, a[3] + b[3]
+
+
+def _blocked_chunk_forward(head: LMHead, h_c, y_c, blocks, vocab_block: int):
+    """(log p(y), entropy, logsumexp) of one chunk, merged over the vocabulary blocks: [C] each."""
+
+    def stats(start, owned):
+        return _tile_stats(*_tile(head.block(start, vocab_block), h_c, y_c, start, owned))
+
+    def body(acc, block):
+        return _merge_stats(acc, stats(*block)), None
+
+    starts, owned = blocks
+    init = stats(starts[0], owned[0])
+    (m, total, moment, z_y), _ = lax.scan(body, init, (starts[1:], owned[1:]))
+    log_total = jnp.log(total)
+    lse = m + log_total
+    return z_y - lse, log_total - moment / total, lse  # H = log sum e - E_p[z - m]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked_logprobs(
+    cfg: _Blocking, head: LMHead, chunks_h: Float[Array, "k c d"], chunks_y: Int[Array, "k c"]
+) -> tuple[Float[Array, "k c"], ...]:
+    """f32 (log p(y),) or (log p(y), entropy) per token of `head(chunks_h)`, tile by tile."""
+    out, _ = _blocked_fwd(cfg, head, chunks_h, chunks_y)
+    return out
+
+
+def _blocked_fwd(cfg: _Blocking, head, chunks_h, chunks_y):
+    blocks = _vocab_blocks(head.vocab_size, cfg.vocab_block)
+    logp, entropy, lse = lax.map(
+        lambda xs: _blocked_chunk_forward(head, *xs, blocks, cfg.vocab_block), (chunks_h, chunks_y)
+    )  # [K, C] each
+    if not cfg.compute_entropy:
+        return (logp,), (head, chunks_h, chunks_y, lse, None)
+    return (logp, entropy), (head, chunks_h, chunks_y, lse, entropy)
+
+
+def _tile_cotangent(z, valid, is_target, lse, g_logp, entropy, g_entropy) -> Float[Array, "c vb"]:
+    """d/dz of g_logp * log p(y) + g_H * H:  g_logp * (onehot(y) - p) - g_H * p * (z - E_p[z])."""
+    coef = g_logp[:, None]  # [C, 1]
+    if g_entropy is not None:
+        coef = coef + g_entropy[:, None] * (z - (lse - entropy)[:, None])  # [C, Vb]
+    d_z = jnp.where(is_target, g_logp[:, None], 0.0) - jnp.exp(z - lse[:, None]) * coef
+    return jnp.where(valid, d_z, 0.0)
+
+
+def _add_block(total: Array, block: Array, start, axis: int) -> Array:
+    """total[start : start + size] += block along `axis`, in place, in total's dtype."""
+    old = lax.dynamic_slice_in_dim(total, start, block.shape[axis], axis)
+    return lax.dynamic_update_slice_in_dim(total, (old + block).astype(total.dtype), start, axis)
+
+
+def _blocked_chunk_backward(head: LMHead, xs, acc, blocks, vocab_block: int):
+    """One chunk's cotangent wrt its hidden states; adds its dW (and d bias) to `acc`."""
+    h_c, y_c, lse, g_logp, entropy, g_entropy = xs
+    cd = head.compute_dtype(h_c.dtype)
+    h_cd = h_c.astype(cd)
+    axis, spec_h, spec_w = (0, "cv,vd->cd", "cd,cv->vd") if head.transposed else (
+        1, "cv,dv->cd", "cd,cv->dv")
+
+    def tile(carry, block):
+        d_h, d_w, d_b = carry
+        sub = head.block(block[0], vocab_block)
+        z, valid, is_target = _tile(sub, h_c, y_c, *block)
+        d_z = _tile_cotangent(z, valid, is_target, lse, g_logp, entropy, g_entropy).astype(cd)
+        f32 = jnp.float32
+        d_h = d_h + jnp.einsum(spec_h, d_z, sub.weight.astype(cd), preferred_element_type=f32)
+        d_w_blk = jnp.einsum(spec_w, h_cd, d_z, preferred_element_type=f32)  # [D, Vb] or [Vb, D]
+        d_w = _add_block(d_w, d_w_blk, block[0], axis)
+        if d_b is not None:
+            d_b = _add_block(d_b, jnp.sum(d_z, axis=0, dtype=f32), block[0], 0)
+        return (d_h, d_w, d_b), None
+
+    (d_h, d_w, d_b), _ = lax.scan(tile, (jnp.zeros(h_c.shape, jnp.float32), *acc), blocks)
+    return (d_w, d_b), d_h.astype(h_c.dtype)
+
+
+def _blocked_bwd(cfg: _Blocking, residuals, cotangents):
+    head, chunks_h, chunks_y, lse, entropy = residuals
+    g_entropy = cotangents[1] if cfg.compute_entropy else None
+    blocks = _vocab_blocks(head.vocab_size, cfg.vocab_block)
+    d_bias = None if head.bias is None else jnp.zeros_like(head.bias)
+    xs = (chunks_h, chunks_y, lse, cotangents[0], entropy, g_entropy)
+    (d_w, d_b), d_h = lax.scan(
+        lambda acc, x: _blocked_chunk_backward(head, x, acc, blocks, cfg.vocab_block),
+        (jnp.zeros_like(head.weight), d_bias), xs,
+    )
+    return LMHead(d_w, d_b, head.transposed, head.dtype), d_h, None
+
+
+_blocked_logprobs.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def _callable_logprobs(project: Projection, chunks_h, chunks_y, compute_entropy: bool):
+    """Whole-row chunks through an opaque projection, rematerialised in the backward pass."""
+
+    @jax.checkpoint
+    def one_chunk(xs):
+        h_c, y_c = xs  # [C, D], [C]
+        return _logp_entropy_from_logits(project(h_c), y_c, compute_entropy)
+
+    return jax.lax.map(one_chunk, (chunks_h, chunks_y))  # each [K, C]
+
+
 def token_logprobs(
     hidden: Float[Array, "b t d"],
-    project: Projection,
+    project: Projection | LMHead,
     targets: Int[Array, "b t"],
     chunk_size: int,
     compute_entropy: bool = False,
+    vocab_block: int = 8192,
 ) -> tuple[Float[Array, "b t"], Float[Array, "b t"] | None]:
     """Chunked f32 log p(targets | hidden) and entropy, differentiable wrt hidden and `project`.
 
     Args:
       hidden: final hidden states (after the last norm).
-      project: the lm-head, e.g. `lambda h: h @ w`; it may close over (traced) params.
+      project: the lm-head: an `LMHead` (blocked over the vocabulary, see the module docstring)
+        or any callable, e.g. `lambda h: h @ w`, that may close over (traced) params.
       targets: the token id predicted at each position.
       chunk_size: tokens per chunk (over the flattened B*T tokens); T need not divide it.
       compute_entropy: also return the per-token entropy of the softmax.
+      vocab_block: vocabulary columns per block for an `LMHead` (capped at V; need not divide V).
     Returns:
       (logp [B, T] f32, entropy [B, T] f32 or None).
     """
     _check_shapes(hidden, targets)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size < 1 or vocab_block < 1:
+        raise ValueError(
+            f"chunk_size and vocab_block must be >= 1, got {chunk_size} and {vocab_block}"
+        )
     b, t, d = hidden.shape
     n_tokens = b * t
     chunk_size = min(chunk_size, max(n_tokens, 1))
@@ -111,13 +324,11 @@ def token_logprobs(
         flat_y = jnp.pad(flat_y, (0, pad))  # [N + pad]
     chunks_h = flat_h.reshape(n_chunks, chunk_size, d)  # [K, C, D]
     chunks_y = flat_y.reshape(n_chunks, chunk_size)  # [K, C]
-
-    @jax.checkpoint
-    def one_chunk(xs):
-        h_c, y_c = xs  # [C, D], [C]
-        return _logp_entropy_from_logits(project(h_c), y_c, compute_entropy)
-
-    outs = jax.lax.map(one_chunk, (chunks_h, chunks_y))  # each [K, C]
+    if isinstance(project, LMHead):
+        cfg = _Blocking(min(vocab_block, project.vocab_size), compute_entropy)
+        outs = _blocked_logprobs(cfg, project, chunks_h, chunks_y)
+    else:
+        outs = _callable_logprobs(project, chunks_h, chunks_y, compute_entropy)
     unchunk = lambda x: x.reshape(n_chunks * chunk_size)[:n_tokens].reshape(b, t)  # noqa: E731
     logp = unchunk(outs[0])
     entropy = unchunk(outs[1]) if compute_entropy else None

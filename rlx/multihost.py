@@ -1,0 +1,100 @@
+"""Multi-host runs on JAX's own multi-controller runtime (``jax.distributed``), nothing home-made.
+
+Every host runs the same program. After ``initialize`` the mesh spans all processes' devices;
+arrays are global ``jax.Array`` s of which each process holds its addressable shards.
+
+Data is sharded per host: a host builds only the rows that land on its own devices
+(``local_rows`` says which) and ``global_batch`` assembles the global array from every host's
+piece with ``jax.make_array_from_process_local_data``. When one host produces all rollouts
+(process 0 drives the rollout engine), ``broadcast_from_primary`` sends them to the others and
+each host keeps its slice with ``take_local_rows``. Values needed on the host (metrics, params
+for an export) come back with ``to_host``, a cross-process all-gather; only the primary
+process writes them (``is_primary``).
+
+CPU runs use gloo TCP collectives between processes (``jax_cpu_collectives_implementation``),
+which is what the 2-process CPU test exercises; GPUs use NCCL and TPUs ICI/DCN without settings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+
+from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
+
+
+def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = 0, *,
+               local_device_count: int | None = None, cpu_collectives: str = "gloo") -> None:
+    """``jax.distributed.initialize``; empty address / zero processes: auto-detect (TPU, SLURM).
+
+    Call before anything touches a JAX backend. ``local_device_count`` forces that many CPU
+    devices per process (tests); ``cpu_collectives`` picks the cross-process CPU collectives.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    if local_device_count is not None:
+        jax.config.update("jax_num_cpu_devices", local_device_count)
+    kwargs: dict[str, Any] = {}
+    if coordinator_address:
+        kwargs["coordinator_address"] = coordinator_address
+    if num_processes:
+        kwargs.update(num_processes=num_processes, process_id=process_id)
+    jax.distributed.initialize(**kwargs)
+
+
+def is_primary() -> bool:
+    """True on process 0, the one that drives rollouts and writes metrics, logs and exports."""
+    return jax.process_index() == 0
+
+
+def local_rows(sharding: NamedSharding, global_rows: int) -> slice:
+    """The contiguous rows of a row-sharded ``[global_rows, ...]`` array on this host's devices.
+
+    Raises ``ValueError`` when this host's rows are not one contiguous block (a mesh whose device
+    order interleaves hosts along the batch axes); reorder the mesh devices by process then.
+    """
+    index_map = sharding.addressable_devices_indices_map((global_rows,))
+    spans = sorted({(s[0].start or 0, global_rows if s[0].stop is None else s[0].stop)
+                    for s in index_map.values()})
+    start, stop = spans[0][0], spans[-1][1]
+    covered = sum(b - a for a, b in spans)
+    if covered != stop - start:
+        raise ValueError(f"process {jax.process_index()} holds rows {spans}, not one contiguous "
+                         "block; order the mesh devices by process along the batch axes")
+    return slice(start, stop)
+
+
+def take_local_rows(batch: Any, mesh: Mesh, rules: LogicalRules = TRAIN_RULES) -> Any:
+    """From a full host batch (every field ``[B, ...]``), this host's rows (for ``global_batch``)."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    span = local_rows(batch_sharding(mesh, 1, rules), rows)
+    return jax.tree.map(lambda x: np.asarray(x)[span], batch)
+
+
+def global_batch(local: Any, mesh: Mesh, global_rows: int,
+                 rules: LogicalRules = TRAIN_RULES) -> Any:
+    """Assemble global row-sharded arrays from every host's local rows (a pytree of numpy)."""
+
+    def one(x):
+        x = np.asarray(x)
+        sharding = batch_sharding(mesh, x.ndim, rules)
+        return jax.make_array_from_process_local_data(sharding, x, (global_rows, *x.shape[1:]))
+
+    return jax.tree.map(one, local)
+
+
+def broadcast_from_primary(tree: Any) -> Any:
+    """Process 0's value of a pytree of host arrays on every process (others pass same shapes)."""
+    if jax.process_count() == 1:
+        return tree
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+def to_host(tree: Any) -> Any:
+    """Full numpy values of (possibly non-addressable) global arrays, on every process."""
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
