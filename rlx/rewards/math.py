@@ -37,7 +37,10 @@ from typing import Any
 
 from rlx.rewards.base import RewardResult
 
-EXTRACTORS = ("boxed", "hash", "answer_is")
+EXTRACTORS = ("boxed", "hash", "answer_is")  # the default order
+# "last_number": the last number in the text (the GSM8K convention), opt-in for plain-number tasks
+KNOWN_EXTRACTORS = EXTRACTORS + ("last_number",)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 _BOX_START = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])\s*")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 _HASH = re.compile(r"####[ \t]*([^\n]*)")
@@ -64,9 +67,9 @@ class MathConfig:
     strict: bool = True  # math-verify: variables must match, sets != tuples
 
     def __post_init__(self):
-        unknown = set(self.extractors) - set(EXTRACTORS)
+        unknown = set(self.extractors) - set(KNOWN_EXTRACTORS)
         if unknown or not self.extractors:
-            raise ValueError(f"MathConfig.extractors must be a non-empty subset of {EXTRACTORS}")
+            raise ValueError(f"MathConfig.extractors must be a non-empty subset of {KNOWN_EXTRACTORS}")
         if self.timeout_s <= 0 or self.workers < 1:
             raise ValueError("MathConfig needs timeout_s > 0 and workers >= 1")
         if self.hard_timeout_s is not None and self.hard_timeout_s <= 0:
@@ -137,6 +140,9 @@ def extract_answer(text: str, methods: Sequence[str] = EXTRACTORS) -> Extraction
             raw = found[-1] if found else None
         elif method == "answer_is":
             raw = _after_answer_is(text)
+        elif method == "last_number":
+            found = _NUMBER.findall(text)
+            raw = found[-1].replace(",", "") if found else None
         else:
             raise ValueError(f"unknown extraction method {method!r}")
         if raw is not None and _clean(raw):

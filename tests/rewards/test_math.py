@@ -238,3 +238,13 @@ def test_registry_builds_math_rewards():
     finally:
         r.close()
     assert isinstance(get_reward("math_format"), FormatReward)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("68 + 95 = 163", "163"), ("12 - 99 = -87.", "-87"), ("so 1,234 apples", "1234"),
+    ("half is 1/2", "1/2"), ("pi is about 3.14 or so", "3.14"), ("\\boxed{7} then 9", "7"),
+])
+def test_last_number_extractor_is_opt_in(text, expected):
+    assert extract_answer(text, ("boxed", "last_number")).answer == expected
+    if "boxed" not in text:
+        assert extract_answer(text) is None or extract_answer(text).method != "last_number"

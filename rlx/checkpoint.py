@@ -1,0 +1,488 @@
+"""Orbax checkpoints of a run: trainable params, optimizer state, step, rng, data iterator, config.
+
+One checkpoint per saved step, in ``<directory>/<step>/``, written by an orbax ``CheckpointManager``
+as a composite of three items:
+
+* ``state`` - ``TrainState`` without its frozen part: ``step``, ``skipped``, ``params`` (the
+  trainable variables), ``opt_state`` and the rng (as raw key data; the impl name is in ``meta``);
+* ``meta`` - JSON: a ``Fingerprint`` of what was saved (every leaf's path, shape and dtype, the
+  model architecture, the frozen-base reference), the run config, and a 64-bit checksum per
+  saved array computed on device (a flipped byte in an array file otherwise loads silently);
+* ``data`` - the grain iterator state of each process (optional).
+
+The frozen part of the state is never written. In mode B (frozen quantized base + LoRA) that is the
+base: the checkpoint holds the adapters and their optimizer state plus a ``BaseRef`` - the base's
+source path, its format and a SHA-256 of its leaves (computed once per run) - and a restore onto a
+different base is refused.
+
+Saves are asynchronous: ``save`` returns once the arrays are copied to host and the iterator state
+is captured; the write finishes in the background. Orbax writes into
+``<step>.orbax-checkpoint-tmp-*`` and renames it when every item is committed, so a process killed
+mid-write leaves a temporary directory that is never listed as a step (and is removed by the next
+manager that opens the folder, before its first save). Keep-last-n retires an old step by renaming
+it into ``deleted/`` before removing it, so a kill cannot leave a half-deleted step listed.
+
+Restoring checks the fingerprint before reading any array and names what differs (a param's
+shape, a model hyper-parameter, the base hash, a config section). A checkpoint that cannot be read
+(truncated files, arrays failing their checksum) raises ``CheckpointCorruptError``;
+``restore_latest`` then falls back to the newest checkpoint that reads, moving the broken ones
+aside (``<step>.corrupt``) so that the resumed run can save those steps again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from rlx.learner.state import TrainState
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1  # bumped when the layout of a checkpoint changes
+TRASH = "deleted"  # old steps are renamed here (atomic), then removed
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint belongs to another model, base or config than the current run."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """The checkpoint's files are truncated, missing or unreadable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint."""
+
+    directory: str  # one sub-directory per saved step
+    every: int = 100  # save when step % every == 0 (and at exit, with force=True)
+    keep: int = 3  # keep the last n checkpoints; older ones are deleted
+    async_save: bool = True  # write in the background; save() returns after the host copy
+    must_match: tuple[str, ...] = ()  # run-config sections a resume must agree on (others warn)
+
+    def __post_init__(self):
+        if self.every < 1:
+            raise ValueError(f"CheckpointConfig.every must be >= 1, got {self.every}")
+        if self.keep < 1:
+            raise ValueError(f"CheckpointConfig.keep must be >= 1, got {self.keep}")
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseRef:
+    """A reference to the frozen base a checkpoint was trained on (the base itself is not saved)."""
+
+    source: str  # where it was loaded from (path of the GGUF file / safetensors folder)
+    format: str  # e.g. "gguf", "hf", "int8"
+    sha256: str  # hash of every frozen leaf: path, dtype, shape and bytes, in tree order
+    num_leaves: int
+    num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """What a checkpoint holds, compared with the current run before anything is restored."""
+
+    version: int
+    leaves: dict[str, tuple[tuple[int, ...], str]]  # saved leaf path -> (shape, dtype)
+    model: dict[str, Any]  # model hyper-parameters (ModelConfig as a dict); {} if not given
+    base: BaseRef | None  # frozen part of the state; None when there is none
+    rng_impl: str  # PRNG implementation of the saved key
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["leaves"] = {k: [list(s), d] for k, (s, d) in self.leaves.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Fingerprint":
+        base = d.get("base")
+        return cls(version=d["version"],
+                   leaves={k: (tuple(s), dt) for k, (s, dt) in d["leaves"].items()},
+                   model=d.get("model") or {}, base=None if base is None else BaseRef(**base),
+                   rng_impl=d["rng_impl"])
+
+
+class Restored(NamedTuple):
+    """The result of a restore: the checkpointed step, the state to continue from, its config."""
+
+    step: int
+    state: TrainState
+    config: dict[str, Any]
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def leaf_paths(tree) -> list[tuple[str, Any]]:
+    """(path, leaf) per leaf of a pytree; paths like ``params/layers/0/mlp/up_proj/kernel``."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        names = [_key_name(k) for k in path]
+        if names and names[-1] == "value":  # the nnx.Variable wrapper
+            names = names[:-1]
+        out.append(("/".join(names), leaf))
+    return out
+
+
+def _host_array(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def base_reference(frozen, *, source: str = "", format: str = "") -> BaseRef | None:
+    """Hash the frozen part of a state (one leaf on the host at a time); None when it is empty."""
+    leaves = leaf_paths(frozen)
+    if not leaves:
+        return None
+    h, total = hashlib.sha256(), 0
+    for path, leaf in leaves:
+        a = np.ascontiguousarray(_host_array(leaf))
+        h.update(f"{path}|{a.dtype}|{a.shape}|".encode())
+        h.update(a.tobytes())
+        total += a.nbytes
+    return BaseRef(source=source, format=format, sha256=h.hexdigest(), num_leaves=len(leaves),
+                   num_bytes=total)
+
+
+def _leaf_words(x: jax.Array) -> jax.Array:
+    """The bits of `x` as a flat uint32 vector (narrower types zero-extended)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    elif jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits < 8:
+        x = x.astype(jnp.int32)  # int4 / uint4: exact as int32
+    elif jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 8:
+        x = x.astype(jnp.float32)  # 4-bit floats: exact as float32
+    width = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
+
+
+@jax.jit
+def _checksums(tree):
+    """Two position-weighted uint32 sums per leaf; exact, so equal on every sharding.
+
+    Each word is multiplied by an odd weight, so flipping any bit changes the sum mod 2**32.
+    """
+    def one(x):
+        w = _leaf_words(x)
+        i = jnp.arange(w.shape[0], dtype=jnp.uint32)
+        odd_a, odd_b = 2 * i + 1, (i * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
+        return jnp.stack([jnp.sum(w * odd_a, dtype=jnp.uint32),
+                          jnp.sum(w * odd_b, dtype=jnp.uint32)])
+    return jax.tree.map(one, tree)
+
+
+def checksums(tree) -> dict[str, str]:
+    """A 64-bit hex digest per leaf path of a pytree of arrays, computed on device."""
+    sums = jax.device_get(_checksums(tree))
+    return {p: f"{int(v[0]):08x}{int(v[1]):08x}" for p, v in leaf_paths(sums)}
+
+
+def _saved_tree(state: TrainState) -> dict[str, Any]:
+    return {"step": state.step, "skipped": state.skipped, "params": state.params,
+            "opt_state": state.opt_state, "rng": jax.random.key_data(state.rng)}
+
+
+def _leaf_map(tree) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {p: (tuple(x.shape), str(x.dtype)) for p, x in leaf_paths(tree)}
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _diff_leaves(saved: Mapping, current: Mapping) -> list[str]:
+    out = []
+    for path in sorted(set(saved) | set(current), key=lambda p: (not p.startswith("params/"), p)):
+        if path not in current:
+            out.append(f"{path}: in the checkpoint {saved[path]}, absent from the current state")
+        elif path not in saved:
+            out.append(f"{path}: in the current state {current[path]}, absent from the checkpoint")
+        elif tuple(saved[path][0]) != tuple(current[path][0]) or saved[path][1] != current[path][1]:
+            (s0, d0), (s1, d1) = saved[path], current[path]
+            out.append(f"{path}: checkpoint shape {tuple(s0)} {d0}, current {tuple(s1)} {d1}")
+    return out
+
+
+def _diff_dicts(saved: Any, current: Any, prefix: str) -> list[str]:
+    if isinstance(saved, Mapping) and isinstance(current, Mapping):
+        out = []
+        for k in sorted(set(saved) | set(current), key=str):
+            out += _diff_dicts(saved.get(k, "<absent>"), current.get(k, "<absent>"),
+                               f"{prefix}.{k}")
+        return out
+    norm = lambda v: list(v) if isinstance(v, tuple) else v  # JSON turns tuples into lists
+    if norm(saved) == norm(current):
+        return []
+    return [f"{prefix}: checkpoint {saved!r}, current {current!r}"]
+
+
+def _base_diff(saved: BaseRef | None, current: BaseRef | None) -> list[str]:
+    if saved is None and current is None:
+        return []
+    if saved is None or current is None:
+        which = "the checkpoint" if current is None else "the current run"
+        return [f"frozen base: only {which} has one"]
+    if saved.sha256 == current.sha256:
+        return []
+    return [f"frozen base hash: checkpoint {saved.sha256[:16]}... ({saved.format} from "
+            f"{saved.source or '?'}, {saved.num_leaves} leaves, {saved.num_bytes} bytes), current "
+            f"{current.sha256[:16]}... ({current.format} from {current.source or '?'}, "
+            f"{current.num_leaves} leaves, {current.num_bytes} bytes)"]
+
+
+def check_compatible(saved: Fingerprint, current: Fingerprint, saved_config: Mapping,
+                     config: Mapping, must_match: Sequence[str], where: str) -> None:
+    """Raise ``CheckpointMismatchError`` listing every difference that forbids a restore."""
+    if saved.version != current.version:
+        raise CheckpointMismatchError(f"checkpoint {where} has layout version {saved.version}; "
+                                      f"this rlx reads version {current.version}")
+    diffs = []
+    if saved.model and current.model:
+        diffs += _diff_dicts(saved.model, current.model, "model")
+    diffs += _base_diff(saved.base, current.base)
+    diffs += _diff_leaves(saved.leaves, current.leaves)
+    for section in must_match:
+        diffs += _diff_dicts(saved_config.get(section, "<absent>"), config.get(section, "<absent>"),
+                             f"config.{section}")
+    if saved.rng_impl != current.rng_impl:
+        diffs.append(f"rng impl: checkpoint {saved.rng_impl}, current {current.rng_impl}")
+    if diffs:
+        shown = "\n  ".join(diffs[:20]) + ("\n  ..." if len(diffs) > 20 else "")
+        raise CheckpointMismatchError(
+            f"checkpoint {where} was written by another model or config ({len(diffs)} "
+            f"difference(s)):\n  {shown}")
+
+
+def _as_dict(x) -> dict[str, Any]:
+    if x is None:
+        return {}
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return dict(x)
+
+
+def _config_changes(saved: Mapping, current: Mapping) -> list[str]:
+    return _diff_dicts(dict(saved), dict(current), "config") if saved and current else []
+
+
+def _brief(e: BaseException) -> str:
+    """The first line of an error, without tensorstore's spec dump."""
+    text = str(e).split(" See full TensorStore details")[0].strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
+def _verify(tree, expected: Mapping[str, str] | None, where: str) -> None:
+    """Compare the restored arrays with the checksums written at save time."""
+    if expected is None:
+        return
+    got = checksums(tree)
+    bad = sorted(p for p in expected if got.get(p) != expected[p])
+    if bad:
+        raise CheckpointCorruptError(
+            f"checkpoint {where} is corrupt: {len(bad)} array(s) differ from the checksums written "
+            f"when it was saved: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+
+
+class Checkpointer:
+    """Saves and restores a run's `TrainState` (without its frozen part) and data iterator.
+
+    ``model_config`` (a ``ModelConfig`` or dict) and ``run_config`` (a dict of the run config) are
+    recorded; ``base`` references the frozen base (default: hashed from the state at the first save
+    or restore, with an empty source). Use as a context manager or call ``close()``: that waits for
+    the last asynchronous write.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, *, model_config: Any = None,
+                 run_config: Mapping[str, Any] | None = None, base: BaseRef | None = None):
+        self.cfg = cfg
+        self.directory = epath.Path(os.path.abspath(cfg.directory))
+        self._model = _as_dict(model_config)
+        self._config = dict(run_config or {})
+        self._base, self._base_known = base, base is not None
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
+            cleanup_tmp_directories=True, todelete_subdir=TRASH)
+        self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        self._empty_trash()
+
+    def _empty_trash(self) -> None:
+        """Remove the steps keep-last-n retired. Orbax deletes a step in place (a kill midway
+        would leave a half-deleted step listed); renaming it away first makes that atomic."""
+        trash = self.directory / TRASH
+        if jax.process_index() != 0 or not trash.exists():
+            return
+        for entry in trash.iterdir():  # each entry arrived by one rename: complete or absent
+            shutil.rmtree(entry, ignore_errors=True)
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def steps(self) -> list[int]:
+        """Committed checkpoint steps, oldest first (partial writes are never listed)."""
+        self._mgr.reload()
+        return sorted(self._mgr.all_steps())
+
+    def should_save(self, step: int) -> bool:
+        return step % self.cfg.every == 0
+
+    def fingerprint(self, state: TrainState) -> Fingerprint:
+        """What a checkpoint of `state` would hold (hashes the frozen base the first time)."""
+        if not self._base_known:
+            self._base, self._base_known = base_reference(state.frozen), True
+        return Fingerprint(version=FORMAT_VERSION, leaves=_leaf_map(_saved_tree(state)),
+                           model=self._model, base=self._base,
+                           rng_impl=str(jax.random.key_impl(state.rng)))
+
+    def save(self, step: int, state: TrainState, data_iter=None, *, force: bool = False) -> bool:
+        """Checkpoint `state` (and `data_iter`'s position) as `step` if it is due or `force`d.
+
+        Returns whether a save was started. Asynchronous unless configured otherwise: the arrays
+        are copied off the device before this returns, so `state` may be donated right after.
+        """
+        if not (force or self.should_save(step)) or step in self._mgr.all_steps():
+            return False
+        self._empty_trash()
+        tree = _saved_tree(state)
+        meta = {"fingerprint": self.fingerprint(state).to_json(), "config": self._config,
+                "step": int(step), "has_data": data_iter is not None, "checksums": checksums(tree)}
+        items = {"state": ocp.args.StandardSave(tree), "meta": ocp.args.JsonSave(meta)}
+        if data_iter is not None:
+            import grain.checkpoint as grain_checkpoint
+            items["data"] = grain_checkpoint.CheckpointSave(data_iter)
+        return bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+
+    def wait(self) -> None:
+        """Block until every started save is committed."""
+        self._mgr.wait_until_finished()
+        self._empty_trash()
+
+    def close(self) -> None:
+        self.wait()
+        self._mgr.close()
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """The JSON item of checkpoint `step` (fingerprint, config, step, has_data)."""
+        self.wait()  # a step still being written is read once committed
+        try:
+            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+            meta = self._mgr.restore(step, args=args)["meta"]
+            Fingerprint.from_json(meta["fingerprint"])
+            return dict(meta)
+        except Exception as e:  # unreadable JSON, a missing item, a missing field
+            raise CheckpointCorruptError(
+                f"checkpoint {step} in {self.directory} is incomplete or corrupt: its metadata "
+                f"cannot be read ({_brief(e)})") from e
+
+    def restore(self, step: int, state: TrainState, data_iter=None) -> Restored:
+        """Restore checkpoint `step` onto the shardings of `state` (a fresh state of this run).
+
+        The frozen part comes from `state`; `data_iter` (if given) is moved to the saved position.
+        Raises ``CheckpointMismatchError`` / ``CheckpointCorruptError`` naming what is wrong.
+        """
+        where = f"{step} in {self.directory}"
+        meta = self.read_meta(step)
+        saved = Fingerprint.from_json(meta["fingerprint"])
+        check_compatible(saved, self.fingerprint(state), meta.get("config") or {}, self._config,
+                         self.cfg.must_match, where)
+        changes = _config_changes(meta.get("config") or {}, self._config)
+        if changes:
+            log.warning("resuming checkpoint %s with a changed config:\n  %s", where,
+                        "\n  ".join(changes))
+        if data_iter is not None and not meta.get("has_data"):
+            raise CheckpointMismatchError(f"checkpoint {where} holds no data-iterator state, "
+                                          "but a data iterator was given to restore")
+        tree = self._read_arrays(step, state, where)
+        _verify(tree, meta.get("checksums"), where)
+        if data_iter is not None:
+            self._read_data(step, data_iter, where)
+        rng = jax.random.wrap_key_data(tree["rng"], impl=saved.rng_impl)
+        restored = state.replace(step=tree["step"], skipped=tree["skipped"], params=tree["params"],
+                                 opt_state=tree["opt_state"], rng=rng)
+        return Restored(step=int(meta["step"]), state=restored, config=meta.get("config") or {})
+
+    def _read_arrays(self, step: int, state: TrainState, where: str):
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(_saved_tree(state))))
+        try:
+            return self._mgr.restore(step, args=args)["state"]
+        except Exception as e:  # tensorstore / OCDBT read errors, missing files
+            raise CheckpointCorruptError(
+                f"checkpoint {where} is truncated or corrupt: its arrays cannot be read "
+                f"({_brief(e)})") from e
+
+    def _read_data(self, step: int, data_iter, where: str) -> None:
+        """Move `data_iter` to the saved position (after the arrays are known to be good)."""
+        import grain.checkpoint as grain_checkpoint
+
+        args = ocp.args.Composite(data=grain_checkpoint.CheckpointRestore(data_iter))
+        try:
+            self._mgr.restore(step, args=args)
+        except json.JSONDecodeError as e:
+            raise CheckpointCorruptError(f"checkpoint {where} is truncated or corrupt: its "
+                                         f"data-iterator state cannot be read ({_brief(e)})") from e
+        except Exception as e:  # the pipeline or the process count changed
+            raise CheckpointMismatchError(
+                f"the data-iterator state of checkpoint {where} does not fit the current data "
+                f"pipeline or process count ({_brief(e)})") from e
+
+    def restore_latest(self, state: TrainState, data_iter=None) -> Restored | None:
+        """Restore the newest checkpoint that reads completely; None when there is none at all.
+
+        Unreadable newer checkpoints are skipped with a warning and moved aside; a foreign one
+        (``CheckpointMismatchError``) stops the search. Raises ``CheckpointCorruptError`` when
+        checkpoints exist but none of them is complete.
+        """
+        steps = self.steps()
+        failures = []
+        for step in reversed(steps):
+            try:
+                restored = self.restore(step, state, data_iter)
+            except CheckpointCorruptError as e:
+                log.warning("skipping checkpoint: %s", e)
+                failures.append(str(e))
+                continue
+            self._quarantine([s for s in steps if s > step])
+            return restored
+        if not steps:
+            return None
+        raise CheckpointCorruptError(f"no complete checkpoint in {self.directory}; tried "
+                                     f"{len(steps)}:\n  " + "\n  ".join(failures))
+
+    def _quarantine(self, steps: Sequence[int]) -> None:
+        """Move unreadable checkpoints to ``<step>.corrupt`` so their steps can be saved again."""
+        if steps and jax.process_index() == 0:
+            for step in steps:
+                src = self.directory / str(step)
+                dst = self.directory / f"{step}.corrupt"
+                n = 0
+                while dst.exists():
+                    n += 1
+                    dst = self.directory / f"{step}.corrupt{n}"
+                src.rename(dst)
+                log.warning("moved unreadable checkpoint %s to %s", src, dst)
+        if steps:
+            self._mgr.reload()
