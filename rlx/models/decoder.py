@@ -8,6 +8,8 @@ positions counted over real tokens only, so left padding is exact. Packed batche
 
 The same module serves the learner and the built-in sampler; ``hidden_states`` and ``logits`` are
 exposed separately so the learner can compute log-probs chunk by chunk without [B, T, V] logits.
+``decode`` runs the same modules over a ``KVCache`` (``rlx.models.kv_cache``) for incremental
+generation; only the attention's key/value source differs.
 
 ``adapter`` (default True) on every call enables the LoRA adapters attached by ``rlx.quant.apply_lora``;
 ``adapter=False`` gives the frozen base, i.e. the reference policy, from the same weights and the same
@@ -23,6 +25,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rlx.models.config import ModelConfig
+from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq,
                                weight_value)
 from rlx.models.moe import DenseMLP, SparseMoE
@@ -51,7 +54,8 @@ class Attention(nnx.Module):
         self.rope = cfg.rope
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
 
-    def __call__(self, x, positions, segment_ids, adapter: bool = True):
+    def _qkv(self, x, positions, adapter: bool):
+        """Projected queries, keys, values ``[b, t, heads, d]`` with rotary embedding applied."""
         b, t, _ = x.shape
         q = self.q_proj(x, adapter).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
@@ -59,11 +63,26 @@ class Attention(nnx.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.rope, self.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        mask = attention_mask(segment_ids, segment_ids, positions, positions)
-        out = gqa_attention(q, k, v, mask)  # [b, t, h, d]
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def _out(self, out, adapter: bool):
+        b, t = out.shape[:2]
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), adapter)
+
+    def __call__(self, x, positions, segment_ids, adapter: bool = True):
+        q, k, v = self._qkv(x, positions, adapter)
+        mask = attention_mask(segment_ids, segment_ids, positions, positions)
+        return self._out(gqa_attention(q, k, v, mask), adapter)  # [b, t, h, d] -> [b, t, D]
+
+    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True):
+        """Attention of ``t`` new tokens over the cache; ``kv`` = this layer's (keys, values).
+
+        ``cache`` already records the new tokens' positions/segments; returns (out, (keys, values)).
+        """
+        q, k, v = self._qkv(x, positions, adapter)
+        keys, values = write_slots(kv[0], k, cache.index), write_slots(kv[1], v, cache.index)
+        mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
+        return self._out(gqa_attention(q, keys, values, mask), adapter), (keys, values)
 
 
 class Block(nnx.Module):
@@ -81,6 +100,12 @@ class Block(nnx.Module):
     def __call__(self, x, positions, segment_ids, adapter: bool = True):
         x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, adapter)
         return x + self.mlp(self.post_attention_layernorm(x), adapter)
+
+    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True):
+        """``__call__`` with cached attention; returns (x, this layer's updated (keys, values))."""
+        a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, kv, cache, adapter)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x), adapter), kv
 
 
 class Transformer(nnx.Module):
@@ -107,6 +132,24 @@ class Transformer(nnx.Module):
         for layer in self.layers:
             x = layer(x, positions, segment_ids, adapter)
         return self.norm(x)
+
+    def decode(
+        self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"], segment_ids: Int[Array, "b t"],
+        cache: KVCache, adapter: bool = True,
+    ) -> tuple[Float[Array, "b t d"], KVCache]:
+        """Final-norm hidden states of ``t`` new tokens written at ``cache.index``, and the new cache.
+
+        Prefill passes the (left-padded) prompts, each decode step one token per row; the modules
+        and their math are those of ``hidden_states`` (see ``rlx.models.kv_cache``).
+        """
+        cache = cache.record(positions, segment_ids)
+        x = self.embed_tokens(input_ids)
+        keys, values = [], []
+        for layer, k, v in zip(self.layers, cache.keys, cache.values):
+            x, (k, v) = layer.decode(x, positions, segment_ids, (k, v), cache, adapter)
+            keys.append(k)
+            values.append(v)
+        return self.norm(x), cache.advance(keys, values, input_ids.shape[1])
 
     def embed_tokens(self, input_ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
         """Embedding rows in the compute dtype (a quantized embedding dequantizes only these rows)."""

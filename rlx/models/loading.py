@@ -56,10 +56,48 @@ def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN
     return LoadedModel(model, Tokenizer.from_dir(path) if has_tok else None, path, "hf")
 
 
-def load_from_section(section, mesh: Mesh | None, rules: LogicalRules = TRAIN_RULES) -> LoadedModel:
+def shrunk_random(section, mesh: Mesh | None, seed: int, rules: LogicalRules = TRAIN_RULES) -> LoadedModel:
+    """A randomly initialised, shrunken copy of the checkpoint's architecture, with its tokenizer."""
+    from flax import nnx
+
+    from rlx.config import resolve_path
+    from rlx.models.config import ModelConfig, MoEConfig
+
+    path = resolve_path(section.path)
+    if section.resolved_format == "gguf":
+        from rlx.models.gguf import read_gguf
+
+        ckpt = read_gguf(path)
+        cfg, tokenizer = from_hf_config(ckpt.hf_config), ckpt.tokenizer
+    else:
+        cfg = read_hf_config(path)
+        has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
+        tokenizer = Tokenizer.from_dir(path) if has_tok else None
+    s = section.shrink
+    moe = None if cfg.moe is None else dataclasses.replace(
+        cfg.moe, num_experts=s.num_experts, top_k=min(cfg.moe.top_k, s.num_experts),
+        intermediate_size=s.moe_intermediate_size,
+        sparse_layers=tuple(i for i in cfg.moe.sparse_layers if i < s.num_layers))
+    cfg = dataclasses.replace(cfg, num_layers=s.num_layers, hidden_size=s.hidden_size,
+                              intermediate_size=s.intermediate_size, num_heads=s.num_heads,
+                              num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, moe=moe)
+    precision = Precision(dtype=_DTYPES[section.dtype], param_dtype=_DTYPES[section.param_dtype],
+                          moe_impl=section.moe_impl)
+    model = Transformer(cfg, precision, rngs=nnx.Rngs(seed))
+    if mesh is not None:
+        from rlx.quant.lora import shard_variables
+
+        shard_variables(model, nnx.Param, mesh, rules)
+    return LoadedModel(model, tokenizer, f"random shrunken copy of {path}", "random")
+
+
+def load_from_section(section, mesh: Mesh | None, rules: LogicalRules = TRAIN_RULES,
+                      seed: int = 0) -> LoadedModel:
     """Load what a validated ``config.model`` section names."""
     from rlx.config import resolve_path
 
+    if section.shrink.enabled:
+        return shrunk_random(section, mesh, seed, rules)
     loader = load_gguf if section.resolved_format == "gguf" else load_hf
     return loader(resolve_path(section.path), _DTYPES[section.dtype], mesh,
                   param_dtype=_DTYPES[section.param_dtype], rules=rules, moe_impl=section.moe_impl)

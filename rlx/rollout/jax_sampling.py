@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
-from jaxtyping import Array, Bool, Float, Int, UInt32
+from jaxtyping import Array, Float, Int, UInt32
 
 from rlx.learner.logprobs import token_logprobs
 from rlx.models.kv_cache import KVCache

@@ -222,7 +222,7 @@ def test_one_compilation_per_bucket_and_weight_updates(zoo):
     before = engine.generate(_prompts((3,)), s)[0]  # rows 1
     assert engine.compilations() == 3
     params = nnx.state(model, nnx.Param)
-    new = jax.tree.map(lambda x: x * 1.5, params)  # same shapes and dtypes
+    new = jax.tree.map(lambda x: x * 1.1, params)  # same shapes and dtypes
     engine.update_weights(new, version=4)
     after = engine.generate(_prompts((3,)), s)[0]
     assert engine.compilations() == 3  # new weights, same program

@@ -1,0 +1,222 @@
+"""The RL loop: a short ``step()`` of named calls.
+
+prompts -> generate -> score -> advantages -> batch -> reference log-probs -> update -> weight
+sync -> metrics. Synchronous and on-policy: each step samples with the current weights
+(``weight_version`` = learner step), takes one optimizer update over the whole batch (gradient
+accumulation over ``train.micro_batches`` inside the compiled step), and hands the new weights to
+the built-in engine in memory. Truncated importance sampling in the loss corrects the remaining
+sampler/learner numerical mismatch, which is measured every step (``mismatch/*``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlx.learner.advantages import compute_advantages
+from rlx.learner.batching import pad_rollouts, shard_batch
+from rlx.metrics import TextSample, to_scalars
+from rlx.rewards.base import score_batch
+from rlx.rollout.base import Prompt, SamplingParams
+from rlx.types import Rollout
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The learner: graph, state (donated each update), compiled steps."""
+
+    graphdef: nnx.GraphDef
+    state: Any  # TrainState
+    train_step: Callable
+    ref_step: Callable | None
+
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state.params, self.state.frozen)
+
+
+class _Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        yield
+        self.times[f"time/{name}"] = time.perf_counter() - t
+
+
+@dataclasses.dataclass
+class Run:
+    """A built run: ``step()``, ``train(n)``, ``evaluate()``, ``generate(texts)``, ``close()``."""
+
+    cfg: Any
+    mesh: Any
+    compiled: Compiled
+    engine: Any
+    tokenizer: Any
+    data: Any
+    eval_set: Sequence[Any]
+    prompt_format: Any
+    reward: Any
+    logger: Any
+    step_count: int = 0
+    metrics: list = dataclasses.field(default_factory=list)  # one flat record per step / eval
+
+    # --- one RL step ----------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        timer = _Timer()
+        with timer("step"):
+            batch = next(self.data)
+            with timer("generate"):
+                rollouts = self.engine.generate(batch.prompts, self._sampling())
+            with timer("score"):
+                rewards, texts = self._score(rollouts, batch)
+            uids = np.array([r.prompt_uid for r in rollouts])
+            advantages = compute_advantages(self.cfg.train.advantage, rewards, uids)
+            keep = self._keep(rewards, uids)
+            with timer("logprob"):
+                train_batch = self._batch([rollouts[i] for i in keep], advantages[keep])
+            with timer("update"):
+                self.compiled.state, step_metrics = self.compiled.train_step(
+                    self.compiled.state, train_batch)
+            with timer("sync"):
+                self.step_count += 1
+                self.engine.update_weights(self.compiled.model(), self.step_count)
+        record = self._record(step_metrics, rollouts, rewards, keep, timer.times)
+        self._log(record, rollouts, texts, rewards)
+        return record
+
+    def _sampling(self, evaluation: bool = False) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens, n=1 if evaluation else r.group_size,
+            temperature=r.eval_temperature if evaluation else r.temperature,
+            top_p=None if r.top_p >= 1.0 else r.top_p,
+            stop_token_ids=(self.tokenizer.eos_id,), seed=self.cfg.seed + self.step_count)
+
+    def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str]]:
+        examples = {e.uid: e for e in batch.examples}
+        texts = [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True)
+                 for r in rollouts]
+        samples = [examples[r.prompt_uid].reward_sample() for r in rollouts]
+        results = score_batch(self.reward, texts, samples)
+        return np.array([res.score for res in results], np.float64), texts
+
+    def _keep(self, rewards: np.ndarray, uids: np.ndarray) -> np.ndarray:
+        """Indices trained on: all, or (dynamic sampling) groups whose rewards differ."""
+        if not self.cfg.train.dynamic_sampling:
+            return np.arange(len(rewards))
+        mixed = {u for u in set(uids.tolist()) if np.ptp(rewards[uids == u]) > 0}
+        keep = np.array([i for i, u in enumerate(uids.tolist()) if u in mixed], np.int64)
+        return keep if len(keep) else np.arange(len(rewards))
+
+    def _batch(self, rollouts: Sequence[Rollout], advantages: np.ndarray):
+        shape = self.mesh.shape
+        rows = shape["data"] * shape["fsdp"] * shape["expert"] * self.cfg.train.micro_batches
+        host = pad_rollouts(rollouts, advantages, buckets=_buckets(self.cfg),
+                            rows_multiple=rows)
+        batch = shard_batch(host, self.mesh)
+        if self.compiled.ref_step is not None:
+            ref = self.compiled.ref_step(self.compiled.state.params, self.compiled.state.frozen, batch)
+            batch = batch.replace(ref_logp=ref.logp)
+        return batch
+
+    # --- metrics --------------------------------------------------------------------------
+    def _record(self, step_metrics, rollouts, rewards, keep, times) -> dict[str, float]:
+        lengths = np.array([len(r.completion_ids) for r in rollouts], np.float64)
+        tokens = float(sum(len(r.completion_ids) for r in rollouts))
+        record = {f"learner/{k}": v for k, v in to_scalars(step_metrics).items()}
+        record.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clipped_frac": float(np.mean(
+                [r.finish_reason == "length" for r in rollouts])),
+            "batch/kept_frac": len(keep) / len(rollouts),
+            "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
+            **times,
+        })
+        return record
+
+    def _log(self, record, rollouts, texts, rewards) -> None:
+        self.metrics.append({"step": self.step_count, **record})
+        self.logger.log(self.step_count, record)
+        if self.cfg.train.sample_every and self.step_count % self.cfg.train.sample_every == 0:
+            samples = [TextSample(prompt=self.tokenizer.decode(list(r.prompt_ids)), completion=t,
+                                  reward=float(s)) for r, t, s in list(zip(rollouts, texts, rewards))[:4]]
+            self.logger.log_text(self.step_count, samples)
+
+    # --- loops, evaluation, inspection --------------------------------------------------------
+    def train(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Run ``steps`` (default: the rest of ``train.steps``), evaluating every ``eval_every``."""
+        total = self.cfg.train.steps if steps is None else self.step_count + steps
+        every = self.cfg.train.eval_every
+        if self.step_count == 0 and self.eval_set:
+            self.evaluate()
+        while self.step_count < total:
+            self.step()
+            if self.eval_set and (self.step_count == total or (every and self.step_count % every == 0)):
+                self.evaluate()
+        return self.metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy (``rollout.eval_temperature``) accuracy on the held-out set."""
+        from rlx.data.eval import evaluate
+
+        t = time.perf_counter()
+        report = evaluate(self.engine, self.eval_set, self.reward, k=1,
+                          sampling=self._sampling(evaluation=True), tokenizer=self.tokenizer,
+                          prompt_format=self.prompt_format)
+        record = {"eval/accuracy": float(report.pass_at[1]), "eval/mean_reward": report.mean_score,
+                  "time/eval": time.perf_counter() - t}
+        self.metrics.append({"step": self.step_count, **record})
+        self.logger.log(self.step_count, record)
+        return record
+
+    def generate(self, texts: Sequence[str], **sampling: Any) -> list[str]:
+        """Chat-templated completions of user messages (for looking at samples)."""
+        base = dataclasses.replace(self._sampling(evaluation=True), **sampling)
+        prompts = [Prompt(f"gen-{i}", tuple(self.tokenizer.encode_chat(
+            [{"role": "user", "content": t}], add_generation_prompt=True))) for i, t in enumerate(texts)]
+        outs = self.engine.generate(prompts, base)
+        return [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True) for r in outs]
+
+    def summary(self) -> str:
+        """Held-out accuracy at the start and now, and the reward curve, as text."""
+        evals = [(r["step"], r["eval/accuracy"]) for r in self.metrics if "eval/accuracy" in r]
+        rewards = [r["reward/mean"] for r in self.metrics if "reward/mean" in r]
+        lines = [f"steps {self.step_count}; mean reward per step: "
+                 + " ".join(f"{x:.2f}" for x in rewards)]
+        lines += [f"held-out greedy accuracy at step {s}: {100 * a:.1f}%" for s, a in evals]
+        if len(evals) >= 2:
+            lines.append(f"change: {100 * (evals[-1][1] - evals[0][1]):+.1f} points")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        self.logger.close()
+        self.engine.close()
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()
+
+
+def _buckets(cfg) -> tuple[int, ...]:
+    """Padded lengths for train batches: powers of two up to prompt + completion caps."""
+    top = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    out, n = [], 64
+    while n < top:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (top,)
+
+
+def jax_process_zero() -> bool:
+    return jax.process_index() == 0

@@ -1,0 +1,64 @@
+"""Key/value cache for incremental decoding with the learner's own ``Transformer``.
+
+``KVCache`` holds, per layer, the rotated keys and the values ``[B, S, KV, D]`` of every slot
+written so far, plus the position and segment id of every slot ``[B, S]`` (segment 0 = empty or
+padding, never attended to). All rows write at the same slot ``index``; rows differ only in their
+positions, so left-padded prompts of different lengths decode exactly: a row's padding slots carry
+segment 0 and its tokens carry their own positions (rotary embedding and causality use positions,
+not slots).
+
+``Transformer.decode(ids [B, T], positions, segment_ids, cache)`` runs the same ``Attention``,
+``Block`` and MLP/MoE modules as the training forward pass; the only difference is that keys and
+values are written into the cache at ``index .. index + T`` and queries attend to the whole cache
+under the usual position/segment mask (``rlx.models.layers.attention_mask``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jaxtyping import Array, Float, Int
+
+from rlx.models.config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+    """Keys/values per layer and per-slot positions/segments; a pytree (a ``while_loop`` carry)."""
+
+    keys: tuple[Float[Array, "b s kv d"], ...]
+    values: tuple[Float[Array, "b s kv d"], ...]
+    positions: Int[Array, "b s"]  # position of the token held in each slot
+    segment_ids: Int[Array, "b s"]  # 0: empty slot or padding
+    index: Int[Array, ""]  # next slot to write, shared by all rows
+
+    @classmethod
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
+        """An empty cache of ``length`` slots for ``batch`` rows, keys/values in ``dtype``."""
+        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        empty = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        slots = jnp.zeros((batch, length), jnp.int32)
+        return cls(empty, empty, slots, slots, jnp.zeros((), jnp.int32))
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[1]
+
+    def record(self, positions: Int[Array, "b t"], segment_ids: Int[Array, "b t"]) -> "KVCache":
+        """Write the positions and segment ids of ``t`` new tokens at ``index`` (index unchanged)."""
+        pos = jax.lax.dynamic_update_slice_in_dim(self.positions, positions.astype(jnp.int32),
+                                                  self.index, axis=1)
+        seg = jax.lax.dynamic_update_slice_in_dim(self.segment_ids, segment_ids.astype(jnp.int32),
+                                                  self.index, axis=1)
+        return self.replace(positions=pos, segment_ids=seg)
+
+    def advance(self, keys, values, steps: int) -> "KVCache":
+        """The cache after a call that wrote ``steps`` tokens into every layer."""
+        return self.replace(keys=tuple(keys), values=tuple(values), index=self.index + steps)
+
+
+def write_slots(cache: Float[Array, "b s kv d"], new: Float[Array, "b t kv d"],
+                index: Int[Array, ""]) -> Float[Array, "b s kv d"]:
+    """Store ``new`` at slots ``index .. index + t`` of one layer's keys or values."""
+    return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), index, axis=1)
