@@ -24,6 +24,10 @@
 #   POLICY       router policy: cache_aware | round_robin | random | power_of_two (default: cache_aware)
 #   PYTHON       python of the SGLang environment (default: python3)
 #   SERVER_ARGS  extra launch_server flags, e.g. "--enable-lora --max-lora-rank 16 --mem-fraction-static 0.8"
+#                Unless it names --quantization, the flag matching an rlx export is added: the
+#                export's config.json quantization_config.quant_method (w8a8_int8, fp8,
+#                compressed-tensors), or gguf for a .gguf file, so the servers hold the very values
+#                the learner trains against.
 #   STARTUP_S    seconds to wait for each server's /health before starting the router (default: 900)
 #   --dry-run    print the commands instead of running them
 set -euo pipefail
@@ -45,6 +49,18 @@ POLICY=${POLICY:-cache_aware}
 PYTHON=${PYTHON:-python3}
 STARTUP_S=${STARTUP_S:-900}
 read -r -a EXTRA <<< "${SERVER_ARGS:-}"
+
+export_quantization() {  # model path -> the --quantization value that serves it as exported
+  if [[ "$1" == *.gguf ]]; then echo gguf; return; fi
+  [[ -f "$1/config.json" ]] || return 0
+  python3 -c 'import json, sys
+q = json.load(open(sys.argv[1])).get("quantization_config") or {}
+print(q.get("quant_method", ""))' "$1/config.json"
+}
+if [[ " ${EXTRA[*]-} " != *" --quantization"* ]]; then
+  QUANT=$(export_quantization "$MODEL")
+  [[ -n "$QUANT" ]] && EXTRA+=(--quantization "$QUANT")
+fi
 IFS=, read -r -a GPU_LIST <<< "$GPUS"
 if (( ${#GPU_LIST[@]} % TP )); then
   echo "GPUS has ${#GPU_LIST[@]} ids, not a multiple of TP=$TP" >&2; exit 2

@@ -158,7 +158,8 @@ class RolloutSection:
     temperature: float = 1.0  # sampling temperature for training rollouts
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
     eval_temperature: float = 0.0  # 0 = greedy evaluation
-    preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine before training
+    preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine (stop above it)
+    preflight_every: int = 0  # steps between parity preflights (0 = only before training)
     sglang: SGLangSection = SGLangSection()
 
     def validate(self) -> None:

@@ -68,6 +68,7 @@ class Run:
     logger: Any
     step_count: int = 0
     metrics: list = dataclasses.field(default_factory=list)  # one flat record per step / eval
+    probe: list | None = None  # fixed (token ids, prompt length) sequences of the parity preflight
 
     # --- one RL step ----------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -158,14 +159,37 @@ class Run:
     def train(self, steps: int | None = None) -> list[dict[str, float]]:
         """Run ``steps`` (default: the rest of ``train.steps``), evaluating every ``eval_every``."""
         total = self.cfg.train.steps if steps is None else self.step_count + steps
-        every = self.cfg.train.eval_every
+        every, check = self.cfg.train.eval_every, self.cfg.rollout.preflight_every
         if self.step_count == 0 and self.eval_set:
+            self.preflight()
             self.evaluate()
         while self.step_count < total:
             self.step()
+            if check and self.eval_set and self.step_count % check == 0:
+                self.preflight()
             if self.eval_set and (self.step_count == total or (every and self.step_count % every == 0)):
                 self.evaluate()
         return self.metrics
+
+    def preflight(self):
+        """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);
+        raises ``PreflightError`` above ``rollout.preflight_threshold``, else logs the figures."""
+        from rlx.data.chat import encode_prompt
+        from rlx.rollout.preflight import run_preflight
+
+        if self.probe is None:
+            prompts = [Prompt(e.uid, tuple(encode_prompt(self.tokenizer, e, self.prompt_format)))
+                       for e in self.eval_set[:4]]
+            outs = self.engine.generate(prompts, self._sampling(evaluation=True))
+            self.probe = [(list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids))
+                          for r in outs if len(r.completion_ids)]
+        report = run_preflight(self.compiled.model(), self.engine.score, self.probe,
+                               engine_name=getattr(self.engine, "name", type(self.engine).__name__),
+                               base_format=self.cfg.quant.format,
+                               threshold=self.cfg.rollout.preflight_threshold)
+        self.logger.log(self.step_count, report.scalars())
+        self.metrics.append({"step": self.step_count, **report.scalars()})
+        return report
 
     def evaluate(self) -> dict[str, float]:
         """Greedy (``rollout.eval_temperature``) accuracy on the held-out set."""

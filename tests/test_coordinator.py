@@ -41,6 +41,8 @@ def test_tiny_run_trains_logs_and_generates(tmp_path):
             assert all(np.isfinite(r[key]) for r in steps), key
         assert all(r["learner/mismatch_abs_max"] < 1e-3 for r in steps)  # engine == learner
         assert sum("eval/accuracy" in r for r in records) == 2  # at the start and the end
+        (pre,) = [r for r in records if "preflight/max_abs" in r]  # before training
+        assert pre["step"] == 0 and pre["preflight/max_abs"] <= 1e-5
         assert run.compiled.state.step == 2 and run.engine.weight_version == 2
         texts = run.generate(["What is 2 + 3?"], max_new_tokens=4)
         assert len(texts) == 1 and isinstance(texts[0], str)
@@ -61,5 +63,23 @@ def test_quickstart_config_runs_one_shrunken_step(tmp_path):
         record = run.step()
         assert np.isfinite(record["learner/loss"]) and record["batch/kept_frac"] == 1.0
         assert run.evaluate()["eval/accuracy"] >= 0.0
+    finally:
+        run.close()
+
+
+def test_preflight_stops_a_run_whose_engine_serves_another_policy(tmp_path):
+    from flax import nnx
+    import jax
+
+    from rlx.rollout.preflight import PreflightError
+
+    run = build(_config("tiny", tmp_path, **{"mesh.data": 8}), progress=False)
+    try:
+        graphdef, lora, rest = nnx.split(run.compiled.model(), nnx.LoRAParam, ...)
+        keys = iter(jax.random.split(jax.random.key(3), 64))
+        lora = jax.tree.map(lambda x: x + 0.5 * jax.random.normal(next(keys), x.shape), lora)
+        run.engine.update_weights(nnx.merge(graphdef, lora, rest), version=7)  # not the learner's
+        with pytest.raises(PreflightError, match=r"jax \(base format int8\) and the learner disagree"):
+            run.train(1)
     finally:
         run.close()

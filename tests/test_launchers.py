@@ -105,3 +105,19 @@ def test_slurm_modes(mode):
         assert url == ["--config.rollout.sglang.url=http://infer-01:8000"] and len(cmds) == 1
     else:
         assert url == [] and len(cmds) == 1
+
+
+@pytest.mark.parametrize("method", ["fp8", "w8a8_int8", "compressed-tensors"])
+def test_sglang_pool_serves_an_rlx_export_with_its_quantization(tmp_path, method):
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "%s"}}' % method)
+    cmds = _dry("sglang_pool.sh", MODEL=str(tmp_path), GPUS="0,1", TP="1", ROUTER="0")
+    servers = [c for c in cmds if "sglang.launch_server" in c]
+    assert len(servers) == 2 and all(_flag(c, "--quantization") == method for c in servers)
+    plain = _dry("sglang_pool.sh", MODEL=str(tmp_path), GPUS="0", ROUTER="0",
+                 SERVER_ARGS="--quantization fp8")
+    assert sum(w == "--quantization" for w in plain[0]) == 1  # an explicit flag wins
+
+
+def test_sglang_pool_serves_a_gguf_file_as_gguf():
+    cmds = _dry("sglang_pool.sh", MODEL="/models/base.Q4_1.gguf", GPUS="0", ROUTER="0")
+    assert _flag(cmds[0], "--quantization") == "gguf"
