@@ -37,7 +37,7 @@ from flax import nnx
 
 from rlx.models.config import to_hf_config
 from rlx.models.decoder import Transformer
-from rlx.models.hf import param_map
+from rlx.models.hf import param_map, put_hf_layout
 from rlx.models.safetensors_io import save_sharded
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
 from rlx.quant.loading import node_at
@@ -191,16 +191,6 @@ def _delta(model: Transformer, path: str) -> np.ndarray | None:
     return np.matmul(_np(lo.lora_a[...]), _np(lo.lora_b[...])) * np.float32(lo.scaling)
 
 
-def _layout(src, value: np.ndarray, out: dict) -> None:
-    if src.layout == "copy":
-        out[src.hf_names[0]] = value
-    elif src.layout == "T":
-        out[src.hf_names[0]] = np.ascontiguousarray(value.T)
-    else:
-        for e, name in enumerate(src.hf_names):
-            out[name] = np.ascontiguousarray(value[e].T)
-
-
 def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named float tensors of base (dequantized) + merged adapters."""
     out: dict[str, np.ndarray] = {}
@@ -209,7 +199,7 @@ def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndar
         delta = _delta(model, path)
         if delta is not None:
             value = value + delta
-        _layout(src, value.astype(dtype), out)
+        put_hf_layout(src, value.astype(dtype), out)
     return out
 
 
@@ -238,7 +228,7 @@ def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dic
     for path, src in param_map(model.config).items():
         node = node_at(model, path)
         if isinstance(node, nnx.Variable) or q.serving == "hf" or src.layout == "copy":
-            _layout(src, _value(node, dtype), out)
+            put_hf_layout(src, _value(node, dtype), out)
             continue
         leaves = {k: np.asarray(jax.device_get(v)) for k, v in node.leaves().items()}
         if src.layout == "T":

@@ -181,15 +181,19 @@ def hf_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))):
         path = "/".join(map(str, key))
         src = sources[path]
-        value = np.asarray(jax.device_get(var[...])).astype(dtype)
-        if src.layout == "copy":
-            out[src.hf_names[0]] = value
-        elif src.layout == "T":
-            out[src.hf_names[0]] = np.ascontiguousarray(value.T)
-        else:
-            for e, name in enumerate(src.hf_names):
-                out[name] = np.ascontiguousarray(value[e].T)
+        put_hf_layout(src, np.asarray(jax.device_get(var[...])).astype(dtype), out)
     return out
+
+
+def put_hf_layout(src: ParamSource, value: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    """Store an rlx-layout ``value`` into ``out`` under its HF name(s), in HF layout."""
+    if src.layout == "copy":
+        out[src.hf_names[0]] = value
+    elif src.layout == "T":
+        out[src.hf_names[0]] = np.ascontiguousarray(value.T)
+    else:
+        for e, name in enumerate(src.hf_names):
+            out[name] = np.ascontiguousarray(value[e].T)
 
 
 def to_hf(model: Transformer, path: str, dtype=np.float32, tokenizer=None,
