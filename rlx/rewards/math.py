@@ -207,6 +207,9 @@ def _serve(fd: int) -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" notices
     os.dup2(2, 1)  # stray prints must not reach the grader
     conn = connection.Connection(fd)
+    import math_verify  # noqa: F401  - import (sympy too) before saying ready: start-up is not
+    # part of any grading's deadline
+    conn.send("ready")
     while True:
         try:
             task = conn.recv()
@@ -217,6 +220,9 @@ def _serve(fd: int) -> None:
         except BaseException as exc:  # a deadline that fired while leaving `_grade`
             result = (False, f"grading error: {type(exc).__name__}")
         conn.send(result)
+
+
+_STARTUP_S = 300.0  # a fresh worker's import time (python + sympy), outside grading deadlines
 
 
 class _Worker:
@@ -235,6 +241,9 @@ class _Worker:
                 [sys.executable, "-c", code], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
             )
         self.conn = connection.Connection(ours.detach())
+        if not (self.conn.poll(_STARTUP_S) and self.conn.recv() == "ready"):
+            self.kill()
+            raise RuntimeError(f"math grading worker did not start within {_STARTUP_S:.0f} s")
 
     def call(self, task: tuple, deadline_s: float) -> tuple[bool, str] | None:
         """The worker's answer, or None if it did not answer in time or died."""

@@ -164,7 +164,7 @@ def test_extraction():
     assert extract_answer(text, ("answer_is", "boxed")).answer == "8"
     assert extract_answer(text, ("hash",)) is None
     with pytest.raises(ValueError):
-        MathConfig(extractors=("boxed", "last_number"))
+        MathConfig(extractors=("boxed", "first_number"))
 
 
 _BALANCED = st.recursive(
