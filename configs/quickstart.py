@@ -48,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.mode = "lora"  # frozen GGUF base + adapter
-    c.train.steps = 16  # RL steps
+    c.train.steps = 12  # RL steps
     c.train.advantage = "grpo"  # group mean/std baseline
     c.train.math_extractors = ("boxed", "last_number")  # a boxed answer, else the last number
     c.train.micro_batches = 4  # gradient accumulation (bounds activation memory)
