@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -240,7 +239,3 @@ def _buckets(cfg) -> tuple[int, ...]:
         out.append(n)
         n *= 2
     return tuple(out) + (top,)
-
-
-def jax_process_zero() -> bool:
-    return jax.process_index() == 0

@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlx.learner.batching import _round_up
 from rlx.learner.state import variable_shardings
 from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, logical_to_spec, named_sharding
 from rlx.rollout.base import Prompt, RolloutError, SamplingParams
@@ -67,10 +68,6 @@ class Buckets:
 
 def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _eval_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
