@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
@@ -94,7 +95,8 @@ def to_scalars(metrics: Any) -> dict[str, float]:
     out = {}
     for name, value in zip(flat, values):
         a = np.asarray(value)
-        if a.size != 1 or not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+        # jnp.issubdtype knows the ml_dtypes floats (bfloat16, fp8) that numpy does not
+        if a.size != 1 or not (jnp.issubdtype(a.dtype, jnp.number) or a.dtype == np.bool_):
             raise ValueError(f"metric {name!r} must be a numeric scalar, got {a.dtype} "
                              f"of shape {a.shape}")
         out[name] = float(a.reshape(()))
