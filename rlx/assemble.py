@@ -19,6 +19,7 @@ from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import get_source
 from rlx.learner.state import create_train_state, make_optimizer
 from rlx.learner.step import StepConfig, make_logprob_step, make_train_step, reference_forward
+from rlx.lifecycle import open_checkpointer, restore
 from rlx.mesh import MeshShape, make_mesh
 from rlx.metrics import LoggerConfig, MetricsLogger
 from rlx.models import load_from_section
@@ -39,6 +40,15 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
         raise ValueError(f"config.model.path={cfg.model.path!r} carries no tokenizer; RL needs one")
     compiled = compile_steps(cfg, model, mesh)
     engine = make_engine(cfg, compiled, tokenizer, mesh)
+    try:  # from here on a failure must not leave the engine's servers running
+        return _run(cfg, mesh, compiled, engine, tokenizer, progress)
+    except BaseException:
+        engine.close()
+        raise
+
+
+def _run(cfg: RunConfig, mesh, compiled: Compiled, engine, tokenizer, progress: bool) -> Run:
+    """Data, evaluation set, checkpoints (restored when resuming), logger and reward."""
     fmt = PromptFormat(system_prompt=cfg.data.system_prompt or None, template=cfg.data.template)
     data = make_prompt_pipeline(
         get_source(cfg.data.source, "train"), tokenizer, batch_size=cfg.data.prompts_per_step,
@@ -46,12 +56,33 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
         max_prompt_tokens=cfg.data.max_prompt_tokens, prompt_format=fmt)
     eval_set = distinct_examples(get_source(cfg.data.source, "eval"), cfg.data.eval_size) \
         if cfg.data.eval_size else []
+    checkpointer = open_checkpointer(cfg, compiled.state)
+    try:
+        start, compiled.state = restore(cfg, checkpointer, compiled.state, data)
+    except BaseException:
+        checkpointer.close()
+        raise
+    if start:
+        engine.update_weights(compiled.model(), start)
+    earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
     logger = MetricsLogger(LoggerConfig(logdir=cfg.output_dir, total_steps=cfg.train.steps,
-                                        text_every=max(cfg.train.sample_every, 1), progress=progress))
+                                        text_every=max(cfg.train.sample_every, 1), progress=progress),
+                           start_step=start)
     reward_kw = {"extractors": cfg.train.math_extractors} if cfg.train.reward == "math" else {}
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=eval_set, prompt_format=fmt,
-               reward=get_reward(cfg.train.reward, **reward_kw), logger=logger)
+               reward=get_reward(cfg.train.reward, **reward_kw), logger=logger,
+               step_count=start, checkpointer=checkpointer, metrics=earlier)
+
+
+def _logged(output_dir: str) -> list[dict]:
+    """The metrics an interrupted run logged (a resumed run continues its record)."""
+    import os
+
+    from rlx.metrics import METRICS_FILE, read_metrics
+
+    path = os.path.join(output_dir, METRICS_FILE)
+    return read_metrics(path) if os.path.exists(path) else []
 
 
 def load_policy(cfg: RunConfig, mesh):
@@ -88,6 +119,11 @@ def compile_steps(cfg: RunConfig, model, mesh) -> Compiled:
 
 
 def make_engine(cfg: RunConfig, compiled: Compiled, tokenizer, mesh):
+    """The rollout engine ``config.rollout.engine`` names, serving the learner's current policy."""
+    if cfg.rollout.engine == "sglang":
+        from rlx.rollout.sglang_policy import SGLangPolicy
+
+        return SGLangPolicy(cfg, compiled.model())  # exports, launches or attaches servers
     if cfg.rollout.engine == "jax":
         from rlx.rollout.jax_engine import JaxEngine
 

@@ -140,19 +140,46 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class SGLangSection:
-    """SGLang servers: attach to ``urls`` or launch ``num_servers`` from ``python``."""
+    """SGLang servers (``rollout.engine="sglang"``): attach to ``urls`` or launch ``num_servers``
+    from ``python``. See ``rlx.rollout.sglang_policy`` for what is exported and synced."""
 
     urls: tuple[str, ...] = ()  # running servers to attach to; empty: launch them
     python: str = ""  # interpreter of the SGLang environment (it pins its own torch)
     num_servers: int = 1  # servers to launch when urls is empty
-    extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server (e.g. --quantization fp8)
+    tp_size: int = 1  # GPUs per launched server (--tp-size); server i starts at GPU i * tp_size
+    extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server (e.g. --mem-fraction-static)
+    env: tuple[str, ...] = ()  # "NAME=value" entries added to the launched servers' environment
+    startup_timeout_s: float = 900.0  # a launched server must answer /health within this
+    request_timeout_s: float = 600.0  # per HTTP request (a whole completion)
+    sync_base: bool = True  # attached servers: load rlx's exported base/weights at start
+
+    def validate(self, engine: str) -> None:
+        if self.num_servers < 1 or self.tp_size < 1:
+            raise ConfigError("config.rollout.sglang.num_servers and tp_size must be >= 1")
+        if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ConfigError("config.rollout.sglang.startup_timeout_s and request_timeout_s "
+                              "must be > 0")
+        bad = [e for e in self.env if "=" not in e or not e.split("=", 1)[0]]
+        if bad:
+            raise ConfigError(f"config.rollout.sglang.env entry {bad[0]!r} must be 'NAME=value'")
+        if engine != "sglang" or self.urls:
+            return
+        if not self.python:
+            raise ConfigError("config.rollout.engine='sglang' needs running servers or an interpreter "
+                              "to launch them: set config.rollout.sglang.urls=['http://host:port', "
+                              "...] or config.rollout.sglang.python to the SGLang environment's "
+                              "python (e.g. ~/sglang-venv/bin/python)")
+        if not os.path.exists(os.path.expanduser(self.python)):
+            raise ConfigError(f"config.rollout.sglang.python={self.python!r} does not exist; point it "
+                              "at the python of an environment with sglang installed, or attach to "
+                              "running servers with config.rollout.sglang.urls")
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
     """How completions are sampled."""
 
-    engine: str = "jax"  # "jax": the built-in engine (same kernels as the learner)
+    engine: str = "jax"  # "jax": built-in engine (same kernels as the learner) | "sglang": servers
     group_size: int = 8  # completions per prompt (the GRPO group)
     max_new_tokens: int = 128  # completion length cap
     temperature: float = 1.0  # sampling temperature for training rollouts
@@ -160,13 +187,11 @@ class RolloutSection:
     eval_temperature: float = 0.0  # 0 = greedy evaluation
     preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine (stop above it)
     preflight_every: int = 0  # steps between parity preflights (0 = only before training)
-    sglang: SGLangSection = SGLangSection()
+    sglang: SGLangSection = SGLangSection()  # servers, used when engine == "sglang"
 
     def validate(self) -> None:
-        if self.engine != "jax":
-            raise ConfigError(f"config.rollout.engine={self.engine!r}: the coordinator drives the "
-                              "built-in 'jax' engine; SGLang is used through rlx.rollout."
-                              "sglang_engine (see README)")
+        _choice("rollout.engine", self.engine, ("jax", "sglang"))
+        self.sglang.validate(self.engine)
         if self.group_size < 1 or self.max_new_tokens < 1:
             raise ConfigError("config.rollout.group_size and max_new_tokens must be >= 1")
         if self.temperature < 0 or self.eval_temperature < 0 or not 0 < self.top_p <= 1:
@@ -188,7 +213,7 @@ class TrainSection:
     eval_every: int = 10  # steps between evaluations (0 = only at the start and the end)
     checkpoint_every: int = 0  # steps between checkpoints (0 = only at exit)
     keep_checkpoints: int = 2  # checkpoints kept on disk
-    resume: bool = False  # continue from the latest complete checkpoint in output_dir
+    max_staleness: int = 0  # 0: synchronous on-policy; 1: one-step-off async (generate t+1 during update t)
     sample_every: int = 10  # steps between logged sample completions
 
     def validate(self) -> None:
@@ -199,6 +224,12 @@ class TrainSection:
         if self.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
             raise ConfigError(f"config.train.advantage={self.advantage!r} is not one of "
                               "['grpo', 'dr_grpo', 'rloo', 'reinforce_pp']")
+        if self.max_staleness not in (0, 1):
+            raise ConfigError(f"config.train.max_staleness={self.max_staleness} is not one of [0, 1] "
+                              "(0: synchronous, 1: one-step-off asynchronous rollouts)")
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ConfigError("config.train.checkpoint_every must be >= 0 (0: only at exit) and "
+                              "keep_checkpoints >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,12 +248,27 @@ class RunConfig:
     distributed: DistributedSection = DistributedSection()
     seed: int = 0  # seeds parameter init, data order and sampling
     output_dir: str = "runs/default"  # tensorboard logs, metrics, checkpoints, exports
+    resume: str = ""  # "" fresh | "latest" (or "true") newest complete checkpoint | a step number
+
+    @property
+    def resume_step(self) -> int | str | None:
+        """None (fresh), "latest", or the checkpoint step to resume from."""
+        value = str(self.resume).strip().lower()
+        if value in ("", "false", "no", "0", "none"):
+            return None
+        if value in ("latest", "true", "yes", "auto"):
+            return "latest"
+        if value.isdigit():
+            return int(value)
+        raise ConfigError(f"config.resume={self.resume!r} is not one of ['' (fresh), 'latest', "
+                          "'true', or a checkpoint step number]")
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self.resume_step  # noqa: B018 (validates)
         if self.train.mode == "full" and self.quant.format != "none":
             raise ConfigError(f"config.train.mode='full' trains every parameter, but config.quant."
                               f"format={self.quant.format!r} freezes a quantized base; use "

@@ -1,17 +1,30 @@
 """The RL loop: a short ``step()`` of named calls.
 
 prompts -> generate -> score -> advantages -> batch -> reference log-probs -> update -> weight
-sync -> metrics. Synchronous and on-policy: each step samples with the current weights
-(``weight_version`` = learner step), takes one optimizer update over the whole batch (gradient
-accumulation over ``train.micro_batches`` inside the compiled step), and hands the new weights to
-the built-in engine in memory. Truncated importance sampling in the loss corrects the remaining
-sampler/learner numerical mismatch, which is measured every step (``mismatch/*``).
+sync -> metrics, then (in ``train``) evaluation and checkpoints. Each step takes one optimizer
+update over the whole batch (gradient accumulation over ``train.micro_batches`` inside the
+compiled step) and hands the new weights to the engine (``weight_version`` = learner step).
+
+* Synchronous on-policy (``train.max_staleness = 0``): each step samples with the current weights.
+* One-step-off asynchronous (``train.max_staleness = 1``): while step t scores and updates, the
+  engine already generates step t+1's rollouts with the weights of step t (a background thread);
+  the weights move to the engine once that generation is done. Rollouts carry their
+  ``weight_version``; the loss's truncated importance sampling (sampler vs. learner log-probs)
+  corrects the one-version lag together with the numerical sampler/learner mismatch, which is
+  measured every step (``mismatch/*``, ``rollout/staleness``).
+
+Checkpoints (``rlx.lifecycle``): every ``train.checkpoint_every`` steps, and at the end of
+``train`` or when SIGTERM / Ctrl-C stop it after the current step. A resumed synchronous run is
+bit-identical to an uninterrupted one (same batches, same sampling seeds, same rng stream); a
+resumed one-step-off run regenerates its first batch with the restored weights.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,11 +33,14 @@ import numpy as np
 from flax import nnx
 
 from rlx.learner.advantages import compute_advantages
+from rlx.lifecycle import DataPosition, StopSignals
 from rlx.learner.batching import pad_rollouts, shard_batch
 from rlx.metrics import TextSample, to_scalars
 from rlx.rewards.base import score_batch
 from rlx.rollout.base import Prompt, SamplingParams
 from rlx.types import Rollout
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -38,6 +54,21 @@ class Compiled:
 
     def model(self) -> nnx.Module:
         return nnx.merge(self.graphdef, self.state.params, self.state.frozen)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One-step-off: the next step's batch, generating in the background."""
+
+    batch: Any
+    data_position: Any  # the data iterator's state before this batch was taken
+    future: concurrent.futures.Future  # -> (rollouts, generation seconds)
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t
 
 
 class _Timer:
@@ -68,14 +99,21 @@ class Run:
     step_count: int = 0
     metrics: list = dataclasses.field(default_factory=list)  # one flat record per step / eval
     probe: list | None = None  # fixed (token ids, prompt length) sequences of the parity preflight
+    checkpointer: Any = None  # rlx.checkpoint.Checkpointer (None: no checkpoints)
+    stopped_by: int | None = None  # the signal that stopped `train`, if one did
+    _pending: _Pending | None = None
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _horizon: int | None = None  # the last step `train` will take (no prefetch beyond it)
 
     # --- one RL step ----------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         timer = _Timer()
         with timer("step"):
-            batch = next(self.data)
-            with timer("generate"):
-                rollouts = self.engine.generate(batch.prompts, self._sampling())
+            with timer("wait_rollouts"):
+                batch, rollouts, gen_time = self._rollouts()
+            timer.times["time/generate"] = gen_time
+            if self.cfg.train.max_staleness and self.step_count + 1 != self._horizon:
+                self._prefetch()
             with timer("score"):
                 rewards, texts = self._score(rollouts, batch)
             uids = np.array([r.prompt_uid for r in rollouts])
@@ -88,18 +126,44 @@ class Run:
                     self.compiled.state, train_batch)
             with timer("sync"):
                 self.step_count += 1
+                self._await_prefetch()  # the engine's weights change only when it is idle
                 self.engine.update_weights(self.compiled.model(), self.step_count)
         record = self._record(step_metrics, rollouts, rewards, keep, timer.times)
         self._log(record, rollouts, texts, rewards)
         return record
 
-    def _sampling(self, evaluation: bool = False) -> SamplingParams:
+    def _rollouts(self):
+        """This step's batch and rollouts: the prefetched ones, or generated now."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            rollouts, seconds = pending.future.result()
+            return pending.batch, rollouts, seconds
+        batch = next(self.data)
+        rollouts, seconds = _timed(self.engine.generate, batch.prompts, self._sampling())
+        return batch, rollouts, seconds
+
+    def _prefetch(self) -> None:
+        """One-step-off: start generating the next step's batch with the current weights."""
+        position = self.data.get_state()
+        batch = next(self.data)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "rlx-rollout")
+        sampling = self._sampling(step=self.step_count + 1)
+        future = self._pool.submit(_timed, self.engine.generate, batch.prompts, sampling)
+        self._pending = _Pending(batch, position, future)
+
+    def _await_prefetch(self) -> None:
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending.future])
+
+    def _sampling(self, evaluation: bool = False, step: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
+        step = self.step_count if step is None else step
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, n=1 if evaluation else r.group_size,
             temperature=r.eval_temperature if evaluation else r.temperature,
             top_p=None if r.top_p >= 1.0 else r.top_p,
-            stop_token_ids=(self.tokenizer.eos_id,), seed=self.cfg.seed + self.step_count)
+            stop_token_ids=(self.tokenizer.eos_id,), seed=self.cfg.seed + step)
 
     def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str]]:
         examples = {e.uid: e for e in batch.examples}
@@ -141,6 +205,8 @@ class Run:
             "response_length/clipped_frac": float(np.mean(
                 [r.finish_reason == "length" for r in rollouts])),
             "batch/kept_frac": len(keep) / len(rollouts),
+            "rollout/staleness": float(np.mean([self.step_count - 1 - r.weight_version
+                                                for r in rollouts])),
             "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
             **times,
         })
@@ -156,19 +222,35 @@ class Run:
 
     # --- loops, evaluation, inspection --------------------------------------------------------
     def train(self, steps: int | None = None) -> list[dict[str, float]]:
-        """Run ``steps`` (default: the rest of ``train.steps``), evaluating every ``eval_every``."""
+        """Run ``steps`` (default: the rest of ``train.steps``), evaluating every ``eval_every``
+        and checkpointing every ``checkpoint_every`` steps and at the end. SIGTERM / Ctrl-C stop
+        the loop after the current step (``stopped_by``), with a final checkpoint."""
         total = self.cfg.train.steps if steps is None else self.step_count + steps
         every, check = self.cfg.train.eval_every, self.cfg.rollout.preflight_every
-        if self.step_count == 0 and self.eval_set:
-            self.preflight()
-            self.evaluate()
-        while self.step_count < total:
-            self.step()
-            if check and self.eval_set and self.step_count % check == 0:
+        self._horizon, self.stopped_by = total, None
+        with StopSignals() as signals:
+            if self.step_count == 0 and self.eval_set and self.step_count < total:
                 self.preflight()
-            if self.eval_set and (self.step_count == total or (every and self.step_count % every == 0)):
                 self.evaluate()
+            while self.step_count < total and signals.received is None:
+                self.step()
+                if check and self.eval_set and self.step_count % check == 0:
+                    self.preflight()
+                if self.eval_set and (self.step_count == total
+                                      or (every and self.step_count % every == 0)):
+                    self.evaluate()
+                self.save()
+            self.save(force=True)
+            self.stopped_by = signals.received
         return self.metrics
+
+    def save(self, force: bool = False) -> bool:
+        """Checkpoint the current step if due (or ``force``); True when a save started. The
+        data position saved is the one after this step's batch, also in one-step-off mode."""
+        if self.checkpointer is None:
+            return False
+        data = self.data if self._pending is None else DataPosition(self._pending.data_position)
+        return self.checkpointer.save(self.step_count, self.compiled.state, data, force=force)
 
     def preflight(self):
         """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);
@@ -224,6 +306,14 @@ class Run:
         return "\n".join(lines)
 
     def close(self) -> None:
+        """Finish pending work (checkpoint writes, a prefetched generation), stop the engine's
+        servers and the reward workers, close the logs."""
+        self._await_prefetch()
+        self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self.logger.close()
         self.engine.close()
         close = getattr(self.reward, "close", None)

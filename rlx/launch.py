@@ -1,12 +1,14 @@
 """``python -m rlx.launch --config configs/X.py [--config.a.b=v ...] [--dry_run]``: the CLI.
 
 Parses and validates the config once (errors: one line naming the field, exit status 2), then
-builds the run (``rlx.build``) and trains it. ``--dry_run`` only loads, shards and summarises the
+builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C end it after the current step with a
+checkpoint (exit status 128 + signal number), and ``--config.resume=latest`` continues it. ``--dry_run`` only loads, shards and summarises the
 model. Everything else is done by the library; this file stays short.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -20,6 +22,7 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
+    from rlx.checkpoint import CheckpointError
     from rlx.config import ConfigError, parse_config
 
     try:
@@ -35,7 +38,7 @@ def main(argv: list[str]) -> None:
     except ConfigError as e:
         print(f"rlx: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (ValueError, FileNotFoundError) as e:  # checkpoint / model errors carry their own fix
+    except (ValueError, FileNotFoundError, CheckpointError) as e:  # each names its own fix
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
@@ -43,6 +46,10 @@ def main(argv: list[str]) -> None:
         print(run.summary())
     finally:
         run.close()
+    if run.stopped_by is not None:
+        print(f"rlx: stopped by {signal.Signals(run.stopped_by).name} after step {run.step_count}; "
+              f"resume with --config.resume=latest", file=sys.stderr)
+        sys.exit(128 + run.stopped_by)
 
 
 def run() -> None:
