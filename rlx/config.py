@@ -104,12 +104,18 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
-    """Multi-host initialisation (``jax.distributed``); off for a single process."""
+    """Multi-host runs (``jax.distributed``; ``rlx.hosts`` says which process does what); off for
+    a single process. Every process reads ``data.prompts_per_step / data_shards`` prompts per
+    step from each of its data shards."""
 
     enabled: bool = False  # call jax.distributed.initialize before anything else
     coordinator_address: str = ""  # "host:port"; empty: auto-detect (TPU, SLURM)
     num_processes: int = 0  # 0: auto-detect
     process_id: int = 0  # ignored when auto-detecting
+    rollouts: str = "primary"  # "primary": process 0's engine samples every prompt, rollouts are
+    #   broadcast | "per_host": each process samples its own prompts with its own engine
+    data_shards: int = 0  # shards of the data a global batch is read from (0: one per process);
+    #   a multiple of the process count; fixed, the global batch does not depend on the count
 
     def validate(self) -> None:
         if self.num_processes < 0:
@@ -117,6 +123,12 @@ class DistributedSection:
         if self.enabled and self.num_processes and not (0 <= self.process_id < self.num_processes):
             raise ConfigError(f"config.distributed.process_id={self.process_id} must be in "
                               f"[0, {self.num_processes})")
+        _choice("distributed.rollouts", self.rollouts, ("primary", "per_host"))
+        if self.data_shards < 0:
+            raise ConfigError("config.distributed.data_shards must be >= 0 (0 = one per process)")
+        if self.enabled and self.num_processes and self.data_shards % self.num_processes:
+            raise ConfigError(f"config.distributed.data_shards={self.data_shards} must be a "
+                              f"multiple of num_processes={self.num_processes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +226,7 @@ class TrainSection:
     checkpoint_every: int = 0  # steps between checkpoints (0 = only at exit)
     keep_checkpoints: int = 2  # checkpoints kept on disk
     max_staleness: int = 0  # 0: synchronous on-policy; 1: one-step-off async (generate t+1 during update t)
+    max_skipped_steps: int = 3  # stop after this many updates in a row skipped for NaN/Inf
     sample_every: int = 10  # steps between logged sample completions
 
     def validate(self) -> None:
@@ -227,6 +240,8 @@ class TrainSection:
         if self.max_staleness not in (0, 1):
             raise ConfigError(f"config.train.max_staleness={self.max_staleness} is not one of [0, 1] "
                               "(0: synchronous, 1: one-step-off asynchronous rollouts)")
+        if self.max_skipped_steps < 1:
+            raise ConfigError(f"config.train.max_skipped_steps={self.max_skipped_steps} must be >= 1")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ConfigError("config.train.checkpoint_every must be >= 0 (0: only at exit) and "
                               "keep_checkpoints >= 1")

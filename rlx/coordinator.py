@@ -17,6 +17,10 @@ Checkpoints (``rlx.lifecycle``): every ``train.checkpoint_every`` steps, and at 
 ``train`` or when SIGTERM / Ctrl-C stop it after the current step. A resumed synchronous run is
 bit-identical to an uninterrupted one (same batches, same sampling seeds, same rng stream); a
 resumed one-step-off run regenerates its first batch with the restored weights.
+
+Multi-host (``config.distributed``): every process runs this loop; ``Run.hosts`` (``rlx.hosts``)
+exchanges prompts, rollouts and rewards so that every process trains on the same global batch,
+each feeding its own rows; with one process each of its calls is the identity.
 """
 
 from __future__ import annotations
@@ -34,13 +38,18 @@ from flax import nnx
 
 from rlx.learner.advantages import compute_advantages
 from rlx.lifecycle import DataPosition, StopSignals
-from rlx.learner.batching import pad_rollouts, shard_batch
+from rlx.hosts import Hosts
+from rlx.learner.batching import pad_rollouts
 from rlx.metrics import TextSample, to_scalars
 from rlx.rewards.base import score_batch
 from rlx.rollout.base import Prompt, SamplingParams
 from rlx.types import Rollout
 
 log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many updates in a row were skipped for a non-finite loss or gradient norm."""
 
 
 @dataclasses.dataclass
@@ -104,6 +113,8 @@ class Run:
     _pending: _Pending | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     _horizon: int | None = None  # the last step `train` will take (no prefetch beyond it)
+    _skipped_in_row: int = 0  # updates skipped for NaN/Inf since the last good one
+    hosts: Hosts = dataclasses.field(default_factory=Hosts)  # this process's part (rlx.hosts)
 
     # --- one RL step ----------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -127,29 +138,55 @@ class Run:
             with timer("sync"):
                 self.step_count += 1
                 self._await_prefetch()  # the engine's weights change only when it is idle
-                self.engine.update_weights(self.compiled.model(), self.step_count)
+                self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
         record = self._record(step_metrics, rollouts, rewards, keep, timer.times)
         self._log(record, rollouts, texts, rewards)
+        self._check_numerics(record)
         return record
+
+    def _check_numerics(self, record: dict[str, float]) -> None:
+        """Count updates the learner skipped for a non-finite loss / gradient norm; stop after
+        ``train.max_skipped_steps`` in a row (no checkpoint is written meanwhile)."""
+        if not record.get("learner/skipped"):
+            self._skipped_in_row = 0
+            return
+        self._skipped_in_row += 1
+        limit = self.cfg.train.max_skipped_steps
+        log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row, "
+                    "stopping at %d)", self.step_count, self._skipped_in_row, limit)
+        if self._skipped_in_row >= limit:
+            last = self.checkpointer.steps()[-1] if self.checkpointer and \
+                self.checkpointer.steps() else None
+            raise NonFiniteError(
+                f"{self._skipped_in_row} updates in a row (up to step {self.step_count}) had a "
+                f"non-finite loss or gradient norm and were skipped; the last good checkpoint is "
+                f"step {last} in {self.checkpointer.directory if self.checkpointer else '-'}. "
+                "Lower optim.learning_rate or check the rewards and data, then resume with "
+                "--config.resume=latest")
 
     def _rollouts(self):
         """This step's batch and rollouts: the prefetched ones, or generated now."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            rollouts, seconds = pending.future.result()
+            rollouts, seconds = self.hosts.share(*pending.future.result())
             return pending.batch, rollouts, seconds
         batch = next(self.data)
-        rollouts, seconds = _timed(self.engine.generate, batch.prompts, self._sampling())
+        prompts = self.hosts.to_generate(batch.prompts)
+        rollouts, seconds = self.hosts.share(*_timed(self._generate, prompts, self._sampling()))
         return batch, rollouts, seconds
+
+    def _generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Rollout]:
+        return self.engine.generate(prompts, sampling) if prompts else []
 
     def _prefetch(self) -> None:
         """One-step-off: start generating the next step's batch with the current weights."""
         position = self.data.get_state()
         batch = next(self.data)
+        prompts = self.hosts.to_generate(batch.prompts)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "rlx-rollout")
         sampling = self._sampling(step=self.step_count + 1)
-        future = self._pool.submit(_timed, self.engine.generate, batch.prompts, sampling)
+        future = self._pool.submit(_timed, self._generate, prompts, sampling)
         self._pending = _Pending(batch, position, future)
 
     def _await_prefetch(self) -> None:
@@ -167,11 +204,12 @@ class Run:
 
     def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str]]:
         examples = {e.uid: e for e in batch.examples}
-        texts = [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True)
-                 for r in rollouts]
-        samples = [examples[r.prompt_uid].reward_sample() for r in rollouts]
+        own = [i for i, r in enumerate(rollouts) if r.prompt_uid in examples]  # this process's
+        texts = [self.tokenizer.decode(rollouts[i].completion_ids.tolist(), skip_special_tokens=True)
+                 for i in own]
+        samples = [examples[rollouts[i].prompt_uid].reward_sample() for i in own]
         results = score_batch(self.reward, texts, samples)
-        return np.array([res.score for res in results], np.float64), texts
+        return self.hosts.gather_scores(len(rollouts), own, [res.score for res in results], texts)
 
     def _keep(self, rewards: np.ndarray, uids: np.ndarray) -> np.ndarray:
         """Indices trained on: all, or (dynamic sampling) groups whose rewards differ."""
@@ -186,7 +224,7 @@ class Run:
         rows = shape["data"] * shape["fsdp"] * shape["expert"] * self.cfg.train.micro_batches
         host = pad_rollouts(rollouts, advantages, buckets=_buckets(self.cfg),
                             rows_multiple=rows)
-        batch = shard_batch(host, self.mesh)
+        batch = self.hosts.device_batch(host, self.mesh)
         if self.compiled.ref_step is not None:
             ref = self.compiled.ref_step(self.compiled.state.params, self.compiled.state.frozen, batch)
             batch = batch.replace(ref_logp=ref.logp)
@@ -232,7 +270,7 @@ class Run:
             if self.step_count == 0 and self.eval_set and self.step_count < total:
                 self.preflight()
                 self.evaluate()
-            while self.step_count < total and signals.received is None:
+            while self.step_count < total and self.hosts.first_signal(signals.received) is None:
                 self.step()
                 if check and self.eval_set and self.step_count % check == 0:
                     self.preflight()
@@ -241,13 +279,13 @@ class Run:
                     self.evaluate()
                 self.save()
             self.save(force=True)
-            self.stopped_by = signals.received
+            self.stopped_by = self.hosts.first_signal(signals.received)
         return self.metrics
 
     def save(self, force: bool = False) -> bool:
         """Checkpoint the current step if due (or ``force``); True when a save started. The
         data position saved is the one after this step's batch, also in one-step-off mode."""
-        if self.checkpointer is None:
+        if self.checkpointer is None or self._skipped_in_row:  # only states after a good update
             return False
         data = self.data if self._pending is None else DataPosition(self._pending.data_position)
         return self.checkpointer.save(self.step_count, self.compiled.state, data, force=force)
@@ -255,6 +293,12 @@ class Run:
     def preflight(self):
         """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);
         raises ``PreflightError`` above ``rollout.preflight_threshold``, else logs the figures."""
+        report = self.hosts.on_primary(self._preflight, self.hosts.learner_model(self.compiled))
+        self.logger.log(self.step_count, report.scalars())
+        self.metrics.append({"step": self.step_count, **report.scalars()})
+        return report
+
+    def _preflight(self, model):
         from rlx.data.chat import encode_prompt
         from rlx.rollout.preflight import run_preflight
 
@@ -264,34 +308,34 @@ class Run:
             outs = self.engine.generate(prompts, self._sampling(evaluation=True))
             self.probe = [(list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids))
                           for r in outs if len(r.completion_ids)]
-        report = run_preflight(self.compiled.model(), self.engine.score, self.probe,
-                               engine_name=getattr(self.engine, "name", type(self.engine).__name__),
-                               base_format=self.cfg.quant.format,
-                               threshold=self.cfg.rollout.preflight_threshold)
-        self.logger.log(self.step_count, report.scalars())
-        self.metrics.append({"step": self.step_count, **report.scalars()})
-        return report
+        return run_preflight(model, self.engine.score, self.probe,
+                             engine_name=getattr(self.engine, "name", type(self.engine).__name__),
+                             base_format=self.cfg.quant.format,
+                             threshold=self.cfg.rollout.preflight_threshold)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy (``rollout.eval_temperature``) accuracy on the held-out set."""
+        record = self.hosts.on_primary(self._evaluate)
+        self.metrics.append({"step": self.step_count, **record})
+        self.logger.log(self.step_count, record)
+        return record
+
+    def _evaluate(self) -> dict[str, float]:
         from rlx.data.eval import evaluate
 
         t = time.perf_counter()
         report = evaluate(self.engine, self.eval_set, self.reward, k=1,
                           sampling=self._sampling(evaluation=True), tokenizer=self.tokenizer,
                           prompt_format=self.prompt_format)
-        record = {"eval/accuracy": float(report.pass_at[1]), "eval/mean_reward": report.mean_score,
-                  "time/eval": time.perf_counter() - t}
-        self.metrics.append({"step": self.step_count, **record})
-        self.logger.log(self.step_count, record)
-        return record
+        return {"eval/accuracy": float(report.pass_at[1]), "eval/mean_reward": report.mean_score,
+                "time/eval": time.perf_counter() - t}
 
     def generate(self, texts: Sequence[str], **sampling: Any) -> list[str]:
         """Chat-templated completions of user messages (for looking at samples)."""
         base = dataclasses.replace(self._sampling(evaluation=True), **sampling)
         prompts = [Prompt(f"gen-{i}", tuple(self.tokenizer.encode_chat(
             [{"role": "user", "content": t}], add_generation_prompt=True))) for i, t in enumerate(texts)]
-        outs = self.engine.generate(prompts, base)
+        outs = self.hosts.on_primary(lambda: self.engine.generate(prompts, base))
         return [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True) for r in outs]
 
     def summary(self) -> str:
@@ -315,7 +359,8 @@ class Run:
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.logger.close()
-        self.engine.close()
+        if self.engine is not None:  # a process that does not sample holds none
+            self.engine.close()
         close = getattr(self.reward, "close", None)
         if close is not None:
             close()

@@ -41,9 +41,14 @@ def main(argv: list[str]) -> None:
     except (ValueError, FileNotFoundError, CheckpointError) as e:  # each names its own fix
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(2)
+    from rlx.coordinator import NonFiniteError
+
     try:
         run.train()
         print(run.summary())
+    except NonFiniteError as e:  # the last good checkpoint is kept; the message says what next
+        print(f"rlx: error: {e}", file=sys.stderr)
+        sys.exit(3)
     finally:
         run.close()
     if run.stopped_by is not None:
