@@ -186,26 +186,42 @@ class Tokenizer:
             raise TokenizerError(
                 f"GGUF tokenizer model {model!r} is not supported; supported: 'gpt2' (byte-level BPE)"
             )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        backend = _byte_level_backend(
-            tokens, meta.get("tokenizer.ggml.merges", []), meta.get("tokenizer.ggml.token_type", []),
-            meta.get("tokenizer.ggml.pre"),
-        )
+        tokens = _string_list(meta, "tokenizer.ggml.tokens")
+        merges = _string_list(meta, "tokenizer.ggml.merges", [])
+        if bad := next((m for m in merges if " " not in m), None):
+            raise TokenizerError(f"GGUF merge {bad!r} is not two tokens separated by a space")
+        token_types = meta.get("tokenizer.ggml.token_type", [])
+        if not (isinstance(token_types, list) and all(type(t) is int for t in token_types)):
+            raise TokenizerError("GGUF metadata 'tokenizer.ggml.token_type' is not a list of integers")
+        pre = meta.get("tokenizer.ggml.pre")
+        template = meta.get("tokenizer.chat_template")
+        if not all(v is None or isinstance(v, str) for v in (pre, template)):
+            raise TokenizerError("GGUF metadata 'tokenizer.ggml.pre' and 'tokenizer.chat_template' must be strings")
 
         def token_at(key: str) -> str | None:
             index = meta.get(f"tokenizer.ggml.{key}")
-            return None if index is None else tokens[index]
+            if index is None:
+                return None
+            if type(index) is not int or not 0 <= index < len(tokens):
+                raise TokenizerError(f"GGUF metadata 'tokenizer.ggml.{key}' = {index!r} is not a token id "
+                                     f"(the vocabulary has {len(tokens)} tokens)")
+            return tokens[index]
 
-        return cls(
-            backend,
-            bos_token=token_at("bos_token_id"),
-            eos_token=token_at("eos_token_id"),
-            pad_token=token_at("padding_token_id"),
-            unk_token=token_at("unknown_token_id"),
-            chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        )
+        try:
+            return cls(
+                _byte_level_backend(tokens, merges, token_types, pre),
+                bos_token=token_at("bos_token_id"),
+                eos_token=token_at("eos_token_id"),
+                pad_token=token_at("padding_token_id"),
+                unk_token=token_at("unknown_token_id"),
+                chat_template=template,
+                add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+            )
+        except TokenizerError:
+            raise
+        except Exception as err:  # the tokenizers library raises bare Exceptions for bad vocabularies
+            raise TokenizerError(f"the GGUF vocabulary cannot be used: {err}") from err
 
     # -------------------------------------------------------------------------------------- codec
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -213,8 +229,19 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """The text of `ids`."""
-        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of `ids`.
+
+        Never raises on what a model samples: bytes that are not valid UTF-8 (a character cut
+        between tokens) decode to U+FFFD, and ids past the vocabulary (a padded embedding's extra
+        rows) to nothing, as in transformers. An id below 0 or above 2**32 - 1 raises TokenizerError.
+        """
+        ids = list(ids)
+        try:
+            text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        except OverflowError:
+            position, bad = next(((i, t) for i, t in enumerate(ids) if not 0 <= t < 2**32), (None, None))
+            raise TokenizerError(f"cannot decode token id {bad} at position {position}: "
+                                 "ids must be in [0, 2**32)") from None
         return _clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
 
     # ------------------------------------------------------------------------------- chat template
@@ -307,10 +334,20 @@ def _clean_up_spaces(text: str) -> str:
 # -------------------------------------------------------------------------------------- GGUF helpers
 def _tokenizer_metadata(reader: Any) -> dict[str, Any]:
     """The `tokenizer.*` fields of a `gguf.GGUFReader`, decoded to Python values."""
-    meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    try:
+        meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    except UnicodeDecodeError as err:
+        raise TokenizerError(f"GGUF tokenizer metadata holds a string that is not UTF-8 ({err.reason})") from None
     if "tokenizer.ggml.tokens" not in meta:
         raise TokenizerError("the GGUF file has no tokenizer (no 'tokenizer.ggml.tokens' metadata)")
     return meta
+
+
+def _string_list(meta: Mapping[str, Any], key: str, default: Any = None) -> list[str]:
+    value = meta.get(key, default)
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise TokenizerError(f"GGUF metadata {key!r} is not a list of strings")
+    return value
 
 
 @functools.lru_cache(maxsize=1)

@@ -75,7 +75,7 @@ class PromptIterator(grain.DatasetIterator):
 
     def __next__(self) -> PromptBatch:
         items: list[_Encoded] = []
-        filtered = 0
+        filtered = run = 0  # run: too-long prompts in a row
         while len(items) < self._batch_size:
             try:
                 item = next(self._parent)
@@ -85,10 +85,13 @@ class PromptIterator(grain.DatasetIterator):
                 self._count([], filtered)  # a dropped partial batch is not counted
                 raise
             if item.too_long:
-                filtered += 1
-                if filtered > self._shard_size:
+                filtered, run = filtered + 1, run + 1
+                # Two occurrences of one short prompt are at most 2 * shard_size - 2 apart (last
+                # and first of two shuffled epochs): a longer run means there is none.
+                if run >= 2 * self._shard_size:
                     raise DataError("every prompt of this shard is longer than max_prompt_tokens")
                 continue
+            run = 0
             items.append(item)
         self._count(items, filtered)
         return PromptBatch(

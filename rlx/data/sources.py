@@ -11,11 +11,13 @@ expected share of eval examples.
 
 Files. A `FieldMap` names the fields to read. Lines (JSONL) or rows (Parquet) must all be
 valid; reading stops with an error naming the file, the line or row number and the field for:
-a line that is not UTF-8 (bad lines are refused, not skipped: a silently shorter data set
-hides corruption), a line that is not a JSON object, a missing or mistyped field, a duplicate
-uid, and an empty file. Blank lines are ignored. Without a `uid_field` the uid is
-`"<source name>:<first 16 hex digits of the content hash>"`, so a file may be reordered
-without changing its uids, and a prompt repeated in the file is refused as a duplicate uid.
+a line that is not UTF-8 or holds a lone surrogate escape (bad lines are refused, not skipped:
+a silently shorter data set hides corruption), a line that is not a JSON object (or nests too
+deeply, or holds a number too long to convert), a missing or mistyped field, a duplicate uid,
+and an empty file; a `ListSource` refuses duplicate uids too. Blank lines are ignored. Without
+a `uid_field` the uid is `"<source name>:<first 16 hex digits of the content hash>"`, so a file
+may be reordered without changing its uids, and a prompt repeated in the file is refused as a
+duplicate uid.
 
 Bundled sources (`rlx.data.bundled`, `rlx.data.arith`) are registered by prefix and loaded
 only when asked for: `get_source("mmath:math500", "eval")`.
@@ -129,6 +131,11 @@ class ListSource(Sequence[Example]):
     def __init__(self, name: str, split: str, examples: Sequence[Example]):
         self.name, self.split = name, split
         self._examples = tuple(examples)
+        uids: set[str] = set()
+        for example in self._examples:  # advantages group rollouts by uid
+            if example.uid in uids:
+                raise DataError(f"data set {name!r} has the uid {example.uid!r} more than once")
+            uids.add(example.uid)
 
     def __len__(self) -> int:
         return len(self._examples)
@@ -205,8 +212,16 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict[str, Any]]]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}: line {number} is not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # a 5000-digit number, 10^5 nested brackets
+                raise DataError(f"{path}: line {number} is not usable JSON ({e})") from None
             if not isinstance(record, dict):
                 raise DataError(f"{path}: line {number} is not a JSON object")
+            if "\\u" in line:  # only a \uXXXX escape can make a lone surrogate, which no text holds
+                try:
+                    json.dumps(record, ensure_ascii=False).encode("utf-8")
+                except UnicodeEncodeError:
+                    raise DataError(f"{path}: line {number} holds a lone UTF-16 surrogate "
+                                    "(a \\ud800-\\udfff escape), which is not text") from None
             yield number, record
 
 

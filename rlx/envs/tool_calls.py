@@ -65,13 +65,21 @@ def _snippet(text: str) -> str:
     return text if len(text) <= _MAX_ERROR_SNIPPET else text[:_MAX_ERROR_SNIPPET] + "..."
 
 
+def _json_problem(error: Exception) -> str:
+    if isinstance(error, json.JSONDecodeError):
+        return error.msg
+    if isinstance(error, RecursionError):
+        return "too deeply nested"
+    return str(error).split(":")[0]  # "Exceeds the limit (4300 digits) for integer string ..."
+
+
 def parse_block(body: str) -> ToolCall | ToolCallError:
     """One block's content as a call or an error."""
     try:
         value = json.loads(body)
-    except (json.JSONDecodeError, RecursionError) as e:
-        message = getattr(e, "msg", "too deeply nested")
-        return ToolCallError(f"tool call is not valid JSON ({message}): {_snippet(body)}", body)
+    except (ValueError, RecursionError) as e:
+        problem = _json_problem(e)
+        return ToolCallError(f"tool call is not valid JSON ({problem}): {_snippet(body)}", body)
     if not isinstance(value, dict):
         return ToolCallError("tool call must be a JSON object with \"name\" and \"arguments\"",
                              body)
@@ -82,7 +90,7 @@ def parse_block(body: str) -> ToolCall | ToolCallError:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return ToolCallError(f"\"arguments\" of {name!r} must be a JSON object", body)

@@ -17,19 +17,28 @@ from the same file. Qwen2/Qwen3 files are stored unpermuted.
 
 Supported: architectures llama, qwen2, qwen3; tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1.
 Everything else raises `GGUFError`, as do llama3-style rope scaling and missing tensors.
+
+Malformed files. Before the `gguf` package parses a file we walk its header ourselves and check
+every declared length and count against the bytes that are left (the package trusts them: an
+array length past the end of the file makes it loop without end), the value and tensor type ids,
+the dimension counts and that each tensor's data lies inside the file. Every problem with a file,
+down to a tokenizer vocabulary that cannot be built, raises `GGUFError` with the path first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import mmap
 import os
+import struct
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import gguf
 import numpy as np
 
-from rlx.tokenizer import Tokenizer
+from rlx.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFTensors", "RawTensor", "SUPPORTED_TYPES", "read_gguf"]
 
@@ -152,23 +161,41 @@ class GGUFCheckpoint:
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Reads the metadata of a GGUF file and maps its tensors to HF names (tensor data stays mapped)."""
     path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path!r}")
+    try:
+        return _read(path)
+    except GGUFError as err:
+        raise GGUFError(f"{path}: {err}") from err.__cause__  # the package's error, if any
+
+
+def _read(path: str) -> GGUFCheckpoint:
+    """`read_gguf` with errors that do not name the file yet."""
     reader = _open(path)
     meta = _metadata(reader)
     arch_name = meta.get("general.architecture")
-    arch = _ARCHS.get(arch_name)
+    arch = _ARCHS.get(arch_name) if isinstance(arch_name, str) else None
     if arch is None:
-        raise GGUFError(f"{path}: GGUF architecture {arch_name!r} is not supported; supported: {sorted(_ARCHS)}")
+        raise GGUFError(f"GGUF architecture {arch_name!r} is not supported; supported: {sorted(_ARCHS)}")
     stored = {tensor.name: tensor for tensor in reader.tensors}
     _reject_rope_scaling(arch_name, meta, stored)
     config = _hf_config(arch_name, arch, meta, stored)
     names = _tensor_names(arch, config["num_hidden_layers"], tied=config["tie_word_embeddings"])
-    _check_tensors(path, names, stored, _expected_shapes(config, arch))
+    _check_tensors(names, stored, _expected_shapes(config, arch))
     heads: dict[str, int] = {}
     if arch.permute_qk:
         for layer in range(config["num_hidden_layers"]):
             heads[f"model.layers.{layer}.self_attn.q_proj.weight"] = config["num_attention_heads"]
             heads[f"model.layers.{layer}.self_attn.k_proj.weight"] = config["num_key_value_heads"]
-    tokenizer = Tokenizer.from_gguf(reader) if "tokenizer.ggml.tokens" in reader.fields else None
+    tokenizer = None
+    if "tokenizer.ggml.tokens" in reader.fields:
+        try:
+            tokenizer = Tokenizer.from_gguf(reader)
+        except TokenizerError as err:
+            raise GGUFError(f"the tokenizer cannot be read: {err}") from err
+    chat_template = meta.get("tokenizer.chat_template")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise GGUFError("metadata 'tokenizer.chat_template' is not a string")
     return GGUFCheckpoint(
         path=path,
         architecture=arch_name,
@@ -176,20 +203,138 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         tensors=GGUFTensors(stored, names, heads),
         tensor_types={hf: stored[gg].tensor_type.name for hf, gg in names.items()},
         tokenizer=tokenizer,
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=chat_template,
     )
 
 
 def _open(path: str) -> gguf.GGUFReader:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no GGUF file at {path!r}")
+    _check_layout(path)
     try:
         reader = gguf.GGUFReader(path, "r")
-    except ValueError as err:  # bad magic, unknown tensor type id, duplicated tensor, ...
-        raise GGUFError(f"{path}: not a readable GGUF file: {err}") from err
+    except (ValueError, KeyError, IndexError, OverflowError) as err:  # what the package raises
+        raise GGUFError(f"not a readable GGUF file: {type(err).__name__}: {err}") from err
     if reader.byte_order != "I":
-        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
+        raise GGUFError("big-endian GGUF files are not supported")
     return reader
+
+
+# ------------------------------------------------------------------------------ layout checks
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # by value type
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from the start of a buffer."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.at = buf, 0
+
+    def take(self, n: int, what: str) -> int:
+        left = len(self.buf) - self.at
+        if n > left:
+            raise GGUFError(f"file truncated or corrupt: {what} at byte {self.at} needs {n} bytes, {left} left")
+        start, self.at = self.at, self.at + n
+        return start
+
+    def u32(self, what: str) -> int:
+        return struct.unpack_from("<I", self.buf, self.take(4, what))[0]
+
+    def u64(self, what: str) -> int:
+        return struct.unpack_from("<Q", self.buf, self.take(8, what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"length of {what}")
+        start = self.take(n, what)
+        try:
+            return bytes(self.buf[start:start + n]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(f"{what} at byte {start} is not valid UTF-8") from None
+
+
+def _check_layout(path: str) -> None:
+    """Walks the header and tensor table, checking each declared size against the file."""
+    size = os.path.getsize(path)
+    if size < 24:
+        raise GGUFError(f"not a GGUF file: {size} bytes is shorter than a GGUF header")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf)
+        if cur.u32("magic") != gguf.GGUF_MAGIC:
+            raise GGUFError("not a GGUF file (bad magic)")
+        version = cur.u32("version")
+        if version not in (2, 3):
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            if swapped in (2, 3):
+                raise GGUFError("big-endian GGUF files are not supported")
+            raise GGUFError(f"GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors, n_keys = cur.u64("tensor count"), cur.u64("metadata count")
+        alignment, keys = gguf.GGUF_DEFAULT_ALIGNMENT, set()
+        for i in range(n_keys):
+            key = cur.string(f"metadata key {i} of {n_keys}")
+            if key in keys:
+                raise GGUFError(f"metadata key {key!r} appears twice")
+            keys.add(key)
+            kind = cur.u32(f"type of {key!r}")
+            if key == "general.alignment":
+                alignment = cur.u32(f"value of {key!r}") if kind == _UINT32 else 0
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise GGUFError("general.alignment must be a uint32 power of two")
+            else:
+                _skip_value(cur, kind, key)
+        tensors = []
+        for i in range(n_tensors):
+            name = cur.string(f"name of tensor {i} of {n_tensors}")
+            n_dims = cur.u32(f"dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise GGUFError(f"tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+            dims = [cur.u64(f"dimensions of tensor {name!r}") for _ in range(n_dims)]
+            qtype = cur.u32(f"type of tensor {name!r}")
+            offset = cur.u64(f"data offset of tensor {name!r}")
+            tensors.append((name, dims, qtype, offset))
+        data_start = -(-cur.at // alignment) * alignment
+        _check_tensor_extents(tensors, size - data_start)
+
+
+def _skip_value(cur: _Cursor, kind: int, key: str) -> None:
+    if kind in _SCALAR_SIZES:
+        cur.take(_SCALAR_SIZES[kind], f"value of {key!r}")
+    elif kind == _STRING:
+        cur.string(f"value of {key!r}")
+    elif kind == _ARRAY:
+        element = cur.u32(f"element type of {key!r}")
+        count = cur.u64(f"length of {key!r}")
+        if element in _SCALAR_SIZES:
+            cur.take(count * _SCALAR_SIZES[element], f"{count} elements of {key!r}")
+        elif element == _STRING:
+            if count * 8 > len(cur.buf) - cur.at:
+                raise GGUFError(f"array {key!r} declares {count} strings, more than the file can hold")
+            for i in range(count):
+                cur.string(f"{key}[{i}]")
+        else:
+            raise GGUFError(f"array {key!r} has element type {element}, which is not supported")
+    else:
+        raise GGUFError(f"metadata {key!r} has unknown value type {kind}")
+
+
+def _check_tensor_extents(tensors: list[tuple[str, list[int], int, int]], data_size: int) -> None:
+    """Each tensor has a known type, whole blocks per row and data inside the file."""
+    names = set()
+    for name, dims, qtype, offset in tensors:
+        if name in names:
+            raise GGUFError(f"tensor {name!r} appears twice")
+        names.add(name)
+        try:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+        except (ValueError, KeyError):
+            raise GGUFError(f"tensor {name!r} has unknown type id {qtype}") from None
+        if dims[0] % block:
+            raise GGUFError(f"tensor {name!r}: row length {dims[0]} is not a multiple of the block size {block}")
+        n_bytes = math.prod(dims) // block * block_bytes
+        if offset + n_bytes > data_size:
+            raise GGUFError(
+                f"tensor {name!r} (shape {list(reversed(dims))}, {n_bytes} bytes at data offset {offset}) "
+                f"extends past the end of the file (file truncated or corrupt?)"
+            )
 
 
 def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -213,35 +358,45 @@ def _reject_rope_scaling(arch_name: str, meta: Mapping[str, Any], stored: Mappin
 def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, Any]:
     """A transformers `config.json` dict from the `{arch}.*` and `tokenizer.ggml.*` metadata."""
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, default: Any = None, kind: type = int) -> Any:
+        """A positive int (or a positive finite float for kind=float) metadata value."""
         value = meta.get(f"{arch_name}.{key}", default)
         if value is None:
             raise GGUFError(f"metadata key {arch_name}.{key!r} is missing")
-        return value
+        number = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value > 0):
+            raise GGUFError(f"metadata {arch_name}.{key} = {value!r} is not a positive {kind.__name__}")
+        return kind(value)
 
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = meta.get(f"{arch_name}.attention.key_length")
-    if head_dim is None and arch.permute_qk:  # llama stores the rotary width, which is the head size
-        head_dim = meta.get(f"{arch_name}.rope.dimension_count")
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_key = "attention.key_length"
+    if head_key not in meta and arch.permute_qk:  # llama stores the rotary width, which is the head size
+        head_key = "rope.dimension_count"
+    head_dim = get(head_key, hidden // heads)
+    if arch.permute_qk and head_dim % 2:
+        raise GGUFError(f"metadata {arch_name}.{head_key} = {head_dim} is odd; rotary heads need an even size")
     if "token_embd.weight" not in stored:
         raise GGUFError("required tensor 'token_embd.weight' (HF 'model.embed_tokens.weight') is missing")
-    vocab = meta.get(f"{arch_name}.vocab_size", int(stored["token_embd.weight"].shape[-1]))
-    rope_theta = float(get("rope.freq_base", 10000.0))
+    vocab = get("vocab_size", int(stored["token_embd.weight"].shape[-1]))
+    rope_theta = get("rope.freq_base", 10000.0, float)
+    layers = get("block_count")
+    if layers > len(stored):
+        raise GGUFError(f"metadata {arch_name}.block_count = {layers}, but the file holds only {len(stored)} tensors")
     config: dict[str, Any] = {
         "architectures": [arch.hf_class],
         "model_type": arch.model_type,
-        "vocab_size": int(vocab),
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(head_dim) if head_dim is not None else hidden // heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", kind=float),
         "rope_theta": rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "max_position_embeddings": int(get("context_length")),
+        "max_position_embeddings": get("context_length"),
         "tie_word_embeddings": "output.weight" not in stored,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
@@ -251,7 +406,9 @@ def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Map
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id"), ("unknown_token_id", "unk_token_id")):
         if (value := meta.get(f"tokenizer.ggml.{key}")) is not None:
-            config[hf_key] = int(value)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise GGUFError(f"metadata tokenizer.ggml.{key} = {value!r} is not a token id")
+            config[hf_key] = value
     return config
 
 
@@ -289,24 +446,24 @@ def _expected_shapes(config: Mapping[str, Any], arch: _Arch) -> dict[str, tuple[
 
 
 def _check_tensors(
-    path: str, names: Mapping[str, str], stored: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
+    names: Mapping[str, str], stored: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
 ) -> None:
     """Every needed tensor is present, of a supported type and of the shape the metadata implies."""
     for hf_name, gguf_name in names.items():
         tensor = stored.get(gguf_name)
         if tensor is None:
-            raise GGUFError(f"{path}: required tensor {hf_name!r} (GGUF {gguf_name!r}) is missing")
+            raise GGUFError(f"required tensor {hf_name!r} (GGUF {gguf_name!r}) is missing")
         qtype = tensor.tensor_type.name
         if qtype not in SUPPORTED_TYPES:
             raise GGUFError(
-                f"{path}: tensor {gguf_name!r} ({hf_name}) has unsupported type {qtype}; "
+                f"tensor {gguf_name!r} ({hf_name}) has unsupported type {qtype}; "
                 f"supported: {', '.join(SUPPORTED_TYPES)}"
             )
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         suffix = ".".join(hf_name.split(".")[-2:])
         if shapes[suffix] != shape:
             raise GGUFError(
-                f"{path}: tensor {gguf_name!r} ({hf_name}) has shape {list(shape)}, "
+                f"tensor {gguf_name!r} ({hf_name}) has shape {list(shape)}, "
                 f"but the metadata implies {list(shapes[suffix])}"
             )
 

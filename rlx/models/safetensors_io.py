@@ -10,9 +10,11 @@ Writing goes through ``safetensors`` itself.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -29,20 +31,30 @@ class CheckpointError(ValueError):
     """A checkpoint file or folder that cannot be read as asked; the message names the file/tensor."""
 
 
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
 def read_header(path: str) -> tuple[dict, int]:
-    """Parse a safetensors header; returns (header dict, byte offset of the data section)."""
+    """Parse a safetensors header; returns (header dict, byte offset of the data section).
+
+    Any malformed header raises `CheckpointError` naming the file; nothing is allocated for a
+    declared length before it is checked against the file size.
+    """
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise CheckpointError(f"{path}: too short to be a safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", raw)
-        if n > size - 8 or n > 100_000_000:
-            raise CheckpointError(f"{path}: header length {n} exceeds the file size {size}")
+        if n > size - 8:
+            raise CheckpointError(f"{path}: header length {n} exceeds the file size {size} "
+                                  "(file truncated or not a safetensors file?)")
+        if n > _MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: header length {n} is over the {_MAX_HEADER_BYTES}-byte limit")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+        except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, 5000-digit numbers, nesting
+            raise CheckpointError(f"{path}: header is not valid JSON ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     return header, 8 + n
@@ -92,8 +104,13 @@ def _tensor_files(path: str) -> list[str]:
         return [path]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map", {})
+        except (ValueError, RecursionError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a valid index file ({type(e).__name__}: {e})") from None
+        if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+            raise CheckpointError(f"{index}: 'weight_map' is not a mapping of tensor names to files")
         return sorted({os.path.join(path, v) for v in weight_map.values()})
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
@@ -106,15 +123,23 @@ def _tensor_files(path: str) -> list[str]:
     return found
 
 
-def _check_entry(file: str, name: str, info: dict, data_size: int) -> None:
+def _check_entry(file: str, name: str, info: Any, data_size: int) -> None:
+    """The header entry of one tensor is well formed and its bytes lie inside the data section."""
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{file}: header entry {name!r} is not a JSON object")
     dtype = info.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {dtype!r}")
-    lo, hi = info.get("data_offsets", (0, -1))
-    n = int(np.prod(info.get("shape", []), dtype=np.int64)) * np.dtype(DTYPES[dtype]).itemsize
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {shape!r}, not a list of sizes")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise CheckpointError(f"{file}: tensor {name!r} has data_offsets {offsets!r}, not [begin, end]")
+    lo, hi = offsets
+    n = math.prod(shape) * np.dtype(DTYPES[dtype]).itemsize  # Python ints: no overflow
     if not (0 <= lo <= hi <= data_size) or hi - lo != n:
         raise CheckpointError(
-            f"{file}: tensor {name!r} offsets {lo}..{hi} do not match shape {info.get('shape')} "
+            f"{file}: tensor {name!r} offsets {lo}..{hi} do not match shape {shape} "
             f"and dtype {dtype} (file truncated or corrupt?)"
         )
 
