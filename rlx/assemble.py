@@ -17,21 +17,23 @@ from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import get_source
+from rlx.hosts import Hosts
 from rlx.learner.state import create_train_state, make_optimizer
 from rlx.learner.step import StepConfig, make_logprob_step, make_train_step, reference_forward
 from rlx.lifecycle import open_checkpointer, restore
 from rlx.mesh import MeshShape, make_mesh
 from rlx.metrics import LoggerConfig, MetricsLogger
 from rlx.models import load_from_section
+from rlx.multihost import initialize_from
 from rlx.quant import apply_lora, load_gguf_quantized, quantize_model
 from rlx.rewards import get_reward
-from rlx.summary import init_distributed
 
 
 def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: bool = True) -> Run:
     """Validate ``config`` (if needed) and assemble a ready-to-step ``Run``."""
     cfg = config if isinstance(config, RunConfig) else parse_config(config)
-    init_distributed(cfg.distributed)
+    initialize_from(cfg.distributed)
+    hosts = Hosts.from_config(cfg)  # which processes sample, which data shards each reads
     cfg.mesh.check_devices(jax.device_count())
     m = cfg.mesh
     mesh = make_mesh(MeshShape(m.data, m.fsdp, m.tensor, m.expert))
@@ -39,21 +41,23 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
     if tokenizer is None:
         raise ValueError(f"config.model.path={cfg.model.path!r} carries no tokenizer; RL needs one")
     compiled = compile_steps(cfg, model, mesh)
-    engine = make_engine(cfg, compiled, tokenizer, mesh)
+    engine = hosts.engine(lambda c, m: make_engine(cfg, c, tokenizer, m), compiled, mesh)
     try:  # from here on a failure must not leave the engine's servers running
-        return _run(cfg, mesh, compiled, engine, tokenizer, progress)
+        return _run(cfg, mesh, compiled, engine, tokenizer, progress, hosts)
     except BaseException:
-        engine.close()
+        if engine is not None:  # None on a process that does not sample
+            engine.close()
         raise
 
 
-def _run(cfg: RunConfig, mesh, compiled: Compiled, engine, tokenizer, progress: bool) -> Run:
+def _run(cfg: RunConfig, mesh, compiled: Compiled, engine, tokenizer, progress: bool,
+         hosts: Hosts) -> Run:
     """Data, evaluation set, checkpoints (restored when resuming), logger and reward."""
     fmt = PromptFormat(system_prompt=cfg.data.system_prompt or None, template=cfg.data.template)
-    data = make_prompt_pipeline(
-        get_source(cfg.data.source, "train"), tokenizer, batch_size=cfg.data.prompts_per_step,
-        seed=cfg.seed, shard_index=jax.process_index(), shard_count=jax.process_count(),
-        max_prompt_tokens=cfg.data.max_prompt_tokens, prompt_format=fmt)
+    data = hosts.prompt_data(lambda index, count, size: make_prompt_pipeline(
+        get_source(cfg.data.source, "train"), tokenizer, batch_size=size, seed=cfg.seed,
+        shard_index=index, shard_count=count, max_prompt_tokens=cfg.data.max_prompt_tokens,
+        prompt_format=fmt), cfg.data.prompts_per_step)
     eval_set = distinct_examples(get_source(cfg.data.source, "eval"), cfg.data.eval_size) \
         if cfg.data.eval_size else []
     checkpointer = open_checkpointer(cfg, compiled.state)
@@ -63,7 +67,7 @@ def _run(cfg: RunConfig, mesh, compiled: Compiled, engine, tokenizer, progress: 
         checkpointer.close()
         raise
     if start:
-        engine.update_weights(compiled.model(), start)
+        hosts.sync_weights(engine, compiled, start)
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
     logger = MetricsLogger(LoggerConfig(logdir=cfg.output_dir, total_steps=cfg.train.steps,
                                         text_every=max(cfg.train.sample_every, 1), progress=progress),
@@ -72,7 +76,7 @@ def _run(cfg: RunConfig, mesh, compiled: Compiled, engine, tokenizer, progress: 
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=eval_set, prompt_format=fmt,
                reward=get_reward(cfg.train.reward, **reward_kw), logger=logger,
-               step_count=start, checkpointer=checkpointer, metrics=earlier)
+               step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts)
 
 
 def _logged(output_dir: str) -> list[dict]:

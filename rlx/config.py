@@ -112,10 +112,8 @@ class DistributedSection:
     coordinator_address: str = ""  # "host:port"; empty: auto-detect (TPU, SLURM)
     num_processes: int = 0  # 0: auto-detect
     process_id: int = 0  # ignored when auto-detecting
-    rollouts: str = "primary"  # "primary": process 0's engine samples every prompt, rollouts are
-    #   broadcast | "per_host": each process samples its own prompts with its own engine
-    data_shards: int = 0  # shards of the data a global batch is read from (0: one per process);
-    #   a multiple of the process count; fixed, the global batch does not depend on the count
+    rollouts: str = "primary"  # "primary": process 0 samples all prompts | "per_host": each its own
+    data_shards: int = 0  # 0: one per process; fixed (a multiple of it): same batches on any count
 
     def validate(self) -> None:
         if self.num_processes < 0:

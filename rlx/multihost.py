@@ -9,7 +9,12 @@ piece with ``jax.make_array_from_process_local_data``. When one host produces al
 (process 0 drives the rollout engine), ``broadcast_from_primary`` sends them to the others and
 each host keeps its slice with ``take_local_rows``. Values needed on the host (metrics, params
 for an export) come back with ``to_host``, a cross-process all-gather; only the primary
-process writes them (``is_primary``).
+process writes them (``is_primary``). Host objects of no fixed shape (prompts, rollouts, reward
+lists) travel pickled as byte arrays (``broadcast_object``, ``allgather_objects``): the peers are
+the processes of one job running the same program, never an outside party.
+
+Every process must make the same collective calls in the same order; all of these are
+collective (call them on every process, from the thread that runs the train steps).
 
 CPU runs use gloo TCP collectives between processes (``jax_cpu_collectives_implementation``),
 which is what the 2-process CPU test exercises; GPUs use NCCL and TPUs ICI/DCN without settings.
@@ -17,6 +22,7 @@ which is what the 2-process CPU test exercises; GPUs use NCCL and TPUs ICI/DCN w
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import jax
@@ -31,9 +37,12 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
                local_device_count: int | None = None, cpu_collectives: str = "gloo") -> None:
     """``jax.distributed.initialize``; empty address / zero processes: auto-detect (TPU, SLURM).
 
-    Call before anything touches a JAX backend. ``local_device_count`` forces that many CPU
-    devices per process (tests); ``cpu_collectives`` picks the cross-process CPU collectives.
+    Call before anything touches a JAX backend; a second call (the runtime is already up) does
+    nothing. ``local_device_count`` forces that many CPU devices per process (tests);
+    ``cpu_collectives`` picks the cross-process CPU collectives.
     """
+    if jax.distributed.is_initialized():
+        return
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     if local_device_count is not None:
         jax.config.update("jax_num_cpu_devices", local_device_count)
@@ -43,6 +52,12 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
     if num_processes:
         kwargs.update(num_processes=num_processes, process_id=process_id)
     jax.distributed.initialize(**kwargs)
+
+
+def initialize_from(section: Any) -> None:
+    """``initialize`` from a run's ``config.distributed`` section; nothing when it is disabled."""
+    if section.enabled:
+        initialize(section.coordinator_address, section.num_processes, section.process_id)
 
 
 def is_primary() -> bool:
@@ -98,3 +113,29 @@ def to_host(tree: Any) -> Any:
     if jax.process_count() == 1:
         return jax.tree.map(np.asarray, jax.device_get(tree))
     return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def _encode(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Process 0's ``obj`` (any picklable host value) on every process; others' ``obj`` is ignored."""
+    if jax.process_count() == 1:
+        return obj
+    data = _encode(obj) if is_primary() else np.zeros(0, np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(data.size)))
+    data = multihost_utils.broadcast_one_to_all(data if is_primary() else np.zeros(size, np.uint8))
+    return pickle.loads(np.asarray(data, np.uint8).tobytes())
+
+
+def allgather_objects(obj: Any) -> list[Any]:
+    """Every process's ``obj`` (any picklable host value), in process order, on every process."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = _encode(obj)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int64(data.size))).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded), np.uint8)  # [processes, max size]
+    return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, sizes.tolist())]

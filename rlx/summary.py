@@ -5,25 +5,14 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from rlx.config import DistributedSection, RunConfig
+from rlx.config import RunConfig
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import load_from_section, param_bytes_per_device
-
-
-def init_distributed(section: DistributedSection) -> None:
-    """``jax.distributed.initialize`` from the config, or auto-detected (TPU, SLURM) when empty."""
-    if not section.enabled:
-        return
-    kwargs = {}
-    if section.coordinator_address:
-        kwargs["coordinator_address"] = section.coordinator_address
-    if section.num_processes:
-        kwargs.update(num_processes=section.num_processes, process_id=section.process_id)
-    jax.distributed.initialize(**kwargs)
+from rlx.multihost import initialize_from
 
 
 def build_and_summarize(cfg: RunConfig) -> str:
-    init_distributed(cfg.distributed)
+    initialize_from(cfg.distributed)
     cfg.mesh.check_devices(jax.device_count())
     m = cfg.mesh
     mesh = make_mesh(MeshShape(m.data, m.fsdp, m.tensor, m.expert))

@@ -201,6 +201,13 @@ class JaxEngine:
             self._fns[key] = self._jit(fn, (2, 1), 0, (2,))
         return self._fns[key]
 
+    def _rows(self, *arrays: np.ndarray) -> tuple:
+        """Row arrays placed over the mesh's batch axes (in a multi-process job ``jit`` takes no
+        numpy input with a sharding other than replicated, even on this process's own devices)."""
+        if self.mesh is None:
+            return arrays
+        return tuple(jax.device_put(a, batch_sharding(self.mesh, a.ndim, self.rules)) for a in arrays)
+
     def compilations(self) -> int:
         """Programs compiled so far (one per bucket and sampling mode)."""
         return sum(f._cache_size() for f in self._fns.values())
@@ -244,7 +251,7 @@ class JaxEngine:
         scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
                    np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))
         tokens, logps, lengths, stopped = jax.device_get(
-            fn(self._state, ids, lens, hashes, index, *scalars, stop_ids))
+            fn(self._state, *self._rows(ids, lens, hashes, index), *scalars, stop_ids))
         return [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]), sampling)
                 for r, (p, j) in enumerate(reqs)]
 
@@ -274,7 +281,7 @@ class JaxEngine:
             width = self.buckets.prompt(max(len(s) for s, _ in chunk))
             ids, lens = _pack_left([list(s) for s, _ in chunk],
                                    self.buckets.rows(len(chunk), self._data_parallel()), width)
-            logp = np.asarray(jax.device_get(self._score_fn()(self._state, ids, lens)))
+            logp = np.asarray(jax.device_get(self._score_fn()(self._state, *self._rows(ids, lens))))
             out += [logp[r, width - len(s) + p - 1: width - 1] for r, (s, p) in enumerate(chunk)]
         return out
 
