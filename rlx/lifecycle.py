@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -73,17 +74,15 @@ def restore(cfg: RunConfig, checkpointer: Checkpointer, state: Any, data: Any):
 
 
 class DataPosition:
-    """A data iterator's saved position, checkpointed in its place (``get_state``) when the
-    iterator itself has already moved on (one-step-off rollouts fetch a batch ahead)."""
+    """A data iterator's saved position, checkpointed in its place when the iterator itself has
+    already moved on (one-step-off rollouts fetch a batch ahead). grain's checkpoint handler
+    writes a non-iterator's ``get_state()`` bytes as they are: the same JSON an iterator gets."""
 
     def __init__(self, state: Any):
         self._state = state
 
-    def get_state(self) -> Any:
-        return self._state
-
-    def set_state(self, state: Any) -> None:
-        self._state = state
+    def get_state(self) -> bytes:
+        return json.dumps(self._state, indent=4).encode()
 
 
 class StopSignals:

@@ -38,7 +38,7 @@ def _train(tmp_path, staleness: int) -> tuple[list[dict], object]:
         "mesh.data": 8, "train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0,
         "data.prompts_per_step": 4, "rollout.group_size": 8, "rollout.max_new_tokens": 8,
         "data.eval_size": 0, "train.steps": STEPS, "train.reward": REWARD,
-        "train.max_staleness": staleness, "train.checkpoint_every": 0,
+        "train.max_staleness": staleness, "train.checkpoint_every": 1,
         "data.template": "{prompt}", "optim.learning_rate": 1e-2})
     run = build(cfg, progress=False)
     try:
@@ -65,6 +65,19 @@ def test_first_step_is_the_synchronous_step_and_the_data_is_the_same(runs):
     assert _stable(sync[0]) == _stable(one_off[0])  # same batch, seed and weights: bit-identical
     assert sync_data == one_off_data  # no batch skipped or fetched twice (no prefetch past the end)
     assert [r["reward/mean"] for r in sync[1:]] != [r["reward/mean"] for r in one_off[1:]]
+
+
+def test_checkpoints_hold_the_position_after_the_trained_batch(tmp_path_factory, runs):
+    """Mid-run checkpoints of a one-step-off run (a batch already fetched ahead) save the data
+    position after the last trained batch, as the synchronous run does."""
+    root = tmp_path_factory.getbasetemp()
+
+    def saved(staleness, step):
+        (path,) = root.glob(f"async[0-9]*/s{staleness}/tiny/checkpoints/{step}/data/*.json")
+        return path.read_text()
+
+    for step in (STEPS - 1, STEPS):  # mid-run (a batch in flight) and at the end
+        assert saved(0, step) == saved(1, step)
 
 
 def test_one_step_off_rollouts_are_one_version_old_and_importance_weighted(runs):
