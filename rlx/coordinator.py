@@ -126,7 +126,7 @@ class Run:
             if self.cfg.train.max_staleness and self.step_count + 1 != self._horizon:
                 self._prefetch()
             with timer("score"):
-                rewards, texts = self._score(rollouts, batch)
+                rewards, texts, reasons = self._score(rollouts, batch)
             uids = np.array([r.prompt_uid for r in rollouts])
             advantages = compute_advantages(self.cfg.train.advantage, rewards, uids)
             keep = self._keep(rewards, uids)
@@ -140,7 +140,7 @@ class Run:
                 self._await_prefetch()  # the engine's weights change only when it is idle
                 self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
         record = self._record(step_metrics, rollouts, rewards, keep, timer.times)
-        self._log(record, rollouts, texts, rewards)
+        self._log(record, rollouts, texts, rewards, reasons)
         self._check_numerics(record)
         return record
 
@@ -202,14 +202,15 @@ class Run:
             top_p=None if r.top_p >= 1.0 else r.top_p,
             stop_token_ids=(self.tokenizer.eos_id,), seed=self.cfg.seed + step)
 
-    def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str]]:
+    def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str], list[str]]:
         examples = {e.uid: e for e in batch.examples}
         own = [i for i, r in enumerate(rollouts) if r.prompt_uid in examples]  # this process's
         texts = [self.tokenizer.decode(rollouts[i].completion_ids.tolist(), skip_special_tokens=True)
                  for i in own]
         samples = [examples[rollouts[i].prompt_uid].reward_sample() for i in own]
         results = score_batch(self.reward, texts, samples)
-        return self.hosts.gather_scores(len(rollouts), own, [res.score for res in results], texts)
+        return self.hosts.gather_scores(len(rollouts), own, [res.score for res in results], texts,
+                                        [res.reason for res in results])
 
     def _keep(self, rewards: np.ndarray, uids: np.ndarray) -> np.ndarray:
         """Indices trained on: all, or (dynamic sampling) groups whose rewards differ."""
@@ -250,12 +251,13 @@ class Run:
         })
         return record
 
-    def _log(self, record, rollouts, texts, rewards) -> None:
+    def _log(self, record, rollouts, texts, rewards, reasons) -> None:
         self.metrics.append({"step": self.step_count, **record})
         self.logger.log(self.step_count, record)
         if self.cfg.train.sample_every and self.step_count % self.cfg.train.sample_every == 0:
+            rows = list(zip(rollouts, texts, rewards, reasons))[:4]
             samples = [TextSample(prompt=self.tokenizer.decode(list(r.prompt_ids)), completion=t,
-                                  reward=float(s)) for r, t, s in list(zip(rollouts, texts, rewards))[:4]]
+                                  reward=float(s), reason=why) for r, t, s, why in rows]
             self.logger.log_text(self.step_count, samples)
 
     # --- loops, evaluation, inspection --------------------------------------------------------

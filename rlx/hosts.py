@@ -190,20 +190,21 @@ class Hosts:
         return [r for part, _ in parts for r in part], max(t for _, t in parts)
 
     def gather_scores(self, total: int, own: Sequence[int], scores: Sequence[float],
-                      texts: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-        """Every rollout's score and text from each process's ``own`` (indices into the global
-        rollouts) ones; raises when some rollout was scored by no process."""
-        parts = multihost.allgather_objects((list(own), list(scores), list(texts))) \
-            if self.multi else [(own, scores, texts)]
-        out, out_texts = np.zeros(total, np.float64), [None] * total
-        for index, part_scores, part_texts in parts:
-            for i, s, t in zip(index, part_scores, part_texts):
-                out[i], out_texts[i] = s, t
+                      texts: Sequence[str], reasons: Sequence[str]
+                      ) -> tuple[np.ndarray, list[str], list[str]]:
+        """Every rollout's score, text and grading reason from each process's ``own`` (indices
+        into the global rollouts) ones; raises when some rollout was scored by no process."""
+        mine = (list(own), list(scores), list(texts), list(reasons))
+        parts = multihost.allgather_objects(mine) if self.multi else [mine]
+        out, out_texts, out_reasons = np.zeros(total, np.float64), [None] * total, [""] * total
+        for index, part_scores, part_texts, part_reasons in parts:
+            for i, s, t, why in zip(index, part_scores, part_texts, part_reasons):
+                out[i], out_texts[i], out_reasons[i] = s, t, why
         missing = [i for i, t in enumerate(out_texts) if t is None]
         if missing:
             raise RuntimeError(f"{len(missing)} rollouts (the first: {missing[0]}) belong to no "
                                "process's prompt batch; engines must return the prompts' uids")
-        return out, out_texts
+        return out, out_texts, out_reasons
 
     def device_batch(self, batch: TrainBatch, mesh: Mesh) -> TrainBatch:
         """The host batch (the same on every process) on the mesh, each process giving its rows."""

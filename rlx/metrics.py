@@ -62,6 +62,7 @@ class TextSample:
     prompt: str
     completion: str
     reward: float | None = None
+    reason: str = ""  # how the reward function graded it (e.g. "math: no answer found")
 
 
 def _children(record: Any) -> Mapping[str, Any] | None:
@@ -123,6 +124,7 @@ def _sample_markdown(samples: Sequence[TextSample]) -> str:
     parts = []
     for i, s in enumerate(samples):
         reward = "" if s.reward is None else f" - reward {_format(s.reward)}"
+        reward += f" ({s.reason})" if s.reason else ""
         parts.append(f"**sample {i}{reward}**\n\nprompt:\n\n{_indent(s.prompt)}\n\n"
                      f"completion:\n\n{_indent(s.completion)}\n")
     return "\n".join(parts)

@@ -50,6 +50,11 @@ def test_tiny_run_trains_logs_and_generates(tmp_path):
         run.close()
     logged = read_metrics(os.path.join(str(tmp_path / "tiny"), "metrics.jsonl"))
     assert any("reward/mean" in r for r in logged)
+    import json
+
+    with open(os.path.join(str(tmp_path / "tiny"), "samples.jsonl"), encoding="utf-8") as f:
+        samples = [json.loads(line) for line in f]
+    assert samples and all(s["reason"] == "no answer found" for s in samples)  # why it scored 0
 
 
 def test_quickstart_config_runs_one_shrunken_step(tmp_path):
