@@ -42,7 +42,17 @@ def open_checkpointer(cfg: RunConfig, state: Any) -> Checkpointer:
     return Checkpointer(
         CheckpointConfig(checkpoint_dir(cfg), every=every, keep=cfg.train.keep_checkpoints,
                          must_match=MUST_MATCH),
-        model_config=to_dict(cfg.model), run_config=to_dict(cfg), base=base)
+        model_config=to_dict(cfg.model), run_config=_recorded_config(cfg), base=base)
+
+
+def _recorded_config(cfg: RunConfig) -> dict:
+    """The config a checkpoint records (and a resume compares): without what legitimately differs
+    between the processes or the launches of one run (its resume flag, process id, address)."""
+    out = to_dict(cfg)
+    out.pop("resume", None)
+    for key in ("process_id", "coordinator_address"):
+        out.get("distributed", {}).pop(key, None)
+    return out
 
 
 def restore(cfg: RunConfig, checkpointer: Checkpointer, state: Any, data: Any):
