@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -132,9 +133,9 @@ class Run:
             keep = self._keep(rewards, uids)
             with timer("logprob"):
                 train_batch = self._batch([rollouts[i] for i in keep], advantages[keep])
-            with timer("update"):
-                self.compiled.state, step_metrics = self.compiled.train_step(
-                    self.compiled.state, train_batch)
+            with timer("update"):  # dispatch is asynchronous: time the update itself
+                self.compiled.state, step_metrics = jax.block_until_ready(
+                    self.compiled.train_step(self.compiled.state, train_batch))
             with timer("sync"):
                 self.step_count += 1
                 self._await_prefetch()  # the engine's weights change only when it is idle
@@ -228,7 +229,7 @@ class Run:
         batch = self.hosts.device_batch(host, self.mesh)
         if self.compiled.ref_step is not None:
             ref = self.compiled.ref_step(self.compiled.state.params, self.compiled.state.frozen, batch)
-            batch = batch.replace(ref_logp=ref.logp)
+            batch = batch.replace(ref_logp=jax.block_until_ready(ref.logp))  # timed as logprob
         return batch
 
     # --- metrics --------------------------------------------------------------------------
