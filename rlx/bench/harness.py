@@ -1,0 +1,169 @@
+"""Side-by-side benchmark harness: each contender in its own worker process, runs interleaved.
+
+A *side* is one contender (rlx, HF transformers, SGLang, TRL, ...). It is built once inside its own
+worker subprocess by a factory ``"module:function"`` called with keyword arguments; the factory
+returns a callable that runs one repetition and returns its figures (``{"tokens": 2048, "seconds":
+11.3}``, any floats). The parent asks the workers in turn (A B A B ...), so slow drifts of a shared
+machine hit every side alike, and reports medians. Separate processes keep the thread pools of
+PyTorch and XLA from competing and give each side its own peak RSS (``ru_maxrss``, reported with
+every repetition as ``peak_rss_mb``).
+
+Worker protocol (JSON lines): the parent writes the spec ``{"target", "kwargs"}``; the worker answers
+``{"ready": ..., "setup_s": ...}``; then for every ``"run"`` line one result line; ``"exit"`` ends it.
+Anything the side prints goes to the worker's stderr, so stdout carries only protocol lines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Benchmarking torch on a shared CPU: spin-waiting OpenMP threads slow everyone down.
+BASE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
+            "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+class BenchError(RuntimeError):
+    """A side failed to build or to run; the message carries the worker's last output."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """One contender: ``label`` in tables, ``target`` = "module:factory", its keyword arguments."""
+
+    label: str
+    target: str
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    env: dict = dataclasses.field(default_factory=dict)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def resolve(target: str) -> Callable[..., Callable[[], dict]]:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class Worker:
+    """A side's subprocess (see the module docstring)."""
+
+    def __init__(self, side: Side, log_path: str | None = None):
+        self.side = side
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake test devices
+        env.update(BASE_ENV)
+        env.update(side.env)
+        self._log = open(log_path or os.devnull, "w")
+        self.log_path = log_path
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlx.bench.worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._send({"target": side.target, "kwargs": side.kwargs})
+        self.setup = self._receive()
+
+    def _send(self, msg: Any) -> None:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait()
+            raise BenchError(f"side {self.side.label!r} ({self.side.target}) exited with code "
+                             f"{self.proc.returncode}" + self._tail())
+        msg = json.loads(line)
+        if "error" in msg:
+            raise BenchError(f"side {self.side.label!r} failed: {msg['error']}")
+        return msg
+
+    def _tail(self) -> str:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return ""
+        with open(self.log_path) as f:
+            return "; last output:\n" + "".join(f.readlines()[-15:])
+
+    def run(self) -> dict:
+        self._send("run")
+        return self._receive()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._send("exit")
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@dataclasses.dataclass
+class Results:
+    """Every repetition's figures per side label, in run order, plus each side's setup record."""
+
+    runs: dict[str, list[dict]]
+    setup: dict[str, dict]
+
+    def median(self, label: str, key: str) -> float:
+        return statistics.median(r[key] for r in self.runs[label])
+
+    def rate(self, label: str, amount: str, seconds: str = "seconds") -> float:
+        """Median over repetitions of amount / seconds (e.g. tokens per second)."""
+        return statistics.median(r[amount] / r[seconds] for r in self.runs[label])
+
+    def to_json(self) -> dict:
+        return {"runs": self.runs, "setup": self.setup}
+
+
+def interleave(sides: Sequence[Side], repeats: int = 3, warmup: int = 1,
+               log_dir: str | None = None, progress: bool = True) -> Results:
+    """Build every side, then run ``warmup + repeats`` rounds of A B C ...; warm-up runs are dropped."""
+    workers: list[Worker] = []
+    try:
+        for s in sides:
+            log = os.path.join(log_dir, f"{_slug(s.label)}.log") if log_dir else None
+            workers.append(Worker(s, log))
+        runs: dict[str, list[dict]] = {s.label: [] for s in sides}
+        for i in range(warmup + repeats):
+            for w in workers:
+                t = time.perf_counter()
+                r = w.run()
+                if progress:
+                    kind = "warm-up" if i < warmup else f"run {i - warmup + 1}/{repeats}"
+                    print(f"  {w.side.label}: {kind} {time.perf_counter() - t:.1f} s", file=sys.stderr)
+                if i >= warmup:
+                    runs[w.side.label].append(r)
+        return Results(runs, {w.side.label: w.setup for w in workers})
+    finally:
+        for w in workers:
+            w.close()
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1, default=float)
