@@ -6,7 +6,11 @@ import importlib
 import sys
 
 BENCHMARKS = {
-    "quant": "rlx.bench.quant",  # quantization error of each base format vs f32 (markdown table)
+    "rollout": "rlx.bench.rollout",  # generation tokens/s: rlx JAX engine vs HF generate vs SGLang
+    "learner": "rlx.bench.learner",  # one GRPO update: rlx mode B vs PyTorch + PEFT with TRL's loss
+    "e2e": "rlx.bench.e2e",  # samples/s of whole RL steps: rlx vs TRL GRPOTrainer
+    "sync": "rlx.bench.sync",  # update done -> engine serves the new policy; bytes moved
+    "quant": "rlx.bench.quant",  # per-format layer error and decode tokens/s
 }
 
 
