@@ -12,6 +12,7 @@ import ml_collections
 from flax import nnx
 
 from rlx.config import RunConfig, parse_config, resolve_path
+from rlx.config_checks import check_before_build
 from rlx.coordinator import Compiled, Run
 from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
@@ -34,7 +35,7 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
     cfg = config if isinstance(config, RunConfig) else parse_config(config)
     initialize_from(cfg.distributed)
     hosts = Hosts.from_config(cfg)  # which processes sample, which data shards each reads
-    cfg.mesh.check_devices(jax.device_count())
+    check_before_build(cfg, jax.device_count())  # before any weight is read or compiled
     m = cfg.mesh
     mesh = make_mesh(MeshShape(m.data, m.fsdp, m.tensor, m.expert))
     model, tokenizer = load_policy(cfg, mesh)

@@ -289,6 +289,11 @@ class RunConfig:
         if self.model.resolved_format == "gguf" and self.train.mode == "full" and \
                 self.quant.format == "gguf":
             raise ConfigError("a GGUF base kept as blocks is frozen: use train.mode='lora'")
+        if self.train.mode == "full" and self.loss.kl_coef > 0:
+            raise ConfigError(f"config.loss.kl_coef={self.loss.kl_coef} in train.mode='full' needs a "
+                              "reference copy of the weights, which rlx does not keep; use "
+                              "train.mode='lora' (the reference is the base with the adapter off) "
+                              "or loss.kl_coef=0")
 
 
 def resolve_path(path: str) -> str:
@@ -327,7 +332,15 @@ def _convert(cls: type, data: Any, prefix: str) -> Any:
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:  # a section's own __post_init__ check
-        raise ConfigError(f"config{prefix}: {e}") from None
+        raise ConfigError(_field_message(cls, str(e), prefix, fields)) from None
+
+
+def _field_message(cls: type, msg: str, prefix: str, fields) -> str:
+    """A section's own error as ``config.section.field...``: messages start with the field name,
+    bare or after the class name (``LossConfig.tis_cap must be > 0``)."""
+    msg = msg.removeprefix(f"{cls.__name__}.")
+    head = msg.replace("=", " ").split(" ", 1)[0]
+    return f"config{prefix}.{msg}" if head in fields else f"config{prefix}: {msg}"
 
 
 def _value(tp: Any, value: Any, field: str) -> Any:

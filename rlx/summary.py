@@ -13,7 +13,9 @@ from rlx.multihost import initialize_from
 
 def build_and_summarize(cfg: RunConfig) -> str:
     initialize_from(cfg.distributed)
-    cfg.mesh.check_devices(jax.device_count())
+    from rlx.config_checks import check_before_build
+
+    check_before_build(cfg, jax.device_count())
     m = cfg.mesh
     mesh = make_mesh(MeshShape(m.data, m.fsdp, m.tensor, m.expert))
     loaded = load_from_section(cfg.model, mesh)

@@ -10,6 +10,7 @@ from tests.models.hf_zoo import make_hf_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
+HF_BASE = ("--config.quant.format=none", "--config.quant.serving=hf")  # the quickstart keeps GGUF blocks
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def _launch(*overrides: str, devices: int = 8) -> subprocess.CompletedProcess:
 
 
 def test_launch_loads_shards_and_summarises(model_dir):
-    r = _launch(f"--config.model.path={model_dir}", "--config.mesh.data=2",
+    r = _launch(f"--config.model.path={model_dir}", *HF_BASE, "--config.mesh.data=2",
                 "--config.mesh.tensor=2", "--config.mesh.expert=2")
     assert r.returncode == 0, r.stderr
     assert "Qwen3MoeForCausalLM" in r.stdout
@@ -40,7 +41,7 @@ def test_launch_loads_shards_and_summarises(model_dir):
     ("--config.model.path=/no/such/model", "config.model.path='/no/such/model' does not exist"),
 ])
 def test_bad_config_exits_nonzero_with_one_line(model_dir, override, needle):
-    args = [f"--config.model.path={model_dir}", "--config.mesh.data=8", override]
+    args = [f"--config.model.path={model_dir}", *HF_BASE, "--config.mesh.data=8", override]
     r = _launch(*args)
     assert r.returncode == 2
     lines = [l for l in r.stderr.strip().splitlines() if l.startswith("rlx:")]

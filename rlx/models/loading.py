@@ -56,12 +56,22 @@ def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN
     return LoadedModel(model, Tokenizer.from_dir(path) if has_tok else None, path, "hf")
 
 
+def shrunk(cfg, s):
+    """``cfg`` (a ``ModelConfig``) with the sizes of a ``config.model.shrink`` section."""
+    moe = None if cfg.moe is None else dataclasses.replace(
+        cfg.moe, num_experts=s.num_experts, top_k=min(cfg.moe.top_k, s.num_experts),
+        intermediate_size=s.moe_intermediate_size,
+        sparse_layers=tuple(i for i in cfg.moe.sparse_layers if i < s.num_layers))
+    return dataclasses.replace(cfg, num_layers=s.num_layers, hidden_size=s.hidden_size,
+                               intermediate_size=s.intermediate_size, num_heads=s.num_heads,
+                               num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, moe=moe)
+
+
 def shrunk_random(section, mesh: Mesh | None, seed: int, rules: LogicalRules = TRAIN_RULES) -> LoadedModel:
     """A randomly initialised, shrunken copy of the checkpoint's architecture, with its tokenizer."""
     from flax import nnx
 
     from rlx.config import resolve_path
-    from rlx.models.config import ModelConfig, MoEConfig
 
     path = resolve_path(section.path)
     if section.resolved_format == "gguf":
@@ -73,14 +83,7 @@ def shrunk_random(section, mesh: Mesh | None, seed: int, rules: LogicalRules = T
         cfg = read_hf_config(path)
         has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
         tokenizer = Tokenizer.from_dir(path) if has_tok else None
-    s = section.shrink
-    moe = None if cfg.moe is None else dataclasses.replace(
-        cfg.moe, num_experts=s.num_experts, top_k=min(cfg.moe.top_k, s.num_experts),
-        intermediate_size=s.moe_intermediate_size,
-        sparse_layers=tuple(i for i in cfg.moe.sparse_layers if i < s.num_layers))
-    cfg = dataclasses.replace(cfg, num_layers=s.num_layers, hidden_size=s.hidden_size,
-                              intermediate_size=s.intermediate_size, num_heads=s.num_heads,
-                              num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, moe=moe)
+    cfg = shrunk(cfg, section.shrink)
     precision = Precision(dtype=_DTYPES[section.dtype], param_dtype=_DTYPES[section.param_dtype],
                           moe_impl=section.moe_impl)
     model = Transformer(cfg, precision, rngs=nnx.Rngs(seed))

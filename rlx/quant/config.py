@@ -87,12 +87,12 @@ class LoraConfig:
 
     def __post_init__(self):
         if self.rank < 1:
-            raise QuantConfigError(f"lora rank={self.rank} must be >= 1")
+            raise QuantConfigError(f"rank={self.rank} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
-            raise QuantConfigError(f"lora dropout={self.dropout} must be in [0, 1)")
+            raise QuantConfigError(f"dropout={self.dropout} must be in [0, 1)")
         bad = [t for t in self.targets if t not in LORA_TARGETS]
         if bad or not self.targets:
-            raise QuantConfigError(f"lora targets {list(self.targets)}: each must be one of {LORA_TARGETS}")
+            raise QuantConfigError(f"targets={list(self.targets)}: each must be one of {list(LORA_TARGETS)}")
         _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
 
     @property

@@ -31,8 +31,9 @@ def _vocabulary() -> tuple[list[str], list[str], list[int]]:
 VOCAB = len(_vocabulary()[0])
 
 
-def write_tiny_gguf(path: str | os.PathLike) -> None:
-    """A tiny complete llama GGUF at `path` (about 60 KB)."""
+def write_tiny_gguf(path: str | os.PathLike, linear_type: str | None = None) -> None:
+    """A tiny complete llama GGUF at `path` (about 60 KB); `linear_type` (e.g. "Q5_0") stores
+    every attention and MLP weight in that GGUF type instead of the default mix."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(os.fspath(path), "llama")
     for key, value in {"block_count": 1, "context_length": 64, "embedding_length": HIDDEN,
@@ -64,7 +65,10 @@ def write_tiny_gguf(path: str | os.PathLike) -> None:
     }
     for name, shape in shapes.items():
         value = rng.standard_normal(shape).astype(np.float32)
-        if "ffn_up" in name:
+        if linear_type and len(shape) == 2 and name.startswith("blk."):
+            qt = gguf.GGMLQuantizationType[linear_type]
+            writer.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
+        elif "ffn_up" in name:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
         elif "ffn_gate" in name:

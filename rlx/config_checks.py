@@ -1,0 +1,163 @@
+"""Checks of a parsed config against the devices and the model's architecture, before any work.
+
+``check_before_build(cfg, n_devices)`` runs in ``rlx.build`` before weights are read, anything is
+compiled or any server is launched. It reads only the model's architecture (``config.json`` or the
+GGUF header, with ``model.shrink`` applied) and raises a one-line ``ConfigError`` naming the field,
+what is wrong and the values that would work:
+
+- the mesh against the visible devices, and against the model (tensor parallelism must divide the
+  attention heads, expert parallelism the experts);
+- the batch: ``data.prompts_per_step * rollout.group_size`` rows (whole GRPO groups by
+  construction) must divide evenly over the data-parallel devices and ``train.micro_batches``,
+  otherwise every update would pad with empty rows;
+- LoRA targets that adapt no module of this model (e.g. MLP targets on a MoE whose experts are
+  excluded by ``lora.experts=False`` and that has no dense or shared MLP);
+- a base format the model cannot take: ``quant.format='gguf'`` needs a GGUF file holding
+  Q4_0/Q4_1/Q8_0 linear weights (and real weights, not ``model.shrink``), int4/nf4 group sizes must
+  divide every layer's input size, SGLang serves LoRA on MoE experts only over float or fp8 bases.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rlx.config import ConfigError, RunConfig, resolve_path
+from rlx.models.config import ModelConfig, from_hf_config
+
+ATTN_TARGETS = ("q", "k", "v", "o")
+MLP_TARGETS = ("gate", "up", "down")
+
+
+def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
+    """Every check above; returns the (shrunk) architecture the run will build."""
+    cfg.mesh.check_devices(n_devices)
+    check_batch(cfg)
+    arch, gguf_types = read_architecture(cfg)
+    check_mesh_fits(cfg, arch)
+    if cfg.train.mode == "lora":
+        check_lora_targets(cfg, arch)
+    check_base_format(cfg, arch, gguf_types)
+    return arch
+
+
+def read_architecture(cfg: RunConfig) -> tuple[ModelConfig, dict[str, str]]:
+    """The model's ``ModelConfig`` (shrunk when ``model.shrink`` is on) and, for a GGUF file, the
+    storage type of each tensor; only headers are read."""
+    path = resolve_path(cfg.model.path)
+    types: dict[str, str] = {}
+    if cfg.model.resolved_format == "gguf":
+        from rlx.models.gguf import read_gguf
+
+        ckpt = read_gguf(path)
+        arch, types = from_hf_config(ckpt.hf_config), dict(ckpt.tensor_types)
+    else:
+        from rlx.models.hf import read_hf_config
+
+        arch = read_hf_config(path)
+    if cfg.model.shrink.enabled:
+        from rlx.models.loading import shrunk
+
+        arch = shrunk(arch, cfg.model.shrink)
+    return arch, types
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_batch(cfg: RunConfig) -> None:
+    """The step's rows divide evenly over the data-parallel devices times the micro-batches."""
+    m, rows, micro = cfg.mesh, cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.train.micro_batches
+    dp = m.data * m.fsdp * m.expert
+    if rows % (dp * micro) == 0:
+        return
+    prompts = next(p for p in range(cfg.data.prompts_per_step, 10**9)
+                   if p * cfg.rollout.group_size % (dp * micro) == 0)
+    micros = [d for d in _divisors(rows) if rows % (dp * d) == 0]
+    fix = f"set data.prompts_per_step={prompts}" + (
+        f" or train.micro_batches to one of {micros}" if micros else "")
+    raise ConfigError(
+        f"config.data.prompts_per_step * config.rollout.group_size = {cfg.data.prompts_per_step} * "
+        f"{cfg.rollout.group_size} = {rows} rollouts per step do not split evenly over mesh.data * "
+        f"mesh.fsdp * mesh.expert = {dp} devices x train.micro_batches = {micro}; {fix}")
+
+
+def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:
+    """Tensor parallelism splits attention heads; expert parallelism splits experts."""
+    t, e = cfg.mesh.tensor, cfg.mesh.expert
+    if arch.num_heads % t:
+        raise ConfigError(f"config.mesh.tensor={t} does not divide the model's {arch.num_heads} "
+                          f"attention heads; use one of {_divisors(arch.num_heads)}")
+    if arch.moe is not None and arch.moe.num_experts % e:
+        raise ConfigError(f"config.mesh.expert={e} does not divide the model's "
+                          f"{arch.moe.num_experts} experts; use one of {_divisors(arch.moe.num_experts)}")
+
+
+def _has_dense_mlp(arch: ModelConfig) -> bool:
+    if arch.moe is None or arch.moe.shared_intermediate_size:
+        return True
+    return any(not arch.is_sparse_layer(i) for i in range(arch.num_layers))
+
+
+def check_lora_targets(cfg: RunConfig, arch: ModelConfig) -> None:
+    """Each LoRA target adapts at least one module of this model."""
+    has_mlp = _has_dense_mlp(arch) or (arch.moe is not None and cfg.lora.experts)
+    dead = [t for t in cfg.lora.targets if t in MLP_TARGETS and not has_mlp]
+    if dead:
+        raise ConfigError(
+            f"config.lora.targets={list(cfg.lora.targets)}: {dead} adapt no module of "
+            f"{arch.architecture}: every layer's MLP is sparse, it has no shared expert and "
+            "config.lora.experts=False; set lora.experts=True or target only "
+            f"{list(ATTN_TARGETS)}")
+
+
+def check_base_format(cfg: RunConfig, arch: ModelConfig, gguf_types: dict[str, str]) -> None:
+    q = cfg.quant
+    if q.format == "gguf":
+        _check_gguf_base(cfg, gguf_types)
+    if q.format in ("int4", "nf4"):
+        _check_group_size(q.group_size, arch)
+    moe_lora = arch.moe is not None and cfg.train.mode == "lora" and cfg.lora.experts
+    if cfg.rollout.engine == "sglang" and moe_lora and q.format not in ("none", "fp8"):
+        raise ConfigError(
+            f"config.quant.format={q.format!r}: SGLang serves LoRA on MoE experts only over a float "
+            "or fp8 base; use quant.format='none' or 'fp8', lora.experts=False, or "
+            "rollout.engine='jax' (the built-in engine runs every base format)")
+
+
+def _check_gguf_base(cfg: RunConfig, gguf_types: dict[str, str]) -> None:
+    from rlx.quant.gguf_blocks import BLOCK_BYTES
+
+    if cfg.model.resolved_format != "gguf":
+        raise ConfigError(f"config.quant.format='gguf' keeps a GGUF file's blocks, but config.model."
+                          f"path={cfg.model.path!r} is not a .gguf file; use quant.format='int8'/"
+                          "'int4'/'nf4'/'fp8' to quantize HF weights, or point model.path at a GGUF file")
+    if cfg.model.shrink.enabled:
+        raise ConfigError("config.quant.format='gguf' keeps the file's own blocks, but config.model."
+                          "shrink.enabled=True builds random weights; disable shrink or use "
+                          "quant.format='int8'/'int4' for a shrunken test model")
+    linear = {n: t for n, t in gguf_types.items() if n.endswith("_proj.weight")}
+    if linear and not any(t in BLOCK_BYTES for t in linear.values()):
+        found = sorted(set(linear.values()))
+        raise ConfigError(
+            f"config.quant.format='gguf': {os.path.basename(cfg.model.path)} stores its linear "
+            f"weights as {found}, which rlx does not keep as blocks (supported: {sorted(BLOCK_BYTES)});"
+            " use a Q4_0/Q4_1/Q8_0 file, or quant.format='int8'/'int4' to requantize the "
+            "dequantized weights")
+
+
+def _check_group_size(group: int, arch: ModelConfig) -> None:
+    inputs = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
+              "num_heads * head_dim": arch.num_heads * arch.head_dim}
+    if arch.moe is not None:
+        inputs["moe intermediate_size"] = arch.moe.intermediate_size
+        if arch.moe.shared_intermediate_size:
+            inputs["shared expert intermediate_size"] = arch.moe.shared_intermediate_size
+    bad = {k: v for k, v in inputs.items() if v % group}
+    if bad:
+        import math
+
+        common = math.gcd(*inputs.values())
+        ok = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
+        raise ConfigError(f"config.quant.group_size={group} does not divide the model's input sizes "
+                          f"{bad}; use a group size dividing {common} (e.g. {ok or [common]})")
