@@ -174,12 +174,23 @@ class Tokenizer:
     def from_gguf(cls, source: Any) -> Tokenizer:
         """Builds the tokenizer described by a GGUF file's `tokenizer.*` metadata.
 
-        `source` is a path or an open `gguf.GGUFReader`.
+        `source` is a path or an open `gguf.GGUFReader`. A path is bounds-checked by rlx before
+        the `gguf` package parses it (a wrong declared length can make that parser loop); errors
+        name the file: `GGUFError` for the container, `TokenizerError` for its vocabulary.
         """
-        if isinstance(source, (str, os.PathLike)):
-            import gguf  # imported here: only this constructor needs the GGUF reader
+        if not isinstance(source, (str, os.PathLike)):
+            return cls._from_gguf_reader(source)
+        from rlx.models.gguf import open_gguf  # imported here: rlx.models.gguf imports this module
 
-            source = gguf.GGUFReader(os.fspath(source), "r")
+        path = os.fspath(source)
+        reader = open_gguf(path)
+        try:
+            return cls._from_gguf_reader(reader)
+        except TokenizerError as err:
+            raise TokenizerError(f"{path}: {err}") from err
+
+    @classmethod
+    def _from_gguf_reader(cls, source: Any) -> Tokenizer:
         meta = _tokenizer_metadata(source)
         model = meta.get("tokenizer.ggml.model")
         if model != "gpt2":

@@ -207,6 +207,17 @@ def _read(path: str) -> GGUFCheckpoint:
     )
 
 
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """The `gguf` package's reader over `path`, after rlx's bounds checks; errors name the path."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no GGUF file at {path!r}")
+    try:
+        return _open(path)
+    except GGUFError as err:
+        raise GGUFError(f"{path}: {err}") from err.__cause__
+
+
 def _open(path: str) -> gguf.GGUFReader:
     _check_layout(path)
     try:

@@ -44,7 +44,15 @@ def _read_gguf(path: str) -> None:
         checkpoint.tokenizer.decode(ids + list(range(checkpoint.tokenizer.vocab_size)))
 
 
-_READERS = {"gguf": _read_gguf}
+def _read_gguf_tokenizer(path: str) -> None:
+    """Only the tokenizer, straight from the file (``Tokenizer.from_gguf(path)``)."""
+    from rlx.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(path)
+    tok.decode(tok.encode("the theory of everything"))
+
+
+_READERS = {"gguf": _read_gguf, "gguf_tokenizer": _read_gguf_tokenizer}
 
 
 class _Deadline(BaseException):

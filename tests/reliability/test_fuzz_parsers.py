@@ -270,6 +270,23 @@ def test_gguf_header_fields_set_to_boundary_values(reader, tiny_gguf, tmp_path):
     assert reader.read("gguf", tiny_gguf).peak_rss_mb - baseline < 256  # no huge allocation
 
 
+def test_tokenizer_from_a_gguf_path_is_bounds_checked(reader, tiny_gguf, tmp_path):
+    # Before the fix Tokenizer.from_gguf(path) handed the file straight to the gguf package:
+    # the mutations that hung read_gguf hung it too. Now: read, or GGUFError / TokenizerError
+    # naming the file.
+    mutations = _slot_mutations(tiny_gguf.read_bytes(), tiny_gguf)
+    path, bad, outcomes = tmp_path / "tok.gguf", [], collections.Counter()
+    for what, data in mutations:
+        path.write_bytes(data)
+        outcome = reader.read("gguf_tokenizer", path)
+        outcomes[outcome.status] += 1
+        if not (_acceptable(outcome, path, GGUF_ERROR)
+                or _acceptable(outcome, path, "rlx.tokenizer.TokenizerError")):
+            bad.append((what, outcome))
+    assert not bad, f"{len(bad)} of {len(mutations)} mutations: {bad[:5]}"
+    assert outcomes["raised"] > len(mutations) // 2 and reader.restarts == 0
+
+
 def test_truncated_gguf_files(reader, tiny_gguf, tmp_path):
     # Before the fix 114 of these raised IndexError from the gguf package.
     good = tiny_gguf.read_bytes()
