@@ -197,6 +197,7 @@ class RolloutSection:
     eval_temperature: float = 0.0  # 0 = greedy evaluation
     preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine (stop above it)
     preflight_every: int = 0  # steps between parity preflights (0 = only before training)
+    ignore_eos: bool = False  # training rollouts run to max_new_tokens past EOS (benchmarks only)
     sglang: SGLangSection = SGLangSection()  # servers, used when engine == "sglang"
 
     def validate(self) -> None:

@@ -13,6 +13,11 @@ compiled step) and hands the new weights to the engine (``weight_version`` = lea
   corrects the one-version lag together with the numerical sampler/learner mismatch, which is
   measured every step (``mismatch/*``, ``rollout/staleness``).
 
+Rollouts are checked before anything uses them (``check_rollouts``): exactly ``group_size``
+samples of every prompt, each ``(uid, sample index)`` once, all of the policy version the engine
+was given; otherwise a ``RolloutError``. An engine failure ends ``train`` with a checkpoint of the
+last completed step and an error saying where to resume.
+
 Checkpoints (``rlx.lifecycle``): every ``train.checkpoint_every`` steps, and at the end of
 ``train`` or when SIGTERM / Ctrl-C stop it after the current step. A resumed synchronous run is
 bit-identical to an uninterrupted one (same batches, same sampling seeds, same rng stream); a
@@ -25,6 +30,7 @@ each feeding its own rows; with one process each of its calls is the identity.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -43,7 +49,7 @@ from rlx.hosts import Hosts
 from rlx.learner.batching import pad_rollouts
 from rlx.metrics import TextSample, to_scalars
 from rlx.rewards.base import score_batch
-from rlx.rollout.base import Prompt, SamplingParams
+from rlx.rollout.base import Prompt, RolloutError, SamplingParams
 from rlx.types import Rollout
 
 log = logging.getLogger(__name__)
@@ -166,18 +172,27 @@ class Run:
                 "--config.resume=latest")
 
     def _rollouts(self):
-        """This step's batch and rollouts: the prefetched ones, or generated now."""
+        """This step's batch and rollouts: the prefetched ones, or generated now. (A failed
+        prefetch stays pending: a checkpoint then records the data position before its batch.)"""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
+            pending = self._pending
             rollouts, seconds = self.hosts.share(*pending.future.result())
+            self._pending = None
             return pending.batch, rollouts, seconds
         batch = next(self.data)
         prompts = self.hosts.to_generate(batch.prompts)
-        rollouts, seconds = self.hosts.share(*_timed(self._generate, prompts, self._sampling()))
+        rollouts, seconds = self.hosts.share(*_timed(
+            self._generate, prompts, self._sampling(), self.step_count))
         return batch, rollouts, seconds
 
-    def _generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Rollout]:
-        return self.engine.generate(prompts, sampling) if prompts else []
+    def _generate(self, prompts: Sequence[Prompt], sampling: SamplingParams,
+                  version: int) -> list[Rollout]:
+        """The engine's rollouts, checked before anything uses them (``check_rollouts``)."""
+        if not prompts:
+            return []
+        rollouts = self.engine.generate(prompts, sampling)
+        check_rollouts(prompts, sampling.n, rollouts, version)
+        return rollouts
 
     def _prefetch(self) -> None:
         """One-step-off: start generating the next step's batch with the current weights."""
@@ -187,7 +202,7 @@ class Run:
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "rlx-rollout")
         sampling = self._sampling(step=self.step_count + 1)
-        future = self._pool.submit(_timed, self._generate, prompts, sampling)
+        future = self._pool.submit(_timed, self._generate, prompts, sampling, self.step_count)
         self._pending = _Pending(batch, position, future)
 
     def _await_prefetch(self) -> None:
@@ -200,8 +215,9 @@ class Run:
         return SamplingParams(
             max_new_tokens=r.max_new_tokens, n=1 if evaluation else r.group_size,
             temperature=r.eval_temperature if evaluation else r.temperature,
-            top_p=None if r.top_p >= 1.0 else r.top_p,
-            stop_token_ids=(self.tokenizer.eos_id,), seed=self.cfg.seed + step)
+            top_p=None if r.top_p >= 1.0 else r.top_p, seed=self.cfg.seed + step,
+            **({"ignore_eos": True} if r.ignore_eos and not evaluation
+               else {"stop_token_ids": (self.tokenizer.eos_id,)}))
 
     def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str], list[str]]:
         examples = {e.uid: e for e in batch.examples}
@@ -270,20 +286,47 @@ class Run:
         every, check = self.cfg.train.eval_every, self.cfg.rollout.preflight_every
         self._horizon, self.stopped_by = total, None
         with StopSignals() as signals:
-            if self.step_count == 0 and self.eval_set and self.step_count < total:
-                self.preflight()
-                self.evaluate()
-            while self.step_count < total and self.hosts.first_signal(signals.received) is None:
-                self.step()
-                if check and self.eval_set and self.step_count % check == 0:
+            try:
+                if self.step_count == 0 and self.eval_set and self.step_count < total:
                     self.preflight()
-                if self.eval_set and (self.step_count == total
-                                      or (every and self.step_count % every == 0)):
                     self.evaluate()
-                self.save()
+                while self.step_count < total and self.hosts.first_signal(signals.received) is None:
+                    self.step()
+                    if check and self.eval_set and self.step_count % check == 0:
+                        self.preflight()
+                    if self.eval_set and (self.step_count == total
+                                          or (every and self.step_count % every == 0)):
+                        self.evaluate()
+                    self.save()
+            except RolloutError as e:
+                self._engine_failed(e, signals.received)
             self.save(force=True)
             self.stopped_by = self.hosts.first_signal(signals.received)
         return self.metrics
+
+    def _engine_failed(self, error: RolloutError, signal_received: int | None) -> None:
+        """The engine failed mid-step. Nothing of that step was trained on (an engine fails
+        while generating, or syncing weights after the update), so the state is the last
+        completed step's: checkpoint it, then raise with where to resume from. After a stop
+        signal (which may have stopped the servers too, e.g. sent to the whole job) the run
+        ends as stopped by it instead."""
+        self.save(force=True)
+        if signal_received is not None:
+            log.warning("rollout engine failed after a stop signal (the step in flight is "
+                        "dropped): %s", error)
+            return
+        raise RolloutError(f"{error}\nThe run stopped at step {self.step_count}; "
+                           f"{self._last_checkpoint()}") from error
+
+    def _last_checkpoint(self) -> str:
+        if self.checkpointer is None:
+            return "no checkpoints are written (train.checkpoint_every and no checkpointer)"
+        self.checkpointer.wait()
+        steps = self.checkpointer.steps()
+        if not steps:
+            return f"no checkpoint was written in {self.checkpointer.directory}"
+        return (f"the last checkpoint is step {steps[-1]} in {self.checkpointer.directory}: "
+                "resume with --config.resume=latest")
 
     def save(self, force: bool = False) -> bool:
         """Checkpoint the current step if due (or ``force``); True when a save started. The
@@ -367,6 +410,27 @@ class Run:
         close = getattr(self.reward, "close", None)
         if close is not None:
             close()
+
+
+def check_rollouts(prompts: Sequence[Prompt], n: int, rollouts: Sequence[Rollout],
+                   version: int) -> None:
+    """Raise ``RolloutError`` unless ``rollouts`` are exactly ``n`` samples of every prompt (each
+    ``(uid, sample_index)`` once) made with policy ``version``: a dropped, doubled, foreign or
+    stale rollout is never trained on."""
+    want = collections.Counter((p.uid, j) for p in prompts for j in range(n))
+    got = collections.Counter((r.prompt_uid, r.sample_index) for r in rollouts)
+    problems = []
+    if got != want:
+        missing, extra = sorted(want - got), sorted(got - want)
+        problems += [f"{len(missing)} missing (first {missing[:3]})"] if missing else []
+        problems += [f"{len(extra)} unexpected or doubled (first {extra[:3]})"] if extra else []
+    stale = sorted({r.weight_version for r in rollouts} - {version})
+    if stale:
+        problems.append(f"made with weight_version {stale}, not the policy's {version}")
+    if problems:
+        raise RolloutError(f"the rollout engine returned {len(rollouts)} rollouts for "
+                           f"{len(prompts)} prompts x {n} samples: {'; '.join(problems)}; "
+                           "refusing to train on them (an engine bug or a server fault)")
 
 
 def _buckets(cfg) -> tuple[int, ...]:

@@ -2,8 +2,12 @@
 
 Parses and validates the config once (errors: one line naming the field, exit status 2), then
 builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C end it after the current step with a
-checkpoint (exit status 128 + signal number), and ``--config.resume=latest`` continues it. ``--dry_run`` only loads, shards and summarises the
-model. Everything else is done by the library; this file stays short.
+checkpoint (exit status 128 + signal number; while the run is still being built they stop it at
+once, cleaning up what was started), and ``--config.resume=latest`` continues it. Exit
+status 3: too many non-finite updates in a row; 4: the rollout engine failed (no SGLang server
+left, or one that could not start); both keep the checkpoints written and say where to resume.
+``--dry_run`` only loads, shards and summarises the model. Everything else is done by the
+library; this file stays short.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     from rlx.checkpoint import CheckpointError
     from rlx.config import ConfigError, parse_config
+    from rlx.lifecycle import Interrupted, StartupSignals
+    from rlx.rollout.base import RolloutError
 
     try:
         cfg = parse_config(_CONFIG.value)
@@ -34,13 +40,20 @@ def main(argv: list[str]) -> None:
             return
         from rlx.assemble import build
 
-        run = build(cfg)
+        with StartupSignals():  # servers started so far are stopped on the way out
+            run = build(cfg)
+    except Interrupted as e:
+        print(f"rlx: {e}; nothing was trained", file=sys.stderr)
+        sys.exit(128 + e.signum)
     except ConfigError as e:
         print(f"rlx: config error: {e}", file=sys.stderr)
         sys.exit(2)
     except (ValueError, FileNotFoundError, CheckpointError) as e:  # each names its own fix
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RolloutError as e:  # a server that did not start
+        print(f"rlx: error: {e}", file=sys.stderr)
+        sys.exit(4)
     from rlx.coordinator import NonFiniteError
 
     try:
@@ -49,6 +62,9 @@ def main(argv: list[str]) -> None:
     except NonFiniteError as e:  # the last good checkpoint is kept; the message says what next
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(3)
+    except RolloutError as e:  # likewise (checkpointed at the last completed step)
+        print(f"rlx: error: {e}", file=sys.stderr)
+        sys.exit(4)
     finally:
         run.close()
     if run.stopped_by is not None:

@@ -8,6 +8,9 @@
   newest complete checkpoint (fresh when there is none), a number from that step.
 * ``StopSignals`` - SIGTERM / Ctrl-C ask the loop to stop after the current step; the run then
   saves a final checkpoint. A second Ctrl-C interrupts at once.
+* ``StartupSignals`` - before that, while the run is being built (loading, compiling, starting
+  SGLang servers), SIGTERM / Ctrl-C raise ``Interrupted`` at once, so the clean-up of whatever
+  was started runs (a server killed mid start-up could leave processes it was still spawning).
 """
 
 from __future__ import annotations
@@ -114,6 +117,41 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while the run was being built (``StartupSignals``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"{signal.Signals(signum).name} received while starting")
+        self.signum = signum
+
+
+class StartupSignals:
+    """Context manager: SIGTERM and SIGINT raise ``Interrupted`` (a ``BaseException``, so every
+    ``except BaseException`` clean-up on the way runs). Only installs handlers on the main thread."""
+
+    def __init__(self):
+        self._previous: dict[int, Any] = {}
+
+    @staticmethod
+    def _raise(signum, frame) -> None:
+        # once: the clean-up that follows must not be interrupted by a repeated SIGTERM (a
+        # second Ctrl-C still interrupts at once)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise Interrupted(signum)
+
+    def __enter__(self) -> "StartupSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._raise)
         return self
 
     def __exit__(self, *exc) -> None:

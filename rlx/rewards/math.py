@@ -201,8 +201,15 @@ def _grade(
 
 def _serve(fd: int) -> None:
     """Worker process main loop: answers `(answer, gold, timeout_s, rounding, strict)` requests
-    arriving on the socket `fd` until the grader closes it."""
+    arriving on the socket `fd` until the grader closes it (or exits: the socket then closes).
+    SIGINT and SIGTERM are ignored: a Ctrl-C in the terminal (sent to the whole process group)
+    or a job manager's SIGTERM reaches the grader too, which finishes grading its step and then
+    stops the workers; a worker killed mid-grading would score that answer 0."""
     import logging
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" notices
     os.dup2(2, 1)  # stray prints must not reach the grader

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # generate exactly max_new_tokens: no stop ids, strings or EOS
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -44,6 +45,9 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k} must be >= 1")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
+        if self.ignore_eos and (self.stop_token_ids or self.stop_strings):
+            raise ValueError("ignore_eos=True generates max_new_tokens whatever comes; drop "
+                             "stop_token_ids and stop_strings")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,11 @@ After every update (``update_weights(model, version)``) mode B exports the new a
 ``serving/adapter-<version>``, hot-loads it as ``policy-<version>`` and unloads (and deletes) the
 previous one; mode A re-exports ``serving/policy`` and reloads it with
 ``/update_weights_from_disk``. ``SGLangEngine`` checks the ``weight_version`` of every response.
-``close()`` stops the servers this object launched (their whole process groups).
+``close()`` stops the servers this object launched (their whole process groups); launched
+from the main thread they also die with the rlx process if it is killed (``sglang_server``).
+A server that dies, hangs or serves other weights mid-run is handled by ``SGLangEngine``
+(``rlx.rollout.sglang_dispatch``): its requests go to the other servers and it is re-synced
+when it answers again; with none left the run stops with a ``RolloutError``.
 
 Multi-host runs are refused for now: every JAX process would send its own requests; use the
 built-in engine there (``rollout.engine = "jax"``).
@@ -109,12 +113,15 @@ class SGLangPolicy:
         s = self.cfg.rollout.sglang
         served = self._export_served(model)
         urls = list(s.urls) or self._launch(served, model.config)
-        attached = bool(s.urls)
-        if attached and s.sync_base:
-            self.engine = SGLangEngine(urls, request_timeout_s=s.request_timeout_s)
+        common = dict(request_timeout_s=s.request_timeout_s,
+                      processes={server.url: server for server in self.servers})
+        if s.urls and s.sync_base:
+            self.engine = SGLangEngine(urls, **common)
             self.engine.update_weights_from_disk(served, version=0)
         else:
-            self.engine = SGLangEngine(urls, request_timeout_s=s.request_timeout_s, weight_version=0)
+            self.engine = SGLangEngine(urls, weight_version=0, **common)
+            if not s.urls and os.path.isdir(served):  # a re-sync can load rlx's export again
+                self.engine.record_served(served)
         if self.lora:
             self._load_adapter(model, 0)
 
@@ -135,8 +142,10 @@ class SGLangPolicy:
             extra_args=server_args(self.cfg, model, i), env=env,
             startup_timeout_s=s.startup_timeout_s,
             log_path=os.path.join(self.dir, f"sglang-{i}.log"))) for i in range(s.num_servers)]
+        for server in self.servers:  # on this thread: servers die with it (sglang_server)
+            server.spawn()
         with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
-            starts = [pool.submit(server.start) for server in self.servers]  # in parallel
+            starts = [pool.submit(server.wait_healthy) for server in self.servers]  # in parallel
             try:
                 for f in starts:
                     f.result()
@@ -181,8 +190,9 @@ class SGLangPolicy:
         """Stop the client and every server this policy launched (idempotent)."""
         if self.engine is not None:
             self.engine.close()
-        for server in self.servers:
-            server.stop()
+        if self.servers:
+            with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
+                list(pool.map(lambda server: server.stop(), self.servers))  # in parallel
 
 
 def _bfloat16():

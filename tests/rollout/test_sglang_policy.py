@@ -144,7 +144,7 @@ def test_full_weights_launched_synced_attached_and_stopped(tmp_path):
     env = [f"{k}={v}" for k, v in cpu_server_env(str(tmp_path / "harness"))]
     cfg = _tiny(tmp_path, **{
         "train.mode": "full", "quant.format": "none", "quant.serving": "hf", "loss.kl_coef": 0.0,
-        "train.checkpoint_every": 0, "data.eval_size": 0, "rollout.group_size": 2,
+        "train.checkpoint_every": 0, "data.eval_size": 0, "rollout.group_size": 4,
         "rollout.max_new_tokens": 6, "rollout.engine": "sglang",
         "rollout.sglang": {"python": SGLANG_PYTHON, "env": env, "extra_args": list(cpu_server_args())}})
     run = build(parse_config(cfg), progress=False)
