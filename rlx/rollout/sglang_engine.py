@@ -173,10 +173,10 @@ class SGLangEngine:
                                    "weights it could load again (a server attached with a given "
                                    "weight_version): restart the server or the run")
             return
-        if self._disk_path is not None:
+        if self._disk_path is not None:  # the cache is flushed below, once nothing runs
             res = _admin(url, "/update_weights_from_disk", {
                 "model_path": self._disk_path, "weight_version": version,
-                "abort_all_requests": True}, self.timeout)
+                "abort_all_requests": True, "flush_cache": False}, self.timeout)
             if not res.get("success", False):
                 raise RolloutError(f"it refused the weights at {self._disk_path}: "
                                    f"{res.get('message')}")
@@ -184,7 +184,8 @@ class SGLangEngine:
             self._restore_adapter(url)
         _admin(url, "/update_weight_version", {"new_version": version, "abort_all_requests": True},
                self.timeout)
-        _admin(url, "/flush_cache", {}, self.timeout)
+        # aborted requests leave the running batch a moment later: the flush waits for that
+        _admin(url, f"/flush_cache?timeout={self.timeout:g}", {}, self.timeout + 10.0)
 
     def _restore_adapter(self, url: str) -> None:
         """Load the current adapter unless the server holds it (same name and path); unload
