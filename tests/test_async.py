@@ -18,7 +18,7 @@ from rlx.rewards import RewardResult
 from rlx.rewards.base import available_rewards, register
 from tests.test_coordinator import _config
 
-STEPS = 4
+STEPS = 3
 REWARD = "toy:word_starts"
 
 

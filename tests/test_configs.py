@@ -57,6 +57,13 @@ def _load(path: str) -> dict:
 CONFIGS = {_name(p): _load(p) for p in CONFIG_FILES}
 PLANS = sorted(n for n, c in CONFIGS.items() if "plan" in c)
 RUNS = sorted(n for n in CONFIGS if n not in PLANS)
+
+
+def _ci(name: str, slow: str):
+    """``name`` as a parameter, marked slow when it is ``slow`` (each config still runs one
+    shrunken step in CI: qwen25_1p5b_math_int8 on the SGLang server, qwen25_7b_math_fp8 with the
+    built-in engine)."""
+    return pytest.param(name, marks=pytest.mark.slow) if name == slow else name
 SGLANG_RUNS = sorted(n for n in RUNS if CONFIGS[n].get("rollout", {}).get("engine") == "sglang")
 
 
@@ -194,7 +201,7 @@ def served_policy_matches_the_learner(run) -> None:
     assert sorted(os.listdir(serving)) == ["adapter-2", "base", "sglang-0.log"]  # old ones deleted
 
 
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", [_ci(n, "qwen25_1p5b_math_int8") for n in RUNS])
 def test_config_runs_one_shrunken_step(name, tmp_path, stand_in):
     """The config as written (the built-in engine where it names SGLang)."""
     one_step(shrunken(name, tmp_path, stand_in, **{"rollout.engine": "jax"}))
@@ -202,7 +209,7 @@ def test_config_runs_one_shrunken_step(name, tmp_path, stand_in):
 
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")
-@pytest.mark.parametrize("name", SGLANG_RUNS)
+@pytest.mark.parametrize("name", [_ci(n, "qwen25_7b_math_fp8") for n in SGLANG_RUNS])
 def test_sglang_config_runs_one_shrunken_step_on_a_real_server(name, tmp_path, stand_in):
     cfg = shrunken(name, tmp_path, stand_in)
     lora = cfg["train"].get("mode", "lora") == "lora"

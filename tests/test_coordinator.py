@@ -57,6 +57,7 @@ def test_tiny_run_trains_logs_and_generates(tmp_path):
     assert samples and all(s["reason"] == "no answer found" for s in samples)  # why it scored 0
 
 
+@pytest.mark.slow  # CI: tests/test_configs.py runs the same shrunken quickstart step
 def test_quickstart_config_runs_one_shrunken_step(tmp_path):
     """The README's main job, shrunken: same data, reward, loss and engine; random tiny weights."""
     cfg = _config("quickstart", tmp_path, **{

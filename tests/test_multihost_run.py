@@ -141,6 +141,7 @@ def _assert_same_run(multi: dict, single: dict) -> None:
         np.testing.assert_allclose(multi[name], single[name], atol=TOL, rtol=0, err_msg=name)
 
 
+@pytest.mark.slow  # CI: about 3 min of 2-process runs; tests/test_multihost.py covers 2 processes == 1
 def test_primary_rollouts_one_step_off_match_one_process(runs):
     multi, single = runs["primary_async"], runs["single_async"]
     _assert_same_run(multi, single)
@@ -149,10 +150,12 @@ def test_primary_rollouts_one_step_off_match_one_process(runs):
     np.testing.assert_array_equal(multi["generated"], single["generated"])
 
 
+@pytest.mark.slow  # CI: about 3 min of 2-process runs; tests/test_multihost.py covers 2 processes == 1
 def test_per_host_rollouts_resumed_match_one_process(runs):
     _assert_same_run(runs["per_host_resumed"], runs["single_sync"])
 
 
+@pytest.mark.slow  # CI: about 3 min of 2-process runs; tests/test_multihost.py covers 2 processes == 1
 def test_one_step_off_differs_from_synchronous(runs):
     """The two references are different runs (stale rollouts), so each comparison means something."""
     a, b = runs["single_sync"], runs["single_async"]

@@ -99,6 +99,7 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
     assert _stable(read_metrics(out)) == _stable(read_metrics(uninterrupted))
 
 
+@pytest.mark.slow  # CI: 30 s of launches
 def test_resume_refuses_another_model_and_a_fresh_start_over_checkpoints(uninterrupted, tmp_path):
     r = _run(uninterrupted)  # no --config.resume: the checkpoints there are not overwritten
     assert r.returncode == 2

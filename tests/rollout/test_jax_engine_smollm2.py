@@ -22,6 +22,11 @@ MESSAGES = [{"role": "user", "content": "Write a short story about a robot who l
 N = 32
 
 
+# CI: about a minute (HF generate as the oracle); the engine == learner on tiny models of every
+# family is in tests/rollout/test_jax_engine.py
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def loaded():
     from rlx.models.loading import load_gguf

@@ -124,6 +124,7 @@ def _wait_for_requests(log_path, n, timeout_s=120):
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # CI: 90 s; a SIGKILLed server mid-run is in tests/reliability/test_engine_faults.py
 def test_killed_server_mid_generation_is_retried_elsewhere_without_loss(exported, server):
     tmp, _ = exported
     with SGLangServer(_spec(os.path.join(tmp, "v0"), tmp, "victim")) as victim:

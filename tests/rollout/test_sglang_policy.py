@@ -134,6 +134,7 @@ def _process_group_gone(pid: int, timeout_s: float = 60.0) -> bool:
     return False
 
 
+@pytest.mark.slow  # CI: a minute; servers launched by rlx run in tests/reliability/test_engine_faults.py
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")
 def test_full_weights_launched_synced_attached_and_stopped(tmp_path):
