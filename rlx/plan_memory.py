@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from rlx.learner.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import StepConfig, make_train_step, model_forward
 from rlx.mesh import MESH_AXES, TRAIN_RULES, MeshShape, logical_to_spec, make_mesh
@@ -152,7 +153,9 @@ def compiled_bytes(spec: PlanSpec, devices=None) -> dict[str, int]:
 # Fitted on 17 single-device f32 steps (dense and dense-impl MoE; residuals within 2.5%):
 COEFFS = {"resid": 3.6, "qkv": 1.5, "scores": 2.95, "mlp": 6.0, "moe_d": 0.83, "moe_f": 6.45,
           "router": 0.0, "logits": 2.14, "grads": 1.21, "embed": 7.5,
-          "lora": 3.8,  # mode B only: base and adapter outputs kept apart (3 mode-B points)
+          "lora": 1.9,  # mode B only: base and adapter outputs kept apart (3 mode-B points;
+                        # refitted after LoRA's products became 2-D, which dropped XLA's
+                        # transposed cotangent copies: 3.8 before)
           "ckpt": 1.0}  # remat="layer": each layer's input, kept once (not fitted)
 
 
@@ -197,7 +200,8 @@ def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
         total["ckpt"] = sum(lf["resid"] for lf in layers)
     a = 2 if spec.dtype == "bfloat16" else 4
     rows = math.ceil(spec.micro_rows / spec.batch_shards)
-    total["logits"] = 4 * min(spec.logprob_chunk, rows * spec.seq_len) * _div(c.vocab_size, t)
+    total["logits"] = 4 * balanced_chunk(rows * spec.seq_len, spec.logprob_chunk) * _div(
+        c.vocab_size, t)
     total["grads"] = trainable
     total["embed"] = a * rows * spec.seq_len * c.hidden_size
     return total

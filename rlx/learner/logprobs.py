@@ -286,6 +286,15 @@ def _callable_logprobs(project: Projection, chunks_h, chunks_y, compute_entropy:
     return jax.lax.map(one_chunk, (chunks_h, chunks_y))  # each [K, C]
 
 
+def balanced_chunk(n_tokens: int, chunk_size: int) -> int:
+    """The chunk length actually used for `n_tokens` tokens and at most `chunk_size` per chunk:
+    as many chunks as `chunk_size` needs, of equal length (1536 tokens at 1024 run as 2 x 768,
+    not 2 x 1024 with a third of the lm-head work on padding)."""
+    n_tokens = max(n_tokens, 1)
+    n_chunks = -(-n_tokens // min(chunk_size, n_tokens))
+    return -(-n_tokens // n_chunks)
+
+
 def token_logprobs(
     hidden: Float[Array, "b t d"],
     project: Projection | LMHead,
@@ -301,7 +310,8 @@ def token_logprobs(
       project: the lm-head: an `LMHead` (blocked over the vocabulary, see the module docstring)
         or any callable, e.g. `lambda h: h @ w`, that may close over (traced) params.
       targets: the token id predicted at each position.
-      chunk_size: tokens per chunk (over the flattened B*T tokens); T need not divide it.
+      chunk_size: at most this many tokens per chunk (over the flattened B*T tokens); the tokens
+        are split into equal chunks (`balanced_chunk`), so nothing needs to divide anything.
       compute_entropy: also return the per-token entropy of the softmax.
       vocab_block: vocabulary columns per block for an `LMHead` (capped at V; need not divide V).
     Returns:
@@ -314,7 +324,7 @@ def token_logprobs(
         )
     b, t, d = hidden.shape
     n_tokens = b * t
-    chunk_size = min(chunk_size, max(n_tokens, 1))
+    chunk_size = balanced_chunk(n_tokens, chunk_size)  # pads < n_chunks tokens, not a whole chunk
     n_chunks = -(-n_tokens // chunk_size)
     pad = n_chunks * chunk_size - n_tokens
     flat_h = hidden.reshape(n_tokens, d)  # [N, D]

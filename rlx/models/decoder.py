@@ -28,6 +28,7 @@ from rlx.models.config import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq,
                                weight_value)
+from rlx.models.mixed import is_low_precision, mixed_einsum
 from rlx.models.moe import DenseMLP, SparseMoE
 
 
@@ -82,7 +83,7 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions, adapter)
         keys, values = write_slots(kv[0], k, cache.index), write_slots(kv[1], v, cache.index)
         mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
-        return self._out(gqa_attention(q, keys, values, mask), adapter), (keys, values)
+        return self._out(gqa_attention(q, keys, values, mask, kv_major=True), adapter), (keys, values)
 
 
 class Block(nnx.Module):
@@ -159,10 +160,16 @@ class Transformer(nnx.Module):
         return self.embed.take(input_ids, dtype)
 
     def logits(self, h: Float[Array, "... d"], adapter: bool = True) -> Float[Array, "... v"]:
-        """Project hidden states to vocabulary logits (tied or separate head)."""
+        """Project hidden states to vocabulary logits (tied or separate head). A tied head in a
+        low-precision compute dtype returns its f32 accumulator (every consumer takes the
+        log-softmax in f32; rounding [tokens, V] logits to bf16 and back cost time and bits)."""
         if self.lm_head is not None:
             return self.lm_head(h, adapter)
-        return jnp.einsum("...d,vd->...v", h, weight_value(self.embed, h.dtype))
+        w = weight_value(self.embed, h.dtype)  # [V, D]
+        if not is_low_precision(h.dtype):
+            return jnp.einsum("...d,vd->...v", h, w)
+        flat = mixed_einsum("nd,vd->nv", h.reshape(-1, h.shape[-1]), w, jnp.float32)  # [N, V]
+        return flat.reshape(*h.shape[:-1], -1)
 
     def __call__(self, input_ids, positions=None, segment_ids=None, attention_mask=None, adapter: bool = True):
         return self.logits(self.hidden_states(input_ids, positions, segment_ids, attention_mask, adapter), adapter)

@@ -1,7 +1,8 @@
 """Key/value cache for incremental decoding with the learner's own ``Transformer``.
 
-``KVCache`` holds, per layer, the rotated keys and the values ``[B, S, KV, D]`` of every slot
-written so far, plus the position and segment id of every slot ``[B, S]`` (segment 0 = empty or
+``KVCache`` holds, per layer, the rotated keys and the values ``[B, KV, S, D]`` of every slot
+written so far (KV-head major: attention reads each head's slots contiguously, with no transposed
+copy of the whole cache per decode step), plus the position and segment id of every slot ``[B, S]`` (segment 0 = empty or
 padding, never attended to). All rows write at the same slot ``index``; rows differ only in their
 positions, so left-padded prompts of different lengths decode exactly: a row's padding slots carry
 segment 0 and its tokens carry their own positions (rotary embedding and causality use positions,
@@ -27,8 +28,8 @@ from rlx.models.config import ModelConfig
 class KVCache:
     """Keys/values per layer and per-slot positions/segments; a pytree (a ``while_loop`` carry)."""
 
-    keys: tuple[Float[Array, "b s kv d"], ...]
-    values: tuple[Float[Array, "b s kv d"], ...]
+    keys: tuple[Float[Array, "b kv s d"], ...]
+    values: tuple[Float[Array, "b kv s d"], ...]
     positions: Int[Array, "b s"]  # position of the token held in each slot
     segment_ids: Int[Array, "b s"]  # 0: empty slot or padding
     index: Int[Array, ""]  # next slot to write, shared by all rows
@@ -36,7 +37,7 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
         """An empty cache of ``length`` slots for ``batch`` rows, keys/values in ``dtype``."""
-        shape = (batch, length, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
         empty = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         slots = jnp.zeros((batch, length), jnp.int32)
         return cls(empty, empty, slots, slots, jnp.zeros((), jnp.int32))
@@ -58,7 +59,9 @@ class KVCache:
         return self.replace(keys=tuple(keys), values=tuple(values), index=self.index + steps)
 
 
-def write_slots(cache: Float[Array, "b s kv d"], new: Float[Array, "b t kv d"],
-                index: Int[Array, ""]) -> Float[Array, "b s kv d"]:
-    """Store ``new`` at slots ``index .. index + t`` of one layer's keys or values."""
-    return jax.lax.dynamic_update_slice_in_dim(cache, new.astype(cache.dtype), index, axis=1)
+def write_slots(cache: Float[Array, "b kv s d"], new: Float[Array, "b t kv d"],
+                index: Int[Array, ""]) -> Float[Array, "b kv s d"]:
+    """Store ``new`` (in the projections' ``[b, t, kv, d]`` layout) at slots ``index .. index + t``
+    of one layer's keys or values."""
+    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [b, kv, t, d]
+    return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=2)

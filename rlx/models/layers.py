@@ -21,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rlx.models.config import RopeConfig
+from rlx.models.mixed import matmul
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -82,7 +83,7 @@ class Linear(nnx.Module):
     def __call__(self, x: Float[Array, "... d_in"], adapter: bool = True) -> Float[Array, "... d_out"]:
         h = x.astype(self.dtype)
         xq = quantize_activations(h, self.act_quant)
-        y = jnp.einsum("...d,df->...f", xq, weight_value(self.kernel, self.dtype))
+        y = matmul(xq, weight_value(self.kernel, self.dtype), self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if adapter and self.lora is not None:
@@ -149,15 +150,20 @@ def attention_mask(
 
 def gqa_attention(
     q: Float[Array, "b t h d"], k: Float[Array, "b s kv d"], v: Float[Array, "b s kv d"],
-    mask: Bool[Array, "b t s"],
+    mask: Bool[Array, "b t s"], kv_major: bool = False,
 ) -> Float[Array, "b t h d"]:
-    """Grouped-query softmax attention; scores and softmax in f32."""
+    """Grouped-query softmax attention; scores and softmax in f32.
+
+    ``kv_major``: ``k`` and ``v`` are laid out ``[b, kv, s, d]`` (the KV cache's layout, in which
+    both products read them without a transposed copy) instead of ``[b, s, kv, d]``.
+    """
     b, t, h, d = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1] if kv_major else k.shape[2]
+    src = "bksd" if kv_major else "bskd"
     qg = q.reshape(b, t, kv, h // kv, d)  # [b, t, kv, g, d]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(f"btkgd,{src}->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(d)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [b, kv, g, t, s]
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum(f"bkgts,{src}->btkgd", probs, v)
     return out.reshape(b, t, h, d)

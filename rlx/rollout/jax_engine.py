@@ -183,8 +183,8 @@ class JaxEngine:
         if self.mesh is not None:
             cfg = self._config
             dp = self._data_parallel()
-            kv = named_sharding(self.mesh, ("batch", None, "kv_heads", None), self.rules,
-                                (dp, 1, cfg.num_kv_heads, cfg.head_dim))
+            kv = named_sharding(self.mesh, ("batch", "kv_heads", None, None), self.rules,
+                                (dp, cfg.num_kv_heads, 1, cfg.head_dim))
             rows = batch_sharding(self.mesh, 2, self.rules)
         static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows)
         if static not in self._fns:

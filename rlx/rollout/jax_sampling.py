@@ -43,26 +43,69 @@ class SamplerSpec:
     top_p: bool = False  # whether a nucleus cut is applied
 
 
+CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
+def _count_le(cdf: Float[Array, " n"], u: Float[Array, ""]) -> Int[Array, ""]:
+    """Entries of a non-decreasing ``cdf`` that are <= ``u``: the index of the first one above."""
+    return jnp.sum(cdf <= u, dtype=jnp.int32)
+
+
+def _last_positive(w: Float[Array, " n"]) -> Int[Array, ""]:
+    return jnp.max(jnp.where(w > 0, jnp.arange(w.shape[0], dtype=jnp.int32), 0))
+
+
 def categorical(key, logits: Float[Array, " v"]) -> Int[Array, ""]:
     """One draw from softmax(logits) by inverting its CDF with a single uniform number.
 
     Exact in distribution like the Gumbel-max trick of ``jax.random.categorical`` but it needs one
     random number per row instead of one per vocabulary entry (the PRNG dominated a decode step on
-    a CPU). Entries at -inf have zero width and are never drawn.
+    a CPU). The CDF is inverted in two levels, so no pass runs over the whole vocabulary
+    sequentially (a flat ``cumsum`` + binary search cost as much as the model's output projection
+    on a CPU): the weights ``exp(logits - max)`` are summed per block of ``CDF_BLOCK`` entries, the
+    block is the first whose cumulative mass exceeds ``u``, then the entry inside that block the
+    same way. Entries at -inf have zero width and are never drawn (a zero weight never moves a
+    cumulative sum past ``u``; rounding at the very end falls back to the last positive entry).
     """
-    probs = jax.nn.softmax(logits)  # [v]
-    cdf = jnp.cumsum(probs)  # [v]
-    u = jax.random.uniform(key, (), jnp.float32) * cdf[-1]
-    idx = jnp.searchsorted(cdf, u, side="right")
-    last = logits.shape[0] - 1 - jnp.argmax(probs[::-1] > 0)  # guard against u rounding to cdf[-1]
-    return jnp.minimum(idx, last).astype(jnp.int32)
+    v = logits.shape[0]
+    nb = -(-v // CDF_BLOCK)
+    w = jnp.exp(logits - jnp.max(logits))  # [v] unnormalised probabilities
+    blocks = jnp.pad(w, (0, nb * CDF_BLOCK - v)).reshape(nb, CDF_BLOCK)  # [nb, B]
+    mass = jnp.sum(blocks, axis=-1)  # [nb]
+    upto = jnp.cumsum(mass)  # [nb] inclusive
+    u = jax.random.uniform(key, (), jnp.float32) * upto[-1]
+    blk = jnp.minimum(_count_le(upto, u), _last_positive(mass))
+    before = jnp.where(blk > 0, upto[jnp.maximum(blk - 1, 0)], 0.0)  # mass of earlier blocks
+    row = blocks[blk]  # [B]
+    j = jnp.minimum(_count_le(before + jnp.cumsum(row), u), _last_positive(row))
+    return (blk * CDF_BLOCK + j).astype(jnp.int32)
+
+
+def first_argmax(x: Float[Array, "b v"]) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
+    """(``jnp.argmax`` over the last axis, ties to the lowest index; the row maxima).
+
+    Tiled so that only one pass reads the whole row: the maxima of ``CDF_BLOCK``-wide tiles, then
+    the first tile holding the row's maximum, then the first position in that tile. XLA:CPU runs
+    the (value, index) pair reduction of ``argmax`` over a whole vocabulary several times slower,
+    and a mask-and-min formulation needs three passes. A NaN row gives some index in range.
+    """
+    b, v = x.shape
+    nt = -(-v // CDF_BLOCK)
+    tiles = jnp.pad(x, ((0, 0), (0, nt * CDF_BLOCK - v)), constant_values=-jnp.inf)
+    tiles = tiles.reshape(b, nt, CDF_BLOCK)  # [b, nt, B]
+    tile_max = jnp.max(tiles, axis=-1)  # [b, nt]
+    top = jnp.max(tile_max, axis=-1)  # [b]
+    t = jnp.argmax(tile_max == top[:, None], axis=-1)  # [b] first tile holding the maximum
+    tile = jnp.take_along_axis(tiles, t[:, None, None], axis=1)[:, 0]  # [b, B]
+    j = jnp.argmax(tile == top[:, None], axis=-1)  # [b]
+    return jnp.minimum(t * CDF_BLOCK + j, v - 1).astype(jnp.int32), top
 
 
 def sample_tokens(logits: Float[Array, "b v"], keys, temperature: Float[Array, ""],
                   top_p: Float[Array, ""], spec: SamplerSpec) -> Int[Array, " b"]:
     """One token per row from f32 ``logits`` under ``spec``; ``keys`` holds one PRNG key per row."""
     if spec.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return first_argmax(logits)[0]
     z = logits / temperature  # [b, v]
     if spec.top_k is None and not spec.top_p:
         return jax.vmap(categorical)(keys, z)
@@ -80,12 +123,22 @@ def sample_tokens(logits: Float[Array, "b v"], keys, temperature: Float[Array, "
 
 
 def _pick(logits, keys, step, temperature, top_p, spec):
-    """Sampled token and its raw-policy log-prob for every row at ``step``."""
+    """Sampled token and its raw-policy log-prob for every row at ``step``.
+
+    The log-prob is ``log_softmax``'s arithmetic (``x - max - log(sum(exp(x - max)))``) at the
+    token only, so the [b, v] log-softmax is never written out; greedy reuses the row maxima.
+    """
     logits = logits.astype(jnp.float32)  # [b, v]
-    step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
-    tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
-    logp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tok[:, None], axis=-1)[:, 0]
-    return tok, logp
+    if spec.greedy:
+        tok, top = first_argmax(logits)  # [b] each
+    else:
+        top = jnp.max(logits, axis=-1)  # [b]
+        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+        tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
+    top = jax.lax.stop_gradient(top)[:, None]  # [b, 1]
+    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))  # [b]
+    picked = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - top[:, 0]  # [b]
+    return tok, picked - lse
 
 
 def row_keys(seed: Int[Array, ""], uid_hash: UInt32[Array, " b"], sample_index: Int[Array, " b"]):

@@ -1,0 +1,44 @@
+"""Mixed-precision products (``rlx.models.mixed``): f32 is plain einsum, bit for bit; bf16 values
+and gradients match an f32 reference to bf16 rounding, and stay bf16 x bf16 in the backward pass."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlx.models.mixed import matmul, mixed_einsum
+
+KEYS = jax.random.split(jax.random.key(0), 4)
+X = jax.random.normal(KEYS[0], (2, 3, 16))
+W = jax.random.normal(KEYS[1], (16, 8)) / 4
+
+
+def _loss(fn, dtype):
+    return lambda x, w: jnp.sum(jnp.cos(fn(x.astype(dtype), w.astype(dtype)).astype(jnp.float32)))
+
+
+def test_f32_is_plain_einsum():
+    got = jax.grad(_loss(lambda x, w: matmul(x, w, jnp.float32), jnp.float32), (0, 1))(X, W)
+    want = jax.grad(_loss(lambda x, w: x @ w, jnp.float32), (0, 1))(X, W)
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+
+
+def test_bf16_values_and_gradients_near_f32():
+    want_y = np.asarray(X @ W)
+    want = jax.grad(_loss(lambda x, w: x @ w, jnp.float32), (0, 1))(X, W)
+    y = matmul(X, W, jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16 and y.shape == (2, 3, 8)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want_y, atol=0.05, rtol=0.02)
+    got = jax.grad(_loss(lambda x, w: matmul(x, w, jnp.bfloat16), jnp.bfloat16), (0, 1))(X, W)
+    for g, r in zip(got, want):
+        # bf16 keeps 8 bits of mantissa: 2^-8 relative per rounding, a few roundings deep
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r), atol=0.08, rtol=0.05)
+
+
+def test_backward_products_stay_low_precision():
+    f = jax.jit(jax.grad(_loss(lambda x, w: mixed_einsum("nd,df->nf", x, w, jnp.float32),
+                               jnp.bfloat16), (0, 1)))
+    hlo = f.lower(X.reshape(6, 16), W).as_text()
+    dots = [line for line in hlo.splitlines() if "dot_general" in line and "=" in line]
+    assert len(dots) == 3, dots  # forward, dx, dw
+    assert all("bf16" in line.split("dot_general")[1] for line in dots), dots
