@@ -8,9 +8,15 @@ machine hit every side alike, and reports medians. Separate processes keep the t
 PyTorch and XLA from competing and give each side its own peak RSS (``ru_maxrss``, reported with
 every repetition as ``peak_rss_mb``).
 
+A side may serve several *cases* (e.g. greedy and sampled decoding): its callable then takes the
+case as its one argument, ``interleave(..., cases=("greedy", "sampled"))`` runs every case of every
+side in each round, and each figure record carries its ``"case"``. Warm-up repetitions (compilation,
+caches) are dropped from the medians but kept in ``Results.warmup``.
+
 Worker protocol (JSON lines): the parent writes the spec ``{"target", "kwargs"}``; the worker answers
-``{"ready": ..., "setup_s": ...}``; then for every ``"run"`` line one result line; ``"exit"`` ends it.
-Anything the side prints goes to the worker's stderr, so stdout carries only protocol lines.
+``{"ready": ..., "setup_s": ...}``; then for every ``"run"`` (or ``{"run": case}``) line one result
+line; ``"exit"`` ends it. Anything the side prints goes to the worker's stderr, so stdout carries
+only protocol lines.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def resolve(target: str) -> Callable[..., Callable[[], dict]]:
 class Worker:
     """A side's subprocess (see the module docstring)."""
 
-    def __init__(self, side: Side, log_path: str | None = None):
+    def __init__(self, side: Side, log_path: str | None = None, wait: bool = True):
         self.side = side
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake test devices
         env.update(BASE_ENV)
@@ -68,7 +74,13 @@ class Worker:
         self.proc = subprocess.Popen([sys.executable, "-m", "rlx.bench.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
         self._send({"target": side.target, "kwargs": side.kwargs})
-        self.setup = self._receive()
+        self.setup: dict | None = self._receive() if wait else None
+
+    def ready(self) -> dict:
+        """The setup record, waiting for it if the worker was started with ``wait=False``."""
+        if self.setup is None:
+            self.setup = self._receive()
+        return self.setup
 
     def _send(self, msg: Any) -> None:
         self.proc.stdin.write(json.dumps(msg) + "\n")
@@ -91,9 +103,12 @@ class Worker:
         with open(self.log_path) as f:
             return "; last output:\n" + "".join(f.readlines()[-15:])
 
-    def run(self) -> dict:
-        self._send("run")
-        return self._receive()
+    def run(self, case: Any = None) -> dict:
+        self._send("run" if case is None else {"run": case})
+        figures = self._receive()
+        if case is not None:
+            figures["case"] = case
+        return figures
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -112,40 +127,64 @@ class Results:
 
     runs: dict[str, list[dict]]
     setup: dict[str, dict]
+    warmup: dict[str, list[dict]] = dataclasses.field(default_factory=dict)
 
-    def median(self, label: str, key: str) -> float:
-        return statistics.median(r[key] for r in self.runs[label])
+    def select(self, label: str, case: Any = None, warmup: bool = False) -> list[dict]:
+        """The records of ``label`` (of one ``case`` when given; warm-up ones if asked)."""
+        records = (self.warmup if warmup else self.runs).get(label, [])
+        return [r for r in records if case is None or r.get("case") == case]
 
-    def rate(self, label: str, amount: str, seconds: str = "seconds") -> float:
+    def median(self, label: str, key: str, case: Any = None) -> float:
+        return statistics.median(r[key] for r in self.select(label, case))
+
+    def rate(self, label: str, amount: str, seconds: str = "seconds", case: Any = None) -> float:
         """Median over repetitions of amount / seconds (e.g. tokens per second)."""
-        return statistics.median(r[amount] / r[seconds] for r in self.runs[label])
+        return statistics.median(r[amount] / r[seconds] for r in self.select(label, case))
 
     def to_json(self) -> dict:
-        return {"runs": self.runs, "setup": self.setup}
+        return {"runs": self.runs, "setup": self.setup, "warmup": self.warmup}
 
 
 def interleave(sides: Sequence[Side], repeats: int = 3, warmup: int = 1,
-               log_dir: str | None = None, progress: bool = True) -> Results:
-    """Build every side, then run ``warmup + repeats`` rounds of A B C ...; warm-up runs are dropped."""
+               log_dir: str | None = None, progress: bool = True,
+               cases: Sequence[Any] = (None,), parallel_setup: bool = False) -> Results:
+    """Build every side, then run ``warmup + repeats`` rounds of A B C ... (each round every case);
+    warm-up runs are kept apart from the measured ones. ``parallel_setup`` builds the sides at the
+    same time (a faster start; their setup times and memory peaks then overlap)."""
     workers: list[Worker] = []
     try:
         for s in sides:
             log = os.path.join(log_dir, f"{_slug(s.label)}.log") if log_dir else None
-            workers.append(Worker(s, log))
+            workers.append(Worker(s, log, wait=not parallel_setup))
+        for w in workers:
+            w.ready()
         runs: dict[str, list[dict]] = {s.label: [] for s in sides}
+        warm: dict[str, list[dict]] = {s.label: [] for s in sides}
         for i in range(warmup + repeats):
-            for w in workers:
-                t = time.perf_counter()
-                r = w.run()
-                if progress:
-                    kind = "warm-up" if i < warmup else f"run {i - warmup + 1}/{repeats}"
-                    print(f"  {w.side.label}: {kind} {time.perf_counter() - t:.1f} s", file=sys.stderr)
-                if i >= warmup:
-                    runs[w.side.label].append(r)
-        return Results(runs, {w.side.label: w.setup for w in workers})
+            kind = "warm-up" if i < warmup else f"run {i - warmup + 1}/{repeats}"
+            for case in cases:
+                for w in workers:
+                    t = time.perf_counter()
+                    r = w.run(case)
+                    if progress:
+                        what = w.side.label if case is None else f"{w.side.label} [{case}]"
+                        print(f"  {what}: {kind} {time.perf_counter() - t:.1f} s", file=sys.stderr)
+                    (warm if i < warmup else runs)[w.side.label].append(r)
+        return Results(runs, {w.side.label: w.setup for w in workers}, warm)
     finally:
         for w in workers:
             w.close()
+
+
+def call_once(side: Side, log_dir: str | None = None) -> dict:
+    """Build ``side`` in a fresh worker, run it once and return its figures (one-off jobs such as
+    exporting a checkpoint, kept out of the parent process)."""
+    log = os.path.join(log_dir, f"{_slug(side.label)}.log") if log_dir else None
+    worker = Worker(side, log)
+    try:
+        return worker.run()
+    finally:
+        worker.close()
 
 
 def _slug(label: str) -> str:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlx.bench.harness import write_json
 from rlx.models.config import ModelConfig, MoEConfig
 from rlx.models.decoder import Precision, Transformer, resolve_positions
 from rlx.models.moe import SparseMoE
@@ -100,10 +101,41 @@ def markdown(table: dict[str, dict[str, float]]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from rlx.bench.quant_decode import DECODE_ROWS
+
     parser = argparse.ArgumentParser(prog="python -m rlx.bench quant", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of dense,moe")
+    parser.add_argument("--decode", action="store_true",
+                        help="also measure decode tokens/s per format (rlx.bench.quant_decode)")
+    parser.add_argument("--decode-model", default="smollm2", choices=("smollm2", "tiny"))
+    parser.add_argument("--decode-formats", default=",".join(DECODE_ROWS),
+                        help=f"comma-separated subset of {','.join(DECODE_ROWS)}")
+    parser.add_argument("--decode-shape", default="8,32,32", help="batch,prompt,new tokens")
+    parser.add_argument("--decode-rounds", default="3,1", help="measured rounds,warm-up rounds")
+    parser.add_argument("--json", default="", help="write the figures to this file")
     args = parser.parse_args(argv)
-    print(markdown(run(args.seed, args.tokens, tuple(args.models.split(",")))))
+    table = run(args.seed, args.tokens, tuple(args.models.split(",")))
+    print(markdown(table))
+    payload: dict = {"benchmark": "quant", "error": table}
+    if args.decode:
+        payload["decode"] = _decode(args, DECODE_ROWS)
+    write_json(args.json or None, payload)
     return 0
+
+
+def _decode(args, known: tuple[str, ...]) -> dict:
+    from rlx.bench.quant_decode import decode_table
+
+    formats = tuple(f.strip() for f in args.decode_formats.split(",") if f.strip())
+    bad = [f for f in formats if f not in known]
+    if bad or not formats:
+        raise SystemExit(f"--decode-formats: {bad or formats} not in {known}")
+    batch, prompt, new = (int(x) for x in args.decode_shape.split(","))
+    repeats, warmup = (int(x) for x in args.decode_rounds.split(","))
+    text, figures = decode_table(args.decode_model, batch, prompt, new, repeats, warmup, formats)
+    print(f"\n### decode tokens/s per base format: {args.decode_model}, batch {batch}, prompt "
+          f"{prompt}, {new} new tokens (greedy)\n")
+    print(text)
+    return figures

@@ -27,10 +27,11 @@ def main() -> int:
         send({"error": f"{type(e).__name__}: {e}"})
         return 1
     for line in sys.stdin:
-        if json.loads(line) != "run":
+        msg = json.loads(line)
+        if msg != "run" and not (isinstance(msg, dict) and "run" in msg):
             break
         try:
-            figures = dict(run())
+            figures = dict(run() if msg == "run" else run(msg["run"]))
         except Exception as e:
             traceback.print_exc()
             send({"error": f"{type(e).__name__}: {e}"})

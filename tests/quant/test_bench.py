@@ -16,3 +16,20 @@ def test_quant_bench_table(capsys):
 def test_unknown_benchmark_is_usage_error(capsys):
     assert bench_main(["nope"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_quant_decode_tokens_per_format(tmp_path, capsys):
+    """``--decode``: one row per format with positive tokens/s (tiny sizes; no timing assertion)."""
+    import json
+
+    path = tmp_path / "quant.json"
+    assert bench_main(["quant", "--tokens", "16", "--models", "dense", "--decode",
+                       "--decode-model", "tiny", "--decode-formats", "f32,GGUF Q4_1",
+                       "--decode-shape", "2,4,4", "--decode-rounds", "1,0", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| f32 |") or line.startswith("| GGUF Q4_1 |")]
+    assert len(rows) == 3  # f32 decode row, Q4_1 error row and Q4_1 decode row
+    decode = json.loads(path.read_text())["decode"]
+    assert set(decode["rate"]) == {"f32", "GGUF Q4_1"} and min(decode["rate"].values()) > 0
+    for runs in decode["results"]["runs"].values():
+        assert runs[0]["tokens"] == 2 * 4 and runs[0]["weight_bytes"] > 0

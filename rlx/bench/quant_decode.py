@@ -1,0 +1,78 @@
+"""Decode tokens/s of rlx's built-in engine per frozen-base format (``python -m rlx.bench quant --decode``).
+
+Every format is one side of the harness (its own worker, interleaved rounds, medians): SmolLM2-135M
+(or the tiny model) with its decoder-layer linears in that format, the embedding / tied output
+projection kept f32 as servers do, generating exactly ``new`` greedy tokens for ``batch`` prompts.
+The SmolLM2 "GGUF Q4_1" row uses the file's own blocks; other GGUF rows quantize the f32 weights
+with the ``gguf`` package (as the error table does). Quantized bases trade memory for dequantization
+work inside the matmul: on a CPU, where decode reads every weight once per token, fewer bytes can
+win or lose depending on how cheap the dequantization is.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from rlx.bench.harness import Side, interleave, markdown_table
+
+DECODE_ROWS = ("f32", "int8 channel", "int4 g64 sym", "nf4 g64", "fp8 channel", "GGUF Q8_0", "GGUF Q4_1")
+
+
+def _model(model: str, label: str, hf_config: dict | None):
+    from rlx.bench.quant import ROWS, gguf_model
+    from rlx.bench.workloads import load_model
+    from rlx.quant import quantize_model
+
+    if model == "smollm2" and label == "GGUF Q4_1":
+        return load_model(model, "q4_1")[0]
+    m = load_model(model, "f32", hf_config=hf_config)[0]
+    if label == "f32":
+        return m
+    spec = dict(ROWS)[label]
+    return gguf_model(m, spec) if isinstance(spec, str) else quantize_model(m, spec)
+
+
+def decode_side(model: str, label: str, prompts: list[list[int]], new: int,
+                hf_config: dict | None = None):
+    """Harness factory: greedy generation of ``new`` tokens per prompt on one base format."""
+    from rlx.quant import state_bytes
+    from rlx.rollout.base import Prompt, SamplingParams
+    from rlx.rollout.jax_engine import JaxEngine
+
+    m = _model(model, label, hf_config)
+    weights = state_bytes(m)["base"]
+    engine = JaxEngine(m)
+    requests = [Prompt(f"p{i}", tuple(p)) for i, p in enumerate(prompts)]
+    greedy = SamplingParams(max_new_tokens=new, temperature=0.0)
+
+    def run() -> dict:
+        t = time.perf_counter()
+        out = engine.generate(requests, greedy)
+        seconds = time.perf_counter() - t
+        counts = [len(r.completion_ids) for r in out]
+        if set(counts) != {new}:
+            raise RuntimeError(f"{label}: rows produced {sorted(set(counts))} tokens, not {new}")
+        return {"tokens": sum(counts), "seconds": seconds, "weight_bytes": weights}
+
+    return run
+
+
+def decode_table(model: str = "smollm2", batch: int = 8, prompt: int = 32, new: int = 32,
+                 repeats: int = 3, warmup: int = 1, rows=DECODE_ROWS) -> tuple[str, dict]:
+    """(markdown table, figures) of decode tokens/s per format, relative to f32."""
+    from rlx.bench.workloads import Workload, prompt_ids, smollm2_config
+
+    w = Workload(model, batch, prompt, new)
+    hf_config = smollm2_config() if model == "tiny" else None
+    sides = [Side(label, "rlx.bench.quant_decode:decode_side",
+                  dict(model=model, label=label, prompts=prompt_ids(w), new=new, hf_config=hf_config))
+             for label in rows]
+    with tempfile.TemporaryDirectory(prefix="rlx-bench-quant-") as logs:
+        results = interleave(sides, repeats, warmup, logs)
+    rate = {label: results.rate(label, "tokens") for label in rows}
+    ref = rate.get("f32")
+    table_rows = [[label, rate[label], "-" if ref is None else f"{rate[label] / ref:.2f}x",
+                   f"{results.median(label, 'weight_bytes') / 1e6:,.1f}"] for label in rows]
+    header = ["format", "decode tokens/s", "vs f32", "base MB (layers + f32 embedding)"]
+    return markdown_table(header, table_rows), {"rate": rate, "results": results.to_json()}

@@ -1,0 +1,28 @@
+"""``python -m rlx.bench e2e`` at tiny sizes: one whole GRPO step of rlx (``rlx.build`` +
+``Run.step``) and of TRL's ``GRPOTrainer`` on the same tiny model, prompts and reward; table and
+JSON structure, both generated exactly the requested completion tokens. No timing assertions."""
+
+import json
+
+from rlx.bench.e2e import HEADER, main
+
+# 2 prompts x 2 samples x exactly 4 new tokens, an update in 2 micro-batches
+TINY = ["--model", "tiny", "--prompts", "2", "--group", "2", "--new", "4", "--micro-batches", "2",
+        "--repeats", "1", "--warmup", "0", "--parallel-setup", "--sides", "rlx-f32,trl"]
+
+
+def test_e2e_bench_tiny(tmp_path, tmp_path_factory, capsys):
+    path = tmp_path / "e2e.json"
+    work = tmp_path_factory.getbasetemp() / "rl-bench-models"  # shared with the learner test
+    assert main(TINY + ["--json", str(path), "--work-dir", str(work)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert table[0] == "| " + " | ".join(HEADER) + " |" and len(table) == 2 + 2
+    record = json.loads(path.read_text())
+    assert record["spec"]["fixed_length"] and [row[0] for row in record["rows"]] == ["rlx-f32", "trl"]
+    for side in ("rlx-f32", "trl"):
+        r = record["runs"][side][0]
+        assert r["samples"] == 4 and r["completion_tokens"] == 4 * 4, (side, r)
+        assert r["seconds"] > 0 and r["peak_rss_mb"] > 0 and 0 <= r["reward_mean"] <= 1, (side, r)
+    rlx = record["runs"]["rlx-f32"][0]
+    assert rlx["generate_s"] > 0 and rlx["update_s"] > 0
+    assert rlx["generate_s"] + rlx["update_s"] <= rlx["seconds"]
