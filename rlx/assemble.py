@@ -20,7 +20,7 @@ from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import get_source
 from rlx.hosts import Hosts
 from rlx.learner.state import create_train_state, make_optimizer
-from rlx.learner.step import StepConfig, make_logprob_step, make_train_step, reference_forward
+from rlx.learner.step import FORWARDS, StepConfig, make_logprob_step, make_train_step, reference_forward
 from rlx.lifecycle import open_checkpointer, restore
 from rlx.mesh import MeshShape, make_mesh
 from rlx.metrics import LoggerConfig, MetricsLogger
@@ -111,7 +111,8 @@ def compile_steps(cfg: RunConfig, model, mesh) -> Compiled:
     step_cfg = StepConfig(loss=cfg.loss, micro_batches=cfg.train.micro_batches,
                           logprob_chunk=cfg.train.logprob_chunk,
                           compute_entropy=True)
-    train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim)
+    train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim,
+                                 apply_fn=FORWARDS[cfg.train.remat])
     ref_step = None
     if cfg.loss.kl_coef > 0:
         if cfg.train.mode != "lora":

@@ -30,9 +30,9 @@ from jax.sharding import NamedSharding
 
 from rlx.learner.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
-from rlx.learner.step import StepConfig, make_train_step, model_forward
+from rlx.learner.step import StepConfig, make_train_step, model_forward, remat_forward
 from rlx.mesh import MESH_AXES, TRAIN_RULES, MeshShape, logical_to_spec, make_mesh
-from rlx.plan_spec import PlanSpec, abstract_model, remat_forward, trainable_filter
+from rlx.plan_spec import PlanSpec, abstract_model, trainable_filter
 from rlx.types import BATCH_FIELDS, TrainBatch
 
 _BYTES = {"float32": 4, "bfloat16": 2}

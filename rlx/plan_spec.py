@@ -6,15 +6,13 @@ mesh, the rematerialisation choice and the built-in engine's rollout shape (its 
 
 ``abstract_model`` builds the model with ``nnx.eval_shape``: the same constructors, quantizer and
 adapter code as a real run, but only shapes and dtypes, so a 1T-parameter spec costs no memory.
-``remat_forward`` is the learner ``apply_fn`` with one ``nnx.remat`` per decoder layer.
+``rlx.learner.step.remat_forward`` is the learner ``apply_fn`` with one ``jax.checkpoint`` per decoder layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -104,14 +102,3 @@ def trainable_filter(spec: PlanSpec):
     return nnx.LoRAParam if spec.mode == "B" else nnx.Param
 
 
-def remat_forward(model: Transformer, batch, adapter: bool = True):
-    """Learner ``apply_fn`` that keeps only each layer's input for the backward pass."""
-    x = model.embed_tokens(batch.input_ids)
-    for layer in model.layers:
-        graphdef, state = nnx.split(layer)
-
-        def layer_fn(state, x, positions, segment_ids, graphdef=graphdef):
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, adapter)
-
-        x = jax.checkpoint(layer_fn)(state, x, batch.positions, batch.segment_ids)
-    return model.norm(x), functools.partial(model.logits, adapter=adapter)

@@ -52,6 +52,24 @@ def model_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True):
     return hidden, functools.partial(model.logits, adapter=adapter)
 
 
+def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True):
+    """`apply_fn` that keeps only each decoder layer's input for the backward pass and recomputes
+    the rest of the layer there (``config.train.remat='layer'``): activation memory of one layer
+    instead of all of them, for about one more forward pass of compute."""
+    x = model.embed_tokens(batch.input_ids)
+    for layer in model.layers:
+        graphdef, state = nnx.split(layer)
+
+        def layer_fn(state, x, positions, segment_ids, graphdef=graphdef):
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, adapter)
+
+        x = jax.checkpoint(layer_fn)(state, x, batch.positions, batch.segment_ids)
+    return model.norm(x), functools.partial(model.logits, adapter=adapter)
+
+
+FORWARDS = {"none": model_forward, "layer": remat_forward}  # config.train.remat -> apply_fn
+
+
 def reference_forward(model: nnx.Module, batch: TrainBatch):
     """Mode B reference policy: the same weights with the LoRA adapters switched off."""
     return model_forward(model, batch, adapter=False)

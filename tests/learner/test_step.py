@@ -14,6 +14,7 @@ from rlx.learner.losses import LossConfig
 from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
 from rlx.learner.step import (
     StepConfig, compute_grads, make_logprob_step, make_train_step, model_forward, reference_forward,
+    remat_forward,
 )
 from rlx.mesh import MeshShape, make_mesh
 from rlx.types import Rollout, StepMetrics
@@ -95,6 +96,24 @@ def test_micro_batches_equal_one_batch(policy_loss):
     assert _max_tree_diff(one[0], four[0]) <= TOL
     for name, a, b in zip(one[2]._fields, one[2], four[2]):
         assert abs(float(a) - float(b)) <= TOL, name
+
+
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_layer_remat_gives_the_same_loss_and_gradients(mode):
+    """``config.train.remat='layer'`` (recompute each layer in the backward pass) changes memory,
+    not results: packed rows, two micro-batches, PPO + KL + entropy."""
+    rollouts = random_rollouts(8, V, seed=11)
+    adv = np.random.RandomState(12).normal(size=8)
+    old, ref = _extras(rollouts, 13)
+    batch = pack_rollouts(rollouts, adv, row_len=16, old_logp=old, ref_logp=ref, rows_multiple=2)
+    model, trainable = _model(mode)
+    graphdef, params, frozen = nnx.split(model, trainable, ...)
+    cfg = StepConfig(loss=LossConfig("ppo", kl_coef=0.1, entropy_coef=0.01), micro_batches=2)
+    runs = [jax.jit(functools.partial(compute_grads, graphdef=graphdef, cfg=cfg, apply_fn=f))(
+        params, frozen, batch) for f in (model_forward, remat_forward)]
+    (g_keep, loss_keep, *_), (g_remat, loss_remat, *_) = runs
+    assert abs(float(loss_keep)) > 1e-3 and abs(float(loss_keep) - float(loss_remat)) <= TOL
+    assert _max_tree_diff(g_keep, g_remat) <= TOL and _max_tree_diff(g_keep, jax.tree.map(jnp.zeros_like, g_keep)) > 1e-4
 
 
 def _step_once(mode, shape, batch_host, opt_cfg, step_cfg):
