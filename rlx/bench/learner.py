@@ -7,7 +7,8 @@ model's) with the same hyper-parameters and micro-batching, in its own worker pr
 * ``rlx-f32`` / ``rlx-bf16`` / ``rlx-int8``: rlx mode B, LoRA (rank 16, alpha 32, every linear of
   every block) on a frozen f32, bf16 or int8 (per-channel) base; the compiled ``train_step`` of
   ``rlx.learner.step`` (micro-batches as a ``lax.scan``, chunked log-probs, AdamW), as the
-  coordinator runs it.
+  coordinator runs it. ``rlx-f32-remat`` etc.: the same with ``config.train.remat="layer"``
+  (each layer's activations recomputed in the backward pass, as TRL's gradient checkpointing).
 * ``peft`` / ``peft-nogc``: PyTorch + PEFT LoRA of the same shape on the f32 weights, loss from
   TRL's own ``GRPOTrainer.compute_loss`` (``rlx.bench.trl_peer``), torch AdamW from the trainer;
   ``peft`` keeps TRL's default gradient checkpointing, ``peft-nogc`` turns it off.
@@ -36,7 +37,8 @@ from rlx.bench.harness import Side, interleave, markdown_table, write_json
 from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, release_memory,
                                  resolve_model, work_dir)
 
-SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8", "peft", "peft-nogc")
+RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" (train.remat="layer")
+SIDES = (*RLX_SIDES, *(f"{n}-remat" for n in RLX_SIDES), "peft", "peft-nogc")
 PEER = "peft"
 
 
@@ -104,12 +106,13 @@ def make_rollouts(spec: LearnerSpec, vocab_size: int) -> RolloutBatch:
 
 
 # ------------------------------------------------------------------------------ the rlx side
-def rlx_side(spec: dict, model: dict, base: str = "f32"):
-    """Worker factory: rlx mode B on a ``base`` ("f32" | "bf16" | "int8") frozen base."""
+def rlx_side(spec: dict, model: dict, base: str = "f32", remat: str = "none"):
+    """Worker factory: rlx mode B on a ``base`` ("f32" | "bf16" | "int8") frozen base; ``remat``
+    as ``config.train.remat`` ("layer": each layer recomputed in the backward pass)."""
     import jax
 
     s, src = LearnerSpec(**spec), ModelSource(**model)
-    learner = _rlx_learner(s, src, base)
+    learner = _rlx_learner(s, src, base, remat)
     rollouts = make_rollouts(s, learner.vocab_size)
     batch = _rlx_batch(s, rollouts, learner.mesh)
     step = learner.step.lower(learner.state, batch).compile()  # compile in setup, not in run 1
@@ -136,12 +139,12 @@ class _RlxLearner:
     vocab_size: int
 
 
-def _rlx_learner(s: LearnerSpec, src: ModelSource, base: str) -> _RlxLearner:
+def _rlx_learner(s: LearnerSpec, src: ModelSource, base: str, remat: str = "none") -> _RlxLearner:
     from flax import nnx
 
     from rlx.learner.losses import LossConfig
     from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
-    from rlx.learner.step import StepConfig, make_train_step
+    from rlx.learner.step import FORWARDS, StepConfig, make_train_step
     from rlx.mesh import MeshShape, make_mesh
     from rlx.models.loading import load_gguf, load_hf
     from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
@@ -164,7 +167,7 @@ def _rlx_learner(s: LearnerSpec, src: ModelSource, base: str) -> _RlxLearner:
                                          trainable=nnx.LoRAParam, seed=s.seed)
     loss = LossConfig(policy_loss="dapo", clip_eps_low=s.clip_eps_low, clip_eps_high=s.clip_eps_high)
     cfg = StepConfig(loss=loss, micro_batches=s.micro_batches, logprob_chunk=s.logprob_chunk)
-    step = make_train_step(graphdef, state, mesh, cfg, opt)
+    step = make_train_step(graphdef, state, mesh, cfg, opt, apply_fn=FORWARDS[remat])
     return _RlxLearner(mesh, graphdef, state, step, model.config.vocab_size)
 
 
@@ -201,8 +204,10 @@ def build_sides(names, spec: LearnerSpec, src: ModelSource) -> list[Side]:
     out = []
     for name in names:
         kw = {"spec": dataclasses.asdict(spec), "model": src.to_kwargs()}
-        if name in ("rlx-f32", "rlx-bf16", "rlx-int8"):
-            out.append(Side(name, "rlx.bench.learner:rlx_side", {**kw, "base": name[4:]}))
+        if name.removesuffix("-remat") in RLX_SIDES:
+            remat = "layer" if name.endswith("-remat") else "none"
+            out.append(Side(name, "rlx.bench.learner:rlx_side",
+                            {**kw, "base": name.removesuffix("-remat")[4:], "remat": remat}))
         elif name in ("peft", "peft-nogc"):
             out.append(Side(name, "rlx.bench.trl_peer:learner_side",
                             {**kw, "gradient_checkpointing": name == "peft"}))
