@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.advantage = "grpo"  # group mean/std baseline
     c.train.math_extractors = ("boxed", "last_number")  # a boxed answer, else the last number
     c.train.micro_batches = 4  # gradient accumulation (bounds activation memory)
-    c.train.remat = "none"  # "layer": recompute each decoder layer in the backward pass (less memory)
+    c.train.remat = "none"  # "layer": recompute each decoder layer in backward; "projections": only what no matmul makes
     c.train.logprob_chunk = 256  # tokens per log-softmax chunk
     c.train.eval_every = 8  # held-out greedy accuracy every 8 steps
     c.train.sample_every = 4  # log sample completions

@@ -84,7 +84,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 200  # RL steps
     c.train.advantage = "grpo"  # (reward - group mean) / group std
     c.train.micro_batches = 32  # accumulation: 256 sequences, 2 per GPU per piece (~38 GB peak)
-    c.train.remat = "none"  # "layer": recompute each decoder layer in the backward pass (less memory)
+    c.train.remat = "none"  # "layer": recompute each decoder layer in backward; "projections": only what no matmul makes
     c.train.logprob_chunk = 1024  # tokens per chunk of the chunked log-softmax
     c.train.dynamic_sampling = False  # keep groups with equal rewards (zero advantage)
     c.train.reward = "math"  # math-verify against the gold answer

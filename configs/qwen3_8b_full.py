@@ -70,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 300  # RL steps
     c.train.advantage = "grpo"  # (reward - group mean) / group std
     c.train.micro_batches = 32  # accumulation: 512 sequences, 1 per device per piece (~49 GB peak)
-    c.train.remat = "none"  # "layer": recompute each decoder layer in the backward pass (less memory)
+    c.train.remat = "none"  # "layer": recompute each decoder layer in backward; "projections": only what no matmul makes
     c.train.logprob_chunk = 1024  # tokens per chunk of the chunked log-softmax
     c.train.dynamic_sampling = True  # DAPO: drop groups whose rewards are all equal
     c.train.reward = "math"  # math-verify against the gold answer

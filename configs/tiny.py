@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict()
     c.train.mode = "lora"  # frozen base + adapter
     c.train.steps = 2  # RL steps
-    c.train.remat = "none"  # "layer": recompute each decoder layer in the backward pass (less memory)
+    c.train.remat = "none"  # "layer": recompute each decoder layer in backward; "projections": only what no matmul makes
     c.train.eval_every = 0  # evaluate at the start and the end only
     c.train.sample_every = 1  # log sample completions every step
     c.train.checkpoint_every = 1  # steps between checkpoints (0 = only at exit)

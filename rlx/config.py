@@ -19,6 +19,8 @@ import ml_collections
 
 from rlx.learner.losses import LossConfig
 from rlx.learner.state import OptimizerConfig
+
+REMAT = ("none", "layer", "projections")  # config.train.remat: the keys of rlx.learner.step.FORWARDS
 from rlx.quant.config import LoraConfig, QuantConfig
 
 
@@ -218,7 +220,8 @@ class TrainSection:
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
     micro_batches: int = 1  # gradient accumulation inside one compiled update
     logprob_chunk: int = 512  # tokens per chunk of the chunked log-softmax
-    remat: str = "none"  # "none": keep every activation; "layer": keep layer inputs, recompute
+    remat: str = "none"  # "none": keep every activation; "layer": keep layer inputs, recompute;
+    # "projections": keep every linear layer's output, recompute attention, norms, activations
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     reward: str = "math"  # a registered reward (math, code, ...)
     math_extractors: tuple[str, ...] = ("boxed", "hash", "answer_is")  # math answer extraction order
@@ -234,8 +237,8 @@ class TrainSection:
             raise ConfigError(f"config.train.mode={self.mode!r} is not one of ['lora', 'full']")
         if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
             raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
-        if self.remat not in ("none", "layer"):
-            raise ConfigError(f"config.train.remat={self.remat!r} is not one of ['none', 'layer']")
+        if self.remat not in REMAT:
+            raise ConfigError(f"config.train.remat={self.remat!r} is not one of {list(REMAT)}")
         if self.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
             raise ConfigError(f"config.train.advantage={self.advantage!r} is not one of "
                               "['grpo', 'dr_grpo', 'rloo', 'reinforce_pp']")

@@ -18,12 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
 from rlx.models.config import RopeConfig
 from rlx.models.mixed import matmul
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+PROJECTION = "projection"  # checkpoint name of every Linear's output (kept by train.remat='projections')
 
 
 def param(rngs: nnx.Rngs | None, shape, dtype, axes, init: str = "normal", scale: float = 0.02):
@@ -88,7 +90,7 @@ class Linear(nnx.Module):
             y = y + self.bias[...].astype(self.dtype)
         if adapter and self.lora is not None:
             y = y + self.lora(h).astype(y.dtype)
-        return y
+        return checkpoint_name(y, PROJECTION)
 
 
 class RMSNorm(nnx.Module):
