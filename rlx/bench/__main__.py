@@ -11,6 +11,7 @@ BENCHMARKS = {
     "e2e": "rlx.bench.e2e",  # samples/s of whole RL steps: rlx vs TRL GRPOTrainer
     "sync": "rlx.bench.sync",  # update done -> engine serves the new policy; bytes moved
     "quant": "rlx.bench.quant",  # per-format layer error and decode tokens/s
+    "products": "rlx.bench.products",  # bare matrix products of a decode step: XLA vs PyTorch
 }
 
 

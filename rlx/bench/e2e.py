@@ -30,7 +30,7 @@ import os
 import sys
 import tempfile
 
-from rlx.bench.harness import Side, interleave, markdown_table, write_json
+from rlx.bench.harness import Side, add_run_args, interleave, markdown_table, write_json
 from rlx.bench.rl_models import (MODELS, ModelSource, release_memory, resolve_model, smollm2_gguf,
                                  work_dir)
 
@@ -167,20 +167,8 @@ def parse_args(argv):
     p.add_argument("--micro-batches", type=int, default=4)
     p.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
                    help="every completion exactly --new tokens (default) or stop at EOS")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="compute dtype of every side")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--sides", default=None,
-                   help=f"comma-separated subset of {SIDES} (default: rlx-f32,trl; rlx-bf16,trl "
-                        "with --dtype bfloat16)")
-    p.add_argument("--json", default=None, help="write every figure to this JSON file")
-    p.add_argument("--log-dir", default=None, help="keep each side's worker output here")
-    p.add_argument("--parallel-setup", action="store_true",
-                   help="build the sides at the same time (faster start, overlapping peaks)")
-    p.add_argument("--work-dir", default=None,
-                   help="where the model folders are written and reused (default: a fresh "
-                        "temporary folder, removed at the end)")
+    add_run_args(p, repeats=2, sides_help=f"comma-separated subset of {SIDES} (default: "
+                 "rlx-f32,trl; rlx-bf16,trl with --dtype bfloat16)")
     return p.parse_args(argv)
 
 

@@ -21,6 +21,7 @@ only protocol lines.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import json
@@ -206,3 +207,20 @@ def write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=1, default=float)
+
+
+def add_run_args(p: argparse.ArgumentParser, repeats: int, sides_help: str) -> None:
+    """The flags shared by the whole-model benchmarks (``learner``, ``e2e``): compute dtype,
+    rounds, sides, output files and the model work folder."""
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="compute dtype of every side")
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--sides", default=None, help=sides_help)
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--log-dir", default=None, help="keep each side's worker output here")
+    p.add_argument("--parallel-setup", action="store_true",
+                   help="build the sides at the same time (faster start, overlapping peaks)")
+    p.add_argument("--work-dir", default=None,
+                   help="where the model folders are written and reused (default: a fresh "
+                        "temporary folder, removed at the end)")

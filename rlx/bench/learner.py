@@ -8,7 +8,9 @@ model's) with the same hyper-parameters and micro-batching, in its own worker pr
   every block) on a frozen f32, bf16 or int8 (per-channel) base; the compiled ``train_step`` of
   ``rlx.learner.step`` (micro-batches as a ``lax.scan``, chunked log-probs, AdamW), as the
   coordinator runs it. ``rlx-f32-remat`` etc.: the same with ``config.train.remat="layer"``
-  (each layer's activations recomputed in the backward pass, as TRL's gradient checkpointing).
+  (each layer's activations recomputed in the backward pass, as TRL's gradient checkpointing);
+  ``rlx-f32-proj`` etc.: ``config.train.remat="projections"`` (every linear layer's output kept,
+  the rest of each layer recomputed).
 * ``peft`` / ``peft-nogc``: PyTorch + PEFT LoRA of the same shape on the f32 weights, loss from
   TRL's own ``GRPOTrainer.compute_loss`` (``rlx.bench.trl_peer``), torch AdamW from the trainer;
   ``peft`` keeps TRL's default gradient checkpointing, ``peft-nogc`` turns it off.
@@ -33,12 +35,13 @@ import time
 
 import numpy as np
 
-from rlx.bench.harness import Side, interleave, markdown_table, write_json
+from rlx.bench.harness import Side, add_run_args, interleave, markdown_table, write_json
 from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, release_memory,
                                  resolve_model, work_dir)
 
-RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" (train.remat="layer")
-SIDES = (*RLX_SIDES, *(f"{n}-remat" for n in RLX_SIDES), "peft", "peft-nogc")
+RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" and "<side>-proj"
+REMAT_SUFFIXES = {"": "none", "remat": "layer", "proj": "projections"}  # suffix -> train.remat
+SIDES = (*(f"{n}-{x}".rstrip("-") for x in REMAT_SUFFIXES for n in RLX_SIDES), "peft", "peft-nogc")
 PEER = "peft"
 
 
@@ -108,7 +111,7 @@ def make_rollouts(spec: LearnerSpec, vocab_size: int) -> RolloutBatch:
 # ------------------------------------------------------------------------------ the rlx side
 def rlx_side(spec: dict, model: dict, base: str = "f32", remat: str = "none"):
     """Worker factory: rlx mode B on a ``base`` ("f32" | "bf16" | "int8") frozen base; ``remat``
-    as ``config.train.remat`` ("layer": each layer recomputed in the backward pass)."""
+    as ``config.train.remat`` ("none" | "layer" | "projections")."""
     import jax
 
     s, src = LearnerSpec(**spec), ModelSource(**model)
@@ -204,10 +207,10 @@ def build_sides(names, spec: LearnerSpec, src: ModelSource) -> list[Side]:
     out = []
     for name in names:
         kw = {"spec": dataclasses.asdict(spec), "model": src.to_kwargs()}
-        if name.removesuffix("-remat") in RLX_SIDES:
-            remat = "layer" if name.endswith("-remat") else "none"
+        base, _, suffix = name.partition("-")[2].partition("-")
+        if f"rlx-{base}" in RLX_SIDES and name.startswith("rlx-") and suffix in REMAT_SUFFIXES:
             out.append(Side(name, "rlx.bench.learner:rlx_side",
-                            {**kw, "base": name.removesuffix("-remat")[4:], "remat": remat}))
+                            {**kw, "base": base, "remat": REMAT_SUFFIXES[suffix]}))
         elif name in ("peft", "peft-nogc"):
             out.append(Side(name, "rlx.bench.trl_peer:learner_side",
                             {**kw, "gradient_checkpointing": name == "peft"}))
@@ -241,22 +244,11 @@ def parse_args(argv):
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--completion", type=int, default=128)
     p.add_argument("--micro-batches", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="compute dtype of every side")
     p.add_argument("--logprob-chunk", type=int, default=LearnerSpec.logprob_chunk,
                    help="rlx: tokens per chunk of the chunked log-softmax")
-    p.add_argument("--sides", default=None,
-                   help=f"comma-separated subset of {SIDES} (default: {', '.join(default_sides('float32'))}; "
-                        "rlx-bf16 instead of rlx-f32 with --dtype bfloat16)")
-    p.add_argument("--json", default=None, help="write every figure to this JSON file")
-    p.add_argument("--log-dir", default=None, help="keep each side's worker output here")
-    p.add_argument("--parallel-setup", action="store_true",
-                   help="build the sides at the same time (faster start, overlapping peaks)")
-    p.add_argument("--work-dir", default=None,
-                   help="where the model folders are written and reused (default: a fresh "
-                        "temporary folder, removed at the end)")
+    add_run_args(p, repeats=3, sides_help=(
+        f"comma-separated subset of {SIDES} (default: {', '.join(default_sides('float32'))}; "
+        "rlx-bf16 instead of rlx-f32 with --dtype bfloat16)"))
     return p.parse_args(argv)
 
 
