@@ -19,9 +19,9 @@ import ml_collections
 
 from rlx.learner.losses import LossConfig
 from rlx.learner.state import OptimizerConfig
+from rlx.quant.config import LoraConfig, QuantConfig
 
 REMAT = ("none", "layer", "projections")  # config.train.remat: the keys of rlx.learner.step.FORWARDS
-from rlx.quant.config import LoraConfig, QuantConfig
 
 
 class ConfigError(ValueError):

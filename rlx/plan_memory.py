@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding
 
 from rlx.learner.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
-from rlx.learner.step import StepConfig, make_train_step, model_forward, remat_forward
+from rlx.learner.step import FORWARDS, StepConfig, make_train_step
 from rlx.mesh import MESH_AXES, TRAIN_RULES, MeshShape, logical_to_spec, make_mesh
 from rlx.plan_spec import PlanSpec, abstract_model, trainable_filter
 from rlx.types import BATCH_FIELDS, TrainBatch
@@ -136,8 +136,7 @@ def compiled_bytes(spec: PlanSpec, devices=None) -> dict[str, int]:
                        rng=jax.eval_shape(lambda: jax.random.key(0)))
     state = _with_shardings(state, state_shardings(state, optimizer, mesh))
     cfg = StepConfig(micro_batches=spec.micro_batches, logprob_chunk=spec.logprob_chunk)
-    apply_fn = remat_forward if spec.remat == "layer" else model_forward
-    step = make_train_step(graphdef, state, mesh, cfg, opt_cfg, apply_fn=apply_fn)
+    step = make_train_step(graphdef, state, mesh, cfg, opt_cfg, apply_fn=FORWARDS[spec.remat])
     stats = step.lower(state, _abstract_batch(spec, mesh)).compile().memory_analysis()
     out = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
            "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}

@@ -41,7 +41,9 @@ from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init
 
 RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" and "<side>-proj"
 REMAT_SUFFIXES = {"": "none", "remat": "layer", "proj": "projections"}  # suffix -> train.remat
-SIDES = (*(f"{n}-{x}".rstrip("-") for x in REMAT_SUFFIXES for n in RLX_SIDES), "peft", "peft-nogc")
+RLX_VARIANTS = {f"{n}-{x}".rstrip("-"): (n.removeprefix("rlx-"), remat)  # side -> (base, remat)
+                for x, remat in REMAT_SUFFIXES.items() for n in RLX_SIDES}
+SIDES = (*RLX_VARIANTS, "peft", "peft-nogc")
 PEER = "peft"
 
 
@@ -207,10 +209,9 @@ def build_sides(names, spec: LearnerSpec, src: ModelSource) -> list[Side]:
     out = []
     for name in names:
         kw = {"spec": dataclasses.asdict(spec), "model": src.to_kwargs()}
-        base, _, suffix = name.partition("-")[2].partition("-")
-        if f"rlx-{base}" in RLX_SIDES and name.startswith("rlx-") and suffix in REMAT_SUFFIXES:
-            out.append(Side(name, "rlx.bench.learner:rlx_side",
-                            {**kw, "base": base, "remat": REMAT_SUFFIXES[suffix]}))
+        if name in RLX_VARIANTS:
+            base, remat = RLX_VARIANTS[name]
+            out.append(Side(name, "rlx.bench.learner:rlx_side", {**kw, "base": base, "remat": remat}))
         elif name in ("peft", "peft-nogc"):
             out.append(Side(name, "rlx.bench.trl_peer:learner_side",
                             {**kw, "gradient_checkpointing": name == "peft"}))

@@ -284,7 +284,8 @@ def compiler_options(mesh: Mesh, apply_fn: ApplyFn) -> dict[str, str] | None:
     layer stay alive together inside the micro-batch loop, which undoes ``train.remat='layer'``
     (SmolLM2-135M, two micro-batches of 8 x 192 tokens: 3.5 GB of temp buffers with remat, 0.46 GB
     with this scheduler). Without remat it saved little and cost time there (peak 5.70 -> 5.42 GB,
-    23.3 -> 25.1 s per update), so those steps keep the default (and the planner's calibration). GPU and TPU compilers schedule for memory already and get no option."""
+    23.3 -> 25.1 s per update), so those steps keep the default (and the planner's calibration).
+    GPU and TPU compilers schedule for memory already and get no option."""
     if mesh.devices.flat[0].platform != "cpu" or apply_fn not in RECOMPUTING:
         return None
     return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rlx.config import REMAT
 from rlx.learner.advantages import grpo
 from rlx.learner.batching import pack_rollouts, pad_rollouts, shard_batch
 from rlx.learner.losses import LossConfig
@@ -16,7 +17,6 @@ from rlx.learner.state import OptimizerConfig, create_train_state, make_optimize
 from rlx.learner.step import (
     FORWARDS, StepConfig, compute_grads, make_logprob_step, make_train_step, model_forward, reference_forward,
 )
-from rlx.config import REMAT
 from rlx.mesh import MeshShape, make_mesh
 from rlx.types import Rollout, StepMetrics
 from tests.learner.step_helpers import TINY, add_qlora, random_rollouts, sample, tiny_model
