@@ -49,7 +49,8 @@ class SGLangSetup:
 
 def _launch_settings(setup: SGLangSetup, root: str, lora_rank: int):
     env: tuple = ()
-    args: tuple[str, ...] = ("--skip-tokenizer-init",)
+    # an idle server must not spin a core while the other sides of a benchmark run
+    args: tuple[str, ...] = ("--skip-tokenizer-init", "--sleep-on-idle")
     if setup.harness:
         harness = importlib.import_module(setup.harness)
         env = tuple(harness.cpu_server_env(os.path.join(root, "harness")))

@@ -78,7 +78,9 @@ def lora_server_args(cfg: RunConfig, model: ModelConfig) -> tuple[str, ...]:
 def server_args(cfg: RunConfig, model: ModelConfig, index: int) -> tuple[str, ...]:
     """``sglang.launch_server`` flags of launched server ``index`` (before ``--model-path``'s)."""
     s = cfg.rollout.sglang
-    args: tuple[str, ...] = ("--skip-tokenizer-init",)  # rlx sends and reads token ids
+    # rlx sends and reads token ids; an idle scheduler waits on its sockets instead of spinning
+    # (otherwise each server holds a host core busy during every learner update)
+    args: tuple[str, ...] = ("--skip-tokenizer-init", "--sleep-on-idle")
     if s.tp_size > 1:
         args += ("--tp-size", str(s.tp_size))
     if s.num_servers > 1:

@@ -13,7 +13,7 @@ from tests.rollout.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_ser
 LORA_RANK = 4
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once tests/bench is done
 def sglang_url(tmp_path_factory):
     if not sglang_available():
         pytest.skip(f"no SGLang at {SGLANG_PYTHON}")

@@ -7,6 +7,10 @@ Two workarounds belong to this test harness only (never to rlx itself):
   ``PYTHONPATH`` turns pinning (``Tensor.pin_memory`` and the ``pin_memory=`` argument of the
   tensor factories) into a no-op in the server process.
 
+``cpu_server_args`` also passes ``--sleep-on-idle``: without it an idle server's scheduler polls
+its sockets in a busy loop and holds most of one core, which on a 2-core machine slowed every
+test (and every benchmark side) that ran while a server was up.
+
 The SGLang interpreter is ``$RLX_SGLANG_PYTHON`` or the venv that ``.ci/sglang_env.sh`` creates.
 """
 
@@ -68,7 +72,8 @@ def cpu_server_env(root: str) -> tuple[tuple[str, str], ...]:
 
 def cpu_server_args(lora_rank: int = 0) -> tuple[str, ...]:
     args = ("--device", "cpu", "--attention-backend", "torch_native", "--skip-server-warmup",
-            "--max-total-tokens", "8192", "--dtype", "float32", "--disable-cuda-graph")
+            "--max-total-tokens", "8192", "--dtype", "float32", "--disable-cuda-graph",
+            "--sleep-on-idle")
     if lora_rank:
         args += ("--enable-lora", "--max-lora-rank", str(lora_rank), "--lora-target-modules",
                  "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

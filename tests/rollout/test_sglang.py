@@ -93,6 +93,18 @@ def test_preflight_passes_and_fails_with_a_clear_message(exported, server):
                       threshold=5e-3)
 
 
+def test_an_idle_server_sleeps_instead_of_spinning(exported, server):
+    from rlx.bench.sglang_setup import group_cpu_s
+
+    SGLangEngine([server.url]).generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=0))
+    time.sleep(1.0)  # the request's own work is over
+    before, start = group_cpu_s(server.proc.pid), time.monotonic()
+    time.sleep(3.0)
+    busy = (group_cpu_s(server.proc.pid) - before) / (time.monotonic() - start)
+    # a busy-polling scheduler holds ~0.7-1 core; sleeping on its sockets it takes ~0.01
+    assert busy < 0.2, f"the idle server used {busy:.2f} cores (is --sleep-on-idle passed?)"
+
+
 def _perturbed(model):
     from flax import nnx
     graphdef, state = nnx.split(model)

@@ -99,12 +99,13 @@ def test_launch_flags_place_servers_on_their_gpus(tmp_path):
     sglang = {"urls": ["http://h:1"], "num_servers": 2, "tp_size": 2, "extra_args": ["--x", "1"]}
     cfg = parse_config(_tiny(tmp_path, **{"rollout.engine": "sglang", "rollout.sglang": sglang}))
     args = server_args(cfg, dense, 1)
-    assert args[:5] == ("--skip-tokenizer-init", "--tp-size", "2", "--base-gpu-id", "2")
-    assert args[5:8] == ("--enable-lora", "--max-lora-rank", "4") and args[-2:] == ("--x", "1")
+    assert args[:6] == ("--skip-tokenizer-init", "--sleep-on-idle", "--tp-size", "2",
+                        "--base-gpu-id", "2")
+    assert args[6:9] == ("--enable-lora", "--max-lora-rank", "4") and args[-2:] == ("--x", "1")
     full = parse_config(_tiny(tmp_path, **{"rollout.engine": "sglang", "rollout.sglang.urls": ["u"],
                                            "train.mode": "full", "quant.format": "none",
                                            "loss.kl_coef": 0.0}))
-    assert server_args(full, dense, 0) == ("--skip-tokenizer-init",)
+    assert server_args(full, dense, 0) == ("--skip-tokenizer-init", "--sleep-on-idle")
 
 
 # --- mode A on a real server ----------------------------------------------------------------------
