@@ -133,7 +133,8 @@ def make_engine(cfg: RunConfig, compiled: Compiled, tokenizer, mesh):
     if cfg.rollout.engine == "jax":
         from rlx.rollout.jax_engine import JaxEngine
 
-        return JaxEngine(compiled.model(), tokenizer=tokenizer, mesh=mesh, seed=cfg.seed)
+        return JaxEngine(compiled.model(), tokenizer=tokenizer, mesh=mesh, seed=cfg.seed,
+                         weight_layout=cfg.rollout.weight_layout)
     raise ValueError(f"config.rollout.engine={cfg.rollout.engine!r} has no coordinator wiring")
 
 

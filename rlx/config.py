@@ -200,10 +200,14 @@ class RolloutSection:
     preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine (stop above it)
     preflight_every: int = 0  # steps between parity preflights (0 = only before training)
     ignore_eos: bool = False  # training rollouts run to max_new_tokens past EOS (benchmarks only)
+    # built-in engine's copy of float projection weights: "auto" ([out, in] on CPU, where decode
+    # products run faster so), "out_in" or "in_out" (the learner's); see rlx.rollout.decode_layout
+    weight_layout: str = "auto"
     sglang: SGLangSection = SGLangSection()  # servers, used when engine == "sglang"
 
     def validate(self) -> None:
         _choice("rollout.engine", self.engine, ("jax", "sglang"))
+        _choice("rollout.weight_layout", self.weight_layout, ("auto", "out_in", "in_out"))
         self.sglang.validate(self.engine)
         if self.group_size < 1 or self.max_new_tokens < 1:
             raise ConfigError("config.rollout.group_size and max_new_tokens must be >= 1")

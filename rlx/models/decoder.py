@@ -28,7 +28,7 @@ from rlx.models.config import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq,
                                weight_value)
-from rlx.models.mixed import is_low_precision, mixed_einsum
+from rlx.models.mixed import is_low_precision, matmul_out_in, mixed_einsum
 from rlx.models.moe import DenseMLP, SparseMoE
 
 
@@ -121,6 +121,7 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,
             dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
+        self.tied_head_out_in = False  # set by the rollout engine (rlx.rollout.decode_layout)
 
     def hidden_states(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
@@ -166,6 +167,8 @@ class Transformer(nnx.Module):
         if self.lm_head is not None:
             return self.lm_head(h, adapter)
         w = weight_value(self.embed, h.dtype)  # [V, D]
+        if self.tied_head_out_in:
+            return matmul_out_in(h, w, h.dtype)
         if not is_low_precision(h.dtype):
             return jnp.einsum("...d,vd->...v", h, w)
         flat = mixed_einsum("nd,vd->nv", h.reshape(-1, h.shape[-1]), w, jnp.float32)  # [N, V]

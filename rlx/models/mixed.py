@@ -52,6 +52,25 @@ def matmul(x: Array, w: Array, dtype) -> Array:
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
+def matmul_out_in(x: Array, w: Array, dtype) -> Array:
+    """``x @ w.T`` for a kernel stored ``[f, d]``, computed as ``(w @ x^T)^T``.
+
+    On XLA:CPU a decode step's products ``[rows, d] x [d, f]`` with few rows run about 1.45x
+    faster as ``[f, d] x [d, rows]`` (``python -m rlx.bench products``: 101 vs 69 ms for
+    SmolLM2-135M's products at 16 rows). Both transposes, of the activations only, sit behind
+    ``optimization_barrier``: without them XLA folds them into the product's dimension numbers and
+    picks the slow kernel again.
+    """
+    x, w = x.astype(dtype), w.astype(dtype)
+    xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [d, rows]
+    if is_low_precision(dtype):
+        yt = _mixed("fd,dn->fn", jnp.dtype(dtype), w, xt)
+    else:
+        yt = jnp.einsum("fd,dn->fn", w, xt)
+    y = jax.lax.optimization_barrier(yt).T  # [rows, f]
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _mixed(spec: str, out_dtype, a: Array, b: Array) -> Array:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)

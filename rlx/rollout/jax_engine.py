@@ -6,7 +6,10 @@ on the very weights the learner trains: mode A full parameters, or mode B's froz
 ``update_weights(weights, version)`` takes a new model, or an ``nnx.State`` holding some of its
 variables (e.g. only the ``nnx.LoRAParam`` adapters in mode B), in memory; with unchanged shapes and
 dtypes nothing is recompiled. Weights are copied by default, so that the learner may donate its
-buffers to its next step while the engine still samples from the previous version.
+buffers to its next step while the engine still samples from the previous version. On XLA:CPU the
+copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a decode step's
+products there (``weight_layout``, ``rlx.rollout.decode_layout``); updates in the learner's layout
+are transposed on arrival.
 
 Requests are expanded to ``n`` rows per prompt, sorted by prompt length and cut into device batches
 of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, prompt width and
@@ -43,6 +46,7 @@ from rlx.learner.batching import _round_up
 from rlx.learner.state import variable_shardings
 from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, logical_to_spec, named_sharding
 from rlx.rollout.base import Prompt, RolloutError, SamplingParams
+from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, score_batch
 from rlx.types import Rollout
 
@@ -70,12 +74,15 @@ def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def _eval_split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
-    """Split a copy of ``model`` in eval mode (LoRA dropout off), leaving ``model`` untouched."""
+def _eval_split(model: nnx.Module, layout: str) -> tuple[nnx.GraphDef, nnx.State, frozenset]:
+    """Split a copy of ``model`` in eval mode (LoRA dropout off) and in the engine's weight
+    ``layout`` (``rlx.rollout.decode_layout``), leaving ``model`` untouched; also the paths of the
+    kernels held transposed."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
-    return nnx.split(copy)
+    transposed = to_out_in(copy) if layout == "out_in" else frozenset()
+    return (*nnx.split(copy), transposed)
 
 
 def uid_hash(uid) -> int:
@@ -120,8 +127,9 @@ class JaxEngine:
     def __init__(self, model: nnx.Module, *, tokenizer=None, mesh: Mesh | None = None,
                  rules: LogicalRules = SAMPLE_RULES, buckets: Buckets = Buckets(),
                  weight_version: int = 0, seed: int = 0, adapter: bool = True,
-                 copy_weights: bool = True, score_chunk: int = 256):
+                 copy_weights: bool = True, score_chunk: int = 256, weight_layout: str = "auto"):
         self.tokenizer, self.mesh, self.rules, self.buckets = tokenizer, mesh, rules, buckets
+        self.weight_layout = resolve_layout(weight_layout)
         self.adapter, self.copy_weights, self.score_chunk = adapter, copy_weights, score_chunk
         self.weight_version = int(weight_version)
         self._seed, self._calls = seed, 0
@@ -133,7 +141,7 @@ class JaxEngine:
     def update_weights(self, weights: nnx.Module | nnx.State, version: int) -> None:
         """Install a new model, or new values for some of its variables, as policy ``version``."""
         if isinstance(weights, nnx.Module):
-            graphdef, state = _eval_split(weights)
+            graphdef, state, self._transposed = _eval_split(weights, self.weight_layout)
             self._config = weights.config
             if graphdef != self._graphdef:
                 self._fns.clear()
@@ -148,6 +156,7 @@ class JaxEngine:
             if unknown:
                 raise ValueError(f"update_weights: the engine's model has no variable at "
                                  f"{['/'.join(map(str, p)) for p in unknown[:5]]}")
+            weights = transpose_update(weights, self._transposed)
             self._state = nnx.merge_state(self._state, self._place(weights))
         self.weight_version = int(version)
 

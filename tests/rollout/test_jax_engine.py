@@ -100,6 +100,35 @@ def _hf_greedy(path, prompt, n):
     return out.tolist(), () if eos is None else tuple(np.atleast_1d(eos).tolist())
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the head is tied to the embedding
+def test_out_in_weights_sample_what_the_learner_layout_samples(zoo, family):
+    model = from_hf(make_hf_model(family, zoo))
+    engines = {layout: JaxEngine(model, weight_layout=layout) for layout in ("in_out", "out_in")}
+    gate = model.layers[0].mlp.gate_proj  # [hidden, intermediate]: not square
+    held = engines["out_in"]._state["layers"][0]["mlp"]["gate_proj"]["kernel"][...]
+    assert held.shape != gate.kernel[...].shape
+    np.testing.assert_array_equal(held, gate.kernel[...].T)
+    assert gate.kernel_layout == "in_out"  # the learner's model is left as it was
+    sampling = SamplingParams(max_new_tokens=10, n=2, seed=6)
+    rows, cols = (engines[layout].generate(_prompts(), sampling) for layout in ("in_out", "out_in"))
+    for a, b in zip(rows, cols):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
+    assert _max_diff(_step_logprobs(model, cols), [r.sampler_logp for r in cols]) <= TOL
+    with pytest.raises(ValueError, match="weight layout 'rows' is not one of"):
+        JaxEngine(model, weight_layout="rows")
+
+
+def test_every_weight_layout_of_the_config_is_an_engine_layout():
+    from rlx.config import ConfigError, RolloutSection
+    from rlx.rollout.decode_layout import LAYOUTS
+
+    for layout in LAYOUTS:
+        RolloutSection(weight_layout=layout).validate()
+    with pytest.raises(ConfigError, match="rollout.weight_layout"):
+        RolloutSection(weight_layout="rows").validate()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_greedy_equals_transformers(zoo, family):
     path = make_hf_model(family, zoo)
@@ -256,7 +285,8 @@ def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
     engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh)
     sharded = engine.generate(_prompts(), sampling)
     kernel = engine._state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
-    assert kernel.addressable_shards[0].data.shape[1] == kernel.shape[1] // 2  # heads over tensor
+    heads = 0 if engine.weight_layout == "out_in" else 1  # the engine's copy: [heads, embed] on CPU
+    assert kernel.addressable_shards[0].data.shape[heads] == kernel.shape[heads] // 2  # over tensor
     for a, b in zip(single, sharded):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL

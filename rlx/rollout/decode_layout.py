@@ -1,0 +1,66 @@
+"""The built-in engine's own layout of float projection weights: ``[out, in]`` on XLA:CPU.
+
+A decode step multiplies few rows (one token per sequence) by every projection. XLA:CPU runs that
+product about 1.45x faster with the weight stored ``[out, in]`` and the activations transposed
+around it (``rlx.models.mixed.matmul_out_in``; ``python -m rlx.bench products`` measures both).
+The engine keeps its own copy of the weights anyway (the learner may donate its buffers), so it
+stores that copy's float ``Linear`` kernels transposed and, for a head tied to the embedding
+(already ``[vocab, d]``), multiplies it the same way. The learner's model is never changed.
+
+Quantized kernels (``QTensor``, GGUF blocks) keep their layout: they dequantize ``[in, out]``.
+Layer math is unchanged; only the order of the f32 sums inside a product differs, so log-probs
+agree with the learner's to rounding (the engine's parity tests hold at their 1e-5 tolerance).
+
+``LAYOUTS``: ``"out_in"`` (the CPU default), ``"in_out"`` (the learner's layout; the default
+elsewhere, where XLA's layout assignment already picks the product's kernel).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from rlx.models.decoder import Transformer
+from rlx.models.layers import Linear
+from rlx.models.mixed import is_low_precision
+
+LAYOUTS = ("auto", "out_in", "in_out")
+
+
+def resolve_layout(layout: str) -> str:
+    """``auto`` -> ``out_in`` on the CPU backend, ``in_out`` elsewhere; checks the name."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"weight layout {layout!r} is not one of {LAYOUTS}")
+    if layout == "auto":
+        return "out_in" if jax.default_backend() == "cpu" else "in_out"
+    return layout
+
+
+def _transposed(kernel: nnx.Variable) -> nnx.Variable:
+    axes = kernel.get_metadata().get("logical_axes")
+    meta = {"logical_axes": tuple(reversed(axes))} if axes is not None else {}
+    return kernel.replace(kernel[...].T, **meta)
+
+
+def to_out_in(model: nnx.Module) -> frozenset[tuple]:
+    """Transpose ``model``'s float ``Linear`` kernels in place (``kernel_layout="out_in"``) and
+    let a tied f32 head use the same product; returns the paths of the transposed kernels."""
+    paths = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and node.kernel_layout == "in_out" and isinstance(
+                node.kernel, nnx.Variable):
+            node.kernel = _transposed(node.kernel)
+            node.kernel_layout = "out_in"
+            paths.append(tuple(path) + ("kernel",))
+        elif isinstance(node, Transformer) and node.lm_head is None:
+            node.tied_head_out_in = not is_low_precision(node.precision.dtype)
+    return frozenset(paths)
+
+
+def transpose_update(state: nnx.State, paths: frozenset[tuple]) -> nnx.State:
+    """New values for some variables (learner layout) in the engine's layout: the kernels at
+    ``paths`` transposed, everything else as given."""
+    if not paths:
+        return state
+    flat = [(p, _transposed(v) if tuple(p) in paths else v) for p, v in nnx.to_flat_state(state)]
+    return nnx.from_flat_state(flat)
