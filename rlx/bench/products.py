@@ -13,6 +13,9 @@ on that side's matrix products:
 * ``xla-out-in``: activations ``[batch, d_in]`` times weights stored ``[d_out, d_in]`` (the layout
   of a torch ``nn.Linear`` and of HF / GGUF files), contracted over ``d_in``;
 * ``xla-in-out-features``: weights ``[d_in, d_out]`` (rlx's) and activations ``[d_in, batch]``;
+* ``xla-engine``: what rlx's built-in engine runs on a CPU (``rlx.models.mixed.matmul_out_in``):
+  weights ``[d_out, d_in]``, activations ``[batch, d_in]`` transposed around each product behind
+  optimization barriers (so XLA keeps the feature-major kernel);
 * ``xla-fused``: rlx's layout with q/k/v as one ``[d_in, q + 2 kv]`` product and gate/up as one
   ``[d_in, 2 f]`` product (five products a layer instead of seven);
 * ``torch``: ``torch.matmul`` in a Python loop over the layers, ``[batch, d_in] x [d_in, d_out]``
@@ -33,7 +36,8 @@ import numpy as np
 from rlx.bench.harness import Side, interleave, markdown_table, write_json
 from rlx.bench.workloads import MODELS
 
-SIDES = ("xla", "xla-feature-major", "xla-out-in", "xla-in-out-features", "xla-fused", "torch")
+SIDES = ("xla", "xla-feature-major", "xla-out-in", "xla-in-out-features", "xla-engine", "xla-fused",
+         "torch")
 HEADER = ["side", "ms per step", "GFLOP/s", "tokens/s ceiling", "vs torch"]
 
 
@@ -96,7 +100,8 @@ def _fused_layer(x, lw, q_width: int):
 
 # layout -> (weights stored [d_out, d_in]?, activations [d_in, batch]?, einsum of one product)
 LAYOUTS = {"in-out": (False, False, "bi,io->bo"), "out-in-features": (True, True, "oi,ib->ob"),
-           "out-in": (True, False, "bi,oi->bo"), "in-out-features": (False, True, "io,ib->ob")}
+           "out-in": (True, False, "bi,oi->bo"), "in-out-features": (False, True, "io,ib->ob"),
+           "engine": (True, False, "")}  # rlx.models.mixed.matmul_out_in
 
 
 def xla_side(shapes: dict, batch: int, steps: int, layout: str = "in-out",
@@ -117,6 +122,11 @@ def xla_side(shapes: dict, batch: int, steps: int, layout: str = "in-out",
     w, head = jax.device_put(layers), jax.device_put(head)
     mul = (lambda w, x: jnp.einsum(spec, w, x)) if features else (
         lambda w, x: jnp.einsum(spec, x, w))
+    if layout == "engine":
+        from rlx.models.mixed import matmul_out_in
+
+        def mul(w, x):
+            return matmul_out_in(x, w, jnp.float32)
     width = 0 if features else 1  # the feature axis of activations
 
     def step(w, head, x):
@@ -185,6 +195,7 @@ def build_sides(names, shapes: Shapes, batch: int, steps: int) -> list[Side]:
                "xla-feature-major": ("rlx.bench.products:xla_side", {"layout": "out-in-features"}),
                "xla-out-in": ("rlx.bench.products:xla_side", {"layout": "out-in"}),
                "xla-in-out-features": ("rlx.bench.products:xla_side", {"layout": "in-out-features"}),
+               "xla-engine": ("rlx.bench.products:xla_side", {"layout": "engine"}),
                "xla-fused": ("rlx.bench.products:xla_side", {"fused": True}),
                "torch": ("rlx.bench.products:torch_side", {})}
     return [Side(n, targets[n][0], {**kw, **targets[n][1]}) for n in names]
