@@ -148,7 +148,7 @@ class JaxEngine:
                 self._graphdef = graphdef
                 self._state_shardings = (None if self.mesh is None
                                          else variable_shardings(state, self.mesh, self.rules))
-            self._state = self._place(state)
+            self._state = self._place(state, fresh=self._transposed)
         else:
             self._check_open()
             known = {p for p, _ in nnx.to_flat_state(self._state)}
@@ -157,17 +157,23 @@ class JaxEngine:
                 raise ValueError(f"update_weights: the engine's model has no variable at "
                                  f"{['/'.join(map(str, p)) for p in unknown[:5]]}")
             weights = transpose_update(weights, self._transposed)
-            self._state = nnx.merge_state(self._state, self._place(weights))
+            fresh = {p for p, _ in nnx.to_flat_state(weights)} & self._transposed
+            self._state = nnx.merge_state(self._state, self._place(weights, fresh=fresh))
         self.weight_version = int(version)
 
-    def _place(self, state: nnx.State) -> nnx.State:
-        """Own copy of ``state`` on the engine's shardings (sampling rules over the mesh)."""
+    def _place(self, state: nnx.State, fresh=frozenset()) -> nnx.State:
+        """Own copy of ``state`` on the engine's shardings (sampling rules over the mesh).
+
+        Leaves at ``fresh`` paths (kernels just transposed into new buffers) are the engine's
+        already and are not copied a second time."""
+        flat = nnx.to_flat_state(state)
+        own = [not self.copy_weights or tuple(p) in fresh for p, _ in flat]
         if self.mesh is not None:
             shardings = variable_shardings(state, self.mesh, self.rules)
-            return jax.device_put(state, shardings, may_alias=not self.copy_weights)
-        if not self.copy_weights:
-            return state
-        return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+            alias = nnx.from_flat_state([(p, v.replace(a)) for (p, v), a in zip(flat, own)])
+            return jax.device_put(state, shardings, may_alias=alias)
+        copy = lambda v: jax.tree.map(lambda x: jnp.array(x, copy=True), v)  # noqa: E731
+        return nnx.from_flat_state([(p, v if a else copy(v)) for (p, v), a in zip(flat, own)])
 
     # --- compiled functions ---------------------------------------------------------------
     def _data_parallel(self) -> int:

@@ -119,6 +119,26 @@ def test_out_in_weights_sample_what_the_learner_layout_samples(zoo, family):
         JaxEngine(model, weight_layout="rows")
 
 
+def test_the_engine_copies_each_learner_weight_once(zoo):
+    """The engine owns its weights (the learner may donate its buffers), and a kernel it has just
+    transposed into a new buffer is not copied a second time."""
+    from rlx.rollout.decode_layout import transpose_update
+
+    model = from_hf(make_hf_model("llama", zoo))
+    engine = JaxEngine(model, weight_layout="out_in")
+    learner = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    update = dict(nnx.to_flat_state(transpose_update(nnx.state(model, nnx.Param), engine._transposed)))
+    placed = engine._place(nnx.from_flat_state(list(update.items())), fresh=engine._transposed)
+    assert engine._transposed and set(update) - engine._transposed
+    for path, var in nnx.to_flat_state(placed):
+        held = var[...]
+        if path in engine._transposed:
+            assert held is update[path][...], path
+        else:
+            assert held.unsafe_buffer_pointer() != learner[path][...].unsafe_buffer_pointer(), path
+        np.testing.assert_array_equal(held, update[path][...])
+
+
 def test_every_weight_layout_of_the_config_is_an_engine_layout():
     from rlx.config import ConfigError, RolloutSection
     from rlx.rollout.decode_layout import LAYOUTS
