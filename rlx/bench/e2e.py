@@ -30,7 +30,7 @@ import os
 import sys
 import tempfile
 
-from rlx.bench.harness import Side, add_run_args, interleave, markdown_table, write_json
+from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
 from rlx.bench.rl_models import (MODELS, ModelSource, release_memory, resolve_model, smollm2_gguf,
                                  work_dir)
 
@@ -134,7 +134,7 @@ def build_sides(names, spec: E2ESpec, src: ModelSource) -> list[Side]:
         if name in ("rlx-f32", "rlx-bf16", "rlx-int8", "rlx-gguf"):
             out.append(Side(name, "rlx.bench.e2e:rlx_side", {**kw, "base": name[4:]}))
         elif name == PEER:
-            out.append(Side(name, "rlx.bench.trl_peer:e2e_side", kw))
+            out.append(Side(name, "rlx.bench.trl_peer:e2e_side", kw, TORCH_ENV))
         else:
             raise ValueError(f"--sides: unknown side {name!r}; choose from {SIDES}")
     return out

@@ -34,9 +34,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-# Benchmarking torch on a shared CPU: spin-waiting OpenMP threads slow everyone down.
+# Every worker's environment. rlx's workers run with OpenMP threads that sleep as soon as they are
+# idle (a library loaded beside jax brings libgomp); PyTorch's workers get OpenMP's default wait
+# policy (``TORCH_ENV``), since its kernels run in OpenMP regions and waking sleeping threads for
+# every small product slowed HF ``generate`` by a third on a 2-core machine (SmolLM2-135M,
+# 16 x 128 greedy: 84-92 tokens/s default, 51-66 passive).
 BASE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
             "TF_CPP_MIN_LOG_LEVEL": "2"}
+TORCH_ENV = {"OMP_WAIT_POLICY": None}  # a side's ``env`` value None: the variable is unset
 
 
 class BenchError(RuntimeError):
@@ -50,7 +55,7 @@ class Side:
     label: str
     target: str
     kwargs: dict = dataclasses.field(default_factory=dict)
-    env: dict = dataclasses.field(default_factory=dict)
+    env: dict = dataclasses.field(default_factory=dict)  # over BASE_ENV; None unsets
 
 
 def peak_rss_mb() -> float:
@@ -70,6 +75,7 @@ class Worker:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake test devices
         env.update(BASE_ENV)
         env.update(side.env)
+        env = {k: v for k, v in env.items() if v is not None}
         self._log = open(log_path or os.devnull, "w")
         self.log_path = log_path
         self.proc = subprocess.Popen([sys.executable, "-m", "rlx.bench.worker"], stdin=subprocess.PIPE,

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from rlx.bench.harness import Side, add_run_args, interleave, markdown_table, write_json
+from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
 from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, release_memory,
                                  resolve_model, work_dir)
 
@@ -214,7 +214,7 @@ def build_sides(names, spec: LearnerSpec, src: ModelSource) -> list[Side]:
             out.append(Side(name, "rlx.bench.learner:rlx_side", {**kw, "base": base, "remat": remat}))
         elif name in ("peft", "peft-nogc"):
             out.append(Side(name, "rlx.bench.trl_peer:learner_side",
-                            {**kw, "gradient_checkpointing": name == "peft"}))
+                            {**kw, "gradient_checkpointing": name == "peft"}, TORCH_ENV))
         else:
             raise ValueError(f"--sides: unknown side {name!r}; choose from {SIDES}")
     return out

@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from rlx.bench.harness import BenchError, Results, Side, call_once, interleave, markdown_table, write_json
+from rlx.bench.harness import TORCH_ENV, BenchError, Results, Side, call_once, interleave, markdown_table, write_json
 from rlx.bench.rollout_sides import CASES
 from rlx.bench.sglang_setup import SGLangSetup, group_rss_mb, sglang_server
 from rlx.bench.workloads import MODELS, Workload, prompt_ids, smollm2_config
@@ -83,7 +83,8 @@ def build_sides(plan: Plan, prompts: list[list[int]], folder: str, url: str | No
                                  prompts=prompts, new=w.new, hf_config=hf_config)))
         elif name == "hf":
             out.append(Side(HF, "rlx.bench.rollout_sides:hf_rollout",
-                            dict(folder=folder, prompts=prompts, new=w.new, threads=plan.torch_threads)))
+                            dict(folder=folder, prompts=prompts, new=w.new, threads=plan.torch_threads),
+                            TORCH_ENV))
         elif name == "sglang" and url:
             out.append(Side(SGLANG, "rlx.bench.rollout_sides:sglang_rollout",
                             dict(url=url, prompts=prompts, new=w.new,

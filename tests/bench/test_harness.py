@@ -1,0 +1,42 @@
+"""The benchmark harness's worker environments: what each kind of side runs under."""
+
+import os
+
+from rlx.bench.harness import TORCH_ENV, Side, Worker
+
+
+def env_side(names):
+    """A side that reports the values its worker sees of ``names`` (None: unset)."""
+    return lambda: {"env": {n: os.environ.get(n) for n in names}}
+
+
+def _env_of(side_env: dict) -> dict:
+    worker = Worker(Side("env", "tests.bench.test_harness:env_side",
+                         {"names": ["OMP_WAIT_POLICY", "TOKENIZERS_PARALLELISM"]}, side_env))
+    try:
+        return worker.run()["env"]
+    finally:
+        worker.close()
+
+
+def test_torch_sides_get_openmp_defaults_and_rlx_sides_sleeping_threads(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's own setting does not leak in
+    assert _env_of({}) == {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
+    assert _env_of(TORCH_ENV) == {"OMP_WAIT_POLICY": None, "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_every_torch_peer_runs_under_the_torch_environment():
+    from rlx.bench import e2e, learner, products, rollout
+    from rlx.bench.rl_models import ModelSource
+    from rlx.bench.sglang_setup import SGLangSetup
+    from rlx.bench.workloads import Workload
+
+    src = ModelSource(name="tiny", path="unused")
+    plan = rollout.Plan(Workload(), ("rlx-f32", "rlx-int8", "hf", "sglang"), 16, 0, SGLangSetup())
+    sides = [*learner.build_sides(["rlx-f32", "peft", "peft-nogc"], learner.LearnerSpec(), src),
+             *e2e.build_sides(["rlx-f32", "trl"], e2e.E2ESpec(), src),
+             *products.build_sides(["xla", "torch"], products.model_shapes("tiny"), 4, 1),
+             *rollout.build_sides(plan, [[1, 2]], "unused", "http://127.0.0.1:1")]
+    torch = {s.label for s in sides if s.env == TORCH_ENV}
+    assert torch == {"peft", "peft-nogc", "trl", "torch", rollout.HF}
+    assert all(s.env == {} for s in sides if s.label not in torch)
