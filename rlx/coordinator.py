@@ -46,7 +46,7 @@ from flax import nnx
 from rlx.learner.advantages import compute_advantages
 from rlx.lifecycle import DataPosition, StopSignals
 from rlx.hosts import Hosts
-from rlx.learner.batching import pad_rollouts
+from rlx.learner.batching import pad_rollouts, train_buckets
 from rlx.metrics import TextSample, to_scalars
 from rlx.rewards.base import score_batch
 from rlx.rollout.base import Prompt, RolloutError, SamplingParams
@@ -434,10 +434,5 @@ def check_rollouts(prompts: Sequence[Prompt], n: int, rollouts: Sequence[Rollout
 
 
 def _buckets(cfg) -> tuple[int, ...]:
-    """Padded lengths for train batches: powers of two up to prompt + completion caps."""
-    top = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    out, n = [], 64
-    while n < top:
-        out.append(n)
-        n *= 2
-    return tuple(out) + (top,)
+    """Padded lengths for train batches up to the prompt + completion caps (``train_buckets``)."""
+    return train_buckets(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)

@@ -96,6 +96,25 @@ def _place(arrays, row: int, start: int, segment: int, r: Rollout, adv: float, o
     arrays["uid"][row, span], arrays["weight_version"][row, span] = tags
 
 
+def train_buckets(top: int, smallest: int = 64, per_octave: int = 4) -> tuple[int, ...]:
+    """Padded row lengths for ``pad_rollouts``: ``per_octave`` evenly spaced lengths in every
+    doubling from ``smallest`` (64, 80, 96, 112, 128, 160, ...), multiples of 8, then ``top``.
+
+    A batch then pads its longest row by at most ``1 / per_octave`` (25%), where powers of two
+    alone padded up to 2x (a 168-token batch to 256), and the train step compiles at most
+    ``per_octave`` shapes per doubling of the length, plus one for ``top``.
+    """
+    if top < 1 or smallest < 8 or per_octave < 1:
+        raise ValueError(f"train_buckets: top={top}, smallest={smallest} (>= 8), "
+                         f"per_octave={per_octave} (>= 1)")
+    out, octave = [], smallest
+    while octave < top:
+        step = octave // per_octave
+        out += [n for n in (octave + i * step for i in range(per_octave)) if n < top]
+        octave *= 2
+    return tuple(sorted({m for m in (-(-n // 8) * 8 for n in out) if m < top})) + (top,)
+
+
 def pad_rollouts(
     rollouts: Sequence[Rollout],
     advantages: np.ndarray,

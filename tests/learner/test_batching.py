@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.learner.batching import pack_rollouts, pad_rollouts
+from rlx.learner.batching import pack_rollouts, pad_rollouts, train_buckets
 from rlx.learner.losses import LossConfig, aggregate, policy_loss, sequence_count
 from rlx.types import Rollout
 from tests.learner.step_helpers import random_rollouts
@@ -32,6 +32,22 @@ def test_pad_layout_buckets_and_padding_rows():
     assert (batch.segment_ids[2:] == 0).all() and (batch.uid[2:] == -1).all()
     assert batch.old_logp is None and batch.ref_logp is None
     assert pad_rollouts(rollouts, np.zeros(2), length_multiple=8).shape == (2, 8)  # no bucket fits
+
+
+@pytest.mark.parametrize("top", [40, 64, 251, 256, 1152, 4096])
+def test_train_buckets_pad_a_batch_by_at_most_a_quarter(top):
+    buckets = train_buckets(top)
+    assert buckets[-1] == top and list(buckets) == sorted(set(buckets))
+    assert all(b % 8 == 0 for b in buckets[:-1])
+    for longest in range(1, top + 1):
+        length = min(b for b in buckets if b >= longest)
+        assert length <= max(64, 1.25 * longest), (longest, length)
+    octaves = [sum(lo <= b < 2 * lo for b in buckets[:-1]) for lo in (64, 128, 256, 512, 1024, 2048)]
+    assert max(octaves) <= 4  # compilations per doubling of the length, besides the cap
+    batch = pad_rollouts([_rollout(0, 40, 128)], np.zeros(1), buckets=train_buckets(256))
+    assert batch.shape == (1, 192)  # powers of two alone padded these 168 tokens to 256
+    with pytest.raises(ValueError, match="per_octave"):
+        train_buckets(256, per_octave=0)
 
 
 def test_duck_typed_rollouts_with_string_uids_and_versions():
