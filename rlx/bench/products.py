@@ -120,13 +120,17 @@ def xla_side(shapes: dict, batch: int, steps: int, layout: str = "in-out",
     if fused:
         layers = _fuse(layers)
     w, head = jax.device_put(layers), jax.device_put(head)
-    mul = (lambda w, x: jnp.einsum(spec, w, x)) if features else (
-        lambda w, x: jnp.einsum(spec, x, w))
     if layout == "engine":
         from rlx.models.mixed import matmul_out_in
 
         def mul(w, x):
             return matmul_out_in(x, w, jnp.float32)
+    elif features:
+        def mul(w, x):
+            return jnp.einsum(spec, w, x)
+    else:
+        def mul(w, x):
+            return jnp.einsum(spec, x, w)
     width = 0 if features else 1  # the feature axis of activations
 
     def step(w, head, x):

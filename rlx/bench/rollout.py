@@ -32,7 +32,8 @@ import sys
 import tempfile
 import time
 
-from rlx.bench.harness import TORCH_ENV, BenchError, Results, Side, call_once, interleave, markdown_table, write_json
+from rlx.bench.harness import (TORCH_ENV, BenchError, Results, Side, call_once, interleave,
+                               markdown_table, write_json)
 from rlx.bench.rollout_sides import CASES
 from rlx.bench.sglang_setup import SGLangSetup, group_rss_mb, sglang_server
 from rlx.bench.workloads import MODELS, Workload, prompt_ids, smollm2_config

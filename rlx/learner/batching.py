@@ -110,7 +110,7 @@ def train_buckets(top: int, smallest: int = 64, per_octave: int = 4) -> tuple[in
     out, octave = [], smallest
     while octave < top:
         step = octave // per_octave
-        out += [n for n in (octave + i * step for i in range(per_octave)) if n < top]
+        out += [octave + i * step for i in range(per_octave)]
         octave *= 2
     return tuple(sorted({m for m in (-(-n // 8) * 8 for n in out) if m < top})) + (top,)
 

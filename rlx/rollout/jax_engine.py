@@ -157,8 +157,7 @@ class JaxEngine:
                 raise ValueError(f"update_weights: the engine's model has no variable at "
                                  f"{['/'.join(map(str, p)) for p in unknown[:5]]}")
             weights = transpose_update(weights, self._transposed)
-            fresh = {p for p, _ in nnx.to_flat_state(weights)} & self._transposed
-            self._state = nnx.merge_state(self._state, self._place(weights, fresh=fresh))
+            self._state = nnx.merge_state(self._state, self._place(weights, fresh=self._transposed))
         self.weight_version = int(version)
 
     def _place(self, state: nnx.State, fresh=frozenset()) -> nnx.State:
