@@ -54,6 +54,18 @@ class KVCache:
                                                   self.index, axis=1)
         return self.replace(positions=pos, segment_ids=seg)
 
+    def grow(self, length: int) -> "KVCache":
+        """The same cache with empty slots (segment 0) appended up to ``length`` slots."""
+        extra = length - self.length
+        if extra < 0:
+            raise ValueError(f"cannot grow a cache of {self.length} slots to {length}")
+        kv = ((0, 0), (0, 0), (0, extra), (0, 0))
+        slots = ((0, 0), (0, extra))
+        return self.replace(keys=tuple(jnp.pad(k, kv) for k in self.keys),
+                            values=tuple(jnp.pad(v, kv) for v in self.values),
+                            positions=jnp.pad(self.positions, slots),
+                            segment_ids=jnp.pad(self.segment_ids, slots))
+
     def advance(self, keys, values, steps: int) -> "KVCache":
         """The cache after a call that wrote ``steps`` tokens into every layer."""
         return self.replace(keys=tuple(keys), values=tuple(values), index=self.index + steps)

@@ -19,6 +19,7 @@ from rlx.models import from_hf
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from rlx.rollout.base import Prompt, SamplingParams
 from rlx.rollout.jax_engine import Buckets, JaxEngine
+from rlx.rollout.jax_sampling import segment_ends
 from rlx.rollout.preflight import learner_logprobs
 from tests.models.hf_zoo import make_hf_model
 from tests.quant.helpers import quantized_lora_model, randomize_lora_b
@@ -74,6 +75,27 @@ def test_sampler_logprobs_equal_learner_mode_b(zoo, family, fmt):
     sampled, scored, _ = _parity(model)
     print(f"mode B {family} {fmt} + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL
+
+
+def test_a_cache_grown_per_segment_samples_what_the_learner_scores(zoo):
+    """100 new tokens decode in the 128-token bucket's four segments (the KV cache grows from
+    prompt + 32 to prompt + 128 slots); sampled rows keep learner parity and greedy rows equal
+    HF ``generate`` across every segment boundary."""
+    assert segment_ends(128) == (32, 64, 96, 128) and segment_ends(16) == (16,)
+    path = make_hf_model("llama", zoo)
+    model = from_hf(path)
+    sampled, scored, _ = _parity(model, SamplingParams(max_new_tokens=100, n=2, seed=4))
+    print(f"four-segment decode, llama f32: sampler {sampled:.2e}, score {scored:.2e}")
+    assert sampled <= TOL and scored <= TOL
+    prompts = _prompts((5, 9), seed=2)
+    refs = [_hf_greedy(path, list(p.token_ids), 100) for p in prompts]
+    greedy = JaxEngine(model).generate(
+        prompts, SamplingParams(max_new_tokens=100, temperature=0.0, stop_token_ids=refs[0][1]))
+    for p, r, (ref, eos) in zip(prompts, greedy, refs):
+        if set(ref) & set(eos):
+            ref = ref[:min(ref.index(e) for e in eos if e in ref) + 1]
+        assert r.completion_ids.tolist() == ref, p.uid
+    assert max(len(r.completion_ids) for r in greedy) > 32  # past the first segment
 
 
 @pytest.mark.parametrize("mode", ["A", "B"])
