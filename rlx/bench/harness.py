@@ -62,6 +62,28 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def stolen_cpu_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this (virtual) machine since boot, summed over its
+    CPUs (``steal`` of ``/proc/stat``); None where the kernel does not report it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _timed_run(worker: "Worker", case: Any) -> dict:
+    """One repetition, with ``stolen_share``: the fraction of the machine's CPU time the hypervisor
+    took meanwhile (a noisy neighbour; figures of such runs are less comparable)."""
+    s0, t0 = stolen_cpu_s(), time.perf_counter()
+    r = worker.run(case)
+    s1, wall = stolen_cpu_s(), time.perf_counter() - t0
+    if s0 is not None and s1 is not None and wall > 0:
+        r["stolen_share"] = (s1 - s0) / (wall * (os.cpu_count() or 1))
+    return r
+
+
 def resolve(target: str) -> Callable[..., Callable[[], dict]]:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -148,8 +170,14 @@ class Results:
         """Median over repetitions of amount / seconds (e.g. tokens per second)."""
         return statistics.median(r[amount] / r[seconds] for r in self.select(label, case))
 
+    def stolen(self) -> float | None:
+        """The largest ``stolen_share`` of any measured repetition (None where not reported)."""
+        shares = [r["stolen_share"] for rs in self.runs.values() for r in rs if "stolen_share" in r]
+        return max(shares) if shares else None
+
     def to_json(self) -> dict:
-        return {"runs": self.runs, "setup": self.setup, "warmup": self.warmup}
+        return {"runs": self.runs, "setup": self.setup, "warmup": self.warmup,
+                "max_stolen_share": self.stolen()}
 
 
 def interleave(sides: Sequence[Side], repeats: int = 3, warmup: int = 1,
@@ -172,12 +200,18 @@ def interleave(sides: Sequence[Side], repeats: int = 3, warmup: int = 1,
             for case in cases:
                 for w in workers:
                     t = time.perf_counter()
-                    r = w.run(case)
+                    r = _timed_run(w, case)
                     if progress:
                         what = w.side.label if case is None else f"{w.side.label} [{case}]"
-                        print(f"  {what}: {kind} {time.perf_counter() - t:.1f} s", file=sys.stderr)
+                        stolen = f", {r['stolen_share']:.0%} stolen" if "stolen_share" in r else ""
+                        print(f"  {what}: {kind} {time.perf_counter() - t:.1f} s{stolen}",
+                              file=sys.stderr)
                     (warm if i < warmup else runs)[w.side.label].append(r)
-        return Results(runs, {w.side.label: w.setup for w in workers}, warm)
+        results = Results(runs, {w.side.label: w.setup for w in workers}, warm)
+        if progress and results.stolen():
+            print(f"The hypervisor took up to {results.stolen():.1%} of the machine's CPU time in a "
+                  "measured run (figures of a contended machine vary more)", file=sys.stderr)
+        return results
     finally:
         for w in workers:
             w.close()

@@ -2,7 +2,9 @@
 
 import os
 
-from rlx.bench.harness import TORCH_ENV, Side, Worker
+import pytest
+
+from rlx.bench.harness import TORCH_ENV, Side, Worker, interleave, stolen_cpu_s
 
 
 def env_side(names):
@@ -40,3 +42,16 @@ def test_every_torch_peer_runs_under_the_torch_environment():
     torch = {s.label for s in sides if s.env == TORCH_ENV}
     assert torch == {"peft", "peft-nogc", "trl", "torch", rollout.HF}
     assert all(s.env == {} for s in sides if s.label not in torch)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the kernel reports no steal time")
+def test_every_measured_run_records_the_cpu_time_the_hypervisor_took():
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    total = sum(ticks) / os.sysconf("SC_CLK_TCK")  # all CPU time since boot, steal included
+    assert 0.0 <= stolen_cpu_s() <= total
+    side = Side("env", "tests.bench.test_harness:env_side", {"names": ["OMP_WAIT_POLICY"]})
+    results = interleave([side], repeats=2, warmup=1, progress=False)
+    shares = [r["stolen_share"] for r in results.runs["env"] + results.warmup["env"]]
+    assert len(shares) == 3 and all(0.0 <= x <= 1.0 for x in shares)
+    assert results.stolen() == max(shares[:2]) and results.to_json()["max_stolen_share"] == results.stolen()
