@@ -73,15 +73,16 @@ def stolen_cpu_s() -> float | None:
         return None
 
 
-def _timed_run(worker: "Worker", case: Any) -> dict:
-    """One repetition, with ``stolen_share``: the fraction of the machine's CPU time the hypervisor
-    took meanwhile (a noisy neighbour; figures of such runs are less comparable)."""
+def _timed_run(worker: "Worker", case: Any) -> tuple[dict, float]:
+    """One repetition and its wall time; the record gains ``stolen_share``: the fraction of the
+    machine's CPU time the hypervisor took meanwhile (a noisy neighbour; figures of such runs are
+    less comparable)."""
     s0, t0 = stolen_cpu_s(), time.perf_counter()
     r = worker.run(case)
     s1, wall = stolen_cpu_s(), time.perf_counter() - t0
     if s0 is not None and s1 is not None and wall > 0:
         r["stolen_share"] = (s1 - s0) / (wall * (os.cpu_count() or 1))
-    return r
+    return r, wall
 
 
 def resolve(target: str) -> Callable[..., Callable[[], dict]]:
@@ -199,12 +200,11 @@ def interleave(sides: Sequence[Side], repeats: int = 3, warmup: int = 1,
             kind = "warm-up" if i < warmup else f"run {i - warmup + 1}/{repeats}"
             for case in cases:
                 for w in workers:
-                    t = time.perf_counter()
-                    r = _timed_run(w, case)
+                    r, wall = _timed_run(w, case)
                     if progress:
                         what = w.side.label if case is None else f"{w.side.label} [{case}]"
                         stolen = f", {r['stolen_share']:.0%} stolen" if "stolen_share" in r else ""
-                        print(f"  {what}: {kind} {time.perf_counter() - t:.1f} s{stolen}",
+                        print(f"  {what}: {kind} {wall:.1f} s{stolen}",
                               file=sys.stderr)
                     (warm if i < warmup else runs)[w.side.label].append(r)
         results = Results(runs, {w.side.label: w.setup for w in workers}, warm)
