@@ -9,7 +9,8 @@
 Token alignment: every per-token field of `TrainBatch` is aligned with `input_ids`; position t
 holds the quantity of token `input_ids[t]` given the tokens before it (its log-prob, advantage,
 ...). Prompt tokens, padding and tool/environment tokens have `loss_mask` 0. The learner shifts
-its own log-probs to this alignment.
+its own log-probs to this alignment. `logp_columns` (optional, `[B, K]`) lists each row's
+loss-mask columns, so that the learner projects to the vocabulary there only.
 """
 
 from __future__ import annotations
@@ -84,23 +85,37 @@ class TrainBatch:
     ref_logp: PerToken | None = None  # reference policy log-probs
     uid: Int[Array, "b t"] | None = None  # prompt uid of each token's sequence; -1 on padding
     weight_version: Int[Array, "b t"] | None = None  # sampling weight version; -1 on padding
+    # columns t whose log-prob the loss reads, ascending per row, 0 in unused slots (column 0 is
+    # never predicted); None: every column. The lm-head then runs on B x K tokens, not B x T.
+    logp_columns: Int[Array, "b k"] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
 
     def validate(self) -> None:
-        """Host check: every present field is [B, T]. Raises ValueError naming the field."""
+        """Host check: every present field is [B, T], `logp_columns` [B, K] with K <= T and
+        columns in [0, T). Raises ValueError naming the field."""
         for name in BATCH_FIELDS:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != self.shape:
                 raise ValueError(f"TrainBatch.{name} has shape {tuple(value.shape)}, expected "
                                  f"{self.shape} like input_ids")
+        cols = self.logp_columns
+        if cols is None:
+            return
+        b, t = self.shape
+        if cols.ndim != 2 or cols.shape[0] != b or not 1 <= cols.shape[1] <= t:
+            raise ValueError(f"TrainBatch.logp_columns has shape {tuple(cols.shape)}, expected "
+                             f"[{b}, K] with 1 <= K <= {t}")
+        if np.any((np.asarray(cols) < 0) | (np.asarray(cols) >= t)):
+            raise ValueError(f"TrainBatch.logp_columns holds a column outside [0, {t})")
 
     def rows(self, index) -> "TrainBatch":
         """The rows `index` (a slice or an index array) of every field."""
         return self.replace(**{
-            n: None if getattr(self, n) is None else getattr(self, n)[index] for n in BATCH_FIELDS
+            n: None if getattr(self, n) is None else getattr(self, n)[index]
+            for n in (*BATCH_FIELDS, "logp_columns")
         })
 
 

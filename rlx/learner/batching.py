@@ -12,6 +12,12 @@ Two layouts, which the learner treats identically (it is segment-aware):
 Rows are added (all padding: segment 0, loss mask 0) until B is a multiple of `rows_multiple`,
 which should be the data-parallel size times the number of micro-batches.
 
+Both also list each row's loss-mask columns (`TrainBatch.logp_columns`, `loss_columns`), padded
+to a bucketed count, so the learner runs its vocabulary projection on completion tokens only
+(like TRL's `logits_to_keep`): with 64 prompt and 128 completion tokens per row that is a third of
+the lm-head's work, forward and backward. `loss_columns=False` leaves the field out (log-probs at
+every column).
+
 Rollouts are read by attribute: `prompt_ids`, `completion_ids`, `sampler_logp`, optionally
 `completion_mask`, a prompt uid (`uid` or `prompt_uid`, any hashable) and `weight_version`. Uids
 become int indices in first-seen order; integer-like weight versions are kept, others indexed.
@@ -115,6 +121,32 @@ def train_buckets(top: int, smallest: int = 64, per_octave: int = 4) -> tuple[in
     return tuple(sorted({m for m in (-(-n // 8) * 8 for n in out) if m < top})) + (top,)
 
 
+def loss_columns(loss_mask: np.ndarray, smallest: int = 16) -> np.ndarray | None:
+    """Each row's columns with ``loss_mask > 0``, ascending, zero-filled to ``[B, K]``.
+
+    ``K`` is the smallest of ``train_buckets(T, smallest)`` that holds the fullest row, so a run
+    compiles a few values of ``K`` per ``T``. None when that is all ``T`` columns (no saving).
+    """
+    mask = np.asarray(loss_mask) > 0
+    rows, length = mask.shape
+    if length <= smallest:
+        return None
+    most = max(int(mask.sum(axis=1).max(initial=0)), 1)
+    k = next(n for n in train_buckets(length, smallest) if n >= most)
+    if k >= length:
+        return None
+    out = np.zeros((rows, k), np.int32)
+    for r in range(rows):
+        cols = np.flatnonzero(mask[r])
+        out[r, :len(cols)] = cols
+    return out
+
+
+def _with_columns(arrays: dict[str, np.ndarray], wanted: bool) -> TrainBatch:
+    columns = loss_columns(arrays["loss_mask"]) if wanted else None
+    return TrainBatch(**arrays, logp_columns=columns)
+
+
 def pad_rollouts(
     rollouts: Sequence[Rollout],
     advantages: np.ndarray,
@@ -124,8 +156,10 @@ def pad_rollouts(
     rows_multiple: int = 1,
     old_logp: Sequence[np.ndarray] | None = None,
     ref_logp: Sequence[np.ndarray] | None = None,
+    columns: bool = True,
 ) -> TrainBatch:
-    """One rollout per row, right-padded. `old_logp` / `ref_logp`: per-completion arrays [C_i]."""
+    """One rollout per row, right-padded. `old_logp` / `ref_logp`: per-completion arrays [C_i].
+    `columns`: list the loss-mask columns (`loss_columns`) for the learner."""
     advantages = _check_inputs(rollouts, advantages, old_logp, ref_logp)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     fitting = sorted(b for b in buckets if b >= longest)
@@ -136,7 +170,7 @@ def pad_rollouts(
     for i, r in enumerate(rollouts):
         _place(arrays, i, 0, 1, r, advantages[i], _nth(old_logp, i), _nth(ref_logp, i),
                (uids[i], versions[i]))
-    return TrainBatch(**arrays)
+    return _with_columns(arrays, columns)
 
 
 def pack_rollouts(
@@ -147,6 +181,7 @@ def pack_rollouts(
     rows_multiple: int = 1,
     old_logp: Sequence[np.ndarray] | None = None,
     ref_logp: Sequence[np.ndarray] | None = None,
+    columns: bool = True,
 ) -> TrainBatch:
     """Pack rollouts into rows of `row_len` tokens, longest first, each into the first row with
     room (first-fit decreasing)."""
@@ -174,7 +209,7 @@ def pack_rollouts(
     for i, row, start, seg in slots:
         _place(arrays, row, start, seg, rollouts[i], advantages[i], _nth(old_logp, i),
                _nth(ref_logp, i), (uids[i], versions[i]))
-    return TrainBatch(**arrays)
+    return _with_columns(arrays, columns)
 
 
 def _nth(seq, i):

@@ -108,12 +108,19 @@ class StepConfig:
 
 def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
                       apply_fn: ApplyFn = model_forward) -> LogProbs:
-    """Per-token log-probs (and entropies) aligned with `input_ids`; 0 where nothing predicts."""
+    """Per-token log-probs (and entropies) aligned with `input_ids`; 0 where nothing predicts.
+
+    With `batch.logp_columns` only those columns are scored (0 elsewhere): the lm-head and the
+    log-softmax run on the [B, K] gathered hidden states instead of all [B, T]."""
     hidden, project = apply_fn(model, batch)  # [B, T, D]
+    predicted = _predicted(batch.segment_ids)  # [B, T]
+    if batch.logp_columns is not None:
+        logp, entropy = _column_logprobs(hidden, project, batch, cfg)  # [B, T] each, aligned
+        keep = lambda x: None if x is None else jnp.where(predicted, x, 0.0)  # noqa: E731
+        return LogProbs(keep(logp), keep(entropy))
     targets = jnp.roll(batch.input_ids, -1, axis=1)  # [B, T]  token t + 1, predicted at t
     logp, entropy = token_logprobs(hidden, project, targets, cfg.logprob_chunk,
                                    cfg.compute_entropy)  # [B, T] each
-    predicted = _predicted(batch.segment_ids)  # [B, T]
 
     def align(x):  # value for token t lives at position t - 1
         if x is None:
@@ -121,6 +128,24 @@ def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
         return jnp.where(predicted, jnp.pad(x[:, :-1], ((0, 0), (1, 0))), 0.0)  # [B, T]
 
     return LogProbs(align(logp), align(entropy))
+
+
+def _column_logprobs(hidden, project, batch: TrainBatch, cfg: StepConfig):
+    """Log-probs (and entropies) of the tokens at `batch.logp_columns`, scattered back to [B, T]
+    (token t's value at column t); unused slots (column 0) add nothing."""
+    cols = batch.logp_columns  # [B, K]
+    h = jnp.take_along_axis(hidden, jnp.maximum(cols - 1, 0)[..., None], axis=1)  # [B, K, D]
+    targets = jnp.take_along_axis(batch.input_ids, cols, axis=1)  # [B, K]
+    outs = token_logprobs(h, project, targets, cfg.logprob_chunk, cfg.compute_entropy)
+    rows = jnp.arange(cols.shape[0])[:, None]  # [B, 1]
+
+    def scatter(x):  # [B, K] -> [B, T]
+        if x is None:
+            return None
+        x = jnp.where(cols > 0, x, 0.0)
+        return jnp.zeros(batch.input_ids.shape, x.dtype).at[rows, cols].add(x)
+
+    return tuple(scatter(x) for x in outs)
 
 
 def _predicted(segment_ids) -> jax.Array:

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.learner.batching import pack_rollouts, pad_rollouts, train_buckets
+from rlx.learner.batching import loss_columns, pack_rollouts, pad_rollouts, train_buckets
 from rlx.learner.losses import LossConfig, aggregate, policy_loss, sequence_count
 from rlx.types import Rollout
 from tests.learner.step_helpers import random_rollouts
@@ -48,6 +48,33 @@ def test_train_buckets_pad_a_batch_by_at_most_a_quarter(top):
     assert batch.shape == (1, 192)  # powers of two alone padded these 168 tokens to 256
     with pytest.raises(ValueError, match="per_octave"):
         train_buckets(256, per_octave=0)
+
+
+def test_loss_columns_list_each_rows_loss_tokens_in_a_bucketed_width():
+    mask = np.zeros((3, 40), np.float32)
+    mask[0, 5:22] = 1  # 17 tokens: the fullest row -> K = 24, the first bucket >= 17 (16, 24, 32)
+    mask[1, [3, 4, 9]] = 1  # a masked tool token between completion tokens
+    cols = loss_columns(mask)
+    assert cols.shape == (3, 24) and cols.dtype == np.int32
+    np.testing.assert_array_equal(cols[0], list(range(5, 22)) + [0] * 7)
+    np.testing.assert_array_equal(cols[1], [3, 4, 9] + [0] * 21)
+    assert not cols[2].any()  # a padding row: every slot unused
+    mask[0, 5:39] = 1  # 34 tokens: bucket 40 is the whole row, nothing to save
+    assert loss_columns(mask) is None
+    assert loss_columns(np.ones((2, 16))) is None  # rows this short are scored whole
+    batch = pad_rollouts([_rollout(0, 64, 128), _rollout(1, 40, 100)], np.zeros(2),
+                         buckets=train_buckets(256))
+    batch.validate()
+    assert batch.shape == (2, 192) and batch.logp_columns.shape == (2, 128)
+    np.testing.assert_array_equal(batch.logp_columns[1, :100], np.arange(40, 140))
+    assert pad_rollouts([_rollout(0, 64, 128)], np.zeros(1), columns=False).logp_columns is None
+    packed = pack_rollouts([_rollout(0, 10, 12), _rollout(1, 8, 10)], np.zeros(2), row_len=64)
+    np.testing.assert_array_equal(packed.logp_columns[0, :22],
+                                  list(range(10, 22)) + list(range(30, 40)))
+    with pytest.raises(ValueError, match="logp_columns holds a column outside"):
+        batch.replace(logp_columns=batch.logp_columns + 100).validate()
+    with pytest.raises(ValueError, match="logp_columns has shape"):
+        batch.replace(logp_columns=batch.logp_columns[:1]).validate()
 
 
 def test_duck_typed_rollouts_with_string_uids_and_versions():

@@ -11,7 +11,7 @@ from flax import nnx
 
 from rlx.config import REMAT
 from rlx.learner.advantages import grpo
-from rlx.learner.batching import pack_rollouts, pad_rollouts, shard_batch
+from rlx.learner.batching import loss_columns, pack_rollouts, pad_rollouts, shard_batch
 from rlx.learner.losses import LossConfig
 from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
 from rlx.learner.step import (
@@ -97,6 +97,38 @@ def test_micro_batches_equal_one_batch(policy_loss):
     assert _max_tree_diff(one[0], four[0]) <= TOL
     for name, a, b in zip(one[2]._fields, one[2], four[2]):
         assert abs(float(a) - float(b)) <= TOL, name
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("mode", ["A", "B"])
+def test_scoring_only_the_loss_columns_gives_the_same_loss_and_gradients(mode, layout):
+    """``TrainBatch.logp_columns``: the lm-head on the gathered loss tokens only. Long prompts, so
+    the columns are fewer than the row; PPO + KL + entropy, two micro-batches."""
+    rollouts = random_rollouts(8, V, seed=21, max_prompt=14, max_completion=5)
+    adv = np.random.RandomState(22).normal(size=8)
+    old, ref = _extras(rollouts, 23)
+    kw = dict(old_logp=old, ref_logp=ref, rows_multiple=2, columns=False)
+    whole = (pad_rollouts(rollouts, adv, **kw) if layout == "padded"
+             else pack_rollouts(rollouts, adv, row_len=24, **kw))
+    cols = loss_columns(whole.loss_mask, smallest=8)
+    assert whole.logp_columns is None and cols.shape[1] < whole.shape[1]
+    compact = whole.replace(logp_columns=cols)
+    model, trainable = _model(mode)
+    graphdef, params, frozen = nnx.split(model, trainable, ...)
+    cfg = StepConfig(loss=LossConfig("ppo", kl_coef=0.1, entropy_coef=0.01), micro_batches=2,
+                     logprob_chunk=7)
+    fn = _grads_fn(graphdef, cfg)
+    (g_all, loss_all, m_all, *_), (g_cols, loss_cols, m_cols, *_) = fn(params, frozen, whole), fn(
+        params, frozen, compact)
+    assert abs(float(loss_all)) > 1e-3 and abs(float(loss_all) - float(loss_cols)) <= TOL
+    assert _max_tree_diff(g_all, g_cols) <= TOL
+    for name, a, b in zip(m_all._fields, m_all, m_cols):
+        assert abs(float(a) - float(b)) <= TOL, name
+    mesh = _mesh(MeshShape(data=2, fsdp=2, tensor=2))
+    step = make_logprob_step(graphdef, params, frozen, mesh, cfg)
+    lp_all, lp_cols = (np.asarray(step(params, frozen, shard_batch(b, mesh)).logp)
+                       for b in (whole, compact))
+    np.testing.assert_allclose(lp_cols, lp_all * (whole.loss_mask > 0), atol=TOL)
 
 
 def test_every_remat_choice_of_the_config_has_a_forward():
