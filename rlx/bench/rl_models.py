@@ -141,16 +141,8 @@ def lora_a_init(shapes: list[LinearShape], rank: int, seed: int) -> dict[tuple[i
 
 
 def release_memory() -> None:
-    """Hand freed heap memory back to the OS between repetitions (glibc ``malloc_trim``), so that
-    idle sides waiting for their turn do not hold their peak; ``ru_maxrss`` keeps the peak."""
-    import ctypes
-    import ctypes.util
-    import gc
+    """Hand freed heap memory back to the OS between repetitions (``rlx.heap``), so that idle
+    sides waiting for their turn do not hold their peak; ``ru_maxrss`` keeps the peak."""
+    from rlx.heap import release_free_heap
 
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+    release_free_heap()

@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
+from rlx.heap import CompiledPerShape
 from rlx.learner.logprobs import Projection, token_logprobs
 from rlx.learner.losses import LossConfig, LossMetrics, policy_loss, sequence_count
 from rlx.learner.state import (
@@ -289,7 +290,8 @@ def make_train_step(
     apply_fn: ApplyFn = model_forward,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, StepMetrics]]:
     """Compile `(state, batch) -> (state, metrics)`; `state` (concrete or abstract) fixes the
-    shardings. The state argument is donated: do not reuse it after the call."""
+    shardings. The state argument is donated: do not reuse it after the call. One program per
+    batch shape, compiled ahead of its first run (`rlx.heap.CompiledPerShape`)."""
     optimizer = make_optimizer(optimizer_cfg)
     shardings = state_shardings(state, optimizer, mesh, rules)
     rows = batch_sharding(mesh, 2, rules)
@@ -298,9 +300,9 @@ def make_train_step(
         _train_step, graphdef=graphdef, cfg=cfg, optimizer=optimizer,
         schedule=make_schedule(optimizer_cfg), apply_fn=apply_fn,
         row_sharding=batch_sharding(mesh, 1, rules))
-    return jax.jit(step, in_shardings=(shardings, rows),
-                   out_shardings=(shardings, replicated), donate_argnums=(0,),
-                   compiler_options=compiler_options(mesh, apply_fn))
+    return CompiledPerShape(jax.jit(step, in_shardings=(shardings, rows),
+                                    out_shardings=(shardings, replicated), donate_argnums=(0,),
+                                    compiler_options=compiler_options(mesh, apply_fn)))
 
 
 def compiler_options(mesh: Mesh, apply_fn: ApplyFn) -> dict[str, str] | None:
@@ -338,9 +340,9 @@ def make_logprob_step(
         model = nnx.merge(graphdef, p, f)
         return sequence_logprobs(model, batch, cfg, apply_fn)
 
-    return jax.jit(
+    return CompiledPerShape(jax.jit(
         run,
         in_shardings=(variable_shardings(params, mesh, rules),
                       variable_shardings(frozen, mesh, rules), rows),
         out_shardings=rows,
-    )
+    ))
