@@ -20,6 +20,7 @@ einsums.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,17 +53,29 @@ def matmul(x: Array, w: Array, dtype) -> Array:
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
-def matmul_out_in(x: Array, w: Array, dtype) -> Array:
-    """``x @ w.T`` for a kernel stored ``[f, d]``, computed as ``(w @ x^T)^T``.
+FEW_ROWS = 32  # matmul_out_in's transposed product up to this many rows, a plain one above
 
-    On XLA:CPU a decode step's products ``[rows, d] x [d, f]`` with few rows run about 1.45x
-    faster as ``[f, d] x [d, rows]`` (SmolLM2-135M's products at 16 rows, one process: 101 ms
-    as ``x @ w``, 69 ms this way; ``python -m rlx.bench products``, side ``xla-engine``, runs
-    it). Both transposes, of the activations only, sit behind
+
+def matmul_out_in(x: Array, w: Array, dtype) -> Array:
+    """``x @ w.T`` for a kernel stored ``[f, d]``; with at most ``FEW_ROWS`` rows computed as
+    ``(w @ x^T)^T``.
+
+    On XLA:CPU a decode step's products ``[rows, d] x [d, f]`` with few rows ran about 1.45x
+    faster as ``[f, d] x [d, rows]`` on an AMD EPYC (SmolLM2-135M's products at 16 rows, one
+    process: 101 ms as ``x @ w``, 69 ms this way; ``python -m rlx.bench products``, side
+    ``xla-engine``, runs it). Both transposes, of the activations only, sit behind
     ``optimization_barrier``: without them XLA folds them into the product's dimension numbers and
-    picks the slow kernel again.
+    picks the slow kernel again. With many rows (a prefill, a decode step of a large batch) the
+    transposes cost more than they gain: on an Intel Xeon (AVX-512), ``576 -> 1536`` at 128 rows
+    1.28 vs 0.88 ms, the prefill of 64 x 64 tokens 38 vs 29 ms, so those take ``x @ w.T`` directly.
     """
     x, w = x.astype(dtype), w.astype(dtype)
+    rows = math.prod(x.shape[:-1])
+    if rows > FEW_ROWS:
+        if is_low_precision(dtype):
+            y = _mixed("nd,fd->nf", jnp.dtype(dtype), x.reshape(rows, x.shape[-1]), w)
+            return y.reshape(*x.shape[:-1], w.shape[0])
+        return jnp.einsum("...d,fd->...f", x, w)
     xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [d, rows]
     if is_low_precision(dtype):
         yt = _mixed("fd,dn->fn", jnp.dtype(dtype), w, xt)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx.models.mixed import matmul, mixed_einsum
+from rlx.models.mixed import FEW_ROWS, matmul, matmul_out_in, mixed_einsum
 
 KEYS = jax.random.split(jax.random.key(0), 4)
 X = jax.random.normal(KEYS[0], (2, 3, 16))
@@ -42,3 +42,18 @@ def test_backward_products_stay_low_precision():
     dots = [line for line in hlo.splitlines() if "dot_general" in line and "=" in line]
     assert len(dots) == 3, dots  # forward, dx, dw
     assert all("bf16" in line.split("dot_general")[1] for line in dots), dots
+
+
+def test_out_in_product_equals_x_times_w_transposed_for_few_and_many_rows():
+    """``matmul_out_in`` (kernel held ``[out, in]``): the barrier-transposed product up to
+    ``FEW_ROWS`` rows and the plain one above give ``x @ w.T`` in f32 and bf16."""
+    w = jax.random.normal(KEYS[2], (24, 16)) / 4  # [out, in]
+    for rows in (1, FEW_ROWS, FEW_ROWS + 1, 3 * FEW_ROWS):
+        x = jax.random.normal(KEYS[3], (rows, 1, 16))
+        want = np.asarray(x @ w.T)
+        hlo = jax.jit(lambda x: matmul_out_in(x, w, jnp.float32)).lower(x).as_text()
+        assert ("opt-barrier" in hlo or "optimization_barrier" in hlo) == (rows <= FEW_ROWS)
+        np.testing.assert_allclose(np.asarray(matmul_out_in(x, w, jnp.float32)), want, atol=1e-5)
+        got = matmul_out_in(x, w, jnp.bfloat16)
+        assert got.dtype == jnp.bfloat16 and got.shape == (rows, 1, 24)
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.05, rtol=0.02)
