@@ -41,10 +41,12 @@ def release_free_heap() -> bool:
 
 
 def _signature(args: tuple) -> tuple:
-    """What a compiled program is specific to: tree structure, shapes, dtypes, shardings."""
+    """What a compiled program is specific to: tree structure, shapes, dtypes (weak or not),
+    shardings."""
     leaves, tree = jax.tree.flatten(args)
     return tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)),
-                        getattr(x, "sharding", None)) for x in leaves)
+                        getattr(x, "weak_type", False), getattr(x, "sharding", None))
+                       for x in leaves)
 
 
 class CompiledPerShape:

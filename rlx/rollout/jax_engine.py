@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlx.heap import CompiledPerShape
 from rlx.learner.batching import _round_up
 from rlx.learner.state import variable_shardings
 from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, logical_to_spec, named_sharding
@@ -183,14 +184,15 @@ class JaxEngine:
         return math.prod(self.mesh.shape[a] for a in names)
 
     def _jit(self, fn, n_rows_args: tuple[int, ...], n_scalars: int, out_ndims: tuple[int, ...]):
-        """``jax.jit`` with the state on its shardings, row arrays over the batch axes."""
+        """``jax.jit`` with the state on its shardings, row arrays over the batch axes; compiled
+        once per shape ahead of its first run, the compiler's freed heap returned first."""
         if self.mesh is None:
-            return jax.jit(fn)
+            return CompiledPerShape(jax.jit(fn))
         rows = [batch_sharding(self.mesh, nd, self.rules) for nd in n_rows_args]
         scalars = [NamedSharding(self.mesh, PartitionSpec())] * n_scalars
         outs = tuple(batch_sharding(self.mesh, nd, self.rules) for nd in out_ndims)
-        return jax.jit(fn, in_shardings=(self._state_shardings, *rows, *scalars),
-                       out_shardings=outs if len(outs) > 1 else outs[0])
+        return CompiledPerShape(jax.jit(fn, in_shardings=(self._state_shardings, *rows, *scalars),
+                                        out_shardings=outs if len(outs) > 1 else outs[0]))
 
     def _generate_fn(self, spec: SamplerSpec, new_tokens: int):
         kv = rows = None
@@ -224,7 +226,7 @@ class JaxEngine:
 
     def compilations(self) -> int:
         """Programs compiled so far (one per bucket and sampling mode)."""
-        return sum(f._cache_size() for f in self._fns.values())
+        return sum(f.compilations() for f in self._fns.values())
 
     # --- generation -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Rollout]:
