@@ -72,10 +72,8 @@ def matmul_out_in(x: Array, w: Array, dtype) -> Array:
     x, w = x.astype(dtype), w.astype(dtype)
     rows = math.prod(x.shape[:-1])
     if rows > FEW_ROWS:
-        if is_low_precision(dtype):
-            y = _mixed("nd,fd->nf", jnp.dtype(dtype), x.reshape(rows, x.shape[-1]), w)
-            return y.reshape(*x.shape[:-1], w.shape[0])
-        return jnp.einsum("...d,fd->...f", x, w)
+        y = mixed_einsum("nd,fd->nf", x.reshape(rows, x.shape[-1]), w)  # [rows, f]
+        return y.reshape(*x.shape[:-1], w.shape[0])
     xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [d, rows]
     if is_low_precision(dtype):
         yt = _mixed("fd,dn->fn", jnp.dtype(dtype), w, xt)
