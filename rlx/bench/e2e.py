@@ -31,8 +31,8 @@ import sys
 import tempfile
 
 from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
-from rlx.bench.rl_models import (MODELS, ModelSource, release_memory, resolve_model, smollm2_gguf,
-                                 work_dir)
+from rlx.bench.rl_models import MODELS, ModelSource, resolve_model, smollm2_gguf, work_dir
+from rlx.heap import release_free_heap
 
 SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8", "rlx-gguf", "trl")
 PEER = "trl"
@@ -112,7 +112,7 @@ def rlx_side(spec: dict, model: dict, base: str = "f32"):
 
     def step() -> dict:
         r = run.step()
-        release_memory()
+        release_free_heap()
         out = {"samples": float(s.samples), "seconds": r["time/step"],
                "completion_tokens": r["response_length/mean"] * s.samples,
                "reward_mean": r["reward/mean"]}

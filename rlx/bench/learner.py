@@ -36,8 +36,9 @@ import time
 import numpy as np
 
 from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
-from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, release_memory,
-                                 resolve_model, work_dir)
+from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, resolve_model,
+                                 work_dir)
+from rlx.heap import release_free_heap
 
 RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" and "<side>-proj"
 REMAT_SUFFIXES = {"": "none", "remat": "layer", "proj": "projections"}  # suffix -> train.remat
@@ -127,7 +128,7 @@ def rlx_side(spec: dict, model: dict, base: str = "f32", remat: str = "none"):
         t = time.perf_counter()
         holder["state"], metrics = jax.block_until_ready(learner.step(holder["state"], batch))
         seconds = time.perf_counter() - t
-        release_memory()
+        release_free_heap()  # an idle side waiting for its turn does not hold its peak
         return {"tokens": float(np.sum(np.asarray(batch.segment_ids) > 0)),
                 "loss_tokens": float(metrics.tokens), "seconds": seconds,
                 "loss": float(metrics.loss), "grad_norm": float(metrics.grad_norm)}

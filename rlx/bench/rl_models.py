@@ -139,10 +139,3 @@ def lora_a_init(shapes: list[LinearShape], rank: int, seed: int) -> dict[tuple[i
         out[(s.layer, s.target)] = rng.uniform(-bound, bound, (s.d_in, rank)).astype(np.float32)
     return out
 
-
-def release_memory() -> None:
-    """Hand freed heap memory back to the OS between repetitions (``rlx.heap``), so that idle
-    sides waiting for their turn do not hold their peak; ``ru_maxrss`` keeps the peak."""
-    from rlx.heap import release_free_heap
-
-    release_free_heap()

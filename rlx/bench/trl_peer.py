@@ -30,7 +30,8 @@ import numpy as np
 from transformers import TrainerCallback
 
 from rlx.bench.learner import LearnerSpec, make_rollouts
-from rlx.bench.rl_models import ModelSource, llama_linears, lora_a_init, release_memory
+from rlx.bench.rl_models import ModelSource, llama_linears, lora_a_init
+from rlx.heap import release_free_heap
 
 _MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -137,7 +138,7 @@ def learner_side(spec: dict, model: dict, gradient_checkpointing: bool = True):
         optimizer.step()
         optimizer.zero_grad()
         seconds = time.perf_counter() - t
-        release_memory()
+        release_free_heap()
         tokens = sum(float(i["prompt_mask"].sum() + i["completion_mask"].sum()) for i in micro)
         return {"tokens": tokens, "loss_tokens": sum(float(i["completion_mask"].sum()) for i in micro),
                 "seconds": seconds, "loss": loss, "grad_norm": float(grad_norm)}
@@ -227,7 +228,7 @@ def e2e_side(spec: dict, model: dict, gradient_checkpointing: bool = True):
 
     def step() -> dict:
         seconds, logs = gate.step()
-        release_memory()  # the trainer thread is held at the step boundary
+        release_free_heap()  # the trainer thread is held at the step boundary
         return {"samples": float(s.samples), "seconds": seconds,
                 "completion_tokens": logs.get("completions/mean_length", 0.0) * s.samples,
                 "reward_mean": logs.get("reward", 0.0)}

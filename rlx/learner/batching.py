@@ -15,7 +15,7 @@ which should be the data-parallel size times the number of micro-batches.
 Both also list each row's loss-mask columns (`TrainBatch.logp_columns`, `loss_columns`), padded
 to a bucketed count, so the learner runs its vocabulary projection on completion tokens only
 (like TRL's `logits_to_keep`): with 64 prompt and 128 completion tokens per row that is a third of
-the lm-head's work, forward and backward. `loss_columns=False` leaves the field out (log-probs at
+the lm-head's work, forward and backward. `columns=False` leaves the field out (log-probs at
 every column).
 
 Rollouts are read by attribute: `prompt_ids`, `completion_ids`, `sampler_logp`, optionally
