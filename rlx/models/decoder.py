@@ -28,7 +28,8 @@ from rlx.models.config import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq,
                                weight_value)
-from rlx.models.mixed import is_low_precision, matmul_out_in, mixed_einsum
+from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
+                              mixed_einsum)
 from rlx.models.moe import DenseMLP, SparseMoE
 
 
@@ -173,6 +174,25 @@ class Transformer(nnx.Module):
             return jnp.einsum("...d,vd->...v", h, w)
         flat = mixed_einsum("nd,vd->nv", h.reshape(-1, h.shape[-1]), w, jnp.float32)  # [N, V]
         return flat.reshape(*h.shape[:-1], -1)
+
+    def vocab_major_logits(self, h: Float[Array, "n d"], adapter: bool = True
+                           ) -> Float[Array, "v n"] | None:
+        """``logits(h).T`` computed as ``W @ h^T`` when the head is a plain float ``[V, D]``
+        matrix (the engine's tied f32 head, or an untied head in its ``out_in`` layout without
+        bias, adapter or activation quantization) and there are at most ``FEW_ROWS`` rows; else
+        None. A decode step reduces over the vocabulary, and this layout skips the transpose of
+        the ``[V, n]`` product back to rows."""
+        if h.shape[0] > FEW_ROWS:
+            return None
+        if self.lm_head is None:
+            if not self.tied_head_out_in:
+                return None
+            return matmul_feature_major(h, weight_value(self.embed, h.dtype), h.dtype)
+        head = self.lm_head
+        if head.kernel_layout != "out_in" or head.bias is not None or head.act_quant != "none" or (
+                adapter and head.lora is not None):
+            return None
+        return matmul_feature_major(h, weight_value(head.kernel, head.dtype), head.dtype)
 
     def __call__(self, input_ids, positions=None, segment_ids=None, attention_mask=None, adapter: bool = True):
         return self.logits(self.hidden_states(input_ids, positions, segment_ids, attention_mask, adapter), adapter)

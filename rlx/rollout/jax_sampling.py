@@ -82,23 +82,31 @@ def categorical(key, logits: Float[Array, " v"]) -> Int[Array, ""]:
     return (blk * CDF_BLOCK + j).astype(jnp.int32)
 
 
-def first_argmax(x: Float[Array, "b v"]) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
-    """(``jnp.argmax`` over the last axis, ties to the lowest index; the row maxima).
+def first_argmax(x: Float[Array, "..."], axis: int = -1) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
+    """(``jnp.argmax`` of a 2-d ``x`` over ``axis``, ties to the lowest index; the maxima).
 
-    Tiled so that only one pass reads the whole row: the maxima of ``CDF_BLOCK``-wide tiles, then
-    the first tile holding the row's maximum, then the first position in that tile. XLA:CPU runs
-    the (value, index) pair reduction of ``argmax`` over a whole vocabulary several times slower,
-    and a mask-and-min formulation needs three passes. A NaN row gives some index in range.
+    ``axis=-1`` for rows ``[b, v]``, ``axis=0`` for vocabulary-major ``[v, b]`` (the engine's
+    greedy decode of a few rows). Tiled so that only one pass reads the whole vocabulary: the
+    maxima of ``CDF_BLOCK``-wide tiles, then the first tile holding the maximum, then the first
+    position in that tile. XLA:CPU runs the (value, index) pair reduction of ``argmax`` over a
+    whole vocabulary several times slower, and a mask-and-min formulation needs three passes. A
+    NaN row gives some index in range.
     """
-    b, v = x.shape
+    ax = axis % 2  # the vocabulary axis of x; tiles are [b, nt, B] (ax 1) or [nt, B, b] (ax 0)
+    v, b = x.shape[ax], x.shape[1 - ax]
     nt = -(-v // CDF_BLOCK)
-    tiles = jnp.pad(x, ((0, 0), (0, nt * CDF_BLOCK - v)), constant_values=-jnp.inf)
-    tiles = tiles.reshape(b, nt, CDF_BLOCK)  # [b, nt, B]
-    tile_max = jnp.max(tiles, axis=-1)  # [b, nt]
-    top = jnp.max(tile_max, axis=-1)  # [b]
-    t = jnp.argmax(tile_max == top[:, None], axis=-1)  # [b] first tile holding the maximum
-    tile = jnp.take_along_axis(tiles, t[:, None, None], axis=1)[:, 0]  # [b, B]
-    j = jnp.argmax(tile == top[:, None], axis=-1)  # [b]
+    pad = [(0, 0), (0, 0)]
+    pad[ax] = (0, nt * CDF_BLOCK - v)
+    tiles = jnp.pad(x, pad, constant_values=-jnp.inf)
+    tiles = tiles.reshape((b, nt, CDF_BLOCK) if ax else (nt, CDF_BLOCK, b))
+    across, within = (1, 2) if ax else (0, 1)  # axes of the tile index and inside a tile
+    # the barrier keeps XLA from folding max(tile maxima) into a second pass over the vocabulary
+    tile_max = jax.lax.optimization_barrier(jnp.max(tiles, axis=within))  # [b, nt] or [nt, b]
+    top = jnp.max(tile_max, axis=across)  # [b]
+    t = jnp.argmax(tile_max == jnp.expand_dims(top, across), axis=across)  # [b] first such tile
+    pick = t[:, None, None] if ax else t[None, None, :]
+    tile = jnp.squeeze(jnp.take_along_axis(tiles, pick, axis=across), across)  # [b, B] / [B, b]
+    j = jnp.argmax(tile == jnp.expand_dims(top, ax), axis=ax)  # [b]
     return jnp.minimum(t * CDF_BLOCK + j, v - 1).astype(jnp.int32), top
 
 
@@ -123,23 +131,37 @@ def sample_tokens(logits: Float[Array, "b v"], keys, temperature: Float[Array, "
     return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def _pick(logits, keys, step, temperature, top_p, spec):
+def _pick(logits, keys, step, temperature, top_p, spec, vocab_axis: int = -1):
     """Sampled token and its raw-policy log-prob for every row at ``step``.
 
     The log-prob is ``log_softmax``'s arithmetic (``x - max - log(sum(exp(x - max)))``) at the
     token only, so the [b, v] log-softmax is never written out; greedy reuses the row maxima.
+    ``vocab_axis=0``: greedy only, on vocabulary-major ``[v, b]`` logits.
     """
-    logits = logits.astype(jnp.float32)  # [b, v]
+    logits = logits.astype(jnp.float32)  # [b, v] or [v, b]
     if spec.greedy:
-        tok, top = first_argmax(logits)  # [b] each
+        tok, top = first_argmax(logits, vocab_axis)  # [b] each
     else:
+        if vocab_axis % 2 == 0:
+            raise ValueError("vocabulary-major logits are picked greedily only")
         top = jnp.max(logits, axis=-1)  # [b]
         step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
         tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
-    top = jax.lax.stop_gradient(top)[:, None]  # [b, 1]
-    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))  # [b]
-    picked = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - top[:, 0]  # [b]
-    return tok, picked - lse
+    ax = vocab_axis % 2
+    top = jnp.expand_dims(jax.lax.stop_gradient(top), ax)  # [b, 1] or [1, b]
+    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=ax))  # [b]
+    picked = jnp.take_along_axis(logits, jnp.expand_dims(tok, ax), axis=ax)  # [b, 1] or [1, b]
+    return tok, jnp.squeeze(picked - top, ax) - lse
+
+
+def _next_tokens(model, h, keys, step, temperature, top_p, spec: SamplerSpec, adapter: bool):
+    """``_pick`` on the logits of the last hidden states ``h [b, d]``: greedy decoding takes
+    them vocabulary-major when the head allows it (``Transformer.vocab_major_logits``)."""
+    if spec.greedy:
+        logits_t = model.vocab_major_logits(h, adapter)  # [v, b] or None
+        if logits_t is not None:
+            return _pick(logits_t, keys, step, temperature, top_p, spec, vocab_axis=0)
+    return _pick(model.logits(h, adapter), keys, step, temperature, top_p, spec)
 
 
 def row_keys(seed: Int[Array, ""], uid_hash: UInt32[Array, " b"], sample_index: Int[Array, " b"]):
@@ -166,10 +188,10 @@ def left_padded(lens: Int[Array, " b"], width: int):
 
 
 def _prefill(model, prompt_ids, prompt_lens, cache, adapter):
-    """Left-padded prompts through the cached forward pass; logits at the last slot [b, v]."""
+    """Left-padded prompts through the cached forward pass; hidden states at the last slot [b, d]."""
     positions, segments = left_padded(prompt_lens, prompt_ids.shape[1])  # [b, p] each
     h, cache = model.decode(prompt_ids, positions, segments, cache, adapter)
-    return model.logits(h[:, -1], adapter), cache
+    return h[:, -1], cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +236,8 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "b p"], prompt_lens:
     cache = KVCache.zeros(model.config, b, p + ends[0], model.precision.dtype)
     cache = _constrain(cache, static.kv_sharding, static.row_sharding)
     keys = row_keys(seed, uid_hash, sample_index)
-    logits, cache = _prefill(model, prompt_ids, prompt_lens, cache, static.adapter)
-    tok, logp = _pick(logits, keys, 0, temperature, top_p, static.spec)
+    last, cache = _prefill(model, prompt_ids, prompt_lens, cache, static.adapter)
+    tok, logp = _next_tokens(model, last, keys, 0, temperature, top_p, static.spec, static.adapter)
     inactive = prompt_lens == 0
     stopped = jnp.isin(tok, stop_ids) & ~inactive
     carry = dict(step=jnp.ones((), jnp.int32), cache=cache, last=tok,
@@ -242,8 +264,8 @@ def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, s
     positions = (prompt_lens + step - 1)[:, None]  # [b, 1]
     segments = jnp.ones_like(positions)
     h, cache = model.decode(c["last"][:, None], positions, segments, c["cache"], static.adapter)
-    tok, logp = _pick(model.logits(h[:, 0], static.adapter), keys, step, temperature, top_p,
-                      static.spec)
+    tok, logp = _next_tokens(model, h[:, 0], keys, step, temperature, top_p, static.spec,
+                             static.adapter)
     live = ~c["done"]  # [b]
     put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=step, axis=1)
     tokens = put(c["tokens"], jnp.where(live, tok, 0))

@@ -1,0 +1,71 @@
+"""Device-side sampling helpers of the built-in engine against NumPy and the learner's layout.
+
+``first_argmax`` must equal ``np.argmax`` (ties to the lowest index) in both layouts it serves;
+the vocabulary-major greedy pick must give the row-major pick's tokens and log-probs (<= 1e-5).
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlx.models import from_hf
+from rlx.rollout.jax_sampling import CDF_BLOCK, SamplerSpec, _next_tokens, _pick, first_argmax
+from tests.models.hf_zoo import make_hf_model
+
+
+def _logits_with_ties(rows: int, vocab: int, seed: int = 0) -> np.ndarray:
+    rs = np.random.RandomState(seed)
+    x = rs.randint(-50, 50, size=(rows, vocab)).astype(np.float32) / 8  # many equal values
+    x[0, :] = -np.inf
+    x[0, vocab - 1] = 0.0  # the maximum in the last, partial tile
+    x[1, [3, CDF_BLOCK + 3, vocab - 2]] = 100.0  # a tie across tiles: the first one wins
+    x[2, :] = 7.0  # every entry tied
+    return x
+
+
+@pytest.mark.parametrize("vocab", [CDF_BLOCK * 3 + 17, CDF_BLOCK * 4])
+def test_first_argmax_is_numpy_argmax_in_both_layouts(vocab):
+    x = _logits_with_ties(9, vocab)
+    want = np.argmax(x, axis=-1)
+    rows_tok, rows_top = first_argmax(jnp.asarray(x))
+    cols_tok, cols_top = first_argmax(jnp.asarray(x.T), axis=0)
+    np.testing.assert_array_equal(np.asarray(rows_tok), want)
+    np.testing.assert_array_equal(np.asarray(cols_tok), want)
+    np.testing.assert_array_equal(np.asarray(rows_top), x.max(axis=-1))
+    np.testing.assert_array_equal(np.asarray(cols_top), x.max(axis=-1))
+
+
+def test_vocabulary_major_greedy_pick_equals_the_row_pick():
+    x = _logits_with_ties(5, CDF_BLOCK * 2 + 5, seed=1)[3:]  # finite rows
+    spec = SamplerSpec(greedy=True)
+    tok, logp = _pick(jnp.asarray(x), None, 0, 1.0, 1.0, spec)
+    tok_t, logp_t = _pick(jnp.asarray(x.T), None, 0, 1.0, 1.0, spec, vocab_axis=0)
+    np.testing.assert_array_equal(np.asarray(tok_t), np.asarray(tok))
+    want = x[np.arange(len(x)), np.asarray(tok)] - np.log(np.exp(x.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(np.asarray(logp_t), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logp), want, atol=1e-5)
+    with pytest.raises(ValueError, match="picked greedily only"):
+        _pick(jnp.asarray(x.T), None, 0, 1.0, 1.0, SamplerSpec(), vocab_axis=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: the head is tied to the embedding
+def test_engine_head_gives_vocabulary_major_logits(tmp_path, family):
+    """The engine's ``out_in`` copy multiplies its head vocabulary-major (few rows, no adapter on
+    the head); the learner's layout and many rows fall back to rows. Same tokens, log-probs."""
+    from rlx.rollout.jax_engine import _eval_split
+
+    model = from_hf(make_hf_model(family, str(tmp_path)))
+    graphdef, state, _ = _eval_split(model, "out_in")
+    engine_model = nnx.merge(graphdef, state)
+    h = jnp.asarray(np.random.RandomState(2).randn(6, model.config.hidden_size), jnp.float32)
+    logits_t = engine_model.vocab_major_logits(h)
+    assert logits_t is not None and logits_t.shape == (model.config.vocab_size, 6)
+    np.testing.assert_allclose(np.asarray(logits_t).T, np.asarray(model.logits(h)), atol=1e-5)
+    assert model.vocab_major_logits(h) is None  # learner layout
+    assert engine_model.vocab_major_logits(jnp.zeros((33, h.shape[1]))) is None  # > FEW_ROWS
+    spec = SamplerSpec(greedy=True)
+    tok, logp = _next_tokens(engine_model, h, None, 0, 1.0, 1.0, spec, True)
+    want_tok, want_logp = _pick(model.logits(h), None, 0, 1.0, 1.0, spec)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(want_logp), atol=1e-5)
