@@ -82,7 +82,8 @@ class Attention(nnx.Module):
         ``cache`` already records the new tokens' positions/segments; returns (out, (keys, values)).
         """
         q, k, v = self._qkv(x, positions, adapter)
-        keys, values = write_slots(kv[0], k, cache.index), write_slots(kv[1], v, cache.index)
+        keys = write_slots(kv[0], k, cache.index, keys=True)  # [b, kv, d, s]
+        values = write_slots(kv[1], v, cache.index, keys=False)  # [b, kv, s, d]
         mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
         return self._out(gqa_attention(q, keys, values, mask, kv_major=True), adapter), (keys, values)
 

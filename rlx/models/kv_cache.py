@@ -1,12 +1,15 @@
 """Key/value cache for incremental decoding with the learner's own ``Transformer``.
 
-``KVCache`` holds, per layer, the rotated keys and the values ``[B, KV, S, D]`` of every slot
-written so far (KV-head major: attention reads each head's slots contiguously, with no transposed
-copy of the whole cache per decode step), plus the position and segment id of every slot ``[B, S]`` (segment 0 = empty or
-padding, never attended to). All rows write at the same slot ``index``; rows differ only in their
-positions, so left-padded prompts of different lengths decode exactly: a row's padding slots carry
-segment 0 and its tokens carry their own positions (rotary embedding and causality use positions,
-not slots).
+``KVCache`` holds, per layer, the rotated keys ``[B, KV, D, S]`` and the values ``[B, KV, S, D]``
+of every slot written so far, plus the position and segment id of every slot ``[B, S]`` (segment
+0 = empty or padding, never attended to). Both are KV-head major: attention reads each head's slots
+contiguously, with no transposed copy of the whole cache per decode step. Keys are held with the
+slots minor so that a decode step's query-key product runs along the slots like its
+probability-value product: on XLA:CPU one layer's scores at 16 rows over 192 slots took 0.30 ms
+from ``[S, D]`` keys and 0.08 ms from ``[D, S]`` (64 rows: 1.32 vs 0.47 ms); a prefill's is the
+same either way. All rows write at the same slot ``index``; rows differ only in their positions,
+so left-padded prompts of different lengths decode exactly: a row's padding slots carry segment 0
+and its tokens carry their own positions (rotary embedding and causality use positions, not slots).
 
 ``Transformer.decode(ids [B, T], positions, segment_ids, cache)`` runs the same ``Attention``,
 ``Block`` and MLP/MoE modules as the training forward pass; the only difference is that keys and
@@ -28,7 +31,7 @@ from rlx.models.config import ModelConfig
 class KVCache:
     """Keys/values per layer and per-slot positions/segments; a pytree (a ``while_loop`` carry)."""
 
-    keys: tuple[Float[Array, "b kv s d"], ...]
+    keys: tuple[Float[Array, "b kv d s"], ...]  # slots minor
     values: tuple[Float[Array, "b kv s d"], ...]
     positions: Int[Array, "b s"]  # position of the token held in each slot
     segment_ids: Int[Array, "b s"]  # 0: empty slot or padding
@@ -38,9 +41,10 @@ class KVCache:
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
         """An empty cache of ``length`` slots for ``batch`` rows, keys/values in ``dtype``."""
         shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
-        empty = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        keys = tuple(jnp.zeros(shape[:2] + shape[:1:-1], dtype) for _ in range(cfg.num_layers))
+        values = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
         slots = jnp.zeros((batch, length), jnp.int32)
-        return cls(empty, empty, slots, slots, jnp.zeros((), jnp.int32))
+        return cls(keys, values, slots, slots, jnp.zeros((), jnp.int32))
 
     @property
     def length(self) -> int:
@@ -59,10 +63,10 @@ class KVCache:
         extra = length - self.length
         if extra < 0:
             raise ValueError(f"cannot grow a cache of {self.length} slots to {length}")
-        kv = ((0, 0), (0, 0), (0, extra), (0, 0))
+        keys, values = ((0, 0), (0, 0), (0, 0), (0, extra)), ((0, 0), (0, 0), (0, extra), (0, 0))
         slots = ((0, 0), (0, extra))
-        return self.replace(keys=tuple(jnp.pad(k, kv) for k in self.keys),
-                            values=tuple(jnp.pad(v, kv) for v in self.values),
+        return self.replace(keys=tuple(jnp.pad(k, keys) for k in self.keys),
+                            values=tuple(jnp.pad(v, values) for v in self.values),
                             positions=jnp.pad(self.positions, slots),
                             segment_ids=jnp.pad(self.segment_ids, slots))
 
@@ -71,9 +75,10 @@ class KVCache:
         return self.replace(keys=tuple(keys), values=tuple(values), index=self.index + steps)
 
 
-def write_slots(cache: Float[Array, "b kv s d"], new: Float[Array, "b t kv d"],
-                index: Int[Array, ""]) -> Float[Array, "b kv s d"]:
+def write_slots(cache: Float[Array, "b kv _ _"], new: Float[Array, "b t kv d"],
+                index: Int[Array, ""], *, keys: bool) -> Float[Array, "b kv _ _"]:
     """Store ``new`` (in the projections' ``[b, t, kv, d]`` layout) at slots ``index .. index + t``
-    of one layer's keys or values."""
-    new = jnp.swapaxes(new, 1, 2).astype(cache.dtype)  # [b, kv, t, d]
-    return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=2)
+    of one layer's keys (``keys=True``: ``[b, kv, d, s]``) or values (``[b, kv, s, d]``)."""
+    order = (0, 2, 3, 1) if keys else (0, 2, 1, 3)  # [b, kv, d, t] or [b, kv, t, d]
+    new = jnp.transpose(new, order).astype(cache.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=3 if keys else 2)

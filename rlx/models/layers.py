@@ -163,8 +163,9 @@ def gqa_attention(
 ) -> Float[Array, "b t h d"]:
     """Grouped-query softmax attention; scores and softmax in f32.
 
-    ``kv_major``: ``k`` and ``v`` are laid out ``[b, kv, s, d]`` (the KV cache's layout, in which
-    both products read them without a transposed copy) instead of ``[b, s, kv, d]``.
+    ``kv_major``: ``k`` and ``v`` come in the KV cache's layouts, keys ``[b, kv, d, s]`` and values
+    ``[b, kv, s, d]`` (``rlx.models.kv_cache``; both products read them without a transposed copy),
+    instead of ``[b, s, kv, d]``.
 
     The ``g`` query heads that share a KV head are one ``[g * t, d]`` operand, so each (row, KV head)
     is one product of ``g * t`` queries. SmolLM2-135M's shapes (8 x 192 tokens, 9 heads, 3 KV
@@ -176,11 +177,13 @@ def gqa_attention(
     if kv_major and t == 1:
         return _one_query_attention(q, k, v, mask)
     g = h // kv
+    key_spec = "bkqd,bkds->bkqs"  # the cache's keys, slots minor
     if not kv_major:
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [b, kv, s, d]
+        key_spec = "bkqd,bksd->bkqs"
     # a KV head's g query heads as one [g * t, d] operand: one product per (row, KV head)
     qg = jnp.transpose(q.reshape(b, t, kv, g, d), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(key_spec, qg, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv, g, t, -1) / math.sqrt(d)  # [b, kv, g, t, s]
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
@@ -189,7 +192,7 @@ def gqa_attention(
 
 
 def _one_query_attention(
-    q: Float[Array, "b 1 h d"], k: Float[Array, "b kv s d"], v: Float[Array, "b kv s d"],
+    q: Float[Array, "b 1 h d"], k: Float[Array, "b kv d s"], v: Float[Array, "b kv s d"],
     mask: Bool[Array, "b 1 s"],
 ) -> Float[Array, "b 1 h d"]:
     """``gqa_attention`` of one new token per row over a KV-head-major cache (a decode step).
@@ -201,7 +204,7 @@ def _one_query_attention(
     b, _, h, d = q.shape
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, d)  # [b, kv, g, d]
-    scores = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkgd,bkds->bkgs", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, :, :], scores / math.sqrt(d), _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [b, kv, g, s]
     return jnp.einsum("bkgs,bksd->bkgd", probs, v).reshape(b, 1, h, d)

@@ -200,7 +200,7 @@ class JaxEngine:
             cfg = self._config
             dp = self._data_parallel()
             kv = named_sharding(self.mesh, ("batch", "kv_heads", None, None), self.rules,
-                                (dp, cfg.num_kv_heads, 1, cfg.head_dim))
+                                (dp, cfg.num_kv_heads, 1, 1))  # keys [b, kv, d, s], values [b, kv, s, d]
             rows = batch_sharding(self.mesh, 2, self.rules)
         static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows)
         if static not in self._fns:
