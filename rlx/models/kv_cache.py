@@ -70,6 +70,12 @@ class KVCache:
                             positions=jnp.pad(self.positions, slots),
                             segment_ids=jnp.pad(self.segment_ids, slots))
 
+    def take_rows(self, rows: Int[Array, " n"]) -> "KVCache":
+        """The cache of rows ``rows`` (repeats allowed: samples of one prompt share its prefill)."""
+        take = lambda x: jnp.take(x, rows, axis=0)  # noqa: E731
+        return self.replace(keys=tuple(map(take, self.keys)), values=tuple(map(take, self.values)),
+                            positions=take(self.positions), segment_ids=take(self.segment_ids))
+
     def advance(self, keys, values, steps: int) -> "KVCache":
         """The cache after a call that wrote ``steps`` tokens into every layer."""
         return self.replace(keys=tuple(keys), values=tuple(values), index=self.index + steps)

@@ -120,6 +120,24 @@ def _pack_left(seqs: Sequence[Sequence[int]], rows: int, width: int) -> tuple[np
     return ids, lens
 
 
+def _shared_prompts(reqs: list[tuple[Prompt, int]], rows: int, bucket
+                    ) -> tuple[list[Prompt], int, np.ndarray]:
+    """The prompts to prefill, their row count (``bucket(len)``), and per row the index of its
+    prompt (-1: a padding row). The samples of one prompt share its prefill; when that would not
+    save a row bucket every request keeps its own prompt row, in order."""
+    first: dict[tuple, int] = {}
+    of_row = np.full((rows,), -1, np.int32)
+    for r, (p, _) in enumerate(reqs):
+        of_row[r] = first.setdefault((p.uid, tuple(p.token_ids)), len(first))
+    if bucket(len(first)) >= rows:
+        of_row[:len(reqs)] = np.arange(len(reqs))
+        return [p for p, _ in reqs], rows, of_row
+    distinct = [None] * len(first)
+    for (p, _), k in zip(reqs, of_row):
+        distinct[k] = p
+    return distinct, bucket(len(first)), of_row
+
+
 class JaxEngine:
     """``RolloutEngine`` on the learner's own model (see the module docstring)."""
 
@@ -205,8 +223,9 @@ class JaxEngine:
         static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows)
         if static not in self._fns:
             fn = functools.partial(generate_batch, static=static)
-            # ids [b, p]; lens, uid hash, sample index [b]; seed, temperature, top_p, max_new, stops
-            self._fns[static] = self._jit(fn, (2, 1, 1, 1), 5, (2, 2, 1, 1))
+            # ids [u, p], lens [u]; prompt of row, uid hash, sample index [b];
+            # seed, temperature, top_p, max_new, stops
+            self._fns[static] = self._jit(fn, (2, 1, 1, 1, 1), 5, (2, 2, 1, 1))
         return self._fns[static]
 
     def _score_fn(self):
@@ -252,8 +271,10 @@ class JaxEngine:
                    seed: int) -> list[Rollout]:
         b = self.buckets
         rows = b.rows(len(reqs), self._data_parallel())
-        ids, lens = _pack_left([p.token_ids for p, _ in reqs], rows,
-                               b.prompt(max(len(p.token_ids) for p, _ in reqs)))
+        prompts, prompt_rows, of_row = _shared_prompts(
+            reqs, rows, lambda n: b.rows(n, self._data_parallel()))
+        ids, lens = _pack_left([p.token_ids for p in prompts], prompt_rows,
+                               b.prompt(max(len(p.token_ids) for p in prompts)))
         hashes = np.zeros((rows,), np.uint32)
         hashes[:len(reqs)] = [uid_hash(p.uid) for p, _ in reqs]
         index = np.zeros((rows,), np.int32)
@@ -267,7 +288,7 @@ class JaxEngine:
         scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
                    np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))
         tokens, logps, lengths, stopped = jax.device_get(
-            fn(self._state, *self._rows(ids, lens, hashes, index), *scalars, stop_ids))
+            fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stop_ids))
         return [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]), sampling)
                 for r, (p, j) in enumerate(reqs)]
 

@@ -1,7 +1,8 @@
 """Device side of the built-in JAX engine: token sampling, batched generation, teacher-forced scores.
 
 ``generate_batch`` runs one bucket of left-padded prompts entirely on device: a prefill of the prompt
-slots through ``Transformer.decode`` (the learner's own modules, writing a ``KVCache``), then
+slots through ``Transformer.decode`` (the learner's own modules, writing a ``KVCache``; each distinct
+prompt once, its cache then copied to its ``n`` samples' rows), then
 ``lax.while_loop``s that feed one token per row per iteration and exit as soon as every row has hit
 a stop token or ``max_new`` tokens are out. There is no host round trip per token. The cache grows
 between loops (``segment_ends``), so attention reads only the slots a segment can have filled.
@@ -187,11 +188,24 @@ def left_padded(lens: Int[Array, " b"], width: int):
     return jnp.maximum(slots - start[:, None], 0), (slots >= start[:, None]).astype(jnp.int32)
 
 
-def _prefill(model, prompt_ids, prompt_lens, cache, adapter):
-    """Left-padded prompts through the cached forward pass; hidden states at the last slot [b, d]."""
-    positions, segments = left_padded(prompt_lens, prompt_ids.shape[1])  # [b, p] each
-    h, cache = model.decode(prompt_ids, positions, segments, cache, adapter)
-    return h[:, -1], cache
+def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static):
+    """Left-padded prompts through the cached forward pass into a cache of ``length`` slots, then
+    handed to the rows that continue them. Returns the rows' last hidden states [b, d], their
+    cache, and their prompt lengths [b] (0 for padding rows, marked ``prompt_of_row < 0``).
+
+    With fewer prompts than rows (``n`` samples of each prompt) each prompt is prefilled once and
+    its cache rows are copied to its samples: a GRPO group of 8 prefills 1 row, not 8."""
+    u, p = prompt_ids.shape
+    cache = KVCache.zeros(model.config, u, length, model.precision.dtype)
+    cache = _constrain(cache, static.kv_sharding, static.row_sharding)
+    positions, segments = left_padded(prompt_lens, p)  # [u, p] each
+    h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
+    last = h[:, -1]  # [u, d]
+    if u == prompt_of_row.shape[0]:  # one row per prompt, in order (the host's packing)
+        return last, cache, jnp.where(prompt_of_row < 0, 0, prompt_lens)
+    src = jnp.maximum(prompt_of_row, 0)  # [b]
+    cache = _constrain(cache.take_rows(src), static.kv_sharding, static.row_sharding)
+    return jnp.take(last, src, axis=0), cache, jnp.where(prompt_of_row < 0, 0, prompt_lens[src])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,24 +233,25 @@ def segment_ends(new_tokens: int, max_segments: int = 4, min_steps: int = 32) ->
     return tuple(new_tokens * (j + 1) // w for j in range(w))
 
 
-def generate_batch(state: nnx.State, prompt_ids: Int[Array, "b p"], prompt_lens: Int[Array, " b"],
-                   uid_hash: UInt32[Array, " b"], sample_index: Int[Array, " b"], seed: Int[Array, ""],
-                   temperature: Float[Array, ""], top_p: Float[Array, ""], max_new: Int[Array, ""],
-                   stop_ids: Int[Array, " k"], *, static: GenerateStatic):
-    """Generate up to ``max_new`` tokens per row. Rows with ``prompt_lens == 0`` are padding.
+def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens: Int[Array, " u"],
+                   prompt_of_row: Int[Array, " b"], uid_hash: UInt32[Array, " b"],
+                   sample_index: Int[Array, " b"], seed: Int[Array, ""], temperature: Float[Array, ""],
+                   top_p: Float[Array, ""], max_new: Int[Array, ""], stop_ids: Int[Array, " k"], *,
+                   static: GenerateStatic):
+    """Generate up to ``max_new`` tokens per row; row r continues prompt ``prompt_of_row[r]``
+    (-1: a padding row). With as many prompts as rows, row r must continue prompt r.
 
     Returns (tokens [b, n], raw-policy log-probs [b, n], lengths [b], stopped [b]); entries at or
     beyond a row's length are 0. ``stopped``: the row ended on a stop token (kept as its last token).
     The cache starts at ``p + segment_ends(n)[0]`` slots and grows by a segment at a time.
     """
     model = nnx.merge(static.graphdef, state)
-    b, p = prompt_ids.shape
+    b, p = prompt_of_row.shape[0], prompt_ids.shape[1]
     n = static.new_tokens
     ends = segment_ends(n)
-    cache = KVCache.zeros(model.config, b, p + ends[0], model.precision.dtype)
-    cache = _constrain(cache, static.kv_sharding, static.row_sharding)
     keys = row_keys(seed, uid_hash, sample_index)
-    last, cache = _prefill(model, prompt_ids, prompt_lens, cache, static.adapter)
+    last, cache, prompt_lens = _prefill(model, prompt_ids, prompt_lens, prompt_of_row, p + ends[0],
+                                        static)
     tok, logp = _next_tokens(model, last, keys, 0, temperature, top_p, static.spec, static.adapter)
     inactive = prompt_lens == 0
     stopped = jnp.isin(tok, stop_ids) & ~inactive

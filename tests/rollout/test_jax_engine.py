@@ -281,22 +281,25 @@ def test_padded_prompts_equal_prompts_alone(zoo):
 
 
 def test_one_compilation_per_bucket_and_weight_updates(zoo):
+    """One program per (prompt rows, rows, prompt length, new tokens) bucket and sampling mode."""
     model = from_hf(make_hf_model("llama", zoo))
     engine = JaxEngine(model, weight_version=3)
     s = SamplingParams(max_new_tokens=8, n=1, seed=0)
     engine.generate(_prompts((3, 5, 7)), s)  # rows 4, prompt 16, new 16
     engine.generate(_prompts((9, 2, 4, 12), seed=1), s)  # same bucket
-    engine.generate(_prompts((2,)), SamplingParams(max_new_tokens=12, n=3, seed=1))  # rows 4
+    engine.generate(_prompts((5, 6, 7, 8), seed=2), SamplingParams(max_new_tokens=12, seed=1))
     assert engine.compilations() == 1
+    engine.generate(_prompts((2,)), SamplingParams(max_new_tokens=12, n=3, seed=1))  # rows 4
+    assert engine.compilations() == 2  # 4 rows from 1 prefilled prompt row: another program
     engine.generate(_prompts((20, 3)), s)  # rows 2, prompt bucket 32
-    assert engine.compilations() == 2
-    before = engine.generate(_prompts((3,)), s)[0]  # rows 1
     assert engine.compilations() == 3
+    before = engine.generate(_prompts((3,)), s)[0]  # rows 1
+    assert engine.compilations() == 4
     params = nnx.state(model, nnx.Param)
     new = jax.tree.map(lambda x: x * 1.1, params)  # same shapes and dtypes
     engine.update_weights(new, version=4)
     after = engine.generate(_prompts((3,)), s)[0]
-    assert engine.compilations() == 3  # new weights, same program
+    assert engine.compilations() == 4  # new weights, same program
     assert after.weight_version == 4 and before.weight_version == 3
     assert np.abs(after.sampler_logp - before.sampler_logp).max() > 1e-3
     nnx.update(model, new)
@@ -334,3 +337,30 @@ def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
     seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in sharded]
     assert _max_diff(engine.score(seqs), [r.sampler_logp for r in sharded]) <= TOL
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_samples_of_a_prompt_share_its_prefill(zoo, temperature, monkeypatch):
+    """``n`` samples of each prompt prefill each prompt once (fewer prompt rows than rows) and
+    give what one prompt row per request gives: the same tokens, log-probs within 1e-5."""
+    from rlx.rollout import jax_engine
+
+    model = from_hf(make_hf_model("llama", zoo))
+    prompts = _prompts((3, 9, 5))
+    reqs = [(p, j) for p in prompts for j in range(4)]
+    pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
+    distinct, prompt_rows, of_row = jax_engine._shared_prompts(reqs, 16, pow2)
+    assert [p.uid for p in distinct] == ["p0", "p1", "p2"] and prompt_rows == 4
+    assert of_row.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [-1] * 4
+    assert jax_engine._shared_prompts([reqs[0], reqs[4]], 2, pow2)[2].tolist() == [0, 1]  # distinct
+    sampling = SamplingParams(max_new_tokens=10, n=4, seed=5, temperature=temperature)
+    shared = JaxEngine(model).generate(prompts, sampling)
+    real = jax_engine._shared_prompts
+    monkeypatch.setattr(jax_engine, "_shared_prompts",
+                        lambda reqs, rows, bucket: real(reqs, rows, lambda n: rows))
+    alone = JaxEngine(model).generate(prompts, sampling)  # a prompt row per request
+    for a, b in zip(shared, alone):
+        assert a.sample_index == b.sample_index
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
+    assert _max_diff(_step_logprobs(model, shared), [r.sampler_logp for r in shared]) <= TOL
