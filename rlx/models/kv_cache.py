@@ -40,9 +40,9 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
         """An empty cache of ``length`` slots for ``batch`` rows, keys/values in ``dtype``."""
-        shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
-        keys = tuple(jnp.zeros(shape[:2] + shape[:1:-1], dtype) for _ in range(cfg.num_layers))
-        values = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        kv, d = cfg.num_kv_heads, cfg.head_dim
+        keys = tuple(jnp.zeros((batch, kv, d, length), dtype) for _ in range(cfg.num_layers))
+        values = tuple(jnp.zeros((batch, kv, length, d), dtype) for _ in range(cfg.num_layers))
         slots = jnp.zeros((batch, length), jnp.int32)
         return cls(keys, values, slots, slots, jnp.zeros((), jnp.int32))
 

@@ -125,17 +125,19 @@ def _shared_prompts(reqs: list[tuple[Prompt, int]], rows: int, bucket
     """The prompts to prefill, their row count (``bucket(len)``), and per row the index of its
     prompt (-1: a padding row). The samples of one prompt share its prefill; when that would not
     save a row bucket every request keeps its own prompt row, in order."""
-    first: dict[tuple, int] = {}
+    index: dict[tuple, int] = {}
+    distinct: list[Prompt] = []
     of_row = np.full((rows,), -1, np.int32)
     for r, (p, _) in enumerate(reqs):
-        of_row[r] = first.setdefault((p.uid, tuple(p.token_ids)), len(first))
-    if bucket(len(first)) >= rows:
+        key = (p.uid, tuple(p.token_ids))
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(p)
+        of_row[r] = index[key]
+    if bucket(len(distinct)) >= rows:
         of_row[:len(reqs)] = np.arange(len(reqs))
         return [p for p, _ in reqs], rows, of_row
-    distinct = [None] * len(first)
-    for (p, _), k in zip(reqs, of_row):
-        distinct[k] = p
-    return distinct, bucket(len(first)), of_row
+    return distinct, bucket(len(distinct)), of_row
 
 
 class JaxEngine:

@@ -140,15 +140,15 @@ def _pick(logits, keys, step, temperature, top_p, spec, vocab_axis: int = -1):
     ``vocab_axis=0``: greedy only, on vocabulary-major ``[v, b]`` logits.
     """
     logits = logits.astype(jnp.float32)  # [b, v] or [v, b]
+    ax = vocab_axis % 2
     if spec.greedy:
-        tok, top = first_argmax(logits, vocab_axis)  # [b] each
+        tok, top = first_argmax(logits, ax)  # [b] each
     else:
-        if vocab_axis % 2 == 0:
+        if ax == 0:
             raise ValueError("vocabulary-major logits are picked greedily only")
         top = jnp.max(logits, axis=-1)  # [b]
         step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
         tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
-    ax = vocab_axis % 2
     top = jnp.expand_dims(jax.lax.stop_gradient(top), ax)  # [b, 1] or [1, b]
     lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=ax))  # [b]
     picked = jnp.take_along_axis(logits, jnp.expand_dims(tok, ax), axis=ax)  # [b, 1] or [1, b]
@@ -200,12 +200,12 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static)
     cache = _constrain(cache, static.kv_sharding, static.row_sharding)
     positions, segments = left_padded(prompt_lens, p)  # [u, p] each
     h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
-    last = h[:, -1]  # [u, d]
-    if u == prompt_of_row.shape[0]:  # one row per prompt, in order (the host's packing)
-        return last, cache, jnp.where(prompt_of_row < 0, 0, prompt_lens)
-    src = jnp.maximum(prompt_of_row, 0)  # [b]
-    cache = _constrain(cache.take_rows(src), static.kv_sharding, static.row_sharding)
-    return jnp.take(last, src, axis=0), cache, jnp.where(prompt_of_row < 0, 0, prompt_lens[src])
+    last, lens = h[:, -1], prompt_lens  # [u, d], [u]
+    if u < prompt_of_row.shape[0]:  # else one row per prompt, in order (the host's packing)
+        src = jnp.maximum(prompt_of_row, 0)  # [b]
+        cache = _constrain(cache.take_rows(src), static.kv_sharding, static.row_sharding)
+        last, lens = jnp.take(last, src, axis=0), lens[src]
+    return last, cache, jnp.where(prompt_of_row < 0, 0, lens)
 
 
 @dataclasses.dataclass(frozen=True)
