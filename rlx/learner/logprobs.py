@@ -19,7 +19,10 @@ depends on what `project` is:
   its columns already covered by the previous block are masked, so the weight is never padded.
   dW accumulates over chunks in the weight's dtype (pass an f32 master weight and a bf16 `dtype`
   for a bf16 matmul with f32 gradients). Peak temporary memory is a few [chunk, vocab_block] f32
-  tiles. Use this for a plain float lm-head. The blocks are dynamic slices along V: under XLA's
+  tiles. The backward pass sees which inputs and outputs take part in differentiation (the
+  custom VJP's symbolic zeros): it skips dW when nothing differentiates the head (a frozen base,
+  mode B) and the entropy term when the entropy is only reported. Use this for a plain float
+  lm-head (`rlx.learner.step.logprob_head` does). The blocks are dynamic slices along V: under XLA's
   SPMD partitioner a vocabulary-sharded (tensor-parallel) weight is all-gathered to slice it, so
   there the callable form, whose logits stay sharded over V, may use less memory.
 * any callable `h -> logits` (a LoRA-adapted, quantized or otherwise opaque lm-head closing over
@@ -45,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jaxtyping import Array, Float, Int
 
 Projection = Callable[[Float[Array, "... d"]], Float[Array, "... v"]]
@@ -52,21 +56,24 @@ Projection = Callable[[Float[Array, "... d"]], Float[Array, "... v"]]
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["weight", "bias"], meta_fields=["transposed", "dtype"],
+    data_fields=["weight", "bias"], meta_fields=["transposed", "dtype", "out_dtype"],
 )
 @dataclasses.dataclass(frozen=True)
 class LMHead:
     """A float lm-head whose vocabulary columns can be sliced: `logits = h @ W (+ bias)`.
 
     `weight` is a `[D, V]` kernel, or a `[V, D]` (tied input) embedding when `transposed`. The
-    matmul runs in `dtype` (None: the promoted dtype of hidden and weight), as does the bias add,
-    like a `Linear` layer computing in its compute dtype. Calling it gives the full logits.
+    matmul multiplies operands in `dtype` (None: the promoted dtype of hidden and weight),
+    accumulates in f32 and rounds to `out_dtype` (None: `dtype`), where the bias is added, like a
+    `Linear` layer computing in its compute dtype (`out_dtype=float32` keeps the accumulator, as a
+    tied head in a low-precision model does). Calling it gives the full logits.
     """
 
     weight: Float[Array, "d v"] | Float[Array, "v d"]
     bias: Float[Array, " v"] | None = None
     transposed: bool = False
     dtype: Any = None
+    out_dtype: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -81,13 +88,15 @@ class LMHead:
         """The head restricted to vocabulary columns [start, start + size)."""
         weight = lax.dynamic_slice_in_dim(self.weight, start, size, 0 if self.transposed else 1)
         bias = None if self.bias is None else lax.dynamic_slice_in_dim(self.bias, start, size)
-        return LMHead(weight, bias, self.transposed, self.dtype)
+        return dataclasses.replace(self, weight=weight, bias=bias)
 
     def __call__(self, h: Float[Array, "... d"]) -> Float[Array, "... v"]:
         cd = self.compute_dtype(h.dtype)
+        out = jnp.dtype(self.out_dtype or cd)
         spec = "...d,vd->...v" if self.transposed else "...d,dv->...v"
-        z = jnp.einsum(spec, h.astype(cd), self.weight.astype(cd))
-        return z if self.bias is None else z + self.bias.astype(cd)
+        z = jnp.einsum(spec, h.astype(cd), self.weight.astype(cd),
+                       preferred_element_type=jnp.float32).astype(out)
+        return z if self.bias is None else z + self.bias.astype(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -95,11 +104,16 @@ def _logp_entropy_from_logits(
     logits: Float[Array, "n v"], targets: Int[Array, " n"], compute_entropy: bool
 ) -> tuple[Float[Array, " n"], ...]:
     """f32 (log p(target),) or (log p(target), entropy) of softmax(logits), per row."""
-    out, _ = _logp_entropy_fwd(logits, targets, compute_entropy)
+    out, _ = _logp_entropy(logits, targets, compute_entropy)
     return out
 
 
 def _logp_entropy_fwd(logits, targets, compute_entropy):
+    logits, targets = custom_vjp_primal_tree_values((logits, targets))  # symbolic zeros
+    return _logp_entropy(logits, targets, compute_entropy)
+
+
+def _logp_entropy(logits, targets, compute_entropy):
     z = logits.astype(jnp.float32)  # [n, V]
     z_max = jnp.max(z, axis=-1, keepdims=True)  # [n, 1]
     shifted = jnp.exp(z - z_max)  # [n, V]
@@ -117,9 +131,9 @@ def _logp_entropy_bwd(compute_entropy, residuals, cotangents):
     """d logp / dz = onehot(y) - p;  d H / dz = -p * (z - E_p[z]),  E_p[z] = lse - H."""
     logits, targets, lse, entropy = residuals
     z = logits.astype(jnp.float32)  # [n, V]
-    g_logp = cotangents[0]  # [n]
+    g_logp = _instantiate(cotangents[0], lse)  # [n]
     coef = g_logp[:, None]  # [n, 1]
-    if compute_entropy:
+    if compute_entropy and not isinstance(cotangents[1], SymbolicZero):  # else only reported
         coef = coef + cotangents[1][:, None] * (z - (lse - entropy)[:, None])  # [n, V]
     d_z = -jnp.exp(z - lse[:, None]) * coef  # [n, V]
     rows = jnp.arange(z.shape[0])
@@ -127,7 +141,7 @@ def _logp_entropy_bwd(compute_entropy, residuals, cotangents):
     return d_z.astype(logits.dtype), None
 
 
-_logp_entropy_from_logits.defvjp(_logp_entropy_fwd, _logp_entropy_bwd)
+_logp_entropy_from_logits.defvjp(_logp_entropy_fwd, _logp_entropy_bwd, symbolic_zeros=True)
 
 
 def _check_shapes(hidden: Array, targets: Array) -> None:
@@ -205,18 +219,28 @@ def _blocked_logprobs(
     cfg: _Blocking, head: LMHead, chunks_h: Float[Array, "k c d"], chunks_y: Int[Array, "k c"]
 ) -> tuple[Float[Array, "k c"], ...]:
     """f32 (log p(y),) or (log p(y), entropy) per token of `head(chunks_h)`, tile by tile."""
-    out, _ = _blocked_fwd(cfg, head, chunks_h, chunks_y)
-    return out
+    return _blocked_forward(cfg, head, chunks_h, chunks_y)[0]
 
 
-def _blocked_fwd(cfg: _Blocking, head, chunks_h, chunks_y):
+def _blocked_forward(cfg: _Blocking, head: LMHead, chunks_h, chunks_y):
+    """((log p(y),) or (log p(y), entropy), logsumexp), each [K, C]."""
     blocks = _vocab_blocks(head.vocab_size, cfg.vocab_block)
     logp, entropy, lse = lax.map(
         lambda xs: _blocked_chunk_forward(head, *xs, blocks, cfg.vocab_block), (chunks_h, chunks_y)
     )  # [K, C] each
-    if not cfg.compute_entropy:
-        return (logp,), (head, chunks_h, chunks_y, lse, None)
-    return (logp, entropy), (head, chunks_h, chunks_y, lse, entropy)
+    return ((logp, entropy) if cfg.compute_entropy else (logp,)), lse
+
+
+def _blocked_fwd(cfg: _Blocking, head, chunks_h, chunks_y):
+    # symbolic zeros: each leaf arrives as CustomVJPPrimal(value, perturbed); a head that nothing
+    # differentiates (a frozen base) gets no weight gradient in the backward pass
+    head_grad = any(leaf.perturbed for leaf in jax.tree.leaves(head))
+    head, chunks_h, chunks_y = custom_vjp_primal_tree_values((head, chunks_h, chunks_y))
+    outs, lse = _blocked_forward(cfg, head, chunks_h, chunks_y)
+    # `()` / `None` tell the backward pass (by pytree structure) whether dW is wanted
+    residuals = (head, chunks_h, chunks_y, lse, outs[1] if cfg.compute_entropy else None,
+                 () if head_grad else None)
+    return outs, residuals
 
 
 def _tile_cotangent(z, valid, is_target, lse, g_logp, entropy, g_entropy) -> Float[Array, "c vb"]:
@@ -235,7 +259,8 @@ def _add_block(total: Array, block: Array, start, axis: int) -> Array:
 
 
 def _blocked_chunk_backward(head: LMHead, xs, acc, blocks, vocab_block: int):
-    """One chunk's cotangent wrt its hidden states; adds its dW (and d bias) to `acc`."""
+    """One chunk's cotangent wrt its hidden states; adds its dW (and d bias) to `acc` unless
+    `acc` is None (a frozen head)."""
     h_c, y_c, lse, g_logp, entropy, g_entropy = xs
     cd = head.compute_dtype(h_c.dtype)
     h_cd = h_c.astype(cd)
@@ -243,36 +268,50 @@ def _blocked_chunk_backward(head: LMHead, xs, acc, blocks, vocab_block: int):
         1, "cv,dv->cd", "cd,cv->dv")
 
     def tile(carry, block):
-        d_h, d_w, d_b = carry
+        d_h, acc = carry
         sub = head.block(block[0], vocab_block)
         z, valid, is_target = _tile(sub, h_c, y_c, *block)
         d_z = _tile_cotangent(z, valid, is_target, lse, g_logp, entropy, g_entropy).astype(cd)
         f32 = jnp.float32
         d_h = d_h + jnp.einsum(spec_h, d_z, sub.weight.astype(cd), preferred_element_type=f32)
+        if acc is None:
+            return (d_h, acc), None
+        d_w, d_b = acc
         d_w_blk = jnp.einsum(spec_w, h_cd, d_z, preferred_element_type=f32)  # [D, Vb] or [Vb, D]
         d_w = _add_block(d_w, d_w_blk, block[0], axis)
         if d_b is not None:
             d_b = _add_block(d_b, jnp.sum(d_z, axis=0, dtype=f32), block[0], 0)
-        return (d_h, d_w, d_b), None
+        return (d_h, (d_w, d_b)), None
 
-    (d_h, d_w, d_b), _ = lax.scan(tile, (jnp.zeros(h_c.shape, jnp.float32), *acc), blocks)
-    return (d_w, d_b), d_h.astype(h_c.dtype)
+    (d_h, acc), _ = lax.scan(tile, (jnp.zeros(h_c.shape, jnp.float32), acc), blocks)
+    return acc, d_h.astype(h_c.dtype)
 
 
 def _blocked_bwd(cfg: _Blocking, residuals, cotangents):
-    head, chunks_h, chunks_y, lse, entropy = residuals
+    head, chunks_h, chunks_y, lse, entropy, head_grad = residuals
+    g_logp = _instantiate(cotangents[0], lse)
     g_entropy = cotangents[1] if cfg.compute_entropy else None
+    if isinstance(g_entropy, SymbolicZero):  # entropy only reported: no entropy term at all
+        g_entropy = None
     blocks = _vocab_blocks(head.vocab_size, cfg.vocab_block)
-    d_bias = None if head.bias is None else jnp.zeros_like(head.bias)
-    xs = (chunks_h, chunks_y, lse, cotangents[0], entropy, g_entropy)
-    (d_w, d_b), d_h = lax.scan(
-        lambda acc, x: _blocked_chunk_backward(head, x, acc, blocks, cfg.vocab_block),
-        (jnp.zeros_like(head.weight), d_bias), xs,
-    )
-    return LMHead(d_w, d_b, head.transposed, head.dtype), d_h, None
+    acc = None
+    if head_grad is not None:
+        acc = (jnp.zeros_like(head.weight), None if head.bias is None else jnp.zeros_like(head.bias))
+    xs = (chunks_h, chunks_y, lse, g_logp, entropy, g_entropy)
+    acc, d_h = lax.scan(
+        lambda acc, x: _blocked_chunk_backward(head, x, acc, blocks, cfg.vocab_block), acc, xs)
+    d_head = None if acc is None else dataclasses.replace(head, weight=acc[0], bias=acc[1])
+    return d_head, d_h, None
 
 
-_blocked_logprobs.defvjp(_blocked_fwd, _blocked_bwd)
+def _instantiate(cotangent, like: Array) -> Array:
+    """A cotangent as an array: a symbolic zero becomes zeros shaped like `like`."""
+    if isinstance(cotangent, SymbolicZero):
+        return jnp.zeros(like.shape, like.dtype)
+    return cotangent
+
+
+_blocked_logprobs.defvjp(_blocked_fwd, _blocked_bwd, symbolic_zeros=True)
 
 
 def _callable_logprobs(project: Projection, chunks_h, chunks_y, compute_entropy: bool):
