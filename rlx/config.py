@@ -224,6 +224,9 @@ class TrainSection:
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
     micro_batches: int = 1  # gradient accumulation inside one compiled update
     logprob_chunk: int = 512  # tokens per chunk of the chunked log-softmax
+    # padded train-row lengths per doubling (rlx.learner.batching.train_buckets): a batch pads its
+    # longest row by at most 1/n, and the train step compiles at most n shapes per doubling
+    length_buckets: int = 8
     remat: str = "none"  # "none": keep every activation; "layer": keep layer inputs, recompute;
     # "projections": keep every linear layer's output, recompute attention, norms, activations
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
@@ -241,6 +244,9 @@ class TrainSection:
             raise ConfigError(f"config.train.mode={self.mode!r} is not one of ['lora', 'full']")
         if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
             raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
+        if self.length_buckets < 1:
+            raise ConfigError(f"config.train.length_buckets={self.length_buckets} must be >= 1 "
+                              "(padded row lengths per doubling; 8: at most 12.5% padding)")
         if self.remat not in REMAT:
             raise ConfigError(f"config.train.remat={self.remat!r} is not one of {list(REMAT)}")
         if self.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):

@@ -435,4 +435,5 @@ def check_rollouts(prompts: Sequence[Prompt], n: int, rollouts: Sequence[Rollout
 
 def _buckets(cfg) -> tuple[int, ...]:
     """Padded lengths for train batches up to the prompt + completion caps (``train_buckets``)."""
-    return train_buckets(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+    return train_buckets(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                         per_octave=cfg.train.length_buckets)

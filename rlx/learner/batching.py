@@ -104,11 +104,12 @@ def _place(arrays, row: int, start: int, segment: int, r: Rollout, adv: float, o
 
 def train_buckets(top: int, smallest: int = 64, per_octave: int = 4) -> tuple[int, ...]:
     """Padded row lengths for ``pad_rollouts``: ``per_octave`` evenly spaced lengths in every
-    doubling from ``smallest`` (64, 80, 96, 112, 128, 160, ...), multiples of 8, then ``top``.
+    doubling from ``smallest`` (64, 80, 96, 112, 128, 160, ... for 4), multiples of 8, then ``top``.
 
-    A batch then pads its longest row by at most ``1 / per_octave`` (25%), where powers of two
-    alone padded up to 2x (a 168-token batch to 256), and the train step compiles at most
-    ``per_octave`` shapes per doubling of the length, plus one for ``top``.
+    A batch then pads its longest row by at most ``1 / per_octave`` (25% for 4), where powers of
+    two alone padded up to 2x (a 168-token batch to 256), and the train step compiles at most
+    ``per_octave`` shapes per doubling of the length, plus one for ``top``. The coordinator uses
+    ``config.train.length_buckets`` (8: 174-token rows train as 176, not 192).
     """
     if top < 1 or smallest < 8 or per_octave < 1:
         raise ValueError(f"train_buckets: top={top}, smallest={smallest} (>= 8), "

@@ -34,18 +34,21 @@ def test_pad_layout_buckets_and_padding_rows():
     assert pad_rollouts(rollouts, np.zeros(2), length_multiple=8).shape == (2, 8)  # no bucket fits
 
 
+@pytest.mark.parametrize("per_octave", [4, 8])
 @pytest.mark.parametrize("top", [40, 64, 251, 256, 1152, 4096])
-def test_train_buckets_pad_a_batch_by_at_most_a_quarter(top):
-    buckets = train_buckets(top)
+def test_train_buckets_pad_a_batch_by_at_most_one_step_of_an_octave(top, per_octave):
+    buckets = train_buckets(top, per_octave=per_octave)
     assert buckets[-1] == top and list(buckets) == sorted(set(buckets))
     assert all(b % 8 == 0 for b in buckets[:-1])
     for longest in range(1, top + 1):
         length = min(b for b in buckets if b >= longest)
-        assert length <= max(64, 1.25 * longest), (longest, length)
+        assert length <= max(64, (1 + 1 / per_octave) * longest), (longest, length)
     octaves = [sum(lo <= b < 2 * lo for b in buckets[:-1]) for lo in (64, 128, 256, 512, 1024, 2048)]
-    assert max(octaves) <= 4  # compilations per doubling of the length, besides the cap
+    assert max(octaves) <= per_octave  # compilations per doubling of the length, besides the cap
     batch = pad_rollouts([_rollout(0, 40, 128)], np.zeros(1), buckets=train_buckets(256))
     assert batch.shape == (1, 192)  # powers of two alone padded these 168 tokens to 256
+    fine = pad_rollouts([_rollout(0, 46, 128)], np.zeros(1), buckets=train_buckets(256, per_octave=8))
+    assert fine.shape == (1, 176)  # 174 tokens: 192 with 4 lengths per doubling
     with pytest.raises(ValueError, match="per_octave"):
         train_buckets(256, per_octave=0)
 
