@@ -11,8 +11,9 @@
   against it.
 
 All numbers are bytes per device. The analytic activation model counts XLA's saved residuals,
-not a lower bound: f32 attention scores and probabilities ``[b, heads, t, t]`` (rlx attention is
-not a fused kernel), the MoE routing buffers, and the [chunk, V] log-softmax working set.
+not a lower bound: f32 attention scores and probabilities of the causal query blocks
+(``rlx.models.layers.causal_blocks``; rlx attention is not a fused kernel), the MoE routing
+buffers, and the [chunk, V] log-softmax working set.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from rlx.learner.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import FORWARDS, StepConfig, make_train_step
 from rlx.mesh import MESH_AXES, TRAIN_RULES, MeshShape, logical_to_spec, make_mesh
+from rlx.models.layers import causal_blocks
 from rlx.plan_spec import PlanSpec, abstract_model, trainable_filter
 from rlx.types import BATCH_FIELDS, TrainBatch
 
@@ -170,7 +172,8 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     n, t = rows * spec.seq_len, m.tensor
     f = {"resid": a * n * c.hidden_size,
          "qkv": a * n * _div((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, t),
-         "scores": 4 * rows * _div(c.num_heads, t) * spec.seq_len ** 2,
+         "scores": 4 * rows * _div(c.num_heads, t) * sum(
+             (e - b) * e for b, e in causal_blocks(spec.seq_len)),  # the blocks' query-key pairs
          "mlp": 0.0, "moe_d": 0.0, "moe_f": 0.0, "router": 0.0, "lora": 0.0}
     if not c.is_sparse_layer(layer):
         f["mlp"] = a * n * _div(c.intermediate_size, t)

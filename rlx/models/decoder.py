@@ -26,8 +26,8 @@ from jaxtyping import Array, Float, Int
 
 from rlx.models.config import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
-from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, gqa_attention, param, rope_inv_freq,
-                               weight_value)
+from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, causal_attention,
+                               gqa_attention, param, rope_inv_freq, weight_value)
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
 from rlx.models.moe import DenseMLP, SparseMoE
@@ -74,7 +74,7 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids, adapter: bool = True):
         q, k, v = self._qkv(x, positions, adapter)
         mask = attention_mask(segment_ids, segment_ids, positions, positions)
-        return self._out(gqa_attention(q, k, v, mask), adapter)  # [b, t, h, d] -> [b, t, D]
+        return self._out(causal_attention(q, k, v, mask), adapter)  # [b, t, h, d] -> [b, t, D]
 
     def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True):
         """Attention of ``t`` new tokens over the cache; ``kv`` = this layer's (keys, values).

@@ -191,6 +191,41 @@ def gqa_attention(
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
 
 
+CAUSAL_BLOCKS = 4  # most query blocks of `causal_attention`
+CAUSAL_BLOCK_MIN = 32  # fewest query tokens per block
+
+
+def causal_attention(
+    q: Float[Array, "b t h d"], k: Float[Array, "b t kv d"], v: Float[Array, "b t kv d"],
+    mask: Bool[Array, "b t t"],
+) -> Float[Array, "b t h d"]:
+    """``gqa_attention`` of a sequence over itself, column-causal: token ``i`` attends token ``j``
+    where ``mask`` allows it and ``j <= i`` (HF's causal mask; rlx's batches order each segment's
+    positions along the columns, so ``mask`` alone already implies it for them).
+
+    The queries are split into up to ``CAUSAL_BLOCKS`` blocks, and the block of columns
+    ``[a, e)`` multiplies the keys ``[0, e)`` only: with 4 blocks 62.5% of the scores' work and
+    memory. SmolLM2-135M's shapes (16 x 176 tokens, 9 heads, 3 KV heads), forward and backward on
+    XLA:CPU: 63.5 -> 39.6 ms (512 tokens: 409 -> 255 ms); the scores' element-wise work, not the
+    products, dominates there.
+    """
+    t = q.shape[1]
+    cols = jnp.arange(t)
+    mask = mask & (cols[None, :] <= cols[:, None])[None]  # [b, t, t]
+    outs = [gqa_attention(q[:, a:e], k[:, :e], v[:, :e], mask[:, a:e, :e])
+            for a, e in causal_blocks(t)]
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def causal_blocks(t: int) -> list[tuple[int, int]]:
+    """``causal_attention``'s query blocks ``[a, e)`` of a ``t``-token sequence: up to
+    ``CAUSAL_BLOCKS`` of at least ``CAUSAL_BLOCK_MIN`` tokens, bounds at multiples of 8. Block
+    ``[a, e)`` scores ``(e - a) * e`` query-key pairs (the memory planner counts them)."""
+    n = max(1, min(CAUSAL_BLOCKS, t // CAUSAL_BLOCK_MIN))
+    bounds = sorted({min(t, -(-(t * i // n) // 8) * 8) for i in range(n + 1)})
+    return list(zip(bounds, bounds[1:]))
+
+
 def _one_query_attention(
     q: Float[Array, "b 1 h d"], k: Float[Array, "b kv d s"], v: Float[Array, "b kv s d"],
     mask: Bool[Array, "b 1 s"],

@@ -23,10 +23,11 @@ def _ids(b=3, t=9, seed=0):
     return np.random.RandomState(seed).randint(0, 97, (b, t))
 
 
+@pytest.mark.parametrize("length", [9, 100])  # 100: causal attention in 3 query blocks
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_hf(zoo, family):
+def test_logits_match_hf(zoo, family, length):
     path = make_hf_model(family, zoo)
-    ids = _ids()
+    ids = _ids(t=length)
     ref = hf_logits(path, ids)
     assert np.abs(ref).max() > 0.5, "oracle logits too small to make the test meaningful"
     out = np.asarray(from_hf(path)(jnp.asarray(ids)))
@@ -35,10 +36,11 @@ def test_logits_match_hf(zoo, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_padded_batch_matches_hf(zoo, family, side):
+@pytest.mark.parametrize("lengths", [(8, 5, 3), (100, 70, 37)])
+def test_padded_batch_matches_hf(zoo, family, side, lengths):
     path = make_hf_model(family, zoo)
-    ids = _ids(3, 8, seed=1)
-    lengths = np.array([8, 5, 3])
+    ids = _ids(3, lengths[0], seed=1)
+    lengths = np.array(lengths)
     mask = np.zeros_like(ids)
     for r, n in enumerate(lengths):
         if side == "right":
@@ -56,19 +58,20 @@ def test_padded_batch_matches_hf(zoo, family, side):
         assert np.abs(out[r][real[r]] - hf_logits(path, alone)[0]).max() <= TOL
 
 
-def test_packed_equals_separate(zoo):
+@pytest.mark.parametrize("n_a, n_b", [(5, 4), (60, 50)])  # 60 + 50 + 2: 3 query blocks
+def test_packed_equals_separate(zoo, n_a, n_b):
     path = make_hf_model("qwen3_moe", zoo)
     model = from_hf(path)
-    a, b = _ids(1, 5, seed=2)[0], _ids(1, 4, seed=3)[0]
+    a, b = _ids(1, n_a, seed=2)[0], _ids(1, n_b, seed=3)[0]
     packed = np.concatenate([a, b, [0, 0]])[None]
-    segments = np.array([[1] * 5 + [2] * 4 + [0, 0]])
-    positions = np.array([list(range(5)) + list(range(4)) + [0, 0]])
+    segments = np.array([[1] * n_a + [2] * n_b + [0, 0]])
+    positions = np.array([list(range(n_a)) + list(range(n_b)) + [0, 0]])
     out = np.asarray(model(jnp.asarray(packed), positions=jnp.asarray(positions),
                            segment_ids=jnp.asarray(segments)))
     sep_a = np.asarray(model(jnp.asarray(a[None])))[0]
     sep_b = np.asarray(model(jnp.asarray(b[None])))[0]
-    assert np.abs(out[0, :5] - sep_a).max() <= 1e-5
-    assert np.abs(out[0, 5:9] - sep_b).max() <= 1e-5
+    assert np.abs(out[0, :n_a] - sep_a).max() <= 1e-5
+    assert np.abs(out[0, n_a:n_a + n_b] - sep_b).max() <= 1e-5
 
 
 @pytest.mark.parametrize("family", FAMILIES)
