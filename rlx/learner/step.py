@@ -51,24 +51,25 @@ ApplyFn = Callable[[nnx.Module, TrainBatch], tuple[Float[Array, "b t d"], Projec
 def logprob_head(model: nnx.Module, adapter: bool = True) -> Projection | LMHead:
     """The lm-head of an rlx `Transformer` as `token_logprobs` takes it.
 
-    A plain weight (the tied embedding, or an untied `Linear` in its `[in, out]` layout without
-    activation quantization and without an active LoRA adapter; float or dequantized) becomes an
-    `LMHead`: the log-softmax then runs over [chunk, vocab_block] tiles with a hand-written
+    A plain float weight (the tied embedding, or an untied `Linear` in its `[in, out]` layout
+    without activation quantization and without an active LoRA adapter) becomes an `LMHead`: the log-softmax then runs over [chunk, vocab_block] tiles with a hand-written
     backward pass that skips dW for a frozen head (mode B), instead of recomputing whole
     [chunk, V] logits (SmolLM2-135M, 2048 tokens, forward + backward: 1.43 s vs 2.07 s). The
-    products and roundings are those of `model.logits`. Anything else is `model.logits` itself.
+    products and roundings are those of `model.logits`. Anything else is `model.logits` itself,
+    a quantized head included: the custom VJP would keep its dequantized copy from the forward to
+    the backward pass, where the callable dequantizes it chunk by chunk.
     """
     logits = functools.partial(model.logits, adapter=adapter)
     head = model.lm_head
     if head is None:
-        if model.tied_head_out_in:
+        if model.tied_head_out_in or not isinstance(model.embed, nnx.Variable):
             return logits
         dtype = model.precision.dtype  # the final norm's output dtype
         out = jnp.float32 if is_low_precision(dtype) else dtype  # logits' f32 accumulator
         return LMHead(weight_value(model.embed, dtype), transposed=True, dtype=dtype,
                       out_dtype=out)
-    if head.kernel_layout != "in_out" or head.act_quant != "none" or (
-            adapter and head.lora is not None):
+    if head.kernel_layout != "in_out" or head.act_quant != "none" or not isinstance(
+            head.kernel, nnx.Variable) or (adapter and head.lora is not None):
         return logits
     bias = None if head.bias is None else head.bias[...]
     return LMHead(weight_value(head.kernel, head.dtype), bias, dtype=head.dtype,

@@ -18,6 +18,7 @@ from rlx.learner.step import StepConfig, compute_grads, for_mesh, logprob_head, 
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import Transformer
 from rlx.models.decoder import Precision
+from rlx.quant import QuantConfig, quantize_model
 from tests.learner.step_helpers import TINY, add_qlora, random_rollouts
 
 V = 40  # > vocab_block below: several blocks, the last one overlapping
@@ -88,6 +89,13 @@ def test_heads_that_cannot_be_sliced_keep_the_logits_callable():
     model.lm_head.act_quant = "none"
     model.lm_head.kernel_layout = "out_in"  # the rollout engine's transposed copy
     assert not isinstance(logprob_head(model), LMHead)
+    model.lm_head.kernel_layout = "in_out"
+    assert isinstance(logprob_head(model), LMHead)
+    quantize_model(model, QuantConfig(format="int8", quantize_lm_head=True))
+    assert not isinstance(logprob_head(model), LMHead)  # dequantized chunk by chunk instead
+    tied, _ = _model(True, jnp.float32, "A")
+    quantize_model(tied, QuantConfig(format="int8", quantize_embed=True))
+    assert not isinstance(logprob_head(tied), LMHead)
 
 
 def test_a_vocabulary_sharded_over_tensor_takes_whole_rows():
