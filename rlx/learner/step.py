@@ -52,10 +52,11 @@ def logprob_head(model: nnx.Module, adapter: bool = True) -> Projection | LMHead
     """The lm-head of an rlx `Transformer` as `token_logprobs` takes it.
 
     A plain float weight (the tied embedding, or an untied `Linear` in its `[in, out]` layout
-    without activation quantization and without an active LoRA adapter) becomes an `LMHead`: the log-softmax then runs over [chunk, vocab_block] tiles with a hand-written
-    backward pass that skips dW for a frozen head (mode B), instead of recomputing whole
-    [chunk, V] logits (SmolLM2-135M, 2048 tokens, forward + backward: 1.43 s vs 2.07 s). The
-    products and roundings are those of `model.logits`. Anything else is `model.logits` itself,
+    without activation quantization and without an active LoRA adapter) becomes an `LMHead`:
+    the log-softmax then runs over [chunk, vocab_block] tiles with a hand-written backward pass
+    that skips dW for a frozen head (mode B), instead of recomputing whole [chunk, V] logits
+    (SmolLM2-135M, 2048 tokens, forward + backward: 1.43 s vs 2.07 s). The products and
+    roundings are those of `model.logits`. Anything else is `model.logits` itself,
     a quantized head included: the custom VJP would keep its dequantized copy from the forward to
     the backward pass, where the callable dequantizes it chunk by chunk.
     """
