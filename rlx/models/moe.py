@@ -38,7 +38,10 @@ class DenseMLP(nnx.Module):
         self.down_proj = Linear(f, d, ("mlp", "embed"), **kw)
 
     def __call__(self, x: Float[Array, "... d"], adapter: bool = True) -> Float[Array, "... d"]:
-        h = jax.nn.silu(self.gate_proj(x, adapter)) * self.up_proj(x, adapter)
+        gate, up = self.gate_proj(x, adapter), self.up_proj(x, adapter)
+        # in f32, rounded once: XLA:CPU runs bf16 element-wise work (and its gradient) as f32
+        # with a conversion pair around every operation
+        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
         return self.down_proj(h, adapter)
 
 
