@@ -25,6 +25,7 @@ from flax import struct
 from jaxtyping import Array, Float, Int
 
 from rlx.models.config import ModelConfig
+from rlx.models.mixed import is_low_precision
 
 
 @struct.dataclass
@@ -90,10 +91,8 @@ def cache_dtype(dtype, platform: str | None = None) -> jnp.dtype:
     22.4 s of a 64-row bf16 SmolLM2 generation of 128 tokens). An f32 cache is written in place;
     it holds the compute dtype's values exactly (attention reads them as such, see
     ``rlx.models.layers.gqa_attention``), at twice the bytes."""
-    dtype = jnp.dtype(dtype)
-    small_float = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
     on_cpu = (platform or jax.default_backend()) == "cpu"
-    return jnp.dtype(jnp.float32) if small_float and on_cpu else dtype
+    return jnp.dtype(jnp.float32) if on_cpu and is_low_precision(dtype) else jnp.dtype(dtype)
 
 
 def write_slots(cache: Float[Array, "b kv _ _"], new: Float[Array, "b t kv d"],
