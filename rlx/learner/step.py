@@ -91,14 +91,15 @@ def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True, po
     ``policy`` the layer also keeps what the policy saves (``'projections'``: the output of every
     ``Linear``, so the backward pass recomputes attention, norms, rotary embedding and the SwiGLU
     product but no projection; MoE experts are recomputed whole)."""
-    x = model.embed_tokens(batch.input_ids)
+    x, angles = model.embed_tokens(batch.input_ids), model.rope_angles(batch.positions)
     for layer in model.layers:
         graphdef, state = nnx.split(layer)
 
-        def layer_fn(state, x, positions, segment_ids, graphdef=graphdef):
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, adapter)
+        def layer_fn(state, x, positions, segment_ids, angles, graphdef=graphdef):
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, adapter, angles)
 
-        x = jax.checkpoint(layer_fn, policy=policy)(state, x, batch.positions, batch.segment_ids)
+        x = jax.checkpoint(layer_fn, policy=policy)(state, x, batch.positions, batch.segment_ids,
+                                                    angles)
     return model.norm(x), logprob_head(model, adapter)
 
 

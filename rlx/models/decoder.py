@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 from rlx.models.config import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, causal_attention,
-                               gqa_attention, param, rope_inv_freq, weight_value)
+                               gqa_attention, param, rope_angles, rope_inv_freq, weight_value)
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
 from rlx.models.moe import DenseMLP, SparseMoE
@@ -56,32 +56,35 @@ class Attention(nnx.Module):
         self.rope = cfg.rope
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
 
-    def _qkv(self, x, positions, adapter: bool):
-        """Projected queries, keys, values ``[b, t, heads, d]`` with rotary embedding applied."""
+    def _qkv(self, x, positions, adapter: bool, angles=None):
+        """Projected queries, keys, values ``[b, t, heads, d]`` with rotary embedding applied
+        (``angles``: the forward pass's ``rope_angles``, else computed here)."""
         b, t, _ = x.shape
         q = self.q_proj(x, adapter).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(self.rope, self.head_dim)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        if angles is None:
+            angles = rope_angles(positions, rope_inv_freq(self.rope, self.head_dim))
+        return apply_rope(q, None, None, angles), apply_rope(k, None, None, angles), v
 
     def _out(self, out, adapter: bool):
         b, t = out.shape[:2]
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), adapter)
 
-    def __call__(self, x, positions, segment_ids, adapter: bool = True):
-        q, k, v = self._qkv(x, positions, adapter)
+    def __call__(self, x, positions, segment_ids, adapter: bool = True, angles=None):
+        q, k, v = self._qkv(x, positions, adapter, angles)
         mask = attention_mask(segment_ids, segment_ids, positions, positions)
         return self._out(causal_attention(q, k, v, mask), adapter)  # [b, t, h, d] -> [b, t, D]
 
-    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True):
+    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True,
+               angles=None):
         """Attention of ``t`` new tokens over the cache; ``kv`` = this layer's (keys, values).
 
         ``cache`` already records the new tokens' positions/segments; returns (out, (keys, values)).
         """
-        q, k, v = self._qkv(x, positions, adapter)
+        q, k, v = self._qkv(x, positions, adapter, angles)
         keys = write_slots(kv[0], k, cache.index, keys=True)  # [b, kv, d, s]
         values = write_slots(kv[1], v, cache.index, keys=False)  # [b, kv, s, d]
         mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
@@ -100,13 +103,15 @@ class Block(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, positions, segment_ids, adapter: bool = True):
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, adapter)
+    def __call__(self, x, positions, segment_ids, adapter: bool = True, angles=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, adapter, angles)
         return x + self.mlp(self.post_attention_layernorm(x), adapter)
 
-    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True):
+    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True,
+               angles=None):
         """``__call__`` with cached attention; returns (x, this layer's updated (keys, values))."""
-        a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, kv, cache, adapter)
+        a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, kv, cache,
+                                      adapter, angles)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x), adapter), kv
 
@@ -132,9 +137,9 @@ class Transformer(nnx.Module):
     ) -> Float[Array, "b t d"]:
         """Final-norm hidden states ``[B, T, D]``."""
         positions, segment_ids = resolve_positions(input_ids, positions, segment_ids, attention_mask)
-        x = self.embed_tokens(input_ids)
+        x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
         for layer in self.layers:
-            x = layer(x, positions, segment_ids, adapter)
+            x = layer(x, positions, segment_ids, adapter, angles)
         return self.norm(x)
 
     def decode(
@@ -147,13 +152,17 @@ class Transformer(nnx.Module):
         and their math are those of ``hidden_states`` (see ``rlx.models.kv_cache``).
         """
         cache = cache.record(positions, segment_ids)
-        x = self.embed_tokens(input_ids)
+        x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
         keys, values = [], []
         for layer, k, v in zip(self.layers, cache.keys, cache.values):
-            x, (k, v) = layer.decode(x, positions, segment_ids, (k, v), cache, adapter)
+            x, (k, v) = layer.decode(x, positions, segment_ids, (k, v), cache, adapter, angles)
             keys.append(k)
             values.append(v)
         return self.norm(x), cache.advance(keys, values, input_ids.shape[1])
+
+    def rope_angles(self, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
+        """The rotary cosines and sines every layer uses (``rlx.models.layers.rope_angles``)."""
+        return rope_angles(positions, rope_inv_freq(self.config.rope, self.config.head_dim))
 
     def embed_tokens(self, input_ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
         """Embedding rows in the compute dtype (a quantized embedding dequantizes only these rows)."""

@@ -93,11 +93,16 @@ class Linear(nnx.Module):
         h = x.astype(self.dtype)
         xq = quantize_activations(h, self.act_quant)
         product = matmul_out_in if self.kernel_layout == "out_in" else matmul
-        y = product(xq, weight_value(self.kernel, self.dtype), self.dtype)
+        lora = adapter and self.lora is not None
+        # With an adapter, a low-precision base product and the adapter's stay in their f32
+        # accumulators and the sum is rounded once (XLA:CPU evaluates a bf16 sum in f32 with a
+        # conversion pair around every operation).
+        acc = jnp.float32 if lora else self.dtype
+        y = product(xq, weight_value(self.kernel, self.dtype), self.dtype, acc)
         if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        if adapter and self.lora is not None:
-            y = y + self.lora(h).astype(y.dtype)
+            y = y + self.bias[...].astype(acc)
+        if lora:
+            y = (y + self.lora(h, acc).astype(acc)).astype(self.dtype)
         return checkpoint_name(y, PROJECTION)
 
 
@@ -135,20 +140,42 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray
+                ) -> tuple[Float[Array, "b t 1 d2"], Float[Array, "b t 1 d2"]]:
+    """Cosines and sines ``[b, t, 1, head_dim // 2]`` (f32) of the rotary angles at ``positions``.
+
+    The decoder computes them once per forward pass and hands them to every layer. XLA counts
+    cosine and sine as cheap and fuses them into every consumer, where a fused loop evaluates them
+    again for each head, query and key, layer and pass (12.7% of a bf16 SmolLM2 update's op time;
+    an optimisation barrier does not stop it on XLA:CPU, a one-trip loop is inlined). Over more
+    than one token they are therefore evaluated in a two-trip ``lax.map`` (half of the angles per
+    trip), whose results every consumer then reads: the same values, computed once.
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, t, d/2]
+    if positions.shape[1] == 1:  # a decode step: a few values, nothing worth materialising
+        return jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
+    n = freqs.size
+    halves = jnp.pad(freqs.reshape(-1), (0, n % 2)).reshape(2, -1)
+    cos, sin = jax.lax.map(lambda f: (jnp.cos(f), jnp.sin(f)), halves)
+    unflat = lambda a: a.reshape(-1)[:n].reshape(*freqs.shape[:2], 1, freqs.shape[2])  # noqa: E731
+    return unflat(cos), unflat(sin)
+
+
 def apply_rope(
-    x: Float[Array, "b t h d"], positions: Int[Array, "b t"], inv_freq: np.ndarray
+    x: Float[Array, "b t h d"], positions: Int[Array, "b t"] | None, inv_freq: np.ndarray | None,
+    angles: tuple[Array, Array] | None = None,
 ) -> Float[Array, "b t h d"]:
     """Rotate-half rotary embedding (HF convention: first/second halves paired), computed in f32
     and rounded once to ``x``'s dtype (HF rounds each step of a bf16 input; a bf16 result here is
-    within one rounding of HF's).
+    within one rounding of HF's). ``angles`` (``rope_angles``) replaces positions and frequencies.
 
     The backward pass is the inverse rotation (``_rotate``'s VJP). Under plain autodiff the
     rotation's transpose (slices, pads, negation, sums) ran in bf16, which XLA:CPU evaluates as f32
     with a conversion pair around every operation: 13.8 ms per layer and micro-batch of a bf16
     SmolLM2 update (16 x 176 tokens, with the causal blocks' cotangent sum), 3.3 s of 24.7 s.
     """
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, t, d/2]
-    return _rotate(x, jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :])
+    cos, sin = rope_angles(positions, inv_freq) if angles is None else angles
+    return _rotate(x, cos, sin)
 
 
 def _rotation(x, cos, sin):

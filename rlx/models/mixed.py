@@ -43,20 +43,21 @@ def mixed_einsum(spec: str, a: Array, b: Array, out_dtype=None) -> Array:
     return _mixed(spec, out_dtype, a, b)
 
 
-def matmul(x: Array, w: Array, dtype) -> Array:
+def matmul(x: Array, w: Array, dtype, out_dtype=None) -> Array:
     """``x @ w`` (``[..., d] x [d, f]``) in the compute ``dtype``; leading dims flattened to one
-    row axis so the transposed products contract a single axis (no transposed copies)."""
+    row axis so the transposed products contract a single axis (no transposed copies).
+    ``out_dtype`` (default ``dtype``): f32 returns a low-precision product's accumulator."""
     x, w = x.astype(dtype), w.astype(dtype)
     if not is_low_precision(dtype):
         return jnp.einsum("...d,df->...f", x, w)
-    y = _mixed("nd,df->nf", jnp.dtype(dtype), x.reshape(-1, x.shape[-1]), w)
+    y = _mixed("nd,df->nf", jnp.dtype(out_dtype or dtype), x.reshape(-1, x.shape[-1]), w)
     return y.reshape(*x.shape[:-1], w.shape[-1])
 
 
 FEW_ROWS = 32  # matmul_out_in's transposed product up to this many rows, a plain one above
 
 
-def matmul_out_in(x: Array, w: Array, dtype) -> Array:
+def matmul_out_in(x: Array, w: Array, dtype, out_dtype=None) -> Array:
     """``x @ w.T`` for a kernel stored ``[f, d]``; with at most ``FEW_ROWS`` rows computed as
     ``(w @ x^T)^T``.
 
@@ -72,13 +73,13 @@ def matmul_out_in(x: Array, w: Array, dtype) -> Array:
     rows = math.prod(x.shape[:-1])
     if rows > FEW_ROWS:
         flat = x.astype(dtype).reshape(rows, x.shape[-1])
-        y = mixed_einsum("nd,fd->nf", flat, w.astype(dtype))  # [rows, f]
+        y = mixed_einsum("nd,fd->nf", flat, w.astype(dtype), out_dtype)  # [rows, f]
         return y.reshape(*x.shape[:-1], w.shape[0])
-    y = jax.lax.optimization_barrier(matmul_feature_major(x, w, dtype)).T  # [rows, f]
+    y = jax.lax.optimization_barrier(matmul_feature_major(x, w, dtype, out_dtype)).T  # [rows, f]
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def matmul_feature_major(x: Array, w: Array, dtype) -> Array:
+def matmul_feature_major(x: Array, w: Array, dtype, out_dtype=None) -> Array:
     """``(x @ w.T)^T``, ``[f, rows]``, for a kernel stored ``[f, d]``: ``w @ x^T`` with the
     activations' transpose behind an ``optimization_barrier`` (XLA would otherwise fold it into
     the product's dimension numbers and pick the slower few-rows kernel again). Consumers that
@@ -86,7 +87,7 @@ def matmul_feature_major(x: Array, w: Array, dtype) -> Array:
     x, w = x.astype(dtype), w.astype(dtype)
     xt = jax.lax.optimization_barrier(x.reshape(-1, x.shape[-1]).T)  # [d, rows]
     if is_low_precision(dtype):
-        return _mixed("fd,dn->fn", jnp.dtype(dtype), w, xt)
+        return _mixed("fd,dn->fn", jnp.dtype(out_dtype or dtype), w, xt)
     return jnp.einsum("fd,dn->fn", w, xt)
 
 

@@ -54,14 +54,15 @@ class LoRA(nnx.Module):
         x = x.astype(self.dtype)
         return self.dropout(x) if self.dropout is not None else x
 
-    def __call__(self, x: Float[Array, "... d_in"]) -> Float[Array, "... d_out"]:
+    def __call__(self, x: Float[Array, "... d_in"], out_dtype=None) -> Float[Array, "... d_out"]:
+        """``scaling * x A B``; ``out_dtype`` f32 keeps a low-precision product's accumulator."""
         # Rows flattened to 2-D: the gradients of A and B then contract over one row axis, which
         # XLA:CPU runs in place; with [b, t, ...] operands it first copied the [b, t, d_out]
         # cotangent transposed (a third of a LoRA train step's time on SmolLM2).
         lead = x.shape[:-1]
         x2 = self._in(x).reshape(-1, x.shape[-1])  # [N, d_in]
         h = matmul(x2, self.lora_a[...], self.dtype)  # [N, r]
-        y = matmul(h, self.lora_b[...], self.dtype) * self.scaling  # [N, d_out]
+        y = matmul(h, self.lora_b[...], self.dtype, out_dtype) * self.scaling  # [N, d_out]
         return y.reshape(*lead, y.shape[-1])
 
     def ragged(self, x: Float[Array, "m d_in"], group_sizes: Int[Array, "e"]) -> Float[Array, "m d_out"]:

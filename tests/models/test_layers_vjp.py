@@ -77,3 +77,38 @@ def test_kv_cache_is_f32_for_16_bit_compute_on_cpu_only():
     assert cache_dtype(jnp.float32, "cpu") == jnp.float32
     assert cache_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
     assert cache_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(2, 9), (3, 7)])
+def test_rope_angles_are_cos_and_sin_of_the_positions(shape):
+    """``rope_angles`` (two-trip loop, padded to an even count) gives ``cos`` / ``sin`` exactly."""
+    from rlx.models.layers import rope_angles
+    positions = jnp.asarray(np.random.default_rng(0).integers(0, 4000, shape))
+    inv = rope_inv_freq(RopeConfig(), 6)  # 3 frequencies: an odd number of angles for (3, 7)
+    cos, sin = jax.jit(lambda p: rope_angles(p, inv))(positions)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)
+    assert cos.shape == (*shape, 1, 3)
+    np.testing.assert_array_equal(cos[:, :, 0], jnp.cos(freqs))
+    np.testing.assert_array_equal(sin[:, :, 0], jnp.sin(freqs))
+
+
+def test_rotary_angles_are_evaluated_once_per_forward_pass():
+    """The compiled forward and backward pass of a 2-layer model evaluate one cosine and one sine
+    (each layer's queries and keys read them; XLA would fuse them into every consumer)."""
+    import re
+
+    from flax import nnx
+
+    from rlx.models.config import ModelConfig
+    from rlx.models.decoder import Precision, Transformer
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+    model = Transformer(cfg, Precision(jnp.bfloat16, jnp.bfloat16), nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    ids = jnp.tile(jnp.arange(24) % 64, (2, 1))
+
+    def loss(params):
+        return jnp.sum(nnx.merge(graphdef, params).hidden_states(ids).astype(jnp.float32) ** 2)
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    assert len(re.findall(r" cosine\(", hlo)) == 1 and len(re.findall(r" sine\(", hlo)) == 1

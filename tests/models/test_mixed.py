@@ -57,3 +57,35 @@ def test_out_in_product_equals_x_times_w_transposed_for_few_and_many_rows():
         got = matmul_out_in(x, w, jnp.bfloat16)
         assert got.dtype == jnp.bfloat16 and got.shape == (rows, 1, 24)
         np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.05, rtol=0.02)
+
+
+def test_bf16_linear_with_adapter_rounds_its_sum_once():
+    """A bf16 ``Linear`` + LoRA keeps both products' f32 accumulators and rounds the sum once: it
+    equals the f32 sum of the bf16 operands' products rounded to bf16 (the adapter's rank-r
+    intermediate is a product operand, so it is rounded first). Rounding the base and adapter
+    products separately, then their sum, differs from that in a large share of the outputs."""
+    from flax import nnx
+
+    from rlx.models.layers import Linear
+    from rlx.quant.config import LoraConfig
+    from rlx.quant.lora import LoRA
+
+    keys = jax.random.split(jax.random.key(1), 4)
+    lin = Linear(64, 48, ("embed", "mlp"), bias=False, dtype=jnp.bfloat16,
+                 param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    lin.lora = LoRA(64, 48, LoraConfig(rank=8, alpha=16.0, param_dtype="bfloat16"),
+                    ("embed", "mlp"), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    lin.kernel[...] = (jax.random.normal(keys[0], (64, 48)) / 8).astype(jnp.bfloat16)
+    lin.lora.lora_b[...] = (jax.random.normal(keys[1], (8, 48)) / 4).astype(jnp.bfloat16)
+    x = jax.random.normal(keys[2], (4, 32, 64)).astype(jnp.bfloat16)
+    f32 = lambda a: np.asarray(a[...], np.float32)  # noqa: E731
+    xs, s = f32(x), lin.lora.scaling
+    mid = f32(jnp.asarray(xs @ f32(lin.lora.lora_a)).astype(jnp.bfloat16))  # rounded operand
+    base, adapter = xs @ f32(lin.kernel), s * (mid @ f32(lin.lora.lora_b))
+    once = np.asarray(jnp.asarray(base + adapter).astype(jnp.bfloat16), np.float32)
+    bf = lambda a: np.asarray(jnp.asarray(a).astype(jnp.bfloat16), np.float32)  # noqa: E731
+    twice = bf(bf(base) + bf(adapter))
+    got = np.asarray(lin(x), np.float32)
+    assert lin(x).dtype == jnp.bfloat16
+    assert np.mean(got == once) >= 0.99  # f32 summation order may flip a rare rounding
+    assert np.mean(twice != once) >= 0.05  # the test tells the two roundings apart
