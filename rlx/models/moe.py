@@ -38,11 +38,14 @@ class DenseMLP(nnx.Module):
         self.down_proj = Linear(f, d, ("mlp", "embed"), **kw)
 
     def __call__(self, x: Float[Array, "... d"], adapter: bool = True) -> Float[Array, "... d"]:
-        gate, up = self.gate_proj(x, adapter), self.up_proj(x, adapter)
-        # in f32, rounded once: XLA:CPU runs bf16 element-wise work (and its gradient) as f32
-        # with a conversion pair around every operation
-        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+        h = swiglu(self.gate_proj(x, adapter), self.up_proj(x, adapter))
         return self.down_proj(h, adapter)
+
+
+def swiglu(gate: Array, up: Array) -> Array:
+    """``silu(gate) * up`` in f32, rounded once to ``gate``'s dtype: XLA:CPU runs bf16 element-wise
+    work (and its gradient) as f32 with a conversion pair around every operation."""
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
 class Experts(nnx.Module):
@@ -75,8 +78,8 @@ class Experts(nnx.Module):
         token = order // k
         group_sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)
         xs = x[token]  # [n*k, d]
-        h = jax.nn.silu(self._ragged(xs, wg, self.gate_lora, group_sizes, adapter))
-        h = h * self._ragged(xs, wu, self.up_lora, group_sizes, adapter)
+        h = swiglu(self._ragged(xs, wg, self.gate_lora, group_sizes, adapter),
+                   self._ragged(xs, wu, self.up_lora, group_sizes, adapter))
         y = self._ragged(h, wd, self.down_lora, group_sizes, adapter)  # [n*k, d]
         y = y * gates.reshape(-1)[order][:, None].astype(y.dtype)
         return jnp.zeros_like(x).at[token].add(y)
@@ -93,8 +96,8 @@ class Experts(nnx.Module):
         wg, wu, wd = self.weights()
         combine = jnp.zeros((x.shape[0], wg.shape[0]), gates.dtype)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], idx].add(gates)  # [n, e]
-        h = jax.nn.silu(self._dense(x, wg, self.gate_lora, "nd,edf->nef", adapter))
-        h = h * self._dense(x, wu, self.up_lora, "nd,edf->nef", adapter)
+        h = swiglu(self._dense(x, wg, self.gate_lora, "nd,edf->nef", adapter),
+                   self._dense(x, wu, self.up_lora, "nd,edf->nef", adapter))
         y = self._dense(h, wd, self.down_lora, "nef,efd->ned", adapter)
         return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
