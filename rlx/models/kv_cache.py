@@ -40,8 +40,9 @@ class KVCache:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
-        """An empty cache of ``length`` slots for ``batch`` rows, keys/values in ``dtype``."""
-        kv, d = cfg.num_kv_heads, cfg.head_dim
+        """An empty cache of ``length`` slots for ``batch`` rows of a decode in compute ``dtype``;
+        keys/values in ``cache_dtype(dtype)`` (f32 for a 16-bit float on a CPU)."""
+        kv, d, dtype = cfg.num_kv_heads, cfg.head_dim, cache_dtype(dtype)
         keys = tuple(jnp.zeros((batch, kv, d, length), dtype) for _ in range(cfg.num_layers))
         values = tuple(jnp.zeros((batch, kv, length, d), dtype) for _ in range(cfg.num_layers))
         slots = jnp.zeros((batch, length), jnp.int32)

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jaxtyping import Array, Float, Int, UInt32
 
 from rlx.learner.logprobs import token_logprobs
-from rlx.models.kv_cache import KVCache, cache_dtype
+from rlx.models.kv_cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static)
     With fewer prompts than rows (``n`` samples of each prompt) each prompt is prefilled once and
     its cache rows are copied to its samples: a GRPO group of 8 prefills 1 row, not 8."""
     u, p = prompt_ids.shape
-    cache = KVCache.zeros(model.config, u, length, cache_dtype(model.precision.dtype))
+    cache = KVCache.zeros(model.config, u, length, model.precision.dtype)
     cache = _constrain(cache, static.kv_sharding, static.row_sharding)
     positions, segments = left_padded(prompt_lens, p)  # [u, p] each
     h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
@@ -300,7 +300,7 @@ def score_batch(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array, " b"]
     """
     model = nnx.merge(graphdef, state)
     b, t = ids.shape
-    cache = KVCache.zeros(model.config, b, t, cache_dtype(model.precision.dtype))
+    cache = KVCache.zeros(model.config, b, t, model.precision.dtype)
     positions, segments = left_padded(lens, t)
     h, _ = model.decode(ids, positions, segments, cache, adapter)
     project = functools.partial(model.logits, adapter=adapter)

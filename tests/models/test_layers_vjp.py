@@ -77,6 +77,12 @@ def test_kv_cache_is_f32_for_16_bit_compute_on_cpu_only():
     assert cache_dtype(jnp.float32, "cpu") == jnp.float32
     assert cache_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
     assert cache_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+    from rlx.models.config import ModelConfig
+    from rlx.models.kv_cache import KVCache
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    cache = KVCache.zeros(cfg, 2, 5, jnp.bfloat16)  # the tests run on a CPU
+    assert cache.keys[0].dtype == cache.values[0].dtype == jnp.float32
 
 
 @pytest.mark.parametrize("shape", [(2, 9), (3, 7)])
