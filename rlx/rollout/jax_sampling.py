@@ -151,6 +151,8 @@ def _pick(logits, keys, step, temperature, top_p, spec, vocab_axis: int = -1):
         tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
     top = jnp.expand_dims(jax.lax.stop_gradient(top), ax)  # [b, 1] or [1, b]
     lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=ax))  # [b]
+    if spec.greedy:  # the picked logit is the maximum itself: no gather over the vocabulary
+        return tok, -lse
     picked = jnp.take_along_axis(logits, jnp.expand_dims(tok, ax), axis=ax)  # [b, 1] or [1, b]
     return tok, jnp.squeeze(picked - top, ax) - lse
 
