@@ -148,17 +148,19 @@ def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray
     cosine and sine as cheap and fuses them into every consumer, where a fused loop evaluates them
     again for each head, query and key, layer and pass (12.7% of a bf16 SmolLM2 update's op time;
     an optimisation barrier does not stop it on XLA:CPU, a one-trip loop is inlined). Over more
-    than one token they are therefore evaluated in a two-trip ``lax.map`` (half of the angles per
-    trip), whose results every consumer then reads: the same values, computed once.
+    than one token they are therefore evaluated in a two-trip ``lax.map`` (half of the frequencies
+    per trip), whose results every consumer then reads: the same values, computed once.
     """
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, t, d/2]
     if positions.shape[1] == 1:  # a decode step: a few values, nothing worth materialising
         return jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
-    n = freqs.size
-    halves = jnp.pad(freqs.reshape(-1), (0, n % 2)).reshape(2, -1)
+    # split along the frequencies (never sharded), so a batch sharded over devices stays so
+    (b, t, d2), half = freqs.shape, -(-freqs.shape[2] // 2)
+    padded = jnp.pad(freqs, ((0, 0), (0, 0), (0, 2 * half - d2)))
+    halves = jnp.moveaxis(padded.reshape(b, t, 2, half), 2, 0)  # [2, b, t, half]
     cos, sin = jax.lax.map(lambda f: (jnp.cos(f), jnp.sin(f)), halves)
-    unflat = lambda a: a.reshape(-1)[:n].reshape(*freqs.shape[:2], 1, freqs.shape[2])  # noqa: E731
-    return unflat(cos), unflat(sin)
+    join = lambda a: jnp.moveaxis(a, 0, 2).reshape(b, t, 1, 2 * half)[..., :d2]  # noqa: E731
+    return join(cos), join(sin)
 
 
 def apply_rope(

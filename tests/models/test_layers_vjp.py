@@ -85,15 +85,16 @@ def test_kv_cache_is_f32_for_16_bit_compute_on_cpu_only():
     assert cache.keys[0].dtype == cache.values[0].dtype == jnp.float32
 
 
-@pytest.mark.parametrize("shape", [(2, 9), (3, 7)])
-def test_rope_angles_are_cos_and_sin_of_the_positions(shape):
-    """``rope_angles`` (two-trip loop, padded to an even count) gives ``cos`` / ``sin`` exactly."""
+@pytest.mark.parametrize("shape,head_dim", [((2, 9), 8), ((3, 7), 6)])
+def test_rope_angles_are_cos_and_sin_of_the_positions(shape, head_dim):
+    """``rope_angles`` (two-trip loop over halves of the frequencies; 3 frequencies pad to 4)
+    gives ``cos`` / ``sin`` exactly."""
     from rlx.models.layers import rope_angles
     positions = jnp.asarray(np.random.default_rng(0).integers(0, 4000, shape))
-    inv = rope_inv_freq(RopeConfig(), 6)  # 3 frequencies: an odd number of angles for (3, 7)
+    inv = rope_inv_freq(RopeConfig(), head_dim)
     cos, sin = jax.jit(lambda p: rope_angles(p, inv))(positions)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv)
-    assert cos.shape == (*shape, 1, 3)
+    assert cos.shape == sin.shape == (*shape, 1, head_dim // 2)
     np.testing.assert_array_equal(cos[:, :, 0], jnp.cos(freqs))
     np.testing.assert_array_equal(sin[:, :, 0], jnp.sin(freqs))
 
