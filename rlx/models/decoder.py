@@ -26,8 +26,8 @@ from jaxtyping import Array, Float, Int
 
 from rlx.models.config import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
-from rlx.models.layers import (Linear, RMSNorm, apply_rope, attention_mask, causal_attention,
-                               gqa_attention, param, rope_angles, rope_inv_freq, weight_value)
+from rlx.models.layers import (Linear, RMSNorm, attention_mask, causal_attention, gqa_attention,
+                               param, rope_angles, rope_inv_freq, rotate, weight_value)
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
 from rlx.models.moe import DenseMLP, SparseMoE
@@ -67,7 +67,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if angles is None:
             angles = rope_angles(positions, rope_inv_freq(self.rope, self.head_dim))
-        return apply_rope(q, None, None, angles), apply_rope(k, None, None, angles), v
+        return rotate(q, angles), rotate(k, angles), v
 
     def _out(self, out, adapter: bool):
         b, t = out.shape[:2]

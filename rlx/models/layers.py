@@ -163,21 +163,17 @@ def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray
     return join(cos), join(sin)
 
 
-def apply_rope(
-    x: Float[Array, "b t h d"], positions: Int[Array, "b t"] | None, inv_freq: np.ndarray | None,
-    angles: tuple[Array, Array] | None = None,
-) -> Float[Array, "b t h d"]:
-    """Rotate-half rotary embedding (HF convention: first/second halves paired), computed in f32
-    and rounded once to ``x``'s dtype (HF rounds each step of a bf16 input; a bf16 result here is
-    within one rounding of HF's). ``angles`` (``rope_angles``) replaces positions and frequencies.
+def rotate(x: Float[Array, "b t h d"], angles: tuple[Array, Array]) -> Float[Array, "b t h d"]:
+    """Rotate-half rotary embedding (HF convention: first/second halves paired) by ``angles``
+    (``rope_angles``), computed in f32 and rounded once to ``x``'s dtype (HF rounds each step of a
+    bf16 input; a bf16 result here is within one rounding of HF's).
 
     The backward pass is the inverse rotation (``_rotate``'s VJP). Under plain autodiff the
     rotation's transpose (slices, pads, negation, sums) ran in bf16, which XLA:CPU evaluates as f32
     with a conversion pair around every operation: 13.8 ms per layer and micro-batch of a bf16
     SmolLM2 update (16 x 176 tokens, with the causal blocks' cotangent sum), 3.3 s of 24.7 s.
     """
-    cos, sin = rope_angles(positions, inv_freq) if angles is None else angles
-    return _rotate(x, cos, sin)
+    return _rotate(x, *angles)
 
 
 def _rotation(x, cos, sin):

@@ -12,7 +12,12 @@ import pytest
 
 from rlx.models.config import RopeConfig
 from rlx.models.kv_cache import cache_dtype
-from rlx.models.layers import apply_rope, causal_attention, gqa_attention, rope_inv_freq
+from rlx.models.layers import causal_attention, gqa_attention, rope_angles, rope_inv_freq, rotate
+
+
+def apply_rope(x, positions, inv_freq):
+    """The decoder's rotary embedding at ``positions`` (its angles, then the rotation)."""
+    return rotate(x, rope_angles(positions, inv_freq))
 
 
 def _hf_rope(x, positions, inv_freq):
@@ -89,7 +94,6 @@ def test_kv_cache_is_f32_for_16_bit_compute_on_cpu_only():
 def test_rope_angles_are_cos_and_sin_of_the_positions(shape, head_dim):
     """``rope_angles`` (two-trip loop over halves of the frequencies; 3 frequencies pad to 4)
     gives ``cos`` / ``sin`` exactly."""
-    from rlx.models.layers import rope_angles
     positions = jnp.asarray(np.random.default_rng(0).integers(0, 4000, shape))
     inv = rope_inv_freq(RopeConfig(), head_dim)
     cos, sin = jax.jit(lambda p: rope_angles(p, inv))(positions)
