@@ -216,6 +216,7 @@ class Run:
             max_new_tokens=r.max_new_tokens, n=1 if evaluation else r.group_size,
             temperature=r.eval_temperature if evaluation else r.temperature,
             top_p=None if r.top_p >= 1.0 else r.top_p, seed=self.cfg.seed + step,
+            logprobs=not evaluation,  # evaluation and samples to look at need none
             **({"ignore_eos": True} if r.ignore_eos and not evaluation
                else {"stop_token_ids": (self.tokenizer.eos_id,)}))
 

@@ -35,7 +35,8 @@ BATCH_FIELDS = (
 class Rollout:
     """One completion of one prompt, on the host; what every rollout engine returns.
 
-    `sampler_logp[i]` is the engine's log-prob of `completion_ids[i]`. `completion_mask` (default:
+    `sampler_logp[i]` is the engine's log-prob of `completion_ids[i]` (NaN where the engine was
+    asked not to compute them: `SamplingParams(logprobs=False)`). `completion_mask` (default:
     all ones) is 0 on completion tokens the policy did not generate (tool outputs, environment
     turns); they are fed to the model but carry no loss.
     """

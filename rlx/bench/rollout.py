@@ -4,7 +4,10 @@ Same machine, same process tree, same model weights, same prompts (token ids), s
 lengths for every side; the sides run interleaved (A B C ... per round, greedy then sampled) and
 the table gives medians over the measured rounds. Sides (``--sides``, default all):
 
-- ``rlx-f32``: the built-in engine, f32 weights;
+- ``rlx-f32``: the built-in engine, f32 weights, with the sampler log-prob of every token (what
+  RL trains with; SGLang is asked for them too);
+- ``rlx-f32-nolp``: the same without log-probs (``SamplingParams(logprobs=False)``, as for
+  evaluation): the work HF ``generate`` does, which computes none;
 - ``rlx-int8`` / ``rlx-q4_1``: the same engine on a frozen int8 (per channel) / GGUF Q4_1 base with
   a LoRA adapter of ``--lora-rank`` on every projection, as mode B samples (0 = no adapter);
 - ``hf``: transformers ``generate``, f32, on rlx's HF export of the same weights (torch threads:
@@ -38,9 +41,10 @@ from rlx.bench.rollout_sides import CASES
 from rlx.bench.sglang_setup import SGLangSetup, group_rss_mb, sglang_server
 from rlx.bench.workloads import MODELS, Workload, prompt_ids, smollm2_config
 
-SIDES = ("rlx-f32", "rlx-int8", "rlx-q4_1", "hf", "sglang")
+SIDES = ("rlx-f32", "rlx-f32-nolp", "rlx-int8", "rlx-q4_1", "hf", "sglang")
 GOALS = {"smollm2": 2.0, "tiny": 3.0}  # rlx f32 tokens/s over HF generate's
 HF, SGLANG = "HF generate f32", "SGLang f32"
+NOLP = "rlx f32, no log-probs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +70,8 @@ class Plan:
 
 def _rlx_label(side: str, lora_rank: int) -> str:
     base = side.split("-", 1)[1]
-    if base == "f32":
-        return "rlx f32"
+    if base in ("f32", "f32-nolp"):
+        return "rlx f32" if base == "f32" else NOLP
     name = {"int8": "int8", "q4_1": "Q4_1"}[base]
     return f"rlx {name} base" + (f" + LoRA r{lora_rank}" if lora_rank else "")
 
@@ -78,10 +82,11 @@ def build_sides(plan: Plan, prompts: list[list[int]], folder: str, url: str | No
     out = []
     for name in plan.sides:
         if name.startswith("rlx-"):
-            rank = 0 if name == "rlx-f32" else plan.lora_rank
+            base = name.split("-")[1]
+            rank = 0 if base == "f32" else plan.lora_rank
             out.append(Side(_rlx_label(name, plan.lora_rank), "rlx.bench.rollout_sides:rlx_rollout",
-                            dict(model=w.model, base=name.split("-", 1)[1], lora_rank=rank,
-                                 prompts=prompts, new=w.new, hf_config=hf_config)))
+                            dict(model=w.model, base=base, lora_rank=rank, prompts=prompts,
+                                 new=w.new, hf_config=hf_config, logprobs=name != "rlx-f32-nolp")))
         elif name == "hf":
             out.append(Side(HF, "rlx.bench.rollout_sides:hf_rollout",
                             dict(folder=folder, prompts=prompts, new=w.new, threads=plan.torch_threads),
@@ -175,16 +180,19 @@ def markdown(rows: list[dict]) -> str:
 
 def verdicts(model: str, rows: list[dict]) -> list[str]:
     """One line per goal of the issue that this run measured (wall-clock rates; the CPU-time
-    ratio in brackets)."""
+    ratio in brackets): rlx with log-probs against HF and SGLang (which is asked for them), and
+    rlx without them against HF ``generate``, which computes none."""
     out = []
-    for r in (r for r in rows if r["side"] == "rlx f32"):
-        for peer, key, goal in (("HF", "hf", GOALS[model]), ("SGLang", "sglang", 1.0)):
+    peers = {"rlx f32": (("HF", "hf", GOALS[model]), ("SGLang", "sglang", 1.0)),
+             NOLP: (("HF", "hf", GOALS[model]),)}
+    for r in (r for r in rows if r["side"] in peers):
+        for peer, key, goal in peers[r["side"]]:
             wall, cpu = r[f"vs_{key}"], r[f"cpu_vs_{key}"]
             if wall is None:
                 continue
             extra = "" if cpu is None else f" (per CPU-second: {cpu:.2f}x)"
-            out.append(f"rlx f32 vs {peer}, {r['mode']}: {wall:.2f}x{extra} (goal >= {goal:g}x): "
-                       f"{'met' if wall >= goal else 'MISSED'}")
+            out.append(f"{r['side']} vs {peer}, {r['mode']}: {wall:.2f}x{extra} (goal >= "
+                       f"{goal:g}x): {'met' if wall >= goal else 'MISSED'}")
     return out
 
 

@@ -8,7 +8,8 @@ the SGLang server's process group; on a shared machine the CPU time per token is
 measure of the work a side needs). A side that produced another count raises, so no ratio is ever
 computed over unequal work.
 
-- ``rlx_rollout``: ``JaxEngine.generate`` (its sampler log-probs included, as RL needs them).
+- ``rlx_rollout``: ``JaxEngine.generate``, with its sampler log-probs (as RL needs them) or,
+  ``logprobs=False``, without (as for evaluation, and as HF ``generate`` computes none).
 - ``hf_rollout``: transformers ``generate`` on the rlx-exported HF folder, f32, dynamic KV cache,
   ``min_new_tokens = max_new_tokens`` and no EOS; no log-probs (plain ``generate``).
 - ``sglang_rollout``: one batched ``/generate`` request (all prompts as ``input_ids``) to a running
@@ -62,7 +63,7 @@ class _Clock:
 
 
 def rlx_rollout(model: str, base: str, lora_rank: int, prompts: list[list[int]], new: int,
-                hf_config: dict | None = None):
+                hf_config: dict | None = None, logprobs: bool = True):
     """rlx's built-in engine on ``model`` with its base in ``base`` (+ LoRA when ``lora_rank``)."""
     from rlx.bench.workloads import load_model
     from rlx.rollout.base import Prompt, SamplingParams
@@ -76,7 +77,7 @@ def rlx_rollout(model: str, base: str, lora_rank: int, prompts: list[list[int]],
     def run(case: str) -> dict:
         _check_case(case)
         sampling = SamplingParams(max_new_tokens=new, temperature=0.0 if case == "greedy" else 1.0,
-                                  seed=next(seeds))
+                                  seed=next(seeds), logprobs=logprobs)
         with _Clock() as c:
             out = engine.generate(requests, sampling)
         return _figures(c.seconds, c.cpu_s, [len(r.completion_ids) for r in out], new, "rlx")

@@ -25,7 +25,8 @@ stop string (token granularity: that token is kept whole) and its finish reason 
 Rows with stop strings still run on device until a stop token or the budget.
 
 ``sampler_logp`` is the raw policy's log-prob of each sampled token (temperature 1, no top-k/top-p
-truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling``.
+truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling``; NaN
+throughout with ``SamplingParams(logprobs=False)``, which skips computing it.
 """
 
 from __future__ import annotations
@@ -285,7 +286,8 @@ class JaxEngine:
         stop_ids = np.full((_pow2(max(len(stops), 4)),), -1, np.int32)
         stop_ids[:len(stops)] = stops
         spec = SamplerSpec(greedy=sampling.temperature == 0, top_k=sampling.top_k,
-                           top_p=sampling.top_p is not None and sampling.top_p < 1)
+                           top_p=sampling.top_p is not None and sampling.top_p < 1,
+                           logprobs=sampling.logprobs)
         fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens))
         scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
                    np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))

@@ -43,6 +43,7 @@ class SamplerSpec:
     greedy: bool = False
     top_k: int | None = None
     top_p: bool = False  # whether a nucleus cut is applied
+    logprobs: bool = True  # False: no log-sum-exp over the vocabulary; the log-probs are NaN
 
 
 CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
@@ -137,18 +138,22 @@ def _pick(logits, keys, step, temperature, top_p, spec, vocab_axis: int = -1):
 
     The log-prob is ``log_softmax``'s arithmetic (``x - max - log(sum(exp(x - max)))``) at the
     token only, so the [b, v] log-softmax is never written out; greedy reuses the row maxima.
-    ``vocab_axis=0``: greedy only, on vocabulary-major ``[v, b]`` logits.
+    ``vocab_axis=0``: greedy only, on vocabulary-major ``[v, b]`` logits. Without
+    ``spec.logprobs`` the log-probs are NaN and no pass over the vocabulary computes them.
     """
     logits = logits.astype(jnp.float32)  # [b, v] or [v, b]
     ax = vocab_axis % 2
+    if ax == 0 and not spec.greedy:
+        raise ValueError("vocabulary-major logits are picked greedily only")
     if spec.greedy:
         tok, top = first_argmax(logits, ax)  # [b] each
     else:
-        if ax == 0:
-            raise ValueError("vocabulary-major logits are picked greedily only")
-        top = jnp.max(logits, axis=-1)  # [b]
         step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
         tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
+    if not spec.logprobs:
+        return tok, jnp.full(tok.shape, jnp.nan, jnp.float32)
+    if not spec.greedy:
+        top = jnp.max(logits, axis=-1)  # [b]
     top = jnp.expand_dims(jax.lax.stop_gradient(top), ax)  # [b, 1] or [1, b]
     lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=ax))  # [b]
     if spec.greedy:  # the picked logit is the maximum itself: no gather over the vocabulary

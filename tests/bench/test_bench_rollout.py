@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rlx.bench.rollout import HF, SGLANG, main
+from rlx.bench.rollout import HF, NOLP, SGLANG, main
 
 TINY = ["--model", "tiny", "--batch", "2", "--prompt", "8", "--new", "4", "--repeats", "1"]
 
@@ -30,7 +30,7 @@ def _check_runs(record, labels, modes=("greedy", "sampled")):
 def test_rollout_rlx_bases_and_hf_with_sglang_missing(tmp_path, capsys):
     out, record = _run(tmp_path, capsys, "--warmup", "0", "--parallel-setup", "--lora-rank", "4",
                        "--sglang-python", str(tmp_path / "no-such-python"))
-    labels = ["rlx f32", "rlx int8 base + LoRA r4", "rlx Q4_1 base + LoRA r4", HF]
+    labels = ["rlx f32", NOLP, "rlx int8 base + LoRA r4", "rlx Q4_1 base + LoRA r4", HF]
     _check_runs(record, labels)
     assert record["skipped"] == {SGLANG: record["skipped"][SGLANG]}
     assert "no SGLang interpreter" in record["skipped"][SGLANG]
@@ -38,9 +38,10 @@ def test_rollout_rlx_bases_and_hf_with_sglang_missing(tmp_path, capsys):
         assert r["vs_hf"] > 0 and r["vs_sglang"] is None
         assert r["vs_hf"] == 1.0 if r["side"] == HF else r["vs_hf"] > 0
     table = [line for line in out.out.splitlines() if line.startswith("|")]
-    assert table[0].startswith("| side | mode | tokens/s | vs HF | vs SGLang |") and len(table) == 2 + 8
+    assert table[0].startswith("| side | mode | tokens/s | vs HF | vs SGLang |") and len(table) == 2 + 10
     assert f"{SGLANG}: skipped (no SGLang interpreter" in out.out
-    assert "rlx f32 vs HF, greedy:" in out.out
+    assert "rlx f32 vs HF, greedy:" in out.out and f"{NOLP} vs HF, sampled:" in out.out
+    assert f"{NOLP} vs SGLang" not in out.out  # SGLang is asked for log-probs
 
 
 @pytest.mark.sglang

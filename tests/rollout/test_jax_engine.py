@@ -364,3 +364,19 @@ def test_samples_of_a_prompt_share_its_prefill(zoo, temperature, monkeypatch):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
     assert _max_diff(_step_logprobs(model, shared), [r.sampler_logp for r in shared]) <= TOL
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_without_logprobs_the_same_tokens_and_nan_logprobs(zoo, temperature):
+    """``SamplingParams(logprobs=False)`` samples the same tokens (same seed) and returns NaN
+    log-probs, which a training batch refuses with the fix named."""
+    model = from_hf(make_hf_model("llama", zoo))
+    engine = JaxEngine(model)
+    sampling = SamplingParams(max_new_tokens=10, n=2, seed=7, temperature=temperature)
+    with_lp = engine.generate(_prompts(), sampling)
+    without = engine.generate(_prompts(), SamplingParams(**{**sampling.__dict__, "logprobs": False}))
+    for a, b in zip(with_lp, without):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        assert np.isfinite(a.sampler_logp).all() and np.isnan(b.sampler_logp).all()
+    with pytest.raises(ValueError, match=r"logprobs=False"):
+        pad_rollouts(without, np.zeros(len(without)))
