@@ -6,6 +6,8 @@ bf16 figures are printed). Chi-square tests reject at p < 1e-3 (scipy.stats.chis
 an expected count under 5 are merged into one).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,7 +376,7 @@ def test_without_logprobs_the_same_tokens_and_nan_logprobs(zoo, temperature):
     engine = JaxEngine(model)
     sampling = SamplingParams(max_new_tokens=10, n=2, seed=7, temperature=temperature)
     with_lp = engine.generate(_prompts(), sampling)
-    without = engine.generate(_prompts(), SamplingParams(**{**sampling.__dict__, "logprobs": False}))
+    without = engine.generate(_prompts(), dataclasses.replace(sampling, logprobs=False))
     for a, b in zip(with_lp, without):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.isfinite(a.sampler_logp).all() and np.isnan(b.sampler_logp).all()
