@@ -70,8 +70,10 @@ class Plan:
 
 def _rlx_label(side: str, lora_rank: int) -> str:
     base = side.split("-", 1)[1]
-    if base in ("f32", "f32-nolp"):
-        return "rlx f32" if base == "f32" else NOLP
+    if base == "f32":
+        return "rlx f32"
+    if base == "f32-nolp":
+        return NOLP
     name = {"int8": "int8", "q4_1": "Q4_1"}[base]
     return f"rlx {name} base" + (f" + LoRA r{lora_rank}" if lora_rank else "")
 
