@@ -35,10 +35,10 @@ BATCH_FIELDS = (
 class Rollout:
     """One completion of one prompt, on the host; what every rollout engine returns.
 
-    `sampler_logp[i]` is the engine's log-prob of `completion_ids[i]` (NaN where the engine was
-    asked not to compute them: `SamplingParams(logprobs=False)`). `completion_mask` (default:
-    all ones) is 0 on completion tokens the policy did not generate (tool outputs, environment
-    turns); they are fed to the model but carry no loss.
+    `sampler_logp[i]` is the engine's log-prob of `completion_ids[i]`; with `has_logprobs` False
+    the engine skipped them (`SamplingParams(logprobs=False)`) and they are NaN.
+    `completion_mask` (default: all ones) is 0 on completion tokens the policy did not generate
+    (tool outputs, environment turns); they are fed to the model but carry no loss.
     """
 
     prompt_uid: str  # groups for advantages are formed by this uid (any hashable works)
@@ -50,6 +50,7 @@ class Rollout:
     sample_index: int = 0  # which of the n samples of its prompt
     completion_mask: np.ndarray | None = None  # [C] {0, 1}; None: all generated
     reward: float | None = None
+    has_logprobs: bool = True  # False: sampler_logp was not computed (NaN); no batch takes it
 
     def __post_init__(self):
         c = len(self.completion_ids)

@@ -63,11 +63,11 @@ def _check_inputs(rollouts, advantages, old_logp, ref_logp) -> np.ndarray:
     for name, extra in (("old_logp", old_logp), ("ref_logp", ref_logp)):
         if extra is not None and len(extra) != len(rollouts):
             raise ValueError(f"got {len(extra)} {name} arrays for {len(rollouts)} rollouts")
-    missing = [i for i, r in enumerate(rollouts) if np.isnan(np.asarray(r.sampler_logp)).any()]
+    missing = [i for i, r in enumerate(rollouts) if not getattr(r, "has_logprobs", True)]
     if missing:
-        raise ValueError(f"rollouts {missing[:5]} have no sampler log-probs (NaN): they were "
-                         "generated with SamplingParams(logprobs=False); generate the rollouts "
-                         "to train on with logprobs=True")
+        raise ValueError(f"rollouts {missing[:5]} have no sampler log-probs: they were generated "
+                         "with SamplingParams(logprobs=False); generate the rollouts to train on "
+                         "with logprobs=True")
     return advantages
 
 

@@ -33,9 +33,9 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate exactly max_new_tokens: no stop ids, strings or EOS
-    # the sampler log-prob of every token (what RL trains with). False: an engine may skip them
-    # (the built-in one does, its sampler_logp is then NaN; SGLang returns them anyway), for
-    # evaluation or samples to look at; a training batch refuses NaN log-probs
+    # the sampler log-prob of every token (what RL trains with). False: an engine may skip them,
+    # for evaluation or samples to look at (the built-in one does: Rollout.has_logprobs False,
+    # sampler_logp NaN, and a training batch refuses it; SGLang returns them anyway)
     logprobs: bool = True
 
     def __post_init__(self):

@@ -25,8 +25,8 @@ stop string (token granularity: that token is kept whole) and its finish reason 
 Rows with stop strings still run on device until a stop token or the budget.
 
 ``sampler_logp`` is the raw policy's log-prob of each sampled token (temperature 1, no top-k/top-p
-truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling``; NaN
-throughout with ``SamplingParams(logprobs=False)``, which skips computing it.
+truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling``.
+``SamplingParams(logprobs=False)`` skips computing it: NaN throughout, ``has_logprobs`` False.
 """
 
 from __future__ import annotations
@@ -306,7 +306,8 @@ class JaxEngine:
                        completion_ids=np.asarray(ids, np.int32),
                        sampler_logp=np.asarray(logp, np.float32),
                        finish_reason="stop" if stopped else "length",
-                       weight_version=self.weight_version, sample_index=j)
+                       weight_version=self.weight_version, sample_index=j,
+                       has_logprobs=sampling.logprobs)
 
     # --- scoring and lifecycle ------------------------------------------------------------
     def score(self, sequences: Sequence[tuple[Sequence[int], int]]) -> list[np.ndarray]:
