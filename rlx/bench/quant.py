@@ -69,10 +69,10 @@ def gguf_model(model: Transformer, qtype: str) -> Transformer:
 def block_errors(ref: Transformer, quant: Transformer, ids) -> list[float]:
     """Relative output error of each block, fed the f32 model's block inputs."""
     pos, seg = resolve_positions(ids, None, None, None)
-    x = ref.embed_tokens(ids)
+    x, angles = ref.embed_tokens(ids), ref.rope_angles(pos)
     errs = []
     for a, b in zip(ref.layers, quant.layers):
-        ya, yb = a(x, pos, seg), b(x, pos, seg)
+        ya, yb = a(x, pos, seg, angles), b(x, pos, seg, angles)
         errs.append(float(jnp.linalg.norm(yb - ya) / jnp.linalg.norm(ya)))
         x = ya
     return errs

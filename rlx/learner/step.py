@@ -96,7 +96,7 @@ def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True, po
         graphdef, state = nnx.split(layer)
 
         def layer_fn(state, x, positions, segment_ids, angles, graphdef=graphdef):
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, adapter, angles)
+            return nnx.merge(graphdef, state)(x, positions, segment_ids, angles, adapter)
 
         x = jax.checkpoint(layer_fn, policy=policy)(state, x, batch.positions, batch.segment_ids,
                                                     angles)

@@ -53,38 +53,34 @@ class Attention(nnx.Module):
         norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
-        self.rope = cfg.rope
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
 
-    def _qkv(self, x, positions, adapter: bool, angles=None):
-        """Projected queries, keys, values ``[b, t, heads, d]`` with rotary embedding applied
-        (``angles``: the forward pass's ``rope_angles``, else computed here)."""
+    def _qkv(self, x, angles, adapter: bool):
+        """Projected queries, keys, values ``[b, t, heads, d]``, queries and keys rotated by
+        ``angles`` (the forward pass's ``Transformer.rope_angles``)."""
         b, t, _ = x.shape
         q = self.q_proj(x, adapter).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if angles is None:
-            angles = rope_angles(positions, rope_inv_freq(self.rope, self.head_dim))
         return rotate(q, angles), rotate(k, angles), v
 
     def _out(self, out, adapter: bool):
         b, t = out.shape[:2]
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), adapter)
 
-    def __call__(self, x, positions, segment_ids, adapter: bool = True, angles=None):
-        q, k, v = self._qkv(x, positions, adapter, angles)
+    def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
+        q, k, v = self._qkv(x, angles, adapter)
         mask = attention_mask(segment_ids, segment_ids, positions, positions)
         return self._out(causal_attention(q, k, v, mask), adapter)  # [b, t, h, d] -> [b, t, D]
 
-    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True,
-               angles=None):
+    def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
         """Attention of ``t`` new tokens over the cache; ``kv`` = this layer's (keys, values).
 
         ``cache`` already records the new tokens' positions/segments; returns (out, (keys, values)).
         """
-        q, k, v = self._qkv(x, positions, adapter, angles)
+        q, k, v = self._qkv(x, angles, adapter)
         keys = write_slots(kv[0], k, cache.index, keys=True)  # [b, kv, d, s]
         values = write_slots(kv[1], v, cache.index, keys=False)  # [b, kv, s, d]
         mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
@@ -103,15 +99,14 @@ class Block(nnx.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def __call__(self, x, positions, segment_ids, adapter: bool = True, angles=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, adapter, angles)
+    def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, angles, adapter)
         return x + self.mlp(self.post_attention_layernorm(x), adapter)
 
-    def decode(self, x, positions, segment_ids, kv, cache: KVCache, adapter: bool = True,
-               angles=None):
+    def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
         """``__call__`` with cached attention; returns (x, this layer's updated (keys, values))."""
-        a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, kv, cache,
-                                      adapter, angles)
+        a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, angles, kv,
+                                      cache, adapter)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x), adapter), kv
 
@@ -139,7 +134,7 @@ class Transformer(nnx.Module):
         positions, segment_ids = resolve_positions(input_ids, positions, segment_ids, attention_mask)
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
         for layer in self.layers:
-            x = layer(x, positions, segment_ids, adapter, angles)
+            x = layer(x, positions, segment_ids, angles, adapter)
         return self.norm(x)
 
     def decode(
@@ -155,7 +150,7 @@ class Transformer(nnx.Module):
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
         keys, values = [], []
         for layer, k, v in zip(self.layers, cache.keys, cache.values):
-            x, (k, v) = layer.decode(x, positions, segment_ids, (k, v), cache, adapter, angles)
+            x, (k, v) = layer.decode(x, positions, segment_ids, angles, (k, v), cache, adapter)
             keys.append(k)
             values.append(v)
         return self.norm(x), cache.advance(keys, values, input_ids.shape[1])
