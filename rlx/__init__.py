@@ -9,8 +9,8 @@ from __future__ import annotations
 
 
 def build(config, **kwargs):
-    """Assemble a ``rlx.coordinator.Run`` from ``config`` (see ``rlx.assemble.build``)."""
-    from rlx.assemble import build as _build
+    """Assemble a ``rlx.run.loop.Run`` from ``config`` (see ``rlx.run.build.build``)."""
+    from rlx.run.build import build as _build
 
     return _build(config, **kwargs)
 

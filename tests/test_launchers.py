@@ -7,8 +7,8 @@ import shlex
 import subprocess
 
 import pytest
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = os.path.join(ROOT, "launch")
 _CLEAR = ("SLURM_JOB_NODELIST", "SLURM_SUBMIT_DIR", "TPU_NAME", "ZONE", "CONFIG", "MODEL", "GPUS",
           "TP", "MODE", "RLX_ARGS", "SGLANG_MODE", "SGLANG_MODEL", "SGLANG_URL", "SERVER_ARGS")

@@ -14,8 +14,8 @@ import os
 import re
 
 import pytest
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = os.path.join(ROOT, "notebooks")
 INSTALL_HINT = 'pip install -e ".[test]" (the notebook tests need nbclient, nbformat, ipykernel, matplotlib)'
 CELL_TIMEOUT_S = 900
@@ -104,7 +104,7 @@ def test_notebook_is_stored_stripped(name):
 
 
 def test_quickstart_notebook_trains_and_plots(tmp_path):
-    from rlx.metrics import read_metrics
+    from rlx.io.metrics import read_metrics
 
     out = tmp_path / "run"
     nb = _execute("quickstart.ipynb", tmp_path, {**QUICKSTART_PARAMS, "OUTPUT_DIR": str(out)})

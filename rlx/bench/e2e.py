@@ -32,7 +32,7 @@ import tempfile
 
 from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
 from rlx.bench.rl_models import MODELS, ModelSource, resolve_model, smollm2_gguf, work_dir
-from rlx.heap import release_free_heap
+from rlx.learner.heap import release_free_heap
 
 SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8", "rlx-gguf", "trl")
 PEER = "trl"

@@ -38,7 +38,7 @@ import numpy as np
 from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
 from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, resolve_model,
                                  work_dir)
-from rlx.heap import release_free_heap
+from rlx.learner.heap import release_free_heap
 
 RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" and "<side>-proj"
 REMAT_SUFFIXES = {"": "none", "remat": "layer", "proj": "projections"}  # suffix -> train.remat

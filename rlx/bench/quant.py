@@ -23,8 +23,8 @@ from rlx.models.config import ModelConfig, MoEConfig
 from rlx.models.decoder import Precision, Transformer, resolve_positions
 from rlx.models.moe import SparseMoE
 from rlx.quant.config import QuantConfig
-from rlx.quant.gguf_blocks import GGUFTensor
-from rlx.quant.quantize import linears, quantize_model
+from rlx.bench.formats import ROWS, gguf_model
+from rlx.quant.quantize import quantize_model
 
 _BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=64)
@@ -33,39 +33,6 @@ MODELS = {
     "moe": ModelConfig(architecture="Qwen3MoeForCausalLM", qk_norm=True, **_BASE, moe=MoEConfig(
         num_experts=8, top_k=2, intermediate_size=128, norm_topk_prob=True, sparse_layers=(0, 1))),
 }
-ROWS = [  # (label, QuantConfig or GGUF type)
-    ("int8 channel", QuantConfig(format="int8")),
-    ("int8 + int8 act (w8a8_int8)", QuantConfig(format="int8", serving="w8a8_int8")),
-    ("int4 g64 sym", QuantConfig(format="int4", group_size=64)),
-    ("int4 g64 asym", QuantConfig(format="int4", group_size=64, symmetric=False)),
-    ("nf4 g64", QuantConfig(format="nf4", group_size=64)),
-    ("fp8 channel", QuantConfig(format="fp8")),
-    ("fp8 channel + fp8 act", QuantConfig(format="fp8", serving="compressed-tensors")),
-    ("fp8 block128 + fp8 act", QuantConfig(format="fp8", fp8_granularity="block128", serving="fp8")),
-    ("GGUF Q8_0", "Q8_0"), ("GGUF Q4_1", "Q4_1"), ("GGUF Q4_0", "Q4_0"),
-]
-
-
-def _gguf_tensor(w: np.ndarray, qtype: str) -> GGUFTensor:
-    import gguf
-
-    hf = np.ascontiguousarray(np.swapaxes(w, -1, -2))  # [..., out, in]
-    t = gguf.GGMLQuantizationType[qtype]
-    blocks = gguf.quants.quantize(hf.reshape(-1, hf.shape[-1]), t)
-    return GGUFTensor(qtype, hf.shape, jnp.asarray(blocks.reshape(*hf.shape[:-1], -1)), None, kernel=True)
-
-
-def gguf_model(model: Transformer, qtype: str) -> Transformer:
-    for lin in linears(model):
-        lin.kernel = _gguf_tensor(np.asarray(lin.kernel[...]), qtype)
-    for layer in model.layers:
-        if isinstance(layer.mlp, SparseMoE):
-            ex = layer.mlp.experts
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                setattr(ex, name, _gguf_tensor(np.asarray(getattr(ex, name)[...]), qtype))
-    return model
-
-
 def block_errors(ref: Transformer, quant: Transformer, ids) -> list[float]:
     """Relative output error of each block, fed the f32 model's block inputs."""
     pos, seg = resolve_positions(ids, None, None, None)

@@ -20,7 +20,7 @@ DECODE_ROWS = ("f32", "int8 channel", "int4 g64 sym", "nf4 g64", "fp8 channel", 
 
 
 def _model(model: str, label: str, hf_config: dict | None):
-    from rlx.bench.quant import ROWS, gguf_model
+    from rlx.bench.formats import ROWS, gguf_model
     from rlx.bench.workloads import load_model
     from rlx.quant import quantize_model
 

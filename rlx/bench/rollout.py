@@ -217,7 +217,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="", help="exports and logs go here (default: a temp folder)")
     p.add_argument("--sglang-python", default="", help="SGLang interpreter (default $RLX_SGLANG_PYTHON or .ci's venv)")
     p.add_argument("--sglang-harness", default="", help="module with cpu_server_env/cpu_server_args "
-                   "(CPU-only machines: tests.rollout.sglang_harness)")
+                   "(CPU-only machines: tests.helpers.sglang_harness)")
     p.add_argument("--sglang-url", default="", help="attach to this running server (it loads the export)")
     p.add_argument("--sglang-args", default="", help="extra sglang.launch_server flags")
     return p

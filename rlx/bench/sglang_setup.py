@@ -4,7 +4,7 @@ SGLang runs from its own interpreter (``--sglang-python``; default ``$RLX_SGLANG
 ``.ci/sglang_env.sh`` creates). Without it the SGLang sides are skipped with the reason printed.
 A machine that needs extra launch settings names a *harness* module (``--sglang-harness``) with
 ``cpu_server_env(root) -> ((name, value), ...)`` and ``cpu_server_args(lora_rank) -> (flags, ...)``;
-on a CPU-only machine that is the test suite's ``tests.rollout.sglang_harness`` (its two CPU
+on a CPU-only machine that is the test suite's ``tests.helpers.sglang_harness`` (its two CPU
 workarounds stay out of rlx). ``--sglang-url`` attaches to a running server instead.
 
 The server is a separate process group, so its memory is not any worker's ``ru_maxrss``:

@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="", help="exports and logs go here (default: a temp folder)")
     p.add_argument("--sglang-python", default="", help="SGLang interpreter (default $RLX_SGLANG_PYTHON or .ci's venv)")
     p.add_argument("--sglang-harness", default="", help="module with cpu_server_env/cpu_server_args "
-                   "(CPU-only machines: tests.rollout.sglang_harness)")
+                   "(CPU-only machines: tests.helpers.sglang_harness)")
     p.add_argument("--sglang-url", default="", help="attach to this running server (LoRA enabled, "
                    "max rank >= --lora-rank); it loads the bench's export first")
     p.add_argument("--sglang-args", default="", help="extra sglang.launch_server flags")

@@ -10,7 +10,7 @@ must report the new ``weight_version``). Figures: ``seconds`` (the whole sync), 
 
 - ``rlx_sync``: the built-in engine takes the values in memory (``JaxEngine.update_weights``):
   only the ``nnx.LoRAParam`` state (``kind="adapter"``, mode B) or every parameter (``"full"``).
-- ``sglang_adapter_sync``: rlx exports the adapter as PEFT (``rlx.export.export_peft``) and SGLang
+- ``sglang_adapter_sync``: rlx exports the adapter as PEFT (``rlx.io.export.export_peft``) and SGLang
   hot-loads it under a new name (``/load_lora_adapter``, the old one unloaded, new version set),
   as rlx's SGLang engine does in mode B.
 - ``sglang_full_sync``: rlx exports every weight (``export_merged``, f32 safetensors) and SGLang
@@ -127,7 +127,7 @@ def sglang_adapter_sync(url: str, model: str, lora_rank: int, probe: list[int], 
     from flax import nnx
 
     from rlx.bench.workloads import load_model
-    from rlx.export import export_peft
+    from rlx.io.export import export_peft
     from rlx.quant import LoraConfig
 
     m, _ = load_model(model, "f32", lora_rank, hf_config=hf_config)
@@ -164,7 +164,7 @@ def sglang_full_sync(url: str, model: str, probe: list[int], workdir: str, first
     from flax import nnx
 
     from rlx.bench.workloads import load_model
-    from rlx.export import export_merged
+    from rlx.io.export import export_merged
 
     m, _ = load_model(model, "f32", 0, hf_config=hf_config)
     base = nnx.state(m, nnx.Param)

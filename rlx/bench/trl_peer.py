@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 
 from rlx.bench.learner import LearnerSpec, make_rollouts
 from rlx.bench.rl_models import ModelSource, llama_linears, lora_a_init
-from rlx.heap import release_free_heap
+from rlx.learner.heap import release_free_heap
 
 _MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -185,7 +185,7 @@ def e2e_prompts(s, model_path: str) -> list[dict]:
     from rlx.data.chat import PromptFormat
     from rlx.data.pipeline import make_prompt_pipeline
     from rlx.data.sources import get_source
-    from rlx.tokenizer import Tokenizer
+    from rlx.models.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_path)
     it = make_prompt_pipeline(get_source(s.source, "train"), tok, batch_size=s.prompts, seed=s.seed,

@@ -126,7 +126,7 @@ def load_model(name: str, base: str = "f32", lora_rank: int = 0, seed: int = 0,
 
             quantize_model(model, QuantConfig(format="int8"))
         elif base == "q4_1":
-            from rlx.bench.quant import gguf_model
+            from rlx.bench.formats import gguf_model
 
             gguf_model(model, "Q4_1")
     if model.config.vocab_size != VOCAB_SIZE:

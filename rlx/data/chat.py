@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlx.data.sources import Example, Message
-from rlx.tokenizer import Tokenizer
+from rlx.models.tokenizer import Tokenizer
 
 TOOLS_PREAMBLE = (
     "You can call functions to help with the task. Their signatures are the JSON schemas "

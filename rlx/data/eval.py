@@ -21,7 +21,7 @@ from rlx.data.chat import PromptFormat, encode_prompt
 from rlx.data.sources import Example, content_key
 from rlx.rewards import RewardFn, get_reward, score_batch
 from rlx.rollout.base import Prompt, Rollout, RolloutEngine, SamplingParams
-from rlx.tokenizer import Tokenizer
+from rlx.models.tokenizer import Tokenizer
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

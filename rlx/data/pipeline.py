@@ -27,7 +27,7 @@ import grain
 from rlx.data.chat import PromptFormat, encode_prompt
 from rlx.data.sources import DataError, Example, Source
 from rlx.rollout.base import Prompt
-from rlx.tokenizer import Tokenizer
+from rlx.models.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

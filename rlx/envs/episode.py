@@ -37,7 +37,7 @@ from rlx.data.sources import Example, Message
 from rlx.envs.base import Env, EnvError, StepInfo
 from rlx.rewards import RewardResult
 from rlx.rollout.base import Prompt, Rollout, RolloutEngine, SamplingParams
-from rlx.tokenizer import Tokenizer
+from rlx.models.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
-from rlx.heap import CompiledPerShape
+from rlx.learner.heap import CompiledPerShape
 from rlx.learner.logprobs import LMHead, Projection, token_logprobs
 from rlx.learner.losses import LossConfig, LossMetrics, policy_loss, sequence_count
 from rlx.learner.state import (
@@ -341,7 +341,7 @@ def make_train_step(
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, StepMetrics]]:
     """Compile `(state, batch) -> (state, metrics)`; `state` (concrete or abstract) fixes the
     shardings. The state argument is donated: do not reuse it after the call. One program per
-    batch shape, compiled ahead of its first run (`rlx.heap.CompiledPerShape`)."""
+    batch shape, compiled ahead of its first run (`rlx.learner.heap.CompiledPerShape`)."""
     cfg = for_mesh(cfg, mesh)
     optimizer = make_optimizer(optimizer_cfg)
     shardings = state_shardings(state, optimizer, mesh, rules)

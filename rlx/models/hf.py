@@ -175,7 +175,7 @@ def from_hf(
 
 def hf_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named host arrays for every float base parameter of ``model`` (experts split per expert;
-    LoRA adapters and quantized weights are left to ``rlx.export``)."""
+    LoRA adapters and quantized weights are left to ``rlx.io.export``)."""
     out: dict[str, np.ndarray] = {}
     sources = param_map(model.config)
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))):

@@ -13,7 +13,7 @@ from rlx.models.config import from_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.hf import load_model, read_hf_config
 from rlx.models.safetensors_io import SafetensorsFolder
-from rlx.tokenizer import Tokenizer
+from rlx.models.tokenizer import Tokenizer
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -77,7 +77,7 @@ def preset_config(name: str) -> dict[str, Any]:
 def write_preset_folder(name: str, folder: str, *, tokenizer=None,
                         overrides: dict[str, Any] | None = None) -> str:
     """Write ``config.json`` of preset ``name`` (with ``overrides``) into ``folder``, plus
-    ``tokenizer`` (an ``rlx.tokenizer.Tokenizer``) when given; returns ``folder``.
+    ``tokenizer`` (an ``rlx.models.tokenizer.Tokenizer``) when given; returns ``folder``.
 
     With a stand-in tokenizer pass ``overrides={"vocab_size": tok.vocab_size, "bos_token_id": ...,
     "eos_token_id": ...}`` (``tokenizer_overrides`` builds that dict) so ids stay in range.

@@ -5,7 +5,7 @@
 - ``quantize_model`` turns a float model's linears (incl. MoE experts) into frozen ``QTensor``s;
   ``load_quantized`` / ``load_gguf_quantized`` keep already-quantized checkpoints as they are.
 - ``apply_lora`` attaches ``nnx.LoRAParam`` adapters; ``model(ids, adapter=False)`` is the reference.
-- ``state_bytes`` reports frozen and trainable bytes. Export lives in ``rlx.export``.
+- ``state_bytes`` reports frozen and trainable bytes. Export lives in ``rlx.io.export``.
 """
 
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError

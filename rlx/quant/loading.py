@@ -3,7 +3,7 @@
 - ``load_gguf_quantized(file)``: Q4_0 / Q4_1 / Q8_0 tensors of a GGUF file go to device as their
   blocks (``GGUFTensor``); F32/F16/BF16 tensors (norms, ...) load as float parameters.
 - ``load_quantized(folder)``: a HF folder whose ``config.json`` carries one of the
-  ``quantization_config`` layouts of ``rlx.quant.serving`` (what ``rlx.export`` writes: w8a8_int8,
+  ``quantization_config`` layouts of ``rlx.quant.serving`` (what ``rlx.io.export`` writes: w8a8_int8,
   compressed-tensors pack-/float-quantized, block-fp8 as DeepSeek/Qwen FP8 checkpoints ship) is read
   into ``QTensor``s without requantizing. Plain HF folders load as float models.
 

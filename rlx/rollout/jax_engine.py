@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlx.heap import CompiledPerShape
+from rlx.learner.heap import CompiledPerShape
 from rlx.learner.batching import _round_up
 from rlx.learner.state import variable_shardings
 from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, logical_to_spec, named_sharding

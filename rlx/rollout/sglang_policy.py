@@ -1,6 +1,6 @@
 """The policy served by SGLang for the coordinator (``rollout.engine = "sglang"``).
 
-At build the policy is exported into ``<output_dir>/serving/`` (``rlx.export``, each folder
+At build the policy is exported into ``<output_dir>/serving/`` (``rlx.io.export``, each folder
 published atomically with its version):
 
 - mode B (``train.mode = "lora"``): the frozen base once, in the serving format ``quant.serving``
@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from rlx.config import ConfigError, RunConfig, resolve_path
-from rlx.export import export_base, export_merged, export_peft
+from rlx.io.export import export_base, export_merged, export_peft
 from rlx.models.config import ModelConfig
 from rlx.rollout.base import Prompt, SamplingParams
 from rlx.rollout.sglang_engine import SGLangEngine

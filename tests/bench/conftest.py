@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tests.rollout.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
 
 LORA_RANK = 4
 

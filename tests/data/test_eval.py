@@ -11,7 +11,7 @@ from rlx.data.eval import evaluate, pass_at_k
 from rlx.data.sources import user_example
 from rlx.rewards import RewardResult, available_rewards, get_reward, register
 from rlx.rollout.base import Rollout, SamplingParams
-from tests.data.helpers import byte_tokenizer
+from tests.helpers.tokenizers import byte_tokenizer
 
 
 @pytest.mark.parametrize("n,c,k,expected", [

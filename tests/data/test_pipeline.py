@@ -8,7 +8,7 @@ import pytest
 
 from rlx.data import DataError, ListSource, PromptFormat, make_prompt_pipeline
 from rlx.data.sources import user_example
-from tests.data.helpers import byte_tokenizer, smollm2_tokenizer
+from tests.helpers.tokenizers import byte_tokenizer, smollm2_tokenizer
 
 
 def toy_source(n: int, long_every: int = 0) -> ListSource:

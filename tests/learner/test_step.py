@@ -19,7 +19,7 @@ from rlx.learner.step import (
 )
 from rlx.mesh import MeshShape, make_mesh
 from rlx.types import Rollout, StepMetrics
-from tests.learner.step_helpers import TINY, add_qlora, random_rollouts, sample, tiny_model
+from tests.helpers.steps import TINY, add_qlora, random_rollouts, sample, tiny_model
 
 TOL = 1e-5
 V = TINY.vocab_size

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from rlx.models import CheckpointError, ModelConfigError, from_hf
-from tests.models.hf_zoo import make_hf_model
+from tests.helpers.hf_zoo import make_hf_model
 
 
 @pytest.fixture()

@@ -9,7 +9,7 @@ import pytest
 import jax.numpy as jnp
 
 from rlx.models import from_hf, to_hf
-from tests.models.hf_zoo import FAMILIES, hf_logits, make_hf_model
+from tests.helpers.hf_zoo import FAMILIES, hf_logits, make_hf_model
 
 TOL = 1e-4
 

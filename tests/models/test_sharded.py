@@ -8,7 +8,7 @@ from flax import nnx
 
 from rlx.mesh import MeshShape, batch_sharding, make_mesh
 from rlx.models import from_hf, param_bytes_per_device
-from tests.models.hf_zoo import make_hf_model
+from tests.helpers.hf_zoo import make_hf_model
 
 
 @pytest.fixture(scope="module")

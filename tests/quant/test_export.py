@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlx.export import export_base, export_merged, publish, read_version
+from rlx.io.export import export_base, export_merged, publish, read_version
 from rlx.models import from_hf
 from rlx.quant import QuantConfig, QuantWeight, load_quantized, quantize_model
 from rlx.quant.serving import pack_int32, unpack_int32
-from tests.models.hf_zoo import make_hf_model
-from tests.quant.helpers import ids, quantized_lora_model
+from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.quant import ids, quantized_lora_model
 
 
 @pytest.fixture(scope="module")

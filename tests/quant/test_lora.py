@@ -7,11 +7,11 @@ import optax
 import pytest
 from flax import nnx
 
-from rlx.export import export_base, export_peft
+from rlx.io.export import export_base, export_peft
 from rlx.models import from_hf
 from rlx.quant import LoraConfig, QuantWeight, quantize_model
-from tests.models.hf_zoo import make_hf_model
-from tests.quant.helpers import INT4, ids, quantized_lora_model, randomize_lora_b, token_logprobs
+from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.quant import INT4, ids, quantized_lora_model, randomize_lora_b, token_logprobs
 
 
 @pytest.fixture(scope="module")

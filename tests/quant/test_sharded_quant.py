@@ -11,8 +11,8 @@ from rlx.mesh import TRAIN_RULES, MeshShape, batch_sharding, make_mesh
 from rlx.models import from_hf
 from rlx.quant import LoraConfig, apply_lora, quantize_model
 from rlx.quant.lora import shard_variables
-from tests.models.hf_zoo import make_hf_model
-from tests.quant.helpers import INT4, ids, randomize_lora_b
+from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.quant import INT4, ids, randomize_lora_b
 
 
 @pytest.mark.parametrize("family,shape", [("llama", MeshShape(data=2, fsdp=2, tensor=2)),

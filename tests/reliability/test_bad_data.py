@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from rlx.data import DataError, FieldMap, ListSource, load_file, make_prompt_pipeline
 from rlx.data.chat import PromptFormat, encode_prompt
 from rlx.data.sources import user_example
-from tests.data.helpers import byte_tokenizer
+from tests.helpers.tokenizers import byte_tokenizer
 
 FUZZ = dict(deadline=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

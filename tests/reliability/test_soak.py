@@ -21,8 +21,8 @@ import sys
 import time
 
 import pytest
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, WARMUP, WINDOW, TOLERANCE = 200, 40, 20, 0.10
 
 

@@ -15,8 +15,8 @@ import pytest
 from rlx.rewards import get_reward
 from rlx.rewards.code import CodeConfig, CodeReward, extract_code
 from rlx.rewards.sandbox import Isolation, SandboxLimits
+from tests.helpers import ROOT as REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADD_TESTS = {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
 
 

@@ -17,6 +17,7 @@ from rlx.rewards.compose import (
     overlong_penalty,
     reward_metrics,
 )
+from tests.helpers import ROOT
 
 
 class Contains:
@@ -157,7 +158,7 @@ def test_package_import_is_light():
         "heavy = [m for m in heavy if m in sys.modules]\n"
         "print(heavy)"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = ROOT
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo
     )

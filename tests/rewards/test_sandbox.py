@@ -16,6 +16,7 @@ from rlx.rewards.sandbox import (
     _python_layout,
     detect_isolation,
 )
+from tests.helpers import ROOT
 
 LIMITS = SandboxLimits(wall_s=5.0, cpu_s=5, memory_mb=512, max_processes=8, max_open_files=32)
 
@@ -157,7 +158,7 @@ def test_host_directories_are_hidden():
     level = detect_isolation()
     if level is Isolation.RLIMITS:
         pytest.skip("no namespace isolation on this host")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = ROOT
     src = (
         "import os\n"
         f"for p in ('/root', '/home', '/work', {repo!r}, '/etc/passwd', '/var'):\n"

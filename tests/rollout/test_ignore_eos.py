@@ -6,7 +6,7 @@ import pytest
 from rlx.rollout.base import Prompt, SamplingParams
 from rlx.rollout.jax_engine import JaxEngine
 from rlx.rollout.sglang_engine import sampling_payload
-from tests.learner.step_helpers import tiny_model
+from tests.helpers.steps import tiny_model
 
 
 def test_ignore_eos_refuses_stop_tokens():

@@ -23,8 +23,8 @@ from rlx.rollout.base import Prompt, SamplingParams
 from rlx.rollout.jax_engine import Buckets, JaxEngine
 from rlx.rollout.jax_sampling import segment_ends
 from rlx.rollout.preflight import learner_logprobs
-from tests.models.hf_zoo import make_hf_model
-from tests.quant.helpers import quantized_lora_model, randomize_lora_b
+from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.quant import quantized_lora_model, randomize_lora_b
 
 TOL = 1e-5
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from rlx.models import from_hf
 from rlx.rollout.jax_sampling import CDF_BLOCK, SamplerSpec, _next_tokens, _pick, first_argmax
-from tests.models.hf_zoo import make_hf_model
+from tests.helpers.hf_zoo import make_hf_model
 
 
 def _logits_with_ties(rows: int, vocab: int, seed: int = 0) -> np.ndarray:

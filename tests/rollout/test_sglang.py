@@ -17,8 +17,8 @@ from rlx.rollout.base import Prompt, RolloutError, SamplingParams
 from rlx.rollout.preflight import PreflightError, learner_logprobs, run_preflight
 from rlx.rollout.sglang_engine import SGLangEngine
 from rlx.rollout.sglang_server import SGLangServer, ServerSpec
-from tests.models.hf_zoo import make_hf_model
-from tests.rollout.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")]
@@ -199,7 +199,7 @@ def lora_server(exported, lora_base):
 
 
 def test_lora_adapter_exported_hot_loaded_used_and_unloaded(exported, lora_base, lora_server):
-    from rlx.export import export_peft
+    from rlx.io.export import export_peft
 
     tmp, _ = exported
     base = lora_base

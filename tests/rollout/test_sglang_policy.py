@@ -21,9 +21,9 @@ from rlx.config import ConfigError, parse_config
 from rlx.models import from_hf_config
 from rlx.models.presets import PRESETS
 from rlx.rollout.sglang_policy import check_servable, lora_server_args, server_args
-from tests.rollout.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tiny(tmp_path, **overrides) -> dict:
@@ -139,7 +139,7 @@ def _process_group_gone(pid: int, timeout_s: float = 60.0) -> bool:
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")
 def test_full_weights_launched_synced_attached_and_stopped(tmp_path):
-    from rlx.assemble import build
+    from rlx.run.build import build
     from rlx.rollout.preflight import PreflightError, run_preflight
     from rlx.rollout.sglang_policy import SGLangPolicy
 

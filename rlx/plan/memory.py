@@ -1,0 +1,232 @@
+"""Per-device memory of a ``PlanSpec``: exact state sizes, an analytic step model, and XLA's own.
+
+* ``state_bytes``: frozen base, trainable params and AdamW moments per device, from the abstract
+  model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size).
+* ``step_bytes``: the train step's transient memory per device (gradients, saved activations,
+  log-prob chunks, the batch) from a layer-by-layer count of what the backward pass keeps (see
+  ``_layer_features`` and ``COEFFS``), and the built-in engine's KV cache.
+* ``compiled_bytes``: lower and compile the real ``make_train_step`` on abstract inputs and read
+  ``memory_analysis()`` (arguments + outputs - aliased + temporaries). Needs the mesh's devices
+  locally and a model small enough to compile quickly; the tests check the analytic model
+  against it.
+
+All numbers are bytes per device. The analytic activation model counts XLA's saved residuals,
+not a lower bound: f32 attention scores and probabilities of the causal query blocks
+(``rlx.models.layers.causal_blocks``; rlx attention is not a fused kernel), the MoE routing
+buffers, and the [chunk, V] log-softmax working set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from rlx.learner.logprobs import balanced_chunk
+from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
+from rlx.learner.step import FORWARDS, StepConfig, make_train_step
+from rlx.mesh import MESH_AXES, TRAIN_RULES, MeshShape, logical_to_spec, make_mesh
+from rlx.models.layers import causal_blocks
+from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
+from rlx.types import BATCH_FIELDS, TrainBatch
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+class _Sizes:
+    """Stand-in for a mesh where only axis sizes matter (no devices needed)."""
+
+    def __init__(self, spec: PlanSpec):
+        self.shape = dict(zip(MESH_AXES, spec.mesh.sizes))
+
+
+def _shard_elems(shape, axes, sizes: _Sizes) -> int:
+    """Elements of one device's shard of an array with logical ``axes`` (ceil where uneven)."""
+    if not shape:
+        return 1
+    if axes is None or len(axes) != len(shape):
+        return math.prod(shape)
+    spec = tuple(logical_to_spec(axes, TRAIN_RULES, sizes))
+    spec += (None,) * (len(shape) - len(spec))
+    n = 1
+    for dim, part in zip(shape, spec):
+        names = (part,) if isinstance(part, str) else tuple(part or ())
+        split = math.prod(sizes.shape[a] for a in names)
+        n *= dim // split if dim % split == 0 else dim  # indivisible dims stay whole
+    return n
+
+
+def _representative(spec: PlanSpec) -> tuple[PlanSpec, dict[int, int]]:
+    """A spec with one layer of each kind (dense / sparse) and how many layers each stands for."""
+    c = spec.model
+    kinds = [c.is_sparse_layer(i) for i in range(c.num_layers)]
+    firsts = sorted({kinds.index(k) for k in set(kinds)})
+    weight = {new: kinds.count(kinds[old]) for new, old in enumerate(firsts)}
+    moe = c.moe
+    if moe is not None:
+        sparse = tuple(new for new, old in enumerate(firsts) if kinds[old])
+        moe = dataclasses.replace(moe, sparse_layers=sparse)
+    small = dataclasses.replace(c, num_layers=len(firsts), moe=moe)
+    return spec.replace(model=small, mesh=MeshShape()), weight
+
+
+@functools.lru_cache(maxsize=16)
+def _abstract_leaves(key: str, spec: PlanSpec) -> tuple[tuple[bool, tuple, Any, Any, int], ...]:
+    """(trainable?, shape, dtype, logical axes, layer multiplicity) of every state leaf."""
+    del key  # the cache key: the spec without its mesh (shapes do not depend on the mesh)
+    small, weight = _representative(spec)
+    _, params, frozen = nnx.split(abstract_model(small), trainable_filter(small), ...)
+    out = []
+    for trainable, state in ((True, params), (False, frozen)):
+        for path, var in nnx.to_flat_state(state):
+            axes = var.get_metadata().get("logical_axes") if isinstance(var, nnx.Variable) else None
+            leaf = jax.tree.leaves(var)[0]
+            times = weight[path[1]] if path[0] == "layers" else 1
+            out.append((trainable, tuple(leaf.shape), leaf.dtype, axes, times))
+    return tuple(out)
+
+
+def state_bytes(spec: PlanSpec) -> dict[str, int]:
+    """Per-device bytes of the frozen base, the trainable params and the AdamW moments.
+
+    Layers of one kind have identical shapes, so one layer of each kind is built abstractly and
+    counted as many times as the model has such layers (a 61-layer 1T model builds in seconds).
+    """
+    sizes, total = _Sizes(spec), {True: 0, False: 0}
+    key = repr(spec.replace(mesh=MeshShape()))
+    for trainable, shape, dtype, axes, times in _abstract_leaves(key, spec):
+        total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
+    return {"frozen": total[False], "trainable": total[True],
+            "optimizer": 2 * total[True]}  # AdamW: mu and nu in the parameter dtype
+
+
+def _abstract_batch(spec: PlanSpec, mesh) -> TrainBatch:
+    shape, rows = (spec.rows, spec.seq_len), NamedSharding(mesh, logical_to_spec(
+        ("batch", None), TRAIN_RULES, mesh))
+    fields = {}
+    for name in BATCH_FIELDS:
+        dtype = jnp.int32 if name in ("input_ids", "positions", "segment_ids", "uid",
+                                      "weight_version") else jnp.float32
+        fields[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+    return TrainBatch(**fields)
+
+
+def _with_shardings(tree, shardings):
+    def one(sharding, sub):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), sub)
+
+    return jax.tree.map(one, shardings, tree)
+
+
+def compiled_bytes(spec: PlanSpec, devices=None) -> dict[str, int]:
+    """XLA's memory analysis of the compiled train step (abstract inputs; nothing allocated)."""
+    devices = list(devices or jax.devices())[: spec.mesh.num_devices]
+    mesh = make_mesh(spec.mesh, devices)
+    graphdef, params, frozen = nnx.split(abstract_model(spec), trainable_filter(spec), ...)
+    opt_cfg = OptimizerConfig()
+    optimizer = make_optimizer(opt_cfg)
+    zero = jax.ShapeDtypeStruct((), jnp.int32)
+    state = TrainState(step=zero, skipped=zero, params=params, frozen=frozen,
+                       opt_state=jax.eval_shape(optimizer.init, params),
+                       rng=jax.eval_shape(lambda: jax.random.key(0)))
+    state = _with_shardings(state, state_shardings(state, optimizer, mesh))
+    cfg = StepConfig(micro_batches=spec.micro_batches, logprob_chunk=spec.logprob_chunk)
+    step = make_train_step(graphdef, state, mesh, cfg, opt_cfg, apply_fn=FORWARDS[spec.remat])
+    stats = step.lower(state, _abstract_batch(spec, mesh)).compile().memory_analysis()
+    out = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+           "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+
+# Coefficients of the analytic model: how many tensors of each shape the backward pass keeps
+# (or the step holds at its peak), per feature of ``step_features``. Calibrated once against
+# XLA's buffer assignment of the real train step on a sweep of small models (different shapes
+# from the ones tests/plan/test_plan.py checks), then frozen here.
+# Fitted on 17 single-device f32 steps (dense and dense-impl MoE; residuals within 2.5%):
+COEFFS = {"resid": 3.6, "qkv": 1.5, "scores": 2.95, "mlp": 6.0, "moe_d": 0.83, "moe_f": 6.45,
+          "router": 0.0, "logits": 2.14, "grads": 1.21, "embed": 7.5,
+          "lora": 1.9,  # mode B only: base and adapter outputs kept apart (3 mode-B points;
+                        # refitted after LoRA's products became 2-D, which dropped XLA's
+                        # transposed cotangent copies: 3.8 before)
+          "ckpt": 1.0}  # remat="layer": each layer's input, kept once (not fitted)
+
+
+def _div(x: int, parts: int) -> float:
+    return x / parts if x % parts == 0 else x
+
+
+def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
+    """Bytes per device of one layer's tensor shapes (one unit of each coefficient)."""
+    c, m = spec.model, spec.mesh
+    a = 2 if spec.dtype == "bfloat16" else 4
+    rows = math.ceil(spec.micro_rows / spec.batch_shards)
+    n, t = rows * spec.seq_len, m.tensor
+    f = {"resid": a * n * c.hidden_size,
+         "qkv": a * n * _div((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, t),
+         "scores": 4 * rows * _div(c.num_heads, t) * sum(
+             (e - b) * e for b, e in causal_blocks(spec.seq_len)),  # the blocks' query-key pairs
+         "mlp": 0.0, "moe_d": 0.0, "moe_f": 0.0, "router": 0.0, "lora": 0.0}
+    if not c.is_sparse_layer(layer):
+        f["mlp"] = a * n * _div(c.intermediate_size, t)
+        f["lora"] = f["mlp"] if spec.mode == "B" else 0.0
+        return f
+    e = c.moe
+    slots = e.top_k if spec.moe_impl == "ragged" else _div(e.num_experts, m.expert)
+    f["moe_d"] = a * n * slots * c.hidden_size
+    f["moe_f"] = a * n * slots * _div(e.intermediate_size, t)
+    f["router"] = 4 * n * e.num_experts
+    f["mlp"] = a * n * _div(e.shared_intermediate_size, t)
+    if spec.mode == "B":
+        f["lora"] = f["mlp"]  # batched expert adapters measured no extra beyond moe_f
+    return f
+
+
+def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
+    """Feature bytes of the whole step: per-layer terms summed over the layers that keep them."""
+    c, t = spec.model, spec.mesh.tensor
+    layers = [_layer_features(spec, i) for i in range(c.num_layers)]
+    if spec.remat == "none":
+        total = {k: sum(lf[k] for lf in layers) for k in layers[0]}
+        total["ckpt"] = 0.0
+    else:  # every layer keeps only its input; one layer at a time holds its full set
+        total = dict(max(layers, key=lambda lf: sum(COEFFS[k] * v for k, v in lf.items())))
+        total["ckpt"] = sum(lf["resid"] for lf in layers)
+    a = 2 if spec.dtype == "bfloat16" else 4
+    rows = math.ceil(spec.micro_rows / spec.batch_shards)
+    total["logits"] = 4 * balanced_chunk(rows * spec.seq_len, spec.logprob_chunk) * _div(
+        c.vocab_size, t)
+    total["grads"] = trainable
+    total["embed"] = a * rows * spec.seq_len * c.hidden_size
+    return total
+
+
+def kv_cache_bytes(spec: PlanSpec) -> int:
+    """Built-in engine: keys + values of every layer and per-slot positions / segment ids."""
+    c, m = spec.model, spec.mesh
+    rows = math.ceil(spec.rollout_rows / spec.batch_shards)
+    slots = rows * spec.rollout_len
+    kv = _div(c.num_kv_heads, m.tensor) * c.head_dim
+    return int(2 * c.num_layers * slots * kv * _BYTES[spec.kv_dtype] + 2 * slots * 4)
+
+
+def step_bytes(spec: PlanSpec, trainable: int) -> dict[str, int]:
+    """Per-device transient bytes of the train step by category, and the sampler's KV cache."""
+    f = step_features(spec, trainable)
+    part = {k: COEFFS[k] * v for k, v in f.items()}
+    rows = math.ceil(spec.rows / spec.batch_shards)
+    acts = sum(v for k, v in part.items() if k not in ("grads", "logits"))
+    c = spec.model
+    decode_logits = 4 * math.ceil(spec.rollout_rows / spec.batch_shards) * _div(
+        c.vocab_size, spec.mesh.tensor)
+    return {"grads": int(part["grads"]), "activations": int(acts),
+            "logprob_chunks": int(part["logits"]), "batch": 32 * rows * spec.seq_len,  # 8 int32/f32 fields the step reads
+            "kv_cache": kv_cache_bytes(spec), "decode_temp": int(decode_logits)}

@@ -1,0 +1,224 @@
+"""Memory planner: ``python -m rlx.plan --config configs/X.py [--mesh data=1,fsdp=8]
+[--hbm-gb 192 --devices 8] [--mode A|B] [--compiled]``.
+
+Prints bytes per device for the frozen base, trainable params, gradients, AdamW state,
+activations (with the remat choice), log-prob chunks, the batch and the built-in engine's KV
+cache; whether the peak of the train step and of sampling fits the device memory; and, when it
+does not, which knob to turn (remat, micro-batches, chunk size, rollout shape) or how many nodes
+of ``--devices`` devices the run needs (FSDP over more devices).
+
+Everything is computed from abstract shapes (``jax.eval_shape``); no weights are read. Small
+models can also be compiled (``--compiled``) and XLA's memory analysis is printed beside.
+
+The config file's ``get_config()`` supplies ``model.hf_config`` (a transformers ``config.json``
+dict; or ``model.path`` to a folder holding one), ``mesh.*``, ``quant.*``, ``lora.*`` and a
+``plan`` section with the remaining ``PlanSpec`` fields (mode, dtypes, rows, seq_len, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from rlx.mesh import MESH_AXES, MeshShape
+from rlx.models import from_hf_config
+from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
+from rlx.plan.spec import PlanSpec
+from rlx.quant import LoraConfig, QuantConfig
+
+GB = 1e9
+RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmentation
+TRAIN_KEYS = ("frozen", "trainable", "optimizer", "grads", "activations", "logprob_chunks",
+              "batch")
+SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "kv_cache", "decode_temp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Per-device bytes by category, the two phase peaks, and the verdict."""
+
+    spec: PlanSpec
+    bytes: dict[str, int]
+    hbm_bytes: float
+
+    @property
+    def train_peak(self) -> int:
+        return sum(self.bytes[k] for k in TRAIN_KEYS)
+
+    @property
+    def sample_peak(self) -> int:
+        return sum(self.bytes[k] for k in SAMPLE_KEYS)
+
+    @property
+    def peak(self) -> int:
+        return max(self.train_peak, self.sample_peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.hbm_bytes * (1 - RESERVE)
+
+
+def plan(spec: PlanSpec, hbm_gb: float) -> Plan:
+    """The analytic plan of ``spec`` on devices of ``hbm_gb`` GB each."""
+    state = state_bytes(spec)
+    return Plan(spec, {**state, **step_bytes(spec, state["trainable"])}, hbm_gb * GB)
+
+
+def nodes_needed(spec: PlanSpec, hbm_gb: float, max_nodes: int = 256) -> int | None:
+    """Smallest k such that ``spec`` with FSDP over k times its devices fits (None: none <= max)."""
+    for k in range(1, max_nodes + 1):
+        mesh = dataclasses.replace(spec.mesh, fsdp=spec.mesh.fsdp * k)
+        if plan(spec.replace(mesh=mesh), hbm_gb).fits:
+            return k
+    return None
+
+
+def advice(p: Plan, devices_per_node: int) -> list[str]:
+    """Knobs that shrink the biggest categories, most effective first."""
+    if p.fits:
+        return []
+    s, b, tips = p.spec, p.bytes, []
+    if p.train_peak >= p.sample_peak:
+        if s.remat == "none" and b["activations"] > 0.1 * p.peak:
+            tips.append("set plan.remat='layer' (keeps one layer's activations at a time)")
+        if b["activations"] > 0.2 * p.peak and s.micro_rows > 1:
+            tips.append(f"raise plan.micro_batches (now {s.micro_batches}) or lower plan.seq_len")
+        if b["logprob_chunks"] > 0.1 * p.peak:
+            tips.append(f"lower plan.logprob_chunk (now {s.logprob_chunk})")
+    elif b["kv_cache"] > 0.1 * p.peak:
+        tips.append("lower plan.rollout_rows or plan.rollout_len (KV cache), or use SGLang")
+    if s.mode == "A" and b["optimizer"] + b["trainable"] > 0.3 * p.peak:
+        tips.append("train LoRA adapters on a frozen base (plan.mode='B', quant.format='int4')")
+    k = nodes_needed(s, p.hbm_bytes / GB)
+    if k and k > 1:
+        n = k * s.mesh.num_devices
+        tips.append(f"or use {k}x the devices: mesh fsdp={s.mesh.fsdp * k}, {n} devices = "
+                    f"{math.ceil(n / devices_per_node)} nodes of {devices_per_node}")
+    elif k is None:
+        tips.append("does not fit even on 256 nodes; shrink the model or the batch")
+    return tips
+
+
+def format_plan(p: Plan, compiled: dict[str, int] | None = None, devices_per_node: int = 8) -> str:
+    s, m = p.spec, p.spec.mesh
+    lines = [f"model      {s.model.architecture}, {s.model.num_params() / 1e9:.2f}B params; mode "
+             f"{s.mode}" + (f", base {s.quant.format} + LoRA r{s.lora.rank}" if s.mode == "B" else
+                            f", {s.param_dtype} + AdamW"),
+             f"mesh       " + ", ".join(f"{a}={v}" for a, v in zip(MESH_AXES, m.sizes))
+             + f" ({m.num_devices} devices), remat={s.remat}, rows={s.rows}x{s.seq_len}, "
+             f"micro_batches={s.micro_batches}",
+             "per device (GB)"]
+    for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS):
+        lines.append(f"  {key:15s} {p.bytes[key] / GB:10.3f}")
+    lines.append(f"  {'train peak':15s} {p.train_peak / GB:10.3f}")
+    lines.append(f"  {'sample peak':15s} {p.sample_peak / GB:10.3f}")
+    if compiled:
+        lines.append(f"  {'XLA compiled':15s} {compiled['total'] / GB:10.3f}  (train step: "
+                     f"arguments {compiled['argument'] / GB:.3f}, temp {compiled['temp'] / GB:.3f})")
+    verdict = "fits" if p.fits else "does NOT fit"
+    lines.append(f"verdict    {verdict}: peak {p.peak / GB:.1f} GB of {p.hbm_bytes / GB:.0f} GB "
+                 f"({RESERVE:.0%} reserved)")
+    lines += [f"knob       {t}" for t in advice(p, devices_per_node)]
+    return "\n".join(lines)
+
+
+def _section(cfg: Any, name: str) -> dict[str, Any]:
+    sub = cfg.get(name) if hasattr(cfg, "get") else None
+    if sub is None:
+        return {}
+    return dict(sub.to_dict() if hasattr(sub, "to_dict") else sub)
+
+
+def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
+    if model.get("hf_config"):
+        return dict(model["hf_config"])
+    path = model.get("path", "")
+    cfg_json = os.path.join(path, "config.json") if path else ""
+    if not cfg_json or not os.path.exists(cfg_json):
+        raise ValueError("the planner needs config.model.hf_config (a config.json dict) or "
+                         "config.model.path pointing at a folder with config.json")
+    with open(cfg_json) as f:
+        return json.load(f)
+
+
+def spec_from_config(cfg: Any) -> PlanSpec:
+    """Build a ``PlanSpec`` from a ``get_config()`` ConfigDict (or nested dict)."""
+    model = _section(cfg, "model")
+    quant, lora = _section(cfg, "quant"), _section(cfg, "lora")
+    if "targets" in lora:
+        lora["targets"] = tuple(lora["targets"])
+    fields = {f.name for f in dataclasses.fields(PlanSpec)}
+    extra = {k: v for k, v in _section(cfg, "plan").items() if k in fields}
+    unknown = set(_section(cfg, "plan")) - fields - {"hbm_gb", "devices_per_node"}
+    if unknown:
+        raise ValueError(f"unknown key config.plan.{sorted(unknown)[0]}; known: {sorted(fields)}")
+    for key in ("dtype", "param_dtype", "moe_impl"):
+        if key in model and key not in extra:
+            extra[key] = model[key]
+    mesh = MeshShape(**{a: int(_section(cfg, "mesh").get(a, 1)) for a in MESH_AXES})
+    return PlanSpec(model=from_hf_config(_hf_config(model)), quant=QuantConfig(**quant),
+                    lora=LoraConfig(**lora), mesh=mesh, **extra)
+
+
+def load_config_file(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("rlx_plan_config", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import config file {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def parse_mesh(text: str) -> MeshShape:
+    """``data=1,fsdp=8`` -> MeshShape; axes not named are 1."""
+    sizes = {a: 1 for a in MESH_AXES}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in sizes:
+            raise ValueError(f"--mesh axis {name!r} is not one of {MESH_AXES}")
+        sizes[name] = int(value)
+    return MeshShape(**sizes)
+
+
+def _args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlx.plan", description=__doc__.split("\n\n")[1])
+    p.add_argument("--config", required=True, help="configs/*.py file with get_config()")
+    p.add_argument("--mesh", default="", help="override the mesh, e.g. data=1,fsdp=8")
+    p.add_argument("--hbm-gb", type=float, default=None, help="memory per device (default: "
+                   "config.plan.hbm_gb or 80)")
+    p.add_argument("--devices", type=int, default=None, help="devices per node (default: the "
+                   "mesh size); a mesh without --mesh becomes fsdp=DEVICES")
+    p.add_argument("--mode", choices=("A", "B"), default=None, help="override config.plan.mode")
+    p.add_argument("--compiled", action="store_true", help="also compile the train step on "
+                   "local devices and print XLA's memory analysis (small models)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    cfg = load_config_file(args.config)
+    try:
+        spec = spec_from_config(cfg)
+        if args.mode:
+            spec = spec.replace(mode=args.mode)
+        if args.mesh:
+            spec = spec.replace(mesh=parse_mesh(args.mesh))
+        elif args.devices and args.devices != spec.mesh.num_devices:
+            spec = spec.replace(mesh=MeshShape(fsdp=args.devices))
+    except (ValueError, TypeError) as e:
+        print(f"rlx.plan: {e}", file=sys.stderr)
+        return 2
+    extra = _section(cfg, "plan")
+    hbm = args.hbm_gb or extra.get("hbm_gb", 80.0)
+    per_node = args.devices or extra.get("devices_per_node", spec.mesh.num_devices)
+    p = plan(spec, hbm)
+    compiled = compiled_bytes(spec) if args.compiled else None
+    print(format_plan(p, compiled, per_node))
+    return 0 if p.fits else 1
+

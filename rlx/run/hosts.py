@@ -1,0 +1,265 @@
+"""Which process does what in a multi-host run (``config.distributed``), for ``rlx.run.loop.Run``.
+
+Every process runs the same loop over one mesh spanning all processes' devices (``rlx.run.multihost``).
+In each step:
+
+1. data: a process reads its own shards of the data (``distributed.data_shards``; one per process
+   by default), ``prompts_per_step / data_shards`` prompts from each, concatenated in shard order.
+   The global prompt batch is every process's prompts in process order, i.e. the shards in order:
+   with ``data_shards`` fixed it is the same on any process count that divides it (one process
+   reading shards 0 and 1 sees the global batch of two processes reading one each).
+2. rollouts (``distributed.rollouts``):
+
+   * ``"primary"``: every process's prompts are gathered to process 0, whose engine samples all of
+     them; the rollouts are broadcast to every process;
+   * ``"per_host"``: each process samples its own prompts with its own engine; the rollouts are
+     all-gathered.
+
+   Either way every process then holds the same global rollouts, prompt-major in process order;
+   a GRPO group (one prompt's samples) is sampled by one engine and never split. The engines seed
+   every sample by (step, prompt uid, sample index), so both modes draw the same tokens.
+3. rewards: each process scores the rollouts of its own prompts (it holds their examples: answers,
+   tests, environments) and the scores are all-gathered, so advantages, dynamic sampling and the
+   padded batch come out identical on every process;
+4. batch: each process puts only its own rows of that batch on its devices (``take_local_rows``,
+   ``global_batch``) for the compiled steps;
+5. weights: an engine runs on its own process's devices (a process-local mesh: the learner's
+   arrays span every process, an engine's computations must not), built from a host copy of the
+   learner's weights; after each update the trainable variables are all-gathered (``to_host``)
+   and installed, as an ``nnx.State``, where an engine runs.
+
+Evaluation, the parity preflight and ``Run.generate`` run on process 0 and share their result (or
+their error) with the others. Metrics and logs are written by process 0 (``MetricsLogger``);
+checkpoints by every process together (orbax; each saves its own data-iterator position). A
+signal on any process stops every process after the same step.
+
+With one process every exchange is the identity and the engine shares the learner's mesh, model
+and weight updates, exactly as a single-process run always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from rlx.run import multihost
+from rlx.config import ConfigError, RunConfig
+from rlx.data.pipeline import PromptBatch
+from rlx.learner.batching import shard_batch
+from rlx.mesh import MeshShape, make_mesh
+from rlx.rollout.base import Prompt
+from rlx.types import Rollout, TrainBatch
+
+
+class ShardedPrompts(grain.DatasetIterator):
+    """One ``PromptBatch`` per step from several shard iterators, concatenated in shard order."""
+
+    def __init__(self, shards: Sequence[grain.DatasetIterator]):
+        super().__init__(list(shards))
+        self._shards = list(shards)
+
+    def __next__(self) -> PromptBatch:
+        parts = [next(s) for s in self._shards]
+        return PromptBatch(prompts=tuple(p for b in parts for p in b.prompts),
+                           examples=tuple(e for b in parts for e in b.examples),
+                           epoch=max(b.epoch for b in parts))
+
+    def get_state(self) -> dict[str, Any]:
+        return {"shards": [s.get_state() for s in self._shards]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        if len(state["shards"]) != len(self._shards):
+            raise ValueError(f"a data position of {len(state['shards'])} shards does not fit "
+                             f"{len(self._shards)} shards")
+        for shard, s in zip(self._shards, state["shards"]):
+            shard.set_state(s)
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+    """A mesh over this process's devices: the learner's tensor and expert sizes where they fit
+    in it, the rest data-parallel (an engine of one process)."""
+    n = jax.local_device_count()
+    tensor = math.gcd(mesh.shape["tensor"], n)
+    expert = math.gcd(mesh.shape["expert"], n // tensor)
+    return make_mesh(MeshShape(data=n // (tensor * expert), tensor=tensor, expert=expert),
+                     jax.local_devices())
+
+
+@dataclasses.dataclass(frozen=True)
+class Hosts:
+    """This process's part in the run (see the module docstring); the identity on one process."""
+
+    rollouts: str = "primary"  # "primary" | "per_host" (config.distributed.rollouts)
+    data_shards: int = 0  # 0: one per process
+    index: int = dataclasses.field(default_factory=jax.process_index)
+    count: int = dataclasses.field(default_factory=jax.process_count)
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> "Hosts":
+        """From ``config.distributed`` (after ``jax.distributed`` is up); checks the data split."""
+        hosts = cls(cfg.distributed.rollouts, cfg.distributed.data_shards)
+        shards, per_step = hosts.shards, cfg.data.prompts_per_step
+        if shards % hosts.count:
+            raise ConfigError(f"config.distributed.data_shards={shards} is not a multiple of the "
+                              f"{hosts.count} JAX processes")
+        if per_step % shards:
+            raise ConfigError(f"config.data.prompts_per_step={per_step} is not a multiple of the "
+                              f"{shards} data shards (config.distributed.data_shards, default one "
+                              "per process): each shard gives the same share of a step's prompts")
+        return hosts
+
+    @property
+    def shards(self) -> int:
+        return self.data_shards or self.count
+
+    @property
+    def multi(self) -> bool:
+        return self.count > 1
+
+    @property
+    def runs_engine(self) -> bool:
+        """Whether this process samples (and so holds an engine)."""
+        return not self.multi or self.rollouts == "per_host" or self.index == 0
+
+    # --- build --------------------------------------------------------------------------------
+    def prompt_data(self, make: Callable[[int, int, int], grain.DatasetIterator],
+                    prompts_per_step: int) -> grain.DatasetIterator:
+        """This process's prompts: ``make(shard_index, shard_count, batch_size)`` per own shard."""
+        per = self.shards // self.count
+        own = [make(i, self.shards, prompts_per_step // self.shards)
+               for i in range(self.index * per, (self.index + 1) * per)]
+        return own[0] if per == 1 else ShardedPrompts(own)
+
+    def engine(self, make: Callable[[Any, Mesh], Any], compiled: Any, mesh: Mesh) -> Any:
+        """``make(compiled, mesh)``: one process on the learner's own; several on this process's
+        devices from a host copy of the learner's weights, and only where it samples (else None).
+        A failure on any process is raised on every process (none waits for the others)."""
+        if not self.multi:
+            return make(compiled, mesh)
+        host = dataclasses.replace(compiled, state=compiled.state.replace(
+            params=multihost.to_host(compiled.state.params),
+            frozen=multihost.to_host(compiled.state.frozen)))
+        engine = None
+        try:
+            if self.runs_engine:
+                engine = make(host, local_mesh(mesh))
+        except Exception as e:  # noqa: BLE001 - shared below, then raised
+            self._agree_on_failure(e)
+            raise
+        try:
+            self._agree_on_failure(None)
+        except RuntimeError:
+            if engine is not None:  # another process failed: stop this one's servers
+                engine.close()
+            raise
+        return engine
+
+    def _agree_on_failure(self, error: BaseException | None) -> None:
+        """Share this process's error; raise on a process that had none when another had one."""
+        failed = [(i, e) for i, e in enumerate(multihost.allgather_objects(
+            None if error is None else f"{type(error).__name__}: {error}")) if e is not None]
+        if failed and error is None:
+            i, message = failed[0]
+            raise RuntimeError(f"process {i} of the run failed: {message}")
+
+    # --- one step -------------------------------------------------------------------------------
+    def to_generate(self, prompts: Sequence[Prompt]) -> Sequence[Prompt]:
+        """The prompts this process's engine samples: its own (one process, "per_host"), every
+        process's (process 0 in "primary"), or none."""
+        if not self.multi or self.rollouts == "per_host":
+            return prompts
+        everyone = multihost.allgather_objects(tuple(prompts))
+        return tuple(p for part in everyone for p in part) if self.index == 0 else ()
+
+    def share(self, rollouts: list[Rollout], seconds: float) -> tuple[list[Rollout], float]:
+        """The global rollouts (process order) and generation seconds, on every process."""
+        if not self.multi:
+            return rollouts, seconds
+        if self.rollouts == "primary":
+            return multihost.broadcast_object((list(rollouts), seconds))
+        parts = multihost.allgather_objects((list(rollouts), seconds))
+        return [r for part, _ in parts for r in part], max(t for _, t in parts)
+
+    def gather_scores(self, total: int, own: Sequence[int], scores: Sequence[float],
+                      texts: Sequence[str], reasons: Sequence[str]
+                      ) -> tuple[np.ndarray, list[str], list[str]]:
+        """Every rollout's score, text and grading reason from each process's ``own`` (indices
+        into the global rollouts) ones; raises when some rollout was scored by no process."""
+        mine = (list(own), list(scores), list(texts), list(reasons))
+        parts = multihost.allgather_objects(mine) if self.multi else [mine]
+        out, out_texts, out_reasons = np.zeros(total, np.float64), [None] * total, [""] * total
+        for index, part_scores, part_texts, part_reasons in parts:
+            for i, s, t, why in zip(index, part_scores, part_texts, part_reasons):
+                out[i], out_texts[i], out_reasons[i] = s, t, why
+        missing = [i for i, t in enumerate(out_texts) if t is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} rollouts (the first: {missing[0]}) belong to no "
+                               "process's prompt batch; engines must return the prompts' uids")
+        return out, out_texts, out_reasons
+
+    def device_batch(self, batch: TrainBatch, mesh: Mesh) -> TrainBatch:
+        """The host batch (the same on every process) on the mesh, each process giving its rows."""
+        if not self.multi:
+            return shard_batch(batch, mesh)
+        local = multihost.take_local_rows(batch, mesh)
+        return multihost.global_batch(local, mesh, batch.shape[0])
+
+    def sync_weights(self, engine: Any, compiled: Any, version: int) -> None:
+        """The learner's current weights to the engine as ``version``: one process the whole
+        model; several the trainable variables (all-gathered), where an engine runs."""
+        if not self.multi:
+            engine.update_weights(compiled.model(), version)
+            return
+        params = multihost.to_host(compiled.state.params)
+        if engine is not None:
+            engine.update_weights(params, version)
+
+    def learner_model(self, compiled: Any) -> nnx.Module:
+        """The learner's model: one process its own; several a host copy (for process 0's checks)."""
+        if not self.multi:
+            return compiled.model()
+        return nnx.merge(compiled.graphdef, multihost.to_host(compiled.state.params),
+                         multihost.to_host(compiled.state.frozen))
+
+    def on_primary(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on process 0; its result (or its error, raised) on every process."""
+        if not self.multi:
+            return fn(*args)
+        result = error = None
+        if self.index == 0:
+            try:
+                result = fn(*args)
+            except Exception as e:  # noqa: BLE001 - shared, then raised everywhere
+                error = e
+        shared = error
+        if error is not None and not _picklable(error):
+            shared = RuntimeError(f"{type(error).__name__}: {error}")
+        result, shared = multihost.broadcast_object((result, shared))
+        if error is not None:
+            raise error
+        if shared is not None:
+            raise shared
+        return result
+
+    def first_signal(self, received: int | None) -> int | None:
+        """The stop signal any process received (the first by process), on every process."""
+        if not self.multi:
+            return received
+        return next((s for s in multihost.allgather_objects(received) if s is not None), None)
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        pickle.loads(pickle.dumps(obj))
+        return True
+    except Exception:  # noqa: BLE001
+        return False

@@ -1,0 +1,160 @@
+"""A run's life cycle around the step: checkpoints, resume, and stopping on signals.
+
+* ``open_checkpointer`` - the run's orbax ``Checkpointer`` in ``<output_dir>/checkpoints``: saved
+  every ``train.checkpoint_every`` steps and at exit, keep-last ``train.keep_checkpoints``; mode B
+  records a reference to the frozen base (its source, format and hash) instead of the base.
+* ``restore`` - ``config.resume``: "" starts fresh (and refuses an ``output_dir`` that already
+  holds checkpoints, so nothing written is overwritten by accident), "latest" continues from the
+  newest complete checkpoint (fresh when there is none), a number from that step.
+* ``StopSignals`` - SIGTERM / Ctrl-C ask the loop to stop after the current step; the run then
+  saves a final checkpoint. A second Ctrl-C interrupts at once.
+* ``StartupSignals`` - before that, while the run is being built (loading, compiling, starting
+  SGLang servers), SIGTERM / Ctrl-C raise ``Interrupted`` at once, so the clean-up of whatever
+  was started runs (a server killed mid start-up could leave processes it was still spawning).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from rlx.io.checkpoint import BaseRef, CheckpointConfig, Checkpointer, CheckpointMismatchError, \
+    base_reference
+from rlx.config import ConfigError, RunConfig, to_dict
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+MUST_MATCH = ("model", "quant", "lora")  # config sections a resumed checkpoint must agree on
+
+
+def checkpoint_dir(cfg: RunConfig) -> str:
+    return os.path.join(cfg.output_dir, CHECKPOINT_DIR)
+
+
+def open_checkpointer(cfg: RunConfig, state: Any) -> Checkpointer:
+    """The run's checkpointer (mode B: with a reference to the frozen base)."""
+    base: BaseRef | None = None
+    if cfg.train.mode == "lora":
+        base = base_reference(state.frozen, source=cfg.model.path, format=cfg.quant.format)
+    every = cfg.train.checkpoint_every or 2**62  # 0: only at exit (forced saves)
+    return Checkpointer(
+        CheckpointConfig(checkpoint_dir(cfg), every=every, keep=cfg.train.keep_checkpoints,
+                         must_match=MUST_MATCH),
+        model_config=to_dict(cfg.model), run_config=_recorded_config(cfg), base=base)
+
+
+def _recorded_config(cfg: RunConfig) -> dict:
+    """The config a checkpoint records (and a resume compares): without what legitimately differs
+    between the processes or the launches of one run (its resume flag, process id, address)."""
+    out = to_dict(cfg)
+    out.pop("resume", None)
+    for key in ("process_id", "coordinator_address"):
+        out.get("distributed", {}).pop(key, None)
+    return out
+
+
+def restore(cfg: RunConfig, checkpointer: Checkpointer, state: Any, data: Any):
+    """``(step, state)`` to start from: ``(0, state)`` fresh, else the restored checkpoint's
+    (``data`` is moved to its saved position)."""
+    wanted = cfg.resume_step
+    steps = checkpointer.steps()
+    if wanted is None:
+        if steps:
+            raise ConfigError(
+                f"config.output_dir={cfg.output_dir!r} already holds checkpoints (steps "
+                f"{', '.join(map(str, steps))}); pass --config.resume=latest to continue that run, "
+                "or choose a new config.output_dir")
+        return 0, state
+    if wanted == "latest":
+        restored = checkpointer.restore_latest(state, data)
+        if restored is None:
+            log.warning("config.resume=latest: no checkpoint in %s; starting at step 0",
+                        checkpointer.directory)
+            return 0, state
+    else:
+        if wanted not in steps:
+            raise CheckpointMismatchError(
+                f"config.resume={wanted}: no checkpoint of step {wanted} in "
+                f"{checkpointer.directory} (saved steps: {steps or 'none'})")
+        restored = checkpointer.restore(wanted, state, data)
+    log.warning("resumed from checkpoint %d in %s", restored.step, checkpointer.directory)
+    return restored.step, restored.state
+
+
+class DataPosition:
+    """A data iterator's saved position, checkpointed in its place when the iterator itself has
+    already moved on (one-step-off rollouts fetch a batch ahead). grain's checkpoint handler
+    writes a non-iterator's ``get_state()`` bytes as they are: the same JSON an iterator gets."""
+
+    def __init__(self, state: Any):
+        self._state = state
+
+    def get_state(self) -> bytes:
+        return json.dumps(self._state, indent=4).encode()
+
+
+class StopSignals:
+    """Context manager: SIGTERM and SIGINT set ``received`` (the loop stops after its step);
+    a second SIGINT raises ``KeyboardInterrupt``. Only installs handlers on the main thread."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+        log.warning("%s received: stopping after this step and saving a checkpoint (Ctrl-C "
+                    "again to interrupt at once)", signal.Signals(signum).name)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived while the run was being built (``StartupSignals``)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"{signal.Signals(signum).name} received while starting")
+        self.signum = signum
+
+
+class StartupSignals:
+    """Context manager: SIGTERM and SIGINT raise ``Interrupted`` (a ``BaseException``, so every
+    ``except BaseException`` clean-up on the way runs). Only installs handlers on the main thread."""
+
+    def __init__(self):
+        self._previous: dict[int, Any] = {}
+
+    @staticmethod
+    def _raise(signum, frame) -> None:
+        # once: the clean-up that follows must not be interrupted by a repeated SIGTERM (a
+        # second Ctrl-C still interrupts at once)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise Interrupted(signum)
+
+    def __enter__(self) -> "StartupSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._raise)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

@@ -1,0 +1,440 @@
+"""The RL loop: a short ``step()`` of named calls.
+
+prompts -> generate -> score -> advantages -> batch -> reference log-probs -> update -> weight
+sync -> metrics, then (in ``train``) evaluation and checkpoints. Each step takes one optimizer
+update over the whole batch (gradient accumulation over ``train.micro_batches`` inside the
+compiled step) and hands the new weights to the engine (``weight_version`` = learner step).
+
+* Synchronous on-policy (``train.max_staleness = 0``): each step samples with the current weights.
+* One-step-off asynchronous (``train.max_staleness = 1``): while step t scores and updates, the
+  engine already generates step t+1's rollouts with the weights of step t (a background thread);
+  the weights move to the engine once that generation is done. Rollouts carry their
+  ``weight_version``; the loss's truncated importance sampling (sampler vs. learner log-probs)
+  corrects the one-version lag together with the numerical sampler/learner mismatch, which is
+  measured every step (``mismatch/*``, ``rollout/staleness``).
+
+Rollouts are checked before anything uses them (``check_rollouts``): exactly ``group_size``
+samples of every prompt, each ``(uid, sample index)`` once, all of the policy version the engine
+was given; otherwise a ``RolloutError``. An engine failure ends ``train`` with a checkpoint of the
+last completed step and an error saying where to resume.
+
+Checkpoints (``rlx.run.lifecycle``): every ``train.checkpoint_every`` steps, and at the end of
+``train`` or when SIGTERM / Ctrl-C stop it after the current step. A resumed synchronous run is
+bit-identical to an uninterrupted one (same batches, same sampling seeds, same rng stream); a
+resumed one-step-off run regenerates its first batch with the restored weights.
+
+Multi-host (``config.distributed``): every process runs this loop; ``Run.hosts`` (``rlx.run.hosts``)
+exchanges prompts, rollouts and rewards so that every process trains on the same global batch,
+each feeding its own rows; with one process each of its calls is the identity.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlx.learner.advantages import compute_advantages
+from rlx.run.lifecycle import DataPosition, StopSignals
+from rlx.run.hosts import Hosts
+from rlx.learner.batching import pad_rollouts, train_buckets
+from rlx.io.metrics import TextSample, to_scalars
+from rlx.rewards.base import score_batch
+from rlx.rollout.base import Prompt, RolloutError, SamplingParams
+from rlx.types import Rollout
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteError(RuntimeError):
+    """Too many updates in a row were skipped for a non-finite loss or gradient norm."""
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The learner: graph, state (donated each update), compiled steps."""
+
+    graphdef: nnx.GraphDef
+    state: Any  # TrainState
+    train_step: Callable
+    ref_step: Callable | None
+
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state.params, self.state.frozen)
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One-step-off: the next step's batch, generating in the background."""
+
+    batch: Any
+    data_position: Any  # the data iterator's state before this batch was taken
+    future: concurrent.futures.Future  # -> (rollouts, generation seconds)
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t
+
+
+class _Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        yield
+        self.times[f"time/{name}"] = time.perf_counter() - t
+
+
+@dataclasses.dataclass
+class Run:
+    """A built run: ``step()``, ``train(n)``, ``evaluate()``, ``generate(texts)``, ``close()``."""
+
+    cfg: Any
+    mesh: Any
+    compiled: Compiled
+    engine: Any
+    tokenizer: Any
+    data: Any
+    eval_set: Sequence[Any]
+    prompt_format: Any
+    reward: Any
+    logger: Any
+    step_count: int = 0
+    metrics: list = dataclasses.field(default_factory=list)  # one flat record per step / eval
+    probe: list | None = None  # fixed (token ids, prompt length) sequences of the parity preflight
+    checkpointer: Any = None  # rlx.io.checkpoint.Checkpointer (None: no checkpoints)
+    stopped_by: int | None = None  # the signal that stopped `train`, if one did
+    _pending: _Pending | None = None
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _horizon: int | None = None  # the last step `train` will take (no prefetch beyond it)
+    _skipped_in_row: int = 0  # updates skipped for NaN/Inf since the last good one
+    hosts: Hosts = dataclasses.field(default_factory=Hosts)  # this process's part (rlx.run.hosts)
+
+    # --- one RL step ----------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        timer = _Timer()
+        with timer("step"):
+            with timer("wait_rollouts"):
+                batch, rollouts, gen_time = self._rollouts()
+            timer.times["time/generate"] = gen_time
+            if self.cfg.train.max_staleness and self.step_count + 1 != self._horizon:
+                self._prefetch()
+            with timer("score"):
+                rewards, texts, reasons = self._score(rollouts, batch)
+            uids = np.array([r.prompt_uid for r in rollouts])
+            advantages = compute_advantages(self.cfg.train.advantage, rewards, uids)
+            keep = self._keep(rewards, uids)
+            with timer("logprob"):
+                train_batch = self._batch([rollouts[i] for i in keep], advantages[keep])
+            with timer("update"):  # dispatch is asynchronous: time the update itself
+                self.compiled.state, step_metrics = jax.block_until_ready(
+                    self.compiled.train_step(self.compiled.state, train_batch))
+            with timer("sync"):
+                self.step_count += 1
+                self._await_prefetch()  # the engine's weights change only when it is idle
+                self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
+        record = self._record(step_metrics, rollouts, rewards, keep, timer.times)
+        self._log(record, rollouts, texts, rewards, reasons)
+        self._check_numerics(record)
+        return record
+
+    def _check_numerics(self, record: dict[str, float]) -> None:
+        """Count updates the learner skipped for a non-finite loss / gradient norm; stop after
+        ``train.max_skipped_steps`` in a row (no checkpoint is written meanwhile)."""
+        if not record.get("learner/skipped"):
+            self._skipped_in_row = 0
+            return
+        self._skipped_in_row += 1
+        limit = self.cfg.train.max_skipped_steps
+        log.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row, "
+                    "stopping at %d)", self.step_count, self._skipped_in_row, limit)
+        if self._skipped_in_row >= limit:
+            last = self.checkpointer.steps()[-1] if self.checkpointer and \
+                self.checkpointer.steps() else None
+            raise NonFiniteError(
+                f"{self._skipped_in_row} updates in a row (up to step {self.step_count}) had a "
+                f"non-finite loss or gradient norm and were skipped; the last good checkpoint is "
+                f"step {last} in {self.checkpointer.directory if self.checkpointer else '-'}. "
+                "Lower optim.learning_rate or check the rewards and data, then resume with "
+                "--config.resume=latest")
+
+    def _rollouts(self):
+        """This step's batch and rollouts: the prefetched ones, or generated now. (A failed
+        prefetch stays pending: a checkpoint then records the data position before its batch.)"""
+        if self._pending is not None:
+            pending = self._pending
+            rollouts, seconds = self.hosts.share(*pending.future.result())
+            self._pending = None
+            return pending.batch, rollouts, seconds
+        batch = next(self.data)
+        prompts = self.hosts.to_generate(batch.prompts)
+        rollouts, seconds = self.hosts.share(*_timed(
+            self._generate, prompts, self._sampling(), self.step_count))
+        return batch, rollouts, seconds
+
+    def _generate(self, prompts: Sequence[Prompt], sampling: SamplingParams,
+                  version: int) -> list[Rollout]:
+        """The engine's rollouts, checked before anything uses them (``check_rollouts``)."""
+        if not prompts:
+            return []
+        rollouts = self.engine.generate(prompts, sampling)
+        check_rollouts(prompts, sampling.n, rollouts, version)
+        return rollouts
+
+    def _prefetch(self) -> None:
+        """One-step-off: start generating the next step's batch with the current weights."""
+        position = self.data.get_state()
+        batch = next(self.data)
+        prompts = self.hosts.to_generate(batch.prompts)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "rlx-rollout")
+        sampling = self._sampling(step=self.step_count + 1)
+        future = self._pool.submit(_timed, self._generate, prompts, sampling, self.step_count)
+        self._pending = _Pending(batch, position, future)
+
+    def _await_prefetch(self) -> None:
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending.future])
+
+    def _sampling(self, evaluation: bool = False, step: int | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        step = self.step_count if step is None else step
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens, n=1 if evaluation else r.group_size,
+            temperature=r.eval_temperature if evaluation else r.temperature,
+            top_p=None if r.top_p >= 1.0 else r.top_p, seed=self.cfg.seed + step,
+            logprobs=not evaluation,  # evaluation and samples to look at need none
+            **({"ignore_eos": True} if r.ignore_eos and not evaluation
+               else {"stop_token_ids": (self.tokenizer.eos_id,)}))
+
+    def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str], list[str]]:
+        examples = {e.uid: e for e in batch.examples}
+        own = [i for i, r in enumerate(rollouts) if r.prompt_uid in examples]  # this process's
+        texts = [self.tokenizer.decode(rollouts[i].completion_ids.tolist(), skip_special_tokens=True)
+                 for i in own]
+        samples = [examples[rollouts[i].prompt_uid].reward_sample() for i in own]
+        results = score_batch(self.reward, texts, samples)
+        return self.hosts.gather_scores(len(rollouts), own, [res.score for res in results], texts,
+                                        [res.reason for res in results])
+
+    def _keep(self, rewards: np.ndarray, uids: np.ndarray) -> np.ndarray:
+        """Indices trained on: all, or (dynamic sampling) groups whose rewards differ."""
+        if not self.cfg.train.dynamic_sampling:
+            return np.arange(len(rewards))
+        mixed = {u for u in set(uids.tolist()) if np.ptp(rewards[uids == u]) > 0}
+        keep = np.array([i for i, u in enumerate(uids.tolist()) if u in mixed], np.int64)
+        return keep if len(keep) else np.arange(len(rewards))
+
+    def _batch(self, rollouts: Sequence[Rollout], advantages: np.ndarray):
+        shape = self.mesh.shape
+        rows = shape["data"] * shape["fsdp"] * shape["expert"] * self.cfg.train.micro_batches
+        host = pad_rollouts(rollouts, advantages, buckets=_buckets(self.cfg),
+                            rows_multiple=rows)
+        batch = self.hosts.device_batch(host, self.mesh)
+        if self.compiled.ref_step is not None:
+            ref = self.compiled.ref_step(self.compiled.state.params, self.compiled.state.frozen, batch)
+            batch = batch.replace(ref_logp=jax.block_until_ready(ref.logp))  # timed as logprob
+        return batch
+
+    # --- metrics --------------------------------------------------------------------------
+    def _record(self, step_metrics, rollouts, rewards, keep, times) -> dict[str, float]:
+        lengths = np.array([len(r.completion_ids) for r in rollouts], np.float64)
+        tokens = float(sum(len(r.completion_ids) for r in rollouts))
+        record = {f"learner/{k}": v for k, v in to_scalars(step_metrics).items()}
+        record.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/clipped_frac": float(np.mean(
+                [r.finish_reason == "length" for r in rollouts])),
+            "batch/kept_frac": len(keep) / len(rollouts),
+            "rollout/staleness": float(np.mean([self.step_count - 1 - r.weight_version
+                                                for r in rollouts])),
+            "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
+            **times,
+        })
+        return record
+
+    def _log(self, record, rollouts, texts, rewards, reasons) -> None:
+        self.metrics.append({"step": self.step_count, **record})
+        self.logger.log(self.step_count, record)
+        if self.cfg.train.sample_every and self.step_count % self.cfg.train.sample_every == 0:
+            rows = list(zip(rollouts, texts, rewards, reasons))[:4]
+            samples = [TextSample(prompt=self.tokenizer.decode(list(r.prompt_ids)), completion=t,
+                                  reward=float(s), reason=why) for r, t, s, why in rows]
+            self.logger.log_text(self.step_count, samples)
+
+    # --- loops, evaluation, inspection --------------------------------------------------------
+    def train(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Run ``steps`` (default: the rest of ``train.steps``), evaluating every ``eval_every``
+        and checkpointing every ``checkpoint_every`` steps and at the end. SIGTERM / Ctrl-C stop
+        the loop after the current step (``stopped_by``), with a final checkpoint."""
+        total = self.cfg.train.steps if steps is None else self.step_count + steps
+        every, check = self.cfg.train.eval_every, self.cfg.rollout.preflight_every
+        self._horizon, self.stopped_by = total, None
+        with StopSignals() as signals:
+            try:
+                if self.step_count == 0 and self.eval_set and self.step_count < total:
+                    self.preflight()
+                    self.evaluate()
+                while self.step_count < total and self.hosts.first_signal(signals.received) is None:
+                    self.step()
+                    if check and self.eval_set and self.step_count % check == 0:
+                        self.preflight()
+                    if self.eval_set and (self.step_count == total
+                                          or (every and self.step_count % every == 0)):
+                        self.evaluate()
+                    self.save()
+            except RolloutError as e:
+                self._engine_failed(e, signals.received)
+            self.save(force=True)
+            self.stopped_by = self.hosts.first_signal(signals.received)
+        return self.metrics
+
+    def _engine_failed(self, error: RolloutError, signal_received: int | None) -> None:
+        """The engine failed mid-step. Nothing of that step was trained on (an engine fails
+        while generating, or syncing weights after the update), so the state is the last
+        completed step's: checkpoint it, then raise with where to resume from. After a stop
+        signal (which may have stopped the servers too, e.g. sent to the whole job) the run
+        ends as stopped by it instead."""
+        self.save(force=True)
+        if signal_received is not None:
+            log.warning("rollout engine failed after a stop signal (the step in flight is "
+                        "dropped): %s", error)
+            return
+        raise RolloutError(f"{error}\nThe run stopped at step {self.step_count}; "
+                           f"{self._last_checkpoint()}") from error
+
+    def _last_checkpoint(self) -> str:
+        if self.checkpointer is None:
+            return "no checkpoints are written (train.checkpoint_every and no checkpointer)"
+        self.checkpointer.wait()
+        steps = self.checkpointer.steps()
+        if not steps:
+            return f"no checkpoint was written in {self.checkpointer.directory}"
+        return (f"the last checkpoint is step {steps[-1]} in {self.checkpointer.directory}: "
+                "resume with --config.resume=latest")
+
+    def save(self, force: bool = False) -> bool:
+        """Checkpoint the current step if due (or ``force``); True when a save started. The
+        data position saved is the one after this step's batch, also in one-step-off mode."""
+        if self.checkpointer is None or self._skipped_in_row:  # only states after a good update
+            return False
+        data = self.data if self._pending is None else DataPosition(self._pending.data_position)
+        return self.checkpointer.save(self.step_count, self.compiled.state, data, force=force)
+
+    def preflight(self):
+        """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);
+        raises ``PreflightError`` above ``rollout.preflight_threshold``, else logs the figures."""
+        report = self.hosts.on_primary(self._preflight, self.hosts.learner_model(self.compiled))
+        self.logger.log(self.step_count, report.scalars())
+        self.metrics.append({"step": self.step_count, **report.scalars()})
+        return report
+
+    def _preflight(self, model):
+        from rlx.data.chat import encode_prompt
+        from rlx.rollout.preflight import run_preflight
+
+        if self.probe is None:
+            prompts = [Prompt(e.uid, tuple(encode_prompt(self.tokenizer, e, self.prompt_format)))
+                       for e in self.eval_set[:4]]
+            outs = self.engine.generate(prompts, self._sampling(evaluation=True))
+            self.probe = [(list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids))
+                          for r in outs if len(r.completion_ids)]
+        return run_preflight(model, self.engine.score, self.probe,
+                             engine_name=getattr(self.engine, "name", type(self.engine).__name__),
+                             base_format=self.cfg.quant.format,
+                             threshold=self.cfg.rollout.preflight_threshold)
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy (``rollout.eval_temperature``) accuracy on the held-out set."""
+        record = self.hosts.on_primary(self._evaluate)
+        self.metrics.append({"step": self.step_count, **record})
+        self.logger.log(self.step_count, record)
+        return record
+
+    def _evaluate(self) -> dict[str, float]:
+        from rlx.data.eval import evaluate
+
+        t = time.perf_counter()
+        report = evaluate(self.engine, self.eval_set, self.reward, k=1,
+                          sampling=self._sampling(evaluation=True), tokenizer=self.tokenizer,
+                          prompt_format=self.prompt_format)
+        return {"eval/accuracy": float(report.pass_at[1]), "eval/mean_reward": report.mean_score,
+                "time/eval": time.perf_counter() - t}
+
+    def generate(self, texts: Sequence[str], **sampling: Any) -> list[str]:
+        """Chat-templated completions of user messages (for looking at samples)."""
+        base = dataclasses.replace(self._sampling(evaluation=True), **sampling)
+        prompts = [Prompt(f"gen-{i}", tuple(self.tokenizer.encode_chat(
+            [{"role": "user", "content": t}], add_generation_prompt=True))) for i, t in enumerate(texts)]
+        outs = self.hosts.on_primary(lambda: self.engine.generate(prompts, base))
+        return [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True) for r in outs]
+
+    def summary(self) -> str:
+        """Held-out accuracy at the start and now, and the reward curve, as text."""
+        evals = [(r["step"], r["eval/accuracy"]) for r in self.metrics if "eval/accuracy" in r]
+        rewards = [r["reward/mean"] for r in self.metrics if "reward/mean" in r]
+        lines = [f"steps {self.step_count}; mean reward per step: "
+                 + " ".join(f"{x:.2f}" for x in rewards)]
+        lines += [f"held-out greedy accuracy at step {s}: {100 * a:.1f}%" for s, a in evals]
+        if len(evals) >= 2:
+            lines.append(f"change: {100 * (evals[-1][1] - evals[0][1]):+.1f} points")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        """Finish pending work (checkpoint writes, a prefetched generation), stop the engine's
+        servers and the reward workers, close the logs."""
+        self._await_prefetch()
+        self._pending = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.logger.close()
+        if self.engine is not None:  # a process that does not sample holds none
+            self.engine.close()
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()
+
+
+def check_rollouts(prompts: Sequence[Prompt], n: int, rollouts: Sequence[Rollout],
+                   version: int) -> None:
+    """Raise ``RolloutError`` unless ``rollouts`` are exactly ``n`` samples of every prompt (each
+    ``(uid, sample_index)`` once) made with policy ``version``: a dropped, doubled, foreign or
+    stale rollout is never trained on."""
+    want = collections.Counter((p.uid, j) for p in prompts for j in range(n))
+    got = collections.Counter((r.prompt_uid, r.sample_index) for r in rollouts)
+    problems = []
+    if got != want:
+        missing, extra = sorted(want - got), sorted(got - want)
+        problems += [f"{len(missing)} missing (first {missing[:3]})"] if missing else []
+        problems += [f"{len(extra)} unexpected or doubled (first {extra[:3]})"] if extra else []
+    stale = sorted({r.weight_version for r in rollouts} - {version})
+    if stale:
+        problems.append(f"made with weight_version {stale}, not the policy's {version}")
+    if problems:
+        raise RolloutError(f"the rollout engine returned {len(rollouts)} rollouts for "
+                           f"{len(prompts)} prompts x {n} samples: {'; '.join(problems)}; "
+                           "refusing to train on them (an engine bug or a server fault)")
+
+
+def _buckets(cfg) -> tuple[int, ...]:
+    """Padded lengths for train batches up to the prompt + completion caps (``train_buckets``)."""
+    return train_buckets(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+                         per_octave=cfg.train.length_buckets)

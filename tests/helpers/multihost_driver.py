@@ -1,0 +1,96 @@
+"""A few learner steps of a tiny model on a mesh over every process's devices.
+
+Run as ``python -m tests.helpers.multihost_driver --out result.npz --num-processes P --process-id I
+--coordinator HOST:PORT --local-devices D`` once per process (P = 1 runs alone on D devices).
+Every process builds only its own rows of each batch; process 0 writes the losses and the final
+trainable params to ``--out``. ``tests/run/test_multihost.py`` compares 2 x 4 against 1 x 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+MESH = dict(data=2, fsdp=2, tensor=2, expert=1)
+ROWS, STEPS = 16, 3
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0)
+    p.add_argument("--coordinator", default="")
+    p.add_argument("--local-devices", type=int, default=8)
+    p.add_argument("--mode", choices=("A", "B"), default="A")
+    return p.parse_args(argv)
+
+
+def _batches(vocab: int, rows_multiple: int):
+    """The same global host batches on every process (each keeps only its rows later)."""
+    from rlx.learner.batching import pad_rollouts
+    from tests.helpers.steps import random_rollouts
+
+    out = []
+    for step in range(STEPS):
+        rollouts = random_rollouts(ROWS, vocab, seed=10 + step)
+        adv = np.random.RandomState(step).normal(size=ROWS).astype(np.float32)
+        out.append(pad_rollouts(rollouts, adv, rows_multiple=rows_multiple))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
+    """Train STEPS steps; on process 0 return losses and flattened params, else None."""
+    import jax
+    from flax import nnx
+
+    from rlx.run import multihost
+    from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
+    from rlx.learner.step import StepConfig, make_train_step
+    from rlx.mesh import MeshShape, make_mesh
+    from tests.helpers.steps import TINY, add_qlora, tiny_model
+
+    mesh = make_mesh(MeshShape(**MESH), jax.devices())
+    model, trainable = tiny_model(0), nnx.Param
+    if args.mode == "B":
+        model, trainable = add_qlora(model), nnx.LoRAParam
+    opt_cfg = OptimizerConfig(learning_rate=1e-2, schedule="constant")
+    graphdef, state = create_train_state(model, make_optimizer(opt_cfg), mesh, trainable=trainable)
+    step = make_train_step(graphdef, state, mesh, StepConfig(micro_batches=2), opt_cfg)
+    losses = []
+    for batch in _batches(TINY.vocab_size, rows_multiple=8):
+        local = multihost.take_local_rows(batch, mesh)  # a real pipeline reads only these rows
+        state, metrics = step(state, multihost.global_batch(local, mesh, batch.shape[0]))
+        losses.append(np.asarray(metrics.loss.addressable_data(0)))
+    params = multihost.to_host(state.params)
+    if not multihost.is_primary():
+        return None
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    out = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+    out["losses"] = np.array(losses)
+    out["process_count"] = np.array(jax.process_count())
+    out["device_count"] = np.array(jax.device_count())
+    return out
+
+
+def main(argv=None) -> None:
+    args = _parse(argv)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from rlx.run import multihost
+
+    if args.num_processes > 1:
+        multihost.initialize(args.coordinator, args.num_processes, args.process_id,
+                             local_device_count=args.local_devices)
+    else:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", args.local_devices)
+    result = run(args)
+    if result is not None:
+        np.savez(args.out, **result)
+
+
+if __name__ == "__main__":
+    main()

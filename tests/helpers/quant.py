@@ -1,0 +1,42 @@
+"""Shared helpers of the quantization tests: tiny HF models, random non-zero adapters, log-probs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlx.models import from_hf
+from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
+from tests.helpers.hf_zoo import make_hf_model
+
+# group 8 divides every input size of the zoo models (32, 48, 16, 24).
+INT4 = QuantConfig(format="int4", group_size=8)
+
+
+def randomize_lora_b(model: nnx.Module, seed: int = 1, scale: float = 0.3) -> None:
+    """Give every ``lora_b`` random values (fresh adapters are exactly zero)."""
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+        if path[-1] == "lora_b":
+            var.set_value(scale * jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype))
+
+
+def quantized_lora_model(root: str, family: str, q: QuantConfig = INT4,
+                         lora: LoraConfig = LoraConfig(rank=3, alpha=5.0), randomize: bool = True):
+    model = quantize_model(from_hf(make_hf_model(family, root)), q)
+    apply_lora(model, lora, nnx.Rngs(0))
+    if randomize:
+        randomize_lora_b(model)
+    return model
+
+
+def token_logprobs(logits, ids):
+    """log p(ids[:, 1:]) under ``logits[:, :-1]`` (f32 log-softmax)."""
+    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, ids[:, 1:, None], axis=-1)[..., 0]
+
+
+def ids(batch: int = 2, length: int = 9, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, 97, (batch, length))

@@ -1,0 +1,85 @@
+"""The memory planner: analytic model vs XLA's compiled memory analysis, config files, the 1T plan."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import pytest
+
+from rlx.mesh import MeshShape
+from rlx.models import ModelConfig, MoEConfig
+from rlx.plan import load_config_file, nodes_needed, plan, spec_from_config
+from rlx.plan.memory import compiled_bytes
+from rlx.plan.spec import PlanSpec
+from rlx.quant import LoraConfig, QuantConfig
+from tests.helpers import ROOT
+
+# Shapes differ from the sweep the coefficients were calibrated on (one device, other sizes).
+DENSE = ModelConfig(architecture="LlamaForCausalLM", vocab_size=2048, hidden_size=192,
+                    intermediate_size=512, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=32)
+MOE = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=1536, hidden_size=160,
+                  intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=40,
+                  qk_norm=True, moe=MoEConfig(12, 3, 96, True, sparse_layers=(1, 2)))
+SMALL = dict(dtype="float32", param_dtype="float32", remat="none", rows=8, seq_len=160,
+             logprob_chunk=320)
+CASES = {
+    "dense-A": PlanSpec(model=DENSE, mode="A", **SMALL),
+    "moe-A": PlanSpec(model=MOE, mode="A", moe_impl="dense", **SMALL),
+    "dense-B": PlanSpec(model=DENSE, mode="B", quant=QuantConfig("int8"), lora=LoraConfig(rank=8),
+                        **SMALL),
+    "moe-B": PlanSpec(model=MOE, mode="B", moe_impl="dense", quant=QuantConfig("int4", group_size=32),
+                      lora=LoraConfig(rank=4), **SMALL),
+}
+MESHES = [MeshShape(data=2, fsdp=2, tensor=2), MeshShape(fsdp=2, expert=4)]
+
+
+def _state(p) -> int:
+    return sum(p.bytes[k] for k in ("frozen", "trainable", "optimizer", "batch"))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_analytic_matches_compiled(name):
+    """Whole train step on one device: analytic peak within 10% of XLA's memory analysis."""
+    spec = CASES[name]
+    p = plan(spec, hbm_gb=1.0)
+    xla = compiled_bytes(spec, jax.devices())
+    assert abs(p.train_peak - xla["total"]) <= 0.10 * xla["total"], (name, p.train_peak, xla)
+    # the state is exact: XLA's arguments are the state and the batch (+ a few scalars)
+    assert abs(_state(p) - xla["argument"]) <= 64, (_state(p), xla)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=str)
+@pytest.mark.parametrize("name", ["moe-B"])
+def test_sharded_state_is_exact(name, mesh):
+    """Per-device state bytes from logical axes equal XLA's per-device argument sizes."""
+    spec = CASES[name].replace(mesh=mesh)
+    xla = compiled_bytes(spec, jax.devices())
+    assert abs(_state(plan(spec, 1.0)) - xla["argument"]) <= 64, xla
+
+
+KIMI = os.path.join(ROOT, "configs", "kimi_k2_plan.py")
+
+
+def test_kimi_k2_mode_b_fits_one_node_mode_a_needs_eight():
+    spec = spec_from_config(load_config_file(KIMI))
+    assert 1.0e12 < spec.model.num_params() < 1.1e12 and spec.mesh.num_devices == 8
+    b = plan(spec, hbm_gb=192)
+    assert b.fits and b.bytes["frozen"] > 0.5 * b.peak  # the int4 base dominates
+    a = plan(spec.replace(mode="A"), hbm_gb=192)
+    assert not a.fits and a.bytes["frozen"] == 0
+    assert a.bytes["optimizer"] == 2 * a.bytes["trainable"]
+    assert nodes_needed(spec.replace(mode="A"), 192) == 8
+
+
+def test_cli_prints_categories_and_verdict(capsys):
+    from rlx.plan import main
+
+    assert main(["--config", KIMI]) == 0
+    out = capsys.readouterr().out
+    for key in ("frozen", "trainable", "optimizer", "grads", "activations", "logprob_chunks",
+                "kv_cache", "verdict    fits"):
+        assert key in out
+    assert main(["--config", KIMI, "--mode", "A"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "64 devices = 8 nodes of 8" in out
