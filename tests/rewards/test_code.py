@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import socket
+import subprocess
 import time
 import uuid
 
@@ -230,24 +231,65 @@ def test_connecting_to_a_host_socket(hostile):
             listener.accept()
 
 
-def test_killing_its_parent(hostile):
-    # kill(-1) reports success even when every signal was refused, so only the targeted kills
-    # count as evidence; the grader's survival is checked afterwards either way.
-    body = (
-        "killed = []\n"
-        f"for target in (os.getppid(), {os.getpid()}):\n"
-        "    try:\n"
-        "        os.kill(target, 9)\n"
-        "        killed.append(target)\n"
-        "    except OSError:\n"
-        "        pass\n"
-        "try:\n"
-        "    os.kill(-1, 9)\n"
-        "except OSError:\n"
-        "    pass\n"
-        "return 'escaped' if killed else killed"
+# every level, and rlimits with a system interpreter (which a slot uid can execute when the grader
+# is root); rlimits under the grader's own uid is skipped as in `hostile`
+KILL_VARIANTS = [(level, None) for level in Isolation] + [(Isolation.RLIMITS, "/usr/bin/python3")]
+
+
+def _variant_id(variant) -> str:
+    return variant[0].value + ("-system-python" if variant[1] else "")
+
+
+@pytest.fixture(scope="module", params=KILL_VARIANTS, ids=_variant_id)
+def hostile_at_each_level(request):
+    level, python = request.param
+    if python is not None and not os.access(python, os.X_OK):
+        pytest.skip(f"no {python} here")
+    r = CodeReward(
+        test_timeout_s=2.0, limits=ADVERSARIAL_LIMITS, max_workers=1, isolation=level, python=python
     )
-    _attack(hostile, body)
+    with r:
+        try:
+            probe = r.sandbox.run("pass")
+        except RuntimeError:
+            pytest.skip(f"isolation level {level.value} does not work on this host")
+        if probe.isolation is Isolation.RLIMITS and not probe.uid_isolated:
+            pytest.skip("rlimits under the caller's own uid: hostile programs would hit the host")
+        yield r
+
+
+def _alive(proc: subprocess.Popen) -> bool:
+    try:
+        proc.wait(timeout=0.5)  # a SIGKILL already sent has landed by then
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+def test_killing_its_parent(hostile_at_each_level):
+    # An escape is a signal that reaches a process outside the sandbox. Inside a pid namespace
+    # "parent" and "process group" name processes of the sandbox itself (with unshare the program
+    # is pid 1: getppid() is 0 and kill(0) targets its own group), so what kill() returns proves
+    # nothing; the evidence is whether processes outside are still alive afterwards: a sentinel
+    # this test started, and the grader (this process), whose host pids the program is given.
+    hostile = hostile_at_each_level
+    sentinel = subprocess.Popen(["sleep", "60"])
+    try:
+        assert sentinel.poll() is None
+        body = (
+            f"targets = [{sentinel.pid}, os.getppid(), {os.getpid()}, -1, 0]\n"
+            "for target in targets:\n"
+            "    try:\n"
+            "        os.kill(target, 9)\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "return 'survived'"
+        )
+        _attack(hostile, body)
+        assert _alive(sentinel), f"a kill from the {hostile.isolation} sandbox reached the sentinel"
+    finally:
+        sentinel.kill()
+        sentinel.wait()
     # the grader (this process) survived and still grades
     assert hostile("def add(a, b):\n    return a + b\n", ADD_TESTS).score == 1.0
 
