@@ -1,25 +1,62 @@
-"""``python -m rlx.bench NAME [args]``: run one benchmark by name."""
+"""``python -m rlx.bench NAME [args]``: run one benchmark by name.
+
+``python -m rlx.bench --help`` (or ``-h``) lists the benchmarks, one line each, and exits 0; no
+name or an unknown one prints the same list to stderr and exits 2. ``NAME --help`` shows that
+benchmark's own options.
+"""
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import NamedTuple
+
+
+class Benchmark(NamedTuple):
+    module: str  # imported only when the benchmark runs; has main(argv) -> int
+    summary: str  # the one line --help shows
+
 
 BENCHMARKS = {
-    "rollout": "rlx.bench.rollout",  # generation tokens/s: rlx JAX engine vs HF generate vs SGLang
-    "learner": "rlx.bench.learner",  # one GRPO update: rlx mode B vs PyTorch + PEFT with TRL's loss
-    "e2e": "rlx.bench.e2e",  # samples/s of whole RL steps: rlx vs TRL GRPOTrainer
-    "sync": "rlx.bench.sync",  # update done -> engine serves the new policy; bytes moved
-    "quant": "rlx.bench.quant",  # per-format layer error and decode tokens/s
-    "products": "rlx.bench.products",  # bare matrix products of a decode step: XLA vs PyTorch
+    "rollout": Benchmark(
+        "rlx.bench.rollout", "generation tokens/s: rlx JAX engine vs HF generate vs SGLang"
+    ),
+    "learner": Benchmark(
+        "rlx.bench.learner", "one GRPO update: rlx mode B vs PyTorch + PEFT with TRL's loss"
+    ),
+    "e2e": Benchmark("rlx.bench.e2e", "samples/s of whole RL steps: rlx vs TRL GRPOTrainer"),
+    "sync": Benchmark("rlx.bench.sync", "update done -> engine serves the new policy; bytes moved"),
+    "quant": Benchmark("rlx.bench.quant", "per-format layer error and decode tokens/s"),
+    "products": Benchmark(
+        "rlx.bench.products", "bare matrix products of a decode step: XLA vs PyTorch"
+    ),
 }
+
+_HELP = ("-h", "--help")
+
+
+def listing() -> str:
+    """Usage line and one line per benchmark."""
+    width = max(map(len, BENCHMARKS))
+    lines = [
+        "usage: python -m rlx.bench NAME [args]  (NAME --help: that benchmark's options)",
+        "",
+        "benchmarks:",
+    ]
+    lines += [f"  {name:<{width}}  {b.summary}" for name, b in BENCHMARKS.items()]
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in _HELP:
+        print(listing())
+        return 0
     if not argv or argv[0] not in BENCHMARKS:
-        print(f"usage: python -m rlx.bench {{{'|'.join(BENCHMARKS)}}} [args]", file=sys.stderr)
+        if argv:
+            print(f"unknown benchmark {argv[0]!r}", file=sys.stderr)
+        print(listing(), file=sys.stderr)
         return 2
-    return importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:])
+    return importlib.import_module(BENCHMARKS[argv[0]].module).main(argv[1:])
 
 
 if __name__ == "__main__":
