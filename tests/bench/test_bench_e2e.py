@@ -19,10 +19,19 @@ def test_e2e_bench_tiny(tmp_path, tmp_path_factory, capsys):
     assert table[0] == "| " + " | ".join(HEADER) + " |" and len(table) == 2 + 2
     record = json.loads(path.read_text())
     assert record["spec"]["fixed_length"] and [row[0] for row in record["rows"]] == ["rlx-f32", "trl"]
+    rows = {row[0]: row for row in record["rows"]}
     for side in ("rlx-f32", "trl"):
         r = record["runs"][side][0]
         assert r["samples"] == 4 and r["completion_tokens"] == 4 * 4, (side, r)
-        assert r["seconds"] > 0 and r["peak_rss_mb"] > 0 and 0 <= r["reward_mean"] <= 1, (side, r)
+        assert r["peak_rss_mb"] > 0 and 0 <= r["reward_mean"] <= 1, (side, r)
+        # one measured repetition: the table's step seconds are this run's, its samples/s is
+        # samples / seconds (the median of one value is that value)
+        step_s, rate = rows[side][2], rows[side][3]
+        assert step_s == r["seconds"] and rate == r["samples"] / r["seconds"], (side, rows[side])
+    assert rows["rlx-f32"][4] == f"{rows['rlx-f32'][3] / rows['trl'][3]:.2f}x"
     rlx = record["runs"]["rlx-f32"][0]
     assert rlx["generate_s"] > 0 and rlx["update_s"] > 0
     assert rlx["generate_s"] + rlx["update_s"] <= rlx["seconds"]
+    # a synchronous step is its five phases in turn: they add up to at most its wall time
+    phases = [rlx[f"{p}_s"] for p in ("generate", "score", "logprob", "update", "sync")]
+    assert min(phases) > 0 and sum(phases) <= rlx["seconds"], (phases, rlx["seconds"])

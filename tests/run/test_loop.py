@@ -45,7 +45,18 @@ def test_tiny_run_trains_logs_and_generates(tmp_path):
         assert pre["step"] == 0 and pre["preflight/max_abs"] <= 1e-5
         assert run.compiled.state.step == 2 and run.engine.weight_version == 2
         texts = run.generate(["What is 2 + 3?"], max_new_tokens=4)
-        assert len(texts) == 1 and isinstance(texts[0], str)
+        from rlx.types import Prompt, SamplingParams
+
+        # greedy (eval temperature 0): the engine gives the same tokens again for the same
+        # chat-templated prompt; the text is exactly their decoding, special tokens dropped
+        assert run.cfg.rollout.eval_temperature == 0.0
+        ids = run.tokenizer.encode_chat([{"role": "user", "content": "What is 2 + 3?"}],
+                                        add_generation_prompt=True)
+        (out,) = run.engine.generate([Prompt("check", tuple(ids))], SamplingParams(
+            max_new_tokens=4, temperature=0.0, stop_token_ids=(run.tokenizer.eos_id,),
+            logprobs=False))
+        decoded = run.tokenizer.decode(out.completion_ids.tolist(), skip_special_tokens=True)
+        assert texts == [decoded]
     finally:
         run.close()
     logged = read_metrics(os.path.join(str(tmp_path / "tiny"), "metrics.jsonl"))
@@ -68,7 +79,12 @@ def test_quickstart_config_runs_one_shrunken_step(tmp_path):
     try:
         record = run.step()
         assert np.isfinite(record["learner/loss"]) and record["batch/kept_frac"] == 1.0
-        assert run.evaluate()["eval/accuracy"] >= 0.0
+        record = run.evaluate()
+        # one greedy answer to each of the data.eval_size = 2 problems, graded 0 or 1 by the
+        # math reward: accuracy is correct/2, and the mean reward of the same answers
+        assert len(run.eval_set) == 2
+        assert record["eval/accuracy"] in (0.0, 0.5, 1.0)
+        assert record["eval/accuracy"] == record["eval/mean_reward"]
     finally:
         run.close()
 
