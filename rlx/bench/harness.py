@@ -37,8 +37,7 @@ from typing import Any
 # Every worker's environment. rlx's workers run with OpenMP threads that sleep as soon as they are
 # idle (a library loaded beside jax brings libgomp); PyTorch's workers get OpenMP's default wait
 # policy (``TORCH_ENV``), since its kernels run in OpenMP regions and waking sleeping threads for
-# every small product slowed HF ``generate`` by a third on a 2-core machine (SmolLM2-135M,
-# 16 x 128 greedy: 84-92 tokens/s default, 51-66 passive).
+# every small product slows HF ``generate`` down (figures: README.md, "Design measurements").
 BASE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
             "TF_CPP_MIN_LOG_LEVEL": "2"}
 TORCH_ENV = {"OMP_WAIT_POLICY": None}  # a side's ``env`` value None: the variable is unset

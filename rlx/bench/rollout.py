@@ -181,9 +181,9 @@ def markdown(rows: list[dict]) -> str:
 
 
 def verdicts(model: str, rows: list[dict]) -> list[str]:
-    """One line per goal of the issue that this run measured (wall-clock rates; the CPU-time
-    ratio in brackets): rlx with log-probs against HF and SGLang (which is asked for them), and
-    rlx without them against HF ``generate``, which computes none."""
+    """One line per goal (README.md, "Rollout") that this run measured (wall-clock rates; the
+    CPU-time ratio in brackets): rlx with log-probs against HF and SGLang (which is asked for
+    them), and rlx without them against HF ``generate``, which computes none."""
     out = []
     peers = {"rlx f32": (("HF", "hf", GOALS[model]), ("SGLang", "sglang", 1.0)),
              NOLP: (("HF", "hf", GOALS[model]),)}

@@ -9,11 +9,12 @@ Four ways a new policy reaches the engine, on the same model (f32 weights; see
 - ``sglang-full``: safetensors export + SGLang ``/update_weights_from_disk`` (mode A on SGLang).
 
 The adapter is LoRA rank ``--lora-rank`` (default 16, the quickstart's) on all seven projections
-(q, k, v, o, gate, up, down). Bytes moved: the adapter against the full weights; the goal of the
-issue is <= 2%. That share depends on the rank, the targets and the model's shape, so a second table
-gives it for ranks 8/16/32 on attention only and on every projection, for this model and the
-larger recipes' models (computed from shapes). Both SGLang sides share one LoRA-enabled server
-(``rlx.bench.sglang_setup``); without SGLang they are skipped with the reason printed.
+(q, k, v, o, gate, up, down). Bytes moved: the adapter against the full weights; the goal is
+<= 2% (README.md, "Weight sync"). That share depends on the rank, the targets and the model's
+shape, so a second table gives it for ranks 8/16/32 on attention only and on every projection,
+for this model and the larger recipes' models (computed from shapes). Both SGLang sides share one
+LoRA-enabled server (``rlx.bench.sglang_setup``); without SGLang they are skipped with the reason
+printed.
 """
 
 from __future__ import annotations

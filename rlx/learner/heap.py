@@ -1,12 +1,12 @@
 """Handing freed heap memory back to the operating system, and steps compiled once per shape.
 
-XLA's compiler (LLVM on CPU) allocates several hundred MB while it compiles a train step and frees
+XLA's compiler (LLVM on CPU) allocates much memory in small blocks while it compiles a train step and frees
 them when it is done, but glibc keeps freed small blocks inside the process's heap. The step's
 temporary buffers, allocated right after, are fresh large allocations, so the process's peak
 resident memory holds both. ``release_free_heap`` returns the free pages (glibc ``malloc_trim``;
 a no-op where the C library has none), and ``CompiledPerShape`` calls it after every compilation,
-before the new program first runs. SmolLM2-135M, LoRA train step over 16 x 192 tokens on CPU:
-resident memory after compiling 1.87 -> 1.26 GB, peak of the update 3.67 -> 3.11 GB.
+before the new program first runs, which lowers both the resident memory after compiling and the
+update's peak (figures: rlx/bench/README.md, "Design measurements").
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def logprob_head(model: nnx.Module, adapter: bool = True) -> Projection | LMHead
     without activation quantization and without an active LoRA adapter) becomes an `LMHead`:
     the log-softmax then runs over [chunk, vocab_block] tiles with a hand-written backward pass
     that skips dW for a frozen head (mode B), instead of recomputing whole [chunk, V] logits
-    (SmolLM2-135M, 2048 tokens, forward + backward: 1.43 s vs 2.07 s). The products and
-    roundings are those of `model.logits`. Anything else is `model.logits` itself,
+    and reducing them in XLA:CPU's slow fused `exp`-reductions over whole vocabulary rows. The
+    products and roundings are those of `model.logits`. Anything else is `model.logits` itself,
     a quantized head included: the custom VJP would keep its dequantized copy from the forward to
     the backward pass, where the callable dequantizes it chunk by chunk.
     """
@@ -359,11 +359,11 @@ def make_train_step(
 def compiler_options(mesh: Mesh, apply_fn: ApplyFn) -> dict[str, str] | None:
     """XLA options of the train step. On CPU with recomputation (``RECOMPUTING``): the
     memory-optimised scheduler. With XLA:CPU's default order the recomputed activations of every
-    layer stay alive together inside the micro-batch loop, which undoes ``train.remat='layer'``
-    (SmolLM2-135M, two micro-batches of 8 x 192 tokens: 3.5 GB of temp buffers with remat, 0.46 GB
-    with this scheduler). Without remat it saved little and cost time there (peak 5.70 -> 5.42 GB,
-    23.3 -> 25.1 s per update), so those steps keep the default (and the planner's calibration).
-    GPU and TPU compilers schedule for memory already and get no option."""
+    layer stay alive together inside the micro-batch loop, which undoes ``train.remat='layer'``;
+    this scheduler restores the saving remat is for. Without remat it lowers the peak little and
+    slows the update, so those steps keep the default (and the planner's calibration). GPU and TPU
+    compilers schedule for memory already and get no option. Figures: rlx/bench/README.md,
+    "Design measurements"."""
     if mesh.devices.flat[0].platform != "cpu" or apply_fn not in RECOMPUTING:
         return None
     return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}

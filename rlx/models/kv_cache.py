@@ -5,11 +5,11 @@ of every slot written so far, plus the position and segment id of every slot ``[
 0 = empty or padding, never attended to). Both are KV-head major: attention reads each head's slots
 contiguously, with no transposed copy of the whole cache per decode step. Keys are held with the
 slots minor so that a decode step's query-key product runs along the slots like its
-probability-value product: on XLA:CPU one layer's scores at 16 rows over 192 slots took 0.30 ms
-from ``[S, D]`` keys and 0.08 ms from ``[D, S]`` (64 rows: 1.32 vs 0.47 ms); a prefill's is the
-same either way. All rows write at the same slot ``index``; rows differ only in their positions,
-so left-padded prompts of different lengths decode exactly: a row's padding slots carry segment 0
-and its tokens carry their own positions (rotary embedding and causality use positions, not slots).
+probability-value product, which XLA:CPU computes faster than the same product over ``[S, D]``
+keys; a prefill's is the same either way (rlx/bench/README.md, "Rollout", gives the figures). All
+rows write at the same slot ``index``; rows differ only in their positions, so left-padded prompts
+of different lengths decode exactly: a row's padding slots carry segment 0 and its tokens carry
+their own positions (rotary embedding and causality use positions, not slots).
 
 ``Transformer.decode(ids [B, T], positions, segment_ids, cache)`` runs the same ``Attention``,
 ``Block`` and MLP/MoE modules as the training forward pass; the only difference is that keys and
@@ -88,8 +88,8 @@ def cache_dtype(dtype, platform: str | None = None) -> jnp.dtype:
     float compute dtype on a CPU, ``dtype`` elsewhere (``platform``: ``jax.default_backend()``).
 
     XLA:CPU evaluates a bf16 / f16 ``dynamic_update_slice`` in f32: writing one slot converted the
-    whole cache to f32 and back, a copy of every layer's keys and values per decode step (8.6 of
-    22.4 s of a 64-row bf16 SmolLM2 generation of 128 tokens). An f32 cache is written in place;
+    whole cache to f32 and back, a copy of every layer's keys and values per decode step (a large
+    share of a bf16 generation's time). An f32 cache is written in place;
     it holds the compute dtype's values exactly (attention reads them as such, see
     ``rlx.models.layers.gqa_attention``), at twice the bytes."""
     on_cpu = (platform or jax.default_backend()) == "cpu"

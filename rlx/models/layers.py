@@ -146,10 +146,10 @@ def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray
 
     The decoder computes them once per forward pass and hands them to every layer. XLA counts
     cosine and sine as cheap and fuses them into every consumer, where a fused loop evaluates them
-    again for each head, query and key, layer and pass (12.7% of a bf16 SmolLM2 update's op time;
-    an optimisation barrier does not stop it on XLA:CPU, a one-trip loop is inlined). Over more
-    than one token they are therefore evaluated in a two-trip ``lax.map`` (half of the frequencies
-    per trip), whose results every consumer then reads: the same values, computed once.
+    again for each head, query and key, layer and pass (a sizeable share of a bf16 update's op
+    time; an optimisation barrier does not stop it on XLA:CPU, a one-trip loop is inlined). Over
+    more than one token they are therefore evaluated in a two-trip ``lax.map`` (half of the
+    frequencies per trip), whose results every consumer then reads: the same values, computed once.
     """
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, t, d/2]
     if positions.shape[1] == 1:  # a decode step: a few values, nothing worth materialising
@@ -170,8 +170,8 @@ def rotate(x: Float[Array, "b t h d"], angles: tuple[Array, Array]) -> Float[Arr
 
     The backward pass is the inverse rotation (``_rotate``'s VJP). Under plain autodiff the
     rotation's transpose (slices, pads, negation, sums) ran in bf16, which XLA:CPU evaluates as f32
-    with a conversion pair around every operation: 13.8 ms per layer and micro-batch of a bf16
-    SmolLM2 update (16 x 176 tokens, with the causal blocks' cotangent sum), 3.3 s of 24.7 s.
+    with a conversion pair around every operation; the inverse rotation is one f32 pass rounded
+    once, like the forward one.
     """
     return _rotate(x, *angles)
 
@@ -221,9 +221,8 @@ def gqa_attention(
     instead of ``[b, s, kv, d]``.
 
     The ``g`` query heads that share a KV head are one ``[g * t, d]`` operand, so each (row, KV head)
-    is one product of ``g * t`` queries. SmolLM2-135M's shapes (8 x 192 tokens, 9 heads, 3 KV
-    heads) took 37 ms per forward and backward on XLA:CPU this way, 45 ms with ``g`` and ``t`` as
-    separate free dimensions (a LoRA train step: 2.5% less CPU time).
+    is one product of ``g * t`` queries, which XLA:CPU runs faster forward and backward than a
+    product with ``g`` and ``t`` as separate free dimensions.
     """
     b, t, h, d = q.shape
     kv = k.shape[1] if kv_major else k.shape[2]
@@ -259,9 +258,8 @@ def causal_attention(
 
     The queries are split into up to ``CAUSAL_BLOCKS`` blocks, and the block of columns
     ``[a, e)`` multiplies the keys ``[0, e)`` only: with 4 blocks 62.5% of the scores' work and
-    memory. SmolLM2-135M's shapes (16 x 176 tokens, 9 heads, 3 KV heads), forward and backward on
-    XLA:CPU: 63.5 -> 39.6 ms (512 tokens: 409 -> 255 ms); the scores' element-wise work, not the
-    products, dominates there.
+    memory. On XLA:CPU the scores' element-wise work, not the products, dominates training
+    attention at SmolLM2-135M's shapes, so its time falls with the scores' size.
     """
     t = q.shape[1]
     cols = jnp.arange(t)
@@ -310,7 +308,7 @@ def _one_query_attention(
 
     The same math with the query axis dropped from both products: XLA:CPU then runs them as
     ``[kv, g, d] x [kv, s, d]`` batched products instead of a generic dot with a transposed
-    output (SmolLM2-135M, 16 rows: 130 -> 142 tokens/s with the engine's ``out_in`` weights).
+    output, which speeds up the engine's decode step.
     """
     b, _, h, d = q.shape
     kv = k.shape[1]

@@ -4,11 +4,11 @@ With a bf16 (or f16) compute dtype every product of the model multiplies low-pre
 and accumulates in f32 (``preferred_element_type``), rounding the result once. Plain autodiff
 breaks that in the backward pass: the cotangent of an f32-accumulated product is f32, so the
 transposed products mix f32 with bf16 and XLA upcasts both operands to f32. On XLA:CPU with
-AMX / AVX512-BF16 that f32 product is 4-5x slower than the bf16 one (measured on a 1536 x 576 x
-1536 product: 21 ms vs 5 ms of CPU time), which made a bf16 train step barely faster than an f32
-one. ``mixed_einsum`` has a custom VJP that rounds the cotangent to the operands' dtype first and
-runs both transposed products the same way (what torch autocast and the usual GPU/TPU recipes do).
-Products in f32 are plain ``jnp.einsum`` calls, unchanged.
+AMX / AVX512-BF16 that f32 product cannot use the bf16 units and runs several times slower than
+the bf16 one, which made a bf16 train step barely faster than an f32 one. ``mixed_einsum`` has a
+custom VJP that rounds the cotangent to the operands' dtype first and runs both transposed
+products the same way (what torch autocast and the usual GPU/TPU recipes do). Products in f32 are
+plain ``jnp.einsum`` calls, unchanged.
 
 Only 2-D products (projections, LoRA, the tied lm-head) go through here: XLA:CPU runs those in its
 XNNPACK fusions, which take bf16 x bf16 -> f32. A batched product (attention) may instead land in
@@ -61,14 +61,13 @@ def matmul_out_in(x: Array, w: Array, dtype, out_dtype=None) -> Array:
     """``x @ w.T`` for a kernel stored ``[f, d]``; with at most ``FEW_ROWS`` rows computed as
     ``(w @ x^T)^T``.
 
-    On XLA:CPU a decode step's products ``[rows, d] x [d, f]`` with few rows ran about 1.45x
-    faster as ``[f, d] x [d, rows]`` on an AMD EPYC (SmolLM2-135M's products at 16 rows, one
-    process: 101 ms as ``x @ w``, 69 ms this way; ``python -m rlx.bench products``, side
-    ``xla-engine``, runs it). Both transposes, of the activations only, sit behind
-    ``optimization_barrier``: without them XLA folds them into the product's dimension numbers and
-    picks the slow kernel again. With many rows (a prefill, a decode step of a large batch) the
-    transposes cost more than they gain: on an Intel Xeon (AVX-512), ``576 -> 1536`` at 128 rows
-    1.28 vs 0.88 ms, the prefill of 64 x 64 tokens 38 vs 29 ms, so those take ``x @ w.T`` directly.
+    On XLA:CPU a decode step's products ``[rows, d] x [d, f]`` with few rows run faster as
+    ``[f, d] x [d, rows]``: XLA:CPU picks a faster kernel for that form (``python -m rlx.bench
+    products``, side ``xla-engine``, measures it against the plain layouts). Both transposes, of
+    the activations only, sit behind ``optimization_barrier``: without them XLA folds them into
+    the product's dimension numbers and picks the slow kernel again. With many rows (a prefill, a
+    decode step of a large batch) the transposes cost more than they gain, so above ``FEW_ROWS``
+    rows the product is ``x @ w.T`` directly.
     """
     rows = math.prod(x.shape[:-1])
     if rows > FEW_ROWS:

@@ -1,8 +1,8 @@
 """The built-in engine's own layout of float projection weights: ``[out, in]`` on XLA:CPU.
 
 A decode step multiplies few rows (one token per sequence) by every projection. XLA:CPU runs that
-product about 1.45x faster with the weight stored ``[out, in]`` and the activations transposed
-around it (``rlx.models.mixed.matmul_out_in``; ``python -m rlx.bench products`` measures both).
+product faster with the weight stored ``[out, in]`` and the activations transposed around it
+(``rlx.models.mixed.matmul_out_in``; ``python -m rlx.bench products`` measures both layouts).
 The engine keeps its own copy of the weights anyway (the learner may donate its buffers), so it
 stores that copy's float ``Linear`` kernels transposed and, for a head tied to the embedding
 (already ``[vocab, d]``), multiplies it the same way. The learner's model is never changed.
