@@ -8,9 +8,9 @@ Stand-ins, documented: rlx has no MLA attention yet, so attention is GQA with 64
 expressed as Qwen2-MoE (shared expert with a sigmoid gate: 7168 extra parameters per layer).
 Total about 1.04T parameters, 32B active per token.
 
-Default: mode B (int4 base, group 64, bf16 scales + LoRA r16 on attention, dense and shared MLPs;
-routed experts frozen) on one node of 8 x 192 GB. Mode A (bf16 + AdamW on everything):
-``python -m rlx.plan --config configs/kimi_k2_plan.py --mode A``.
+Default: mode "lora" (int4 base, group 64, bf16 scales + LoRA r16 on attention, dense and shared
+MLPs; routed experts frozen) on one node of 8 x 192 GB. Mode "full" (bf16 + AdamW on everything):
+``python -m rlx.plan --config configs/kimi_k2_plan.py --mode full``.
 """
 
 import ml_collections
@@ -44,11 +44,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.hf_config = KIMI_K2_SHAPE  # architecture only: the planner reads no weights
     c.model.dtype = "bfloat16"  # compute dtype
-    c.model.param_dtype = "bfloat16"  # float parameters (embeddings, norms, mode A weights)
+    c.model.param_dtype = "bfloat16"  # float parameters (embeddings, norms, full-mode weights)
     c.model.moe_impl = "dense"  # experts sharded over the expert axis use the einsum path
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data-parallel replicas
-    c.mesh.fsdp = 1  # parameter sharding (mode A scales this over nodes)
+    c.mesh.fsdp = 1  # parameter sharding (mode full scales this over nodes)
     c.mesh.tensor = 1  # tensor parallelism
     c.mesh.expert = 8  # 384 experts -> 48 per device
     c.quant = ml_collections.ConfigDict()
@@ -60,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora.alpha = 32.0  # scaling alpha / rank = 2
     c.lora.experts = False  # routed experts stay frozen (SGLang serves MoE LoRA only on bf16/fp8)
     c.plan = ml_collections.ConfigDict()
-    c.plan.mode = "B"  # "A": bf16 + AdamW on every parameter; "B": frozen int4 base + LoRA
+    c.plan.mode = "lora"  # "full": bf16 + AdamW on every parameter; "lora": frozen int4 base + LoRA
     c.plan.rows = 64  # sequences per optimizer step
     c.plan.seq_len = 4096  # tokens per sequence
     c.plan.micro_batches = 8  # gradient accumulation: 8 rows (1 per device) per micro-batch

@@ -80,7 +80,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.sglang.sync_base = True  # attached servers (urls) get rlx's exported base first
 
     c.train = ml_collections.ConfigDict()
-    c.train.mode = "lora"  # frozen fp8 base + adapter (mode B)
+    c.train.mode = "lora"  # frozen fp8 base + adapter (LoRA mode)
     c.train.steps = 200  # RL steps
     c.train.advantage = "grpo"  # (reward - group mean) / group std
     c.train.micro_batches = 64  # accumulation: 256 sequences, 1 per GPU per piece (~44 GB peak)

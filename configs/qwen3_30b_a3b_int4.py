@@ -72,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.preflight_every = 0  # parity checked before training only
 
     c.train = ml_collections.ConfigDict()
-    c.train.mode = "lora"  # frozen int4 base + adapters (mode B)
+    c.train.mode = "lora"  # frozen int4 base + adapters (LoRA mode)
     c.train.steps = 200  # RL steps
     c.train.advantage = "grpo"  # (reward - group mean) / group std
     c.train.micro_batches = 32  # accumulation: 256 sequences, 1 per device per piece (~68 GB peak)

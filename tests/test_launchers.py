@@ -7,6 +7,7 @@ import shlex
 import subprocess
 
 import pytest
+
 from tests.helpers import ROOT
 
 LAUNCH = os.path.join(ROOT, "launch")
@@ -90,19 +91,19 @@ def test_slurm_modes(mode):
                          f"--chdir={ROOT}"]
     assert "--config=configs/k.py" in train and "--config.distributed.enabled=True" in train
     assert train[-1] == "--config.mesh.fsdp=12"
-    url = [w for w in train if w.startswith("--config.rollout.sglang.url=")]
+    url = [w for w in train if w.startswith("--config.rollout.sglang.urls=")]
     gpus = train[train.index("env") + 1]
     if mode == "per-node":
         pools, router = cmds[0], cmds[1]
         assert "ROUTER=0" in pools and "GPUS=0,1,2,3" in pools and pools[-1].endswith("sglang_pool.sh")
         assert _flag(router, "--nodelist") == "g0"
         assert len(router[router.index("--worker-urls") + 1: router.index("--host")]) == 12
-        assert url == ["--config.rollout.sglang.url=http://g0:8000"] and gpus == "CUDA_VISIBLE_DEVICES=4,5,6,7"
+        assert url == ["--config.rollout.sglang.urls=http://g0:8000"] and gpus == "CUDA_VISIBLE_DEVICES=4,5,6,7"
     elif mode == "partition":
         assert cmds[0][0] == "sbatch" and _flag(cmds[0], "--partition") == "infer"
         assert cmds[-1][0] == "scancel" and gpus == "CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7"
     elif mode == "external":
-        assert url == ["--config.rollout.sglang.url=http://infer-01:8000"] and len(cmds) == 1
+        assert url == ["--config.rollout.sglang.urls=http://infer-01:8000"] and len(cmds) == 1
     else:
         assert url == [] and len(cmds) == 1
 

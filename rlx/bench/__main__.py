@@ -22,7 +22,7 @@ BENCHMARKS = {
         "rlx.bench.rollout", "generation tokens/s: rlx JAX engine vs HF generate vs SGLang"
     ),
     "learner": Benchmark(
-        "rlx.bench.learner", "one GRPO update: rlx mode B vs PyTorch + PEFT with TRL's loss"
+        "rlx.bench.learner", "one GRPO update: rlx LoRA mode vs PyTorch + PEFT with TRL's loss"
     ),
     "e2e": Benchmark("rlx.bench.e2e", "samples/s of whole RL steps: rlx vs TRL GRPOTrainer"),
     "sync": Benchmark("rlx.bench.sync", "update done -> engine serves the new policy; bytes moved"),

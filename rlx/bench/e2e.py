@@ -10,7 +10,7 @@ one compute dtype (``--dtype``: float32, or bfloat16 = TRL's default autocast an
 and compute).
 
 * ``rlx-f32`` / ``rlx-bf16`` / ``rlx-int8`` / ``rlx-gguf``: ``rlx.build(config)`` and ``Run.step()``,
-  the code path of ``python -m rlx.launch`` (built-in JAX engine, mode B LoRA on an f32, bf16,
+  the code path of ``python -m rlx.launch`` (built-in JAX engine, LoRA mode LoRA on an f32, bf16,
   int8 or GGUF Q4_1 base; ``rlx-gguf`` is SmolLM2's own GGUF file, the quickstart's base). The
   phase split comes from the step's own timers.
 * ``trl``: ``GRPOTrainer.train()`` held at every step boundary (``rlx.bench.trl_peer``), TRL's
@@ -103,7 +103,7 @@ def rlx_side(spec: dict, model: dict, base: str = "f32"):
     """Worker factory: an rlx ``Run``; one repetition = ``run.step()``."""
     import rlx
 
-    s, src = _spec(spec), ModelSource(**model)
+    s, src = e2e_spec(spec), ModelSource(**model)
     path = smollm2_gguf() if base == "gguf" else src.path
     if base == "gguf" and src.name != "smollm2":
         raise ValueError("rlx-gguf needs --model smollm2 (the tiny model has no GGUF file)")
@@ -122,7 +122,7 @@ def rlx_side(spec: dict, model: dict, base: str = "f32"):
     return step
 
 
-def _spec(spec: dict) -> E2ESpec:
+def e2e_spec(spec: dict) -> E2ESpec:
     return E2ESpec(**{**spec, "extractors": tuple(spec.get("extractors", ()))})
 
 

@@ -1,10 +1,10 @@
-"""``python -m rlx.bench learner``: one GRPO update, rlx mode B vs PyTorch + PEFT with TRL's loss.
+"""``python -m rlx.bench learner``: one GRPO update, rlx LoRA mode vs PyTorch + PEFT with TRL's loss.
 
 Every side trains the same batch of rollouts (built here from a fixed seed: random prompt and
 completion tokens, GRPO advantages of random 0/1 rewards in groups of 8, old log-probs near the
 model's) with the same hyper-parameters and micro-batching, in its own worker process:
 
-* ``rlx-f32`` / ``rlx-bf16`` / ``rlx-int8``: rlx mode B, LoRA (rank 16, alpha 32, every linear of
+* ``rlx-f32`` / ``rlx-bf16`` / ``rlx-int8``: rlx LoRA mode, LoRA (rank 16, alpha 32, every linear of
   every block) on a frozen f32, bf16 or int8 (per-channel) base; the compiled ``train_step`` of
   ``rlx.learner.step`` (micro-batches as a ``lax.scan``, chunked log-probs, AdamW), as the
   coordinator runs it. ``rlx-f32-remat`` etc.: the same with ``config.train.remat="layer"``
@@ -113,7 +113,7 @@ def make_rollouts(spec: LearnerSpec, vocab_size: int) -> RolloutBatch:
 
 # ------------------------------------------------------------------------------ the rlx side
 def rlx_side(spec: dict, model: dict, base: str = "f32", remat: str = "none"):
-    """Worker factory: rlx mode B on a ``base`` ("f32" | "bf16" | "int8") frozen base; ``remat``
+    """Worker factory: rlx LoRA mode on a ``base`` ("f32" | "bf16" | "int8") frozen base; ``remat``
     as ``config.train.remat`` ("none" | "layer" | "projections")."""
     import jax
 

@@ -64,11 +64,11 @@ class Shapes:
 
 def model_shapes(name: str) -> Shapes:
     """The shapes of ``smollm2`` (its GGUF header) or ``tiny`` (``configs/tiny.py``'s shrink)."""
-    from rlx.bench.workloads import _tiny, smollm2_config
+    from rlx.bench.workloads import smollm2_config, tiny_model
     from rlx.models import from_hf_config
 
     hf = smollm2_config()
-    c = _tiny(hf).config if name == "tiny" else from_hf_config(hf)
+    c = tiny_model(hf).config if name == "tiny" else from_hf_config(hf)
     return Shapes(c.num_layers, c.hidden_size, c.num_heads * c.head_dim,
                   c.num_kv_heads * c.head_dim, c.intermediate_size, c.vocab_size)
 

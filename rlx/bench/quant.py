@@ -18,12 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rlx.bench.formats import ROWS, gguf_model
 from rlx.bench.harness import write_json
 from rlx.models.config import ModelConfig, MoEConfig
 from rlx.models.decoder import Precision, Transformer, resolve_positions
-from rlx.models.moe import SparseMoE
-from rlx.quant.config import QuantConfig
-from rlx.bench.formats import ROWS, gguf_model
 from rlx.quant.quantize import quantize_model
 
 _BASE = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,

@@ -65,7 +65,7 @@ def resolve_model(name: str, workdir: str, seed: int = 0) -> ModelSource:
 
 def smollm2_gguf() -> str:
     """The GGUF file of SmolLM2-135M-Instruct inside its package."""
-    from rlx.config import resolve_path
+    from rlx.models.loading import resolve_path
 
     return resolve_path(SMOLLM2)
 

@@ -9,7 +9,7 @@ the table gives medians over the measured rounds. Sides (``--sides``, default al
 - ``rlx-f32-nolp``: the same without log-probs (``SamplingParams(logprobs=False)``, as for
   evaluation): the work HF ``generate`` does, which computes none;
 - ``rlx-int8`` / ``rlx-q4_1``: the same engine on a frozen int8 (per channel) / GGUF Q4_1 base with
-  a LoRA adapter of ``--lora-rank`` on every projection, as mode B samples (0 = no adapter);
+  a LoRA adapter of ``--lora-rank`` on every projection, as LoRA mode samples (0 = no adapter);
 - ``hf``: transformers ``generate``, f32, on rlx's HF export of the same weights (torch threads:
   ``--torch-threads``, default torch's own choice, i.e. every core);
 - ``sglang``: a real SGLang server serving that export (``rlx.bench.sglang_setup``), skipped with

@@ -3,10 +3,10 @@
 Four ways a new policy reaches the engine, on the same model (f32 weights; see
 ``rlx.bench.sync_sides`` for what is timed and how the new policy is verified):
 
-- ``rlx-adapter``: the built-in engine takes the new LoRA adapter in memory (mode B);
-- ``rlx-full``: the built-in engine takes every weight in memory (mode A);
-- ``sglang-adapter``: PEFT export + SGLang ``/load_lora_adapter`` (mode B on SGLang);
-- ``sglang-full``: safetensors export + SGLang ``/update_weights_from_disk`` (mode A on SGLang).
+- ``rlx-adapter``: the built-in engine takes the new LoRA adapter in memory (LoRA mode);
+- ``rlx-full``: the built-in engine takes every weight in memory (full mode);
+- ``sglang-adapter``: PEFT export + SGLang ``/load_lora_adapter`` (LoRA mode on SGLang);
+- ``sglang-full``: safetensors export + SGLang ``/update_weights_from_disk`` (full mode on SGLang).
 
 The adapter is LoRA rank ``--lora-rank`` (default 16, the quickstart's) on all seven projections
 (q, k, v, o, gate, up, down). Bytes moved: the adapter against the full weights; the goal is
@@ -160,9 +160,9 @@ def run_sync(a, sides: tuple[str, ...], root: str, hf_config: dict) -> dict:
                         hf_config=hf_config if a.model == "tiny" else None)), logs)
     with sglang_server(setup, folder, root, lora_rank=a.lora_rank) as (url, server):
         if setup.url:  # an attached server first serves this bench's weights
-            from rlx.bench.sync_sides import _post
+            from rlx.bench.sync_sides import post
 
-            _post(url, "/update_weights_from_disk", {"model_path": folder})
+            post(url, "/update_weights_from_disk", {"model_path": folder})
         results = interleave(build_sides(sides, a.model, a.lora_rank, probe, url, root, hf_config), **run)
         rss = group_rss_mb(server)
     return {"results": results, "skipped": skipped, "server_rss_mb": rss}

@@ -9,12 +9,12 @@ must report the new ``weight_version``). Figures: ``seconds`` (the whole sync), 
 ``bytes`` moved (what was copied or written for the engine) and ``logp_change``.
 
 - ``rlx_sync``: the built-in engine takes the values in memory (``JaxEngine.update_weights``):
-  only the ``nnx.LoRAParam`` state (``kind="adapter"``, mode B) or every parameter (``"full"``).
+  only the ``nnx.LoRAParam`` state (``kind="adapter"``, LoRA mode) or every parameter (``"full"``).
 - ``sglang_adapter_sync``: rlx exports the adapter as PEFT (``rlx.io.export.export_peft``) and SGLang
   hot-loads it under a new name (``/load_lora_adapter``, the old one unloaded, new version set),
-  as rlx's SGLang engine does in mode B.
+  as rlx's SGLang engine does in LoRA mode.
 - ``sglang_full_sync``: rlx exports every weight (``export_merged``, f32 safetensors) and SGLang
-  reloads them (``/update_weights_from_disk``, then ``/flush_cache``), as in mode A.
+  reloads them (``/update_weights_from_disk``, then ``/flush_cache``), as in full mode.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def rlx_sync(model: str, kind: str, lora_rank: int, probe: list[int], hf_config:
     from flax import nnx
 
     from rlx.bench.workloads import load_model
-    from rlx.rollout.base import Prompt, SamplingParams
     from rlx.rollout.jax_engine import JaxEngine
+    from rlx.types import Prompt, SamplingParams
 
     m, tokenizer = load_model(model, "f32", lora_rank if kind == "adapter" else 0, hf_config=hf_config)
     engine = JaxEngine(m, tokenizer=tokenizer)
@@ -96,7 +96,7 @@ def rlx_sync(model: str, kind: str, lora_rank: int, probe: list[int], hf_config:
     return run
 
 
-def _post(url: str, path: str, payload: dict, timeout_s: float = 1800.0) -> dict:
+def post(url: str, path: str, payload: dict, timeout_s: float = 1800.0) -> dict:
     import requests
 
     r = requests.post(f"{url}{path}", json=payload, timeout=timeout_s)
@@ -114,7 +114,7 @@ def _probe(url: str, probe: list[int], version: int, adapter: str | None) -> flo
                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
     if adapter:
         payload["lora_path"] = adapter
-    meta = _post(url, "/generate", payload)["meta_info"]
+    meta = post(url, "/generate", payload)["meta_info"]
     if str(meta.get("weight_version")) != str(version):
         raise RuntimeError(f"SGLang answered with weight_version {meta.get('weight_version')!r}, "
                            f"expected {version}")
@@ -141,10 +141,10 @@ def sglang_adapter_sync(url: str, model: str, lora_rank: int, probe: list[int], 
         path = export_peft(m, lora, os.path.join(workdir, f"adapter-{v}"), str(v))
         t1 = time.perf_counter()
         name = f"bench-{v}"
-        _post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
+        post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
         if state["name"]:
-            _post(url, "/unload_lora_adapter", {"lora_name": state["name"]})
-        _post(url, "/update_weight_version", {"new_version": str(v), "abort_all_requests": False})
+            post(url, "/unload_lora_adapter", {"lora_name": state["name"]})
+        post(url, "/update_weight_version", {"new_version": str(v), "abort_all_requests": False})
         t2 = time.perf_counter()
         logp = _probe(url, probe, v, name)
         t3 = time.perf_counter()
@@ -177,10 +177,10 @@ def sglang_full_sync(url: str, model: str, probe: list[int], workdir: str, first
         t0 = time.perf_counter()
         path = export_merged(m, target, str(v))
         t1 = time.perf_counter()
-        res = _post(url, "/update_weights_from_disk", {"model_path": path, "weight_version": str(v)})
+        res = post(url, "/update_weights_from_disk", {"model_path": path, "weight_version": str(v)})
         if not res.get("success", False):
             raise RuntimeError(f"SGLang refused the weights at {path}: {res}")
-        _post(url, "/flush_cache", {})
+        post(url, "/flush_cache", {})
         t2 = time.perf_counter()
         logp = _probe(url, probe, v, None)
         t3 = time.perf_counter()

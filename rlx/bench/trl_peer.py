@@ -205,9 +205,9 @@ def e2e_side(spec: dict, model: dict, gradient_checkpointing: bool = True):
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from rlx.bench.e2e import _spec
+    from rlx.bench.e2e import e2e_spec
 
-    s, src = _spec(spec), ModelSource(**model)
+    s, src = e2e_spec(spec), ModelSource(**model)
     torch.manual_seed(s.seed)
     _REWARD["extractors"] = s.extractors
     base, tokenizer = load_model_and_tokenizer(src)

@@ -73,13 +73,13 @@ def smollm2_config() -> dict:
     return read_gguf(gguf_path()).hf_config
 
 
-def _tiny(hf_config: dict):
+def tiny_model(hf_config: dict):
     """``configs/tiny.py``'s model built from SmolLM2's config (as ``model.shrink`` builds it:
     ``rlx.models.loading.shrunk_random`` with the default ``ShrinkSection``, f32, seed 0)."""
     from flax import nnx
 
-    from rlx.config import ShrinkSection
     from rlx.models import Precision, Transformer, from_hf_config
+    from rlx.models.loading import ShrinkSection
 
     s = ShrinkSection(enabled=True)
     cfg = dataclasses.replace(from_hf_config(hf_config), num_layers=s.num_layers,
@@ -92,14 +92,13 @@ def _float_model(name: str, hf_config: dict | None = None):
     """(f32 Transformer, tokenizer or None) of ``name``; the tiny model skips reading the GGUF
     file (and has no tokenizer) when SmolLM2's ``hf_config`` is given."""
     if name == "tiny" and hf_config is not None:
-        return _tiny(hf_config), None
+        return tiny_model(hf_config), None
     if name == "smollm2":
         from rlx.models.loading import load_gguf
 
         loaded = load_gguf(gguf_path())
     else:
-        from rlx.config import ModelSection, ShrinkSection
-        from rlx.models.loading import load_from_section
+        from rlx.models.loading import ModelSection, ShrinkSection, load_from_section
 
         section = ModelSection(path=gguf_path(), shrink=ShrinkSection(enabled=True))
         loaded = load_from_section(section, None, seed=0)

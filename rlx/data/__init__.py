@@ -2,6 +2,9 @@
 
 Importing this package loads only the records and the source registry; the pipeline (grain),
 chat rendering (tokenizer) and evaluation are imported on first attribute access.
+
+May import ``rlx.models`` (the tokenizer), ``rlx.rewards`` (evaluation grades with them) and the
+foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``); no stage above it.
 """
 
 from __future__ import annotations
@@ -9,19 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlx.data.sources import (
-    DataError,
-    Example,
-    FieldMap,
-    ListSource,
-    Message,
-    Source,
-    available_sources,
-    get_source,
-    load_file,
-    register_source,
-    split_of,
-)
+from rlx.data.sources import (DataError, Example, FieldMap, ListSource, Message, Source,
+                              available_sources, get_source, load_file, register_source, split_of)
 
 _LAZY = {
     "PromptFormat": "rlx.data.chat",

@@ -19,9 +19,9 @@ import numpy as np
 
 from rlx.data.chat import PromptFormat, encode_prompt
 from rlx.data.sources import Example, content_key
-from rlx.rewards import RewardFn, get_reward, score_batch
-from rlx.rollout.base import Prompt, Rollout, RolloutEngine, SamplingParams
 from rlx.models.tokenizer import Tokenizer
+from rlx.rewards import RewardFn, get_reward, score_batch
+from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -26,8 +26,8 @@ import grain
 
 from rlx.data.chat import PromptFormat, encode_prompt
 from rlx.data.sources import DataError, Example, Source
-from rlx.rollout.base import Prompt
 from rlx.models.tokenizer import Tokenizer
+from rlx.types import Prompt
 
 
 @dataclasses.dataclass(frozen=True)

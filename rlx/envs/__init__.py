@@ -2,6 +2,9 @@
 
 Importing this package loads only the protocol records; the rest is imported on first
 attribute access.
+
+May import ``rlx.data`` (examples, chat rendering), ``rlx.models`` (the tokenizer), ``rlx.rewards``
+(the code sandbox, reward records) and the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``).
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ import numpy as np
 from rlx.data.chat import render_chat
 from rlx.data.sources import Example, Message
 from rlx.envs.base import Env, EnvError, StepInfo
-from rlx.rewards import RewardResult
-from rlx.rollout.base import Prompt, Rollout, RolloutEngine, SamplingParams
 from rlx.models.tokenizer import Tokenizer
+from rlx.rewards import RewardResult
+from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ as a composite of three items:
   saved array computed on device (a flipped byte in an array file otherwise loads silently);
 * ``data`` - the grain iterator state of each process (optional).
 
-The frozen part of the state is never written. In mode B (frozen quantized base + LoRA) that is the
+The frozen part of the state is never written. In LoRA mode (frozen quantized base + LoRA) that is the
 base: the checkpoint holds the adapters and their optimizer state plus a ``BaseRef`` - the base's
 source path, its format and a SHA-256 of its leaves (computed once per run) - and a restore onto a
 different base is refused.

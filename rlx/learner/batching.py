@@ -31,14 +31,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
+from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding, round_up
 from rlx.types import BATCH_FIELDS, Rollout, TrainBatch
 
 _FLOAT_FIELDS = ("loss_mask", "advantages", "sampler_logp", "old_logp", "ref_logp")
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _empty(rows: int, length: int, with_old: bool, with_ref: bool) -> dict[str, np.ndarray]:
@@ -169,8 +165,8 @@ def pad_rollouts(
     advantages = _check_inputs(rollouts, advantages, old_logp, ref_logp)
     longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     fitting = sorted(b for b in buckets if b >= longest)
-    length = fitting[0] if fitting else _round_up(longest, length_multiple)
-    rows = _round_up(len(rollouts), rows_multiple)
+    length = fitting[0] if fitting else round_up(longest, length_multiple)
+    rows = round_up(len(rollouts), rows_multiple)
     arrays = _empty(rows, length, old_logp is not None, ref_logp is not None)
     uids, versions = _tags(rollouts)
     for i, r in enumerate(rollouts):
@@ -209,7 +205,7 @@ def pack_rollouts(
         segments[row] += 1
         slots.append((i, row, used[row], segments[row]))
         used[row] += lengths[i]
-    arrays = _empty(_round_up(len(used), rows_multiple), row_len,
+    arrays = _empty(round_up(len(used), rows_multiple), row_len,
                     old_logp is not None, ref_logp is not None)
     uids, versions = _tags(rollouts)
     for i, row, start, seg in slots:

@@ -21,7 +21,7 @@ depends on what `project` is:
   for a bf16 matmul with f32 gradients). Peak temporary memory is a few [chunk, vocab_block] f32
   tiles. The backward pass sees which inputs and outputs take part in differentiation (the
   custom VJP's symbolic zeros): it skips dW when nothing differentiates the head (a frozen base,
-  mode B) and the entropy term when the entropy is only reported. Use this for a plain float
+  LoRA mode) and the entropy term when the entropy is only reported. Use this for a plain float
   lm-head (`rlx.learner.step.logprob_head` does). The blocks are dynamic slices along V: under XLA's
   SPMD partitioner a vocabulary-sharded (tensor-parallel) weight is all-gathered to slice it, so
   there the callable form, whose logits stay sharded over V, may use less memory.

@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from rlx.errors import one_of
+
 PerToken = Float[Array, "b t"]
 Scalar = Float[Array, ""]
 
@@ -66,11 +68,6 @@ KL_AS = ("loss", "reward-penalty")
 TIS_MODES = ("off", "token", "sequence-mask")
 
 
-def _check_choice(field: str, value, options) -> None:
-    if value not in options:
-        raise ValueError(f"{field} must be one of {options}, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
     """Learner loss settings; validated on construction. Hashable, so usable as a static jit arg."""
@@ -88,16 +85,15 @@ class LossConfig:
     tis_cap: float = 2.0  # "token": per-token weight min(pi_old / pi_sampler, tis_cap)
     tis_seq_low: float = 0.5  # "sequence-mask": keep if geo-mean ratio >= this
     tis_seq_high: float = 2.0  # "sequence-mask": keep if geo-mean ratio <= this
-    value_clip: float = 0.2  # PPO value clip range around the old values
 
     def __post_init__(self):
-        _check_choice("LossConfig.policy_loss", self.policy_loss, POLICY_LOSSES)
+        one_of("policy_loss", self.policy_loss, POLICY_LOSSES)
         if self.aggregation is not None:
-            _check_choice("LossConfig.aggregation", self.aggregation, AGGREGATIONS)
-        _check_choice("LossConfig.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_choice("LossConfig.kl_as", self.kl_as, KL_AS)
-        _check_choice("LossConfig.tis_mode", self.tis_mode, TIS_MODES)
-        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef", "value_clip"):
+            one_of("aggregation", self.aggregation, AGGREGATIONS)
+        one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        one_of("kl_as", self.kl_as, KL_AS)
+        one_of("tis_mode", self.tis_mode, TIS_MODES)
+        for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LossConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.clip_eps_low >= 1:
@@ -199,7 +195,7 @@ def aggregate(
 
     A completion is a row, or with `segment_ids` (packed rows) one non-zero segment of a row.
     """
-    _check_choice("aggregation", mode, AGGREGATIONS)
+    one_of("aggregation", mode, AGGREGATIONS)
     mask = mask.astype(jnp.float32)
     seq_sum, seq_len = _per_sequence(per_token, mask, segment_ids)  # [B] or [B, T + 1]
     n_seq = jnp.maximum(jnp.sum(seq_len > 0), 1).astype(jnp.float32)  # []
@@ -215,7 +211,7 @@ def aggregate(
 
 def kl_penalty(logp: PerToken, ref_logp: PerToken, estimator: str = "k3") -> PerToken:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (k1, k2 or k3)."""
-    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    one_of("kl_estimator", estimator, KL_ESTIMATORS)
     log_ratio = logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)  # log pi / pi_ref
     if estimator == "k1":
         return log_ratio

@@ -2,8 +2,8 @@
 
 The model is split with an nnx filter into trainable params and frozen state:
 
-* mode A (full-parameter): `trainable=nnx.Param`; every parameter is trained.
-* mode B (frozen base + LoRA): `trainable=nnx.LoRAParam`; the base (plain `nnx.Param` or a
+* full mode (full-parameter): `trainable=nnx.Param`; every parameter is trained.
+* LoRA mode (frozen base + LoRA): `trainable=nnx.LoRAParam`; the base (plain `nnx.Param` or a
   quantized non-Param `nnx.Variable`, integer leaves included) lands in `frozen`, is passed
   through the step unchanged and is never differentiated.
 
@@ -25,9 +25,13 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int, Key
 
+from rlx.errors import one_of
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
 
 SCHEDULES = ("cosine", "constant")
+# config.train.mode -> the variables that train: "lora" a frozen base with LoRA adapters (the
+# adapters train), "full" every parameter
+MODES = {"lora": nnx.LoRAParam, "full": nnx.Param}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +50,7 @@ class OptimizerConfig:
     max_grad_norm: float | None = 1.0  # clip the global gradient norm; None: no clipping
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"OptimizerConfig.schedule must be one of {SCHEDULES}, "
-                             f"got {self.schedule!r}")
+        one_of("schedule", self.schedule, SCHEDULES)
         if self.learning_rate < 0 or self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError("OptimizerConfig learning_rate, warmup_steps and weight_decay must "
                              "be >= 0")

@@ -17,7 +17,7 @@ Log-prob alignment follows `rlx.types`: position t of the output is log p(input_
 first token of each sequence has no prediction and gets 0 (and no loss).
 
 `make_logprob_step` computes old or reference log-probs with the same code. The reference of mode
-B (adapter off, same weights) is a different `apply_fn`; a separate reference model in mode A is a
+B (adapter off, same weights) is a different `apply_fn`; a separate reference model in full mode is a
 different `params` argument.
 """
 
@@ -54,7 +54,7 @@ def logprob_head(model: nnx.Module, adapter: bool = True) -> Projection | LMHead
     A plain float weight (the tied embedding, or an untied `Linear` in its `[in, out]` layout
     without activation quantization and without an active LoRA adapter) becomes an `LMHead`:
     the log-softmax then runs over [chunk, vocab_block] tiles with a hand-written backward pass
-    that skips dW for a frozen head (mode B), instead of recomputing whole [chunk, V] logits
+    that skips dW for a frozen head (LoRA mode), instead of recomputing whole [chunk, V] logits
     and reducing them in XLA:CPU's slow fused `exp`-reductions over whole vocabulary rows. The
     products and roundings are those of `model.logits`. Anything else is `model.logits` itself,
     a quantized head included: the custom VJP would keep its dequantized copy from the forward to
@@ -113,7 +113,7 @@ RECOMPUTING = (FORWARDS["layer"], FORWARDS["projections"])  # get compiler_optio
 
 
 def reference_forward(model: nnx.Module, batch: TrainBatch):
-    """Mode B reference policy: the same weights with the LoRA adapters switched off."""
+    """LoRA mode reference policy: the same weights with the LoRA adapters switched off."""
     return model_forward(model, batch, adapter=False)
 
 
@@ -134,12 +134,14 @@ class StepConfig:
             raise ValueError("StepConfig.micro_batches and logprob_chunk must be >= 1, "
                              "vocab_block >= 0")
         if self.loss.entropy_coef > 0 and not self.compute_entropy:
-            raise ValueError("StepConfig: loss.entropy_coef > 0 needs compute_entropy=True")
+            raise ValueError("loss.entropy_coef > 0 needs the per-token entropy "
+                             "(StepConfig.compute_entropy=True)")
         if self.loss.resolved_aggregation == "seq-mean-token-sum-norm" and (
                 self.loss.norm_length is None):
-            raise ValueError("StepConfig: aggregation 'seq-mean-token-sum-norm' needs "
-                             "loss.norm_length (the generation budget); the padded length "
-                             "depends on bucketing and packing")
+            raise ValueError("loss.norm_length must be set for the aggregation "
+                             "'seq-mean-token-sum-norm' (the generation budget, e.g. "
+                             "rollout.max_new_tokens): the padded length depends on bucketing "
+                             "and packing")
 
 
 def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
@@ -382,7 +384,7 @@ def make_logprob_step(
     """Compile `(params, frozen, batch) -> LogProbs` (old or reference log-probs, no gradient).
 
     `params` / `frozen` (concrete or abstract) fix the shardings. For a reference that is a
-    separate model, pass its params; for mode B's adapter-off reference, pass an `apply_fn` that
+    separate model, pass its params; for LoRA mode's adapter-off reference, pass an `apply_fn` that
     runs the model without adapters.
     """
     rows = batch_sharding(mesh, 2, rules)
@@ -398,3 +400,18 @@ def make_logprob_step(
                       variable_shardings(frozen, mesh, rules), rows),
         out_shardings=rows,
     ))
+
+
+@dataclasses.dataclass
+class Compiled:
+    """The learner of a run: graph, state (donated each update), the compiled train step and,
+    with a KL term, the reference log-prob step (``rlx.run.build.compile_steps`` makes it)."""
+
+    graphdef: nnx.GraphDef
+    state: TrainState
+    train_step: Callable[[TrainState, TrainBatch], tuple[TrainState, StepMetrics]]
+    ref_step: Callable[..., LogProbs] | None
+
+    def model(self) -> nnx.Module:
+        """The current policy as a module (parameters and frozen base merged)."""
+        return nnx.merge(self.graphdef, self.state.params, self.state.frozen)

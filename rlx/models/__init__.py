@@ -1,6 +1,13 @@
-"""One decoder family (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE) and its checkpoint I/O."""
+"""The model layer: one decoder family (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE), its
+checkpoint I/O (HF safetensors, GGUF), the tokenizer and chat templates, and the ``config.model``
+section (``loading.ModelSection``).
 
-from rlx.models.config import ModelConfig, ModelConfigError, MoEConfig, RopeConfig, from_hf_config, to_hf_config
+May import only the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``); every other
+package builds on this one.
+"""
+
+from rlx.models.config import (ModelConfig, ModelConfigError, MoEConfig, RopeConfig, from_hf_config,
+                               to_hf_config)
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.hf import from_hf, hf_state_dict, load_model, param_bytes_per_device, to_hf
 from rlx.models.loading import LoadedModel, from_gguf, load_from_section

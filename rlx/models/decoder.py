@@ -32,6 +32,8 @@ from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, 
                               mixed_einsum)
 from rlx.models.moe import DenseMLP, SparseMoE
 
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # float dtypes by config name
+
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
@@ -39,7 +41,12 @@ class Precision:
 
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
-    moe_impl: str = "ragged"  # "ragged" | "dense" (see rlx.models.moe)
+    moe_impl: str = "ragged"  # one of rlx.models.moe.MOE_IMPLS
+
+    @classmethod
+    def named(cls, dtype: str, param_dtype: str, moe_impl: str = "ragged") -> "Precision":
+        """From the names a config uses (keys of ``DTYPES``)."""
+        return cls(dtype=DTYPES[dtype], param_dtype=DTYPES[param_dtype], moe_impl=moe_impl)
 
 
 class Attention(nnx.Module):

@@ -1,21 +1,88 @@
-"""Entry points that turn a checkpoint on disk (HF folder or GGUF file) into a sharded model."""
+"""Entry points that turn a checkpoint on disk (HF folder or GGUF file) into a sharded model, and
+the ``config.model`` section that names one (``ModelSection``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import os
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from rlx.mesh import TRAIN_RULES, LogicalRules
+from rlx.errors import ConfigError, one_of
+from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.config import from_hf_config
-from rlx.models.decoder import Precision, Transformer
+from rlx.models.decoder import DTYPES, Precision, Transformer
 from rlx.models.hf import load_model, read_hf_config
+from rlx.models.moe import MOE_IMPLS
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.models.tokenizer import Tokenizer
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+FORMATS = ("auto", "hf", "gguf")  # config.model.format; "auto": by the path's extension
+
+
+@dataclasses.dataclass(frozen=True)
+class ShrinkSection:
+    """Random-initialise a shrunken copy of the checkpoint's architecture (tests, smoke runs).
+
+    The tokenizer and every other architecture field come from ``model.path``; weights are random.
+    """
+
+    enabled: bool = False
+    num_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    num_experts: int = 4  # MoE checkpoints only
+    moe_intermediate_size: int = 32  # MoE checkpoints only
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+    """Which checkpoint to load and in which precision (``config.model``)."""
+
+    path: str = ""  # HF folder, .gguf file, or package://pkg/file.gguf (a file shipped in a package)
+    format: str = "auto"  # one of FORMATS
+    dtype: str = "float32"  # compute dtype: a key of rlx.models.decoder.DTYPES
+    param_dtype: str = "float32"  # storage dtype of full-precision parameters
+    moe_impl: str = "ragged"  # "ragged" (sorted grouped matmul) | "dense" (all experts, einsum)
+    shrink: ShrinkSection = ShrinkSection()  # random shrunken copy instead of the weights
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("config.model.path is empty; set it to a HF folder or a .gguf file")
+        if not os.path.exists(resolve_path(self.path)):
+            raise ConfigError(f"config.model.path={self.path!r} does not exist; point it at a HF "
+                              "model folder (config.json + *.safetensors) or a .gguf file")
+        one_of("config.model.format", self.format, FORMATS)
+        one_of("config.model.dtype", self.dtype, DTYPES)
+        one_of("config.model.param_dtype", self.param_dtype, DTYPES)
+        one_of("config.model.moe_impl", self.moe_impl, MOE_IMPLS)
+
+    @property
+    def resolved_format(self) -> str:
+        if self.format != "auto":
+            return self.format
+        return "gguf" if self.path.endswith(".gguf") else "hf"
+
+    @property
+    def precision(self) -> Precision:
+        return Precision.named(self.dtype, self.param_dtype, self.moe_impl)
+
+
+def resolve_path(path: str) -> str:
+    """Turn ``package://pkg/rel/path`` into a filesystem path; other paths are returned as is."""
+    if not path.startswith("package://"):
+        return os.path.expanduser(path)
+    pkg, _, rel = path[len("package://"):].partition("/")
+    try:
+        return str(importlib.resources.files(pkg).joinpath(rel))
+    except ModuleNotFoundError:
+        raise ConfigError(f"config path {path!r}: Python package {pkg!r} is not installed; "
+                          f"pip install it (e.g. `pip install -e .[demo]`)") from None
 
 
 @dataclasses.dataclass
@@ -56,7 +123,7 @@ def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN
     return LoadedModel(model, Tokenizer.from_dir(path) if has_tok else None, path, "hf")
 
 
-def shrunk(cfg, s):
+def shrunk(cfg, s: ShrinkSection):
     """``cfg`` (a ``ModelConfig``) with the sizes of a ``config.model.shrink`` section."""
     moe = None if cfg.moe is None else dataclasses.replace(
         cfg.moe, num_experts=s.num_experts, top_k=min(cfg.moe.top_k, s.num_experts),
@@ -67,11 +134,9 @@ def shrunk(cfg, s):
                                num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, moe=moe)
 
 
-def shrunk_random(section, mesh: Mesh | None, seed: int, rules: LogicalRules = TRAIN_RULES) -> LoadedModel:
+def shrunk_random(section: ModelSection, mesh: Mesh | None, seed: int, rules: LogicalRules = TRAIN_RULES) -> LoadedModel:
     """A randomly initialised, shrunken copy of the checkpoint's architecture, with its tokenizer."""
     from flax import nnx
-
-    from rlx.config import resolve_path
 
     path = resolve_path(section.path)
     if section.resolved_format == "gguf":
@@ -84,23 +149,18 @@ def shrunk_random(section, mesh: Mesh | None, seed: int, rules: LogicalRules = T
         has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
         tokenizer = Tokenizer.from_dir(path) if has_tok else None
     cfg = shrunk(cfg, section.shrink)
-    precision = Precision(dtype=_DTYPES[section.dtype], param_dtype=_DTYPES[section.param_dtype],
-                          moe_impl=section.moe_impl)
-    model = Transformer(cfg, precision, rngs=nnx.Rngs(seed))
+    model = Transformer(cfg, section.precision, rngs=nnx.Rngs(seed))
     if mesh is not None:
-        from rlx.quant.lora import shard_variables
-
         shard_variables(model, nnx.Param, mesh, rules)
     return LoadedModel(model, tokenizer, f"random shrunken copy of {path}", "random")
 
 
-def load_from_section(section, mesh: Mesh | None, rules: LogicalRules = TRAIN_RULES,
+def load_from_section(section: ModelSection, mesh: Mesh | None, rules: LogicalRules = TRAIN_RULES,
                       seed: int = 0) -> LoadedModel:
     """Load what a validated ``config.model`` section names."""
-    from rlx.config import resolve_path
-
     if section.shrink.enabled:
         return shrunk_random(section, mesh, seed, rules)
     loader = load_gguf if section.resolved_format == "gguf" else load_hf
-    return loader(resolve_path(section.path), _DTYPES[section.dtype], mesh,
-                  param_dtype=_DTYPES[section.param_dtype], rules=rules, moe_impl=section.moe_impl)
+    p = section.precision
+    return loader(resolve_path(section.path), p.dtype, mesh, param_dtype=p.param_dtype, rules=rules,
+                  moe_impl=p.moe_impl)

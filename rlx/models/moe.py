@@ -27,6 +27,8 @@ from jaxtyping import Array, Float, Int
 from rlx.models.config import MoEConfig
 from rlx.models.layers import Linear, param, quantize_activations, weight_value
 
+MOE_IMPLS = ("ragged", "dense")  # the two implementations above (config.model.moe_impl)
+
 
 class DenseMLP(nnx.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""

@@ -154,7 +154,7 @@ def compiled_bytes(spec: PlanSpec, devices=None) -> dict[str, int]:
 # Fitted on 17 single-device f32 steps (dense and dense-impl MoE; residuals within 2.5%):
 COEFFS = {"resid": 3.6, "qkv": 1.5, "scores": 2.95, "mlp": 6.0, "moe_d": 0.83, "moe_f": 6.45,
           "router": 0.0, "logits": 2.14, "grads": 1.21, "embed": 7.5,
-          "lora": 1.9,  # mode B only: base and adapter outputs kept apart (3 mode-B points;
+          "lora": 1.9,  # mode "lora" only: base and adapter outputs kept apart (3 such points;
                         # refitted after LoRA's products became 2-D, which dropped XLA's
                         # transposed cotangent copies: 3.8 before)
           "ckpt": 1.0}  # remat="layer": each layer's input, kept once (not fitted)
@@ -177,7 +177,7 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
          "mlp": 0.0, "moe_d": 0.0, "moe_f": 0.0, "router": 0.0, "lora": 0.0}
     if not c.is_sparse_layer(layer):
         f["mlp"] = a * n * _div(c.intermediate_size, t)
-        f["lora"] = f["mlp"] if spec.mode == "B" else 0.0
+        f["lora"] = f["mlp"] if spec.mode == "lora" else 0.0
         return f
     e = c.moe
     slots = e.top_k if spec.moe_impl == "ragged" else _div(e.num_experts, m.expert)
@@ -185,7 +185,7 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     f["moe_f"] = a * n * slots * _div(e.intermediate_size, t)
     f["router"] = 4 * n * e.num_experts
     f["mlp"] = a * n * _div(e.shared_intermediate_size, t)
-    if spec.mode == "B":
+    if spec.mode == "lora":
         f["lora"] = f["mlp"]  # batched expert adapters measured no extra beyond moe_f
     return f
 

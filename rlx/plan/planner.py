@@ -1,5 +1,5 @@
 """Memory planner: ``python -m rlx.plan --config configs/X.py [--mesh data=1,fsdp=8]
-[--hbm-gb 192 --devices 8] [--mode A|B] [--compiled]``.
+[--hbm-gb 192 --devices 8] [--mode full|lora] [--compiled]``.
 
 Prints bytes per device for the frozen base, trainable params, gradients, AdamW state,
 activations (with the remat choice), log-prob chunks, the batch and the built-in engine's KV
@@ -26,6 +26,7 @@ import os
 import sys
 from typing import Any
 
+from rlx.learner.state import MODES
 from rlx.mesh import MESH_AXES, MeshShape
 from rlx.models import from_hf_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
@@ -93,8 +94,8 @@ def advice(p: Plan, devices_per_node: int) -> list[str]:
             tips.append(f"lower plan.logprob_chunk (now {s.logprob_chunk})")
     elif b["kv_cache"] > 0.1 * p.peak:
         tips.append("lower plan.rollout_rows or plan.rollout_len (KV cache), or use SGLang")
-    if s.mode == "A" and b["optimizer"] + b["trainable"] > 0.3 * p.peak:
-        tips.append("train LoRA adapters on a frozen base (plan.mode='B', quant.format='int4')")
+    if s.mode == "full" and b["optimizer"] + b["trainable"] > 0.3 * p.peak:
+        tips.append("train LoRA adapters on a frozen base (plan.mode='lora', quant.format='int4')")
     k = nodes_needed(s, p.hbm_bytes / GB)
     if k and k > 1:
         n = k * s.mesh.num_devices
@@ -108,9 +109,9 @@ def advice(p: Plan, devices_per_node: int) -> list[str]:
 def format_plan(p: Plan, compiled: dict[str, int] | None = None, devices_per_node: int = 8) -> str:
     s, m = p.spec, p.spec.mesh
     lines = [f"model      {s.model.architecture}, {s.model.num_params() / 1e9:.2f}B params; mode "
-             f"{s.mode}" + (f", base {s.quant.format} + LoRA r{s.lora.rank}" if s.mode == "B" else
+             f"{s.mode}" + (f", base {s.quant.format} + LoRA r{s.lora.rank}" if s.mode == "lora" else
                             f", {s.param_dtype} + AdamW"),
-             f"mesh       " + ", ".join(f"{a}={v}" for a, v in zip(MESH_AXES, m.sizes))
+             "mesh       " + ", ".join(f"{a}={v}" for a, v in zip(MESH_AXES, m.sizes))
              + f" ({m.num_devices} devices), remat={s.remat}, rows={s.rows}x{s.seq_len}, "
              f"micro_batches={s.micro_batches}",
              "per device (GB)"]
@@ -194,7 +195,7 @@ def _args(argv) -> argparse.Namespace:
                    "config.plan.hbm_gb or 80)")
     p.add_argument("--devices", type=int, default=None, help="devices per node (default: the "
                    "mesh size); a mesh without --mesh becomes fsdp=DEVICES")
-    p.add_argument("--mode", choices=("A", "B"), default=None, help="override config.plan.mode")
+    p.add_argument("--mode", choices=tuple(MODES), default=None, help="override config.plan.mode")
     p.add_argument("--compiled", action="store_true", help="also compile the train step on "
                    "local devices and print XLA's memory analysis (small models)")
     return p.parse_args(argv)

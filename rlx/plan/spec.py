@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 from flax import nnx
 
-from rlx.mesh import MeshShape
+from rlx.errors import one_of
+from rlx.learner.state import MODES
+from rlx.learner.step import FORWARDS
+from rlx.mesh import MeshShape, batch_shards
 from rlx.models import ModelConfig, Precision, Transformer
+from rlx.models.decoder import DTYPES
+from rlx.models.moe import MOE_IMPLS
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
-
-MODES = ("A", "B")
-REMAT = ("none", "layer")
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,29 +30,28 @@ class PlanSpec:
     """A run as the planner sees it (all sizes global unless named per device)."""
 
     model: ModelConfig
-    mode: str = "B"  # "A": full-parameter AdamW; "B": frozen base + LoRA (AdamW on adapters)
-    quant: QuantConfig = QuantConfig()  # mode B base representation ("none": float base)
-    lora: LoraConfig = LoraConfig()  # mode B adapters
+    mode: str = "lora"  # rlx.learner.state.MODES: "full" (AdamW on every parameter) or "lora"
+    quant: QuantConfig = QuantConfig()  # mode "lora": the base representation ("none": float)
+    lora: LoraConfig = LoraConfig()  # mode "lora": the adapters (AdamW on them)
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "bfloat16"  # storage dtype of float parameters (and of AdamW moments)
     rows: int = 8  # sequences per optimizer step (global)
     seq_len: int = 1024  # tokens per sequence (padded / packed row length)
     micro_batches: int = 1  # gradient-accumulation steps per optimizer step
     logprob_chunk: int = 1024  # tokens per chunk of the chunked log-softmax
-    remat: str = "layer"  # "none": keep every activation; "layer": keep layer inputs, recompute
-    moe_impl: str = "ragged"  # "ragged" | "dense" (see rlx.models.moe)
+    remat: str = "layer"  # a key of rlx.learner.step.FORWARDS (as config.train.remat)
+    moe_impl: str = "ragged"  # one of rlx.models.moe.MOE_IMPLS
     mesh: MeshShape = MeshShape()
     rollout_rows: int = 64  # built-in engine: sequences decoded at once (global)
     rollout_len: int = 2048  # built-in engine: prompt + completion slots per sequence
     kv_dtype: str = "bfloat16"  # built-in engine: KV cache dtype
 
     def __post_init__(self):
-        _one_of("mode", self.mode, MODES)
-        _one_of("remat", self.remat, REMAT)
-        _one_of("dtype", self.dtype, tuple(_DTYPES))
-        _one_of("param_dtype", self.param_dtype, tuple(_DTYPES))
-        _one_of("kv_dtype", self.kv_dtype, tuple(_DTYPES))
-        _one_of("moe_impl", self.moe_impl, ("ragged", "dense"))
+        one_of("plan.mode", self.mode, MODES)
+        one_of("plan.remat", self.remat, FORWARDS)
+        for name in ("dtype", "param_dtype", "kv_dtype"):
+            one_of(f"plan.{name}", getattr(self, name), DTYPES)
+        one_of("plan.moe_impl", self.moe_impl, MOE_IMPLS)
         for name in ("rows", "seq_len", "micro_batches", "logprob_chunk", "rollout_rows",
                      "rollout_len"):
             if getattr(self, name) < 1:
@@ -63,9 +62,8 @@ class PlanSpec:
 
     @property
     def batch_shards(self) -> int:
-        """Devices the batch rows are split over (TRAIN_RULES: data x fsdp x expert)."""
-        m = self.mesh
-        return m.data * m.fsdp * m.expert
+        """Devices the batch rows are split over (``rlx.mesh.batch_shards`` under TRAIN_RULES)."""
+        return batch_shards(self.mesh)
 
     @property
     def micro_rows(self) -> int:
@@ -73,21 +71,15 @@ class PlanSpec:
 
     @property
     def precision(self) -> Precision:
-        return Precision(dtype=_DTYPES[self.dtype], param_dtype=_DTYPES[self.param_dtype],
-                         moe_impl=self.moe_impl)
+        return Precision.named(self.dtype, self.param_dtype, self.moe_impl)
 
     def replace(self, **kw) -> "PlanSpec":
         return dataclasses.replace(self, **kw)
 
 
-def _one_of(name, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"plan.{name}={value!r} is not one of {list(allowed)}")
-
-
 def _build(spec: PlanSpec) -> Transformer:
     model = Transformer(spec.model, spec.precision, rngs=nnx.Rngs(0))
-    if spec.mode == "B":
+    if spec.mode == "lora":
         model = quantize_model(model, spec.quant)
         model = apply_lora(model, spec.lora, nnx.Rngs(1))
     return model
@@ -99,6 +91,6 @@ def abstract_model(spec: PlanSpec) -> Transformer:
 
 
 def trainable_filter(spec: PlanSpec):
-    return nnx.LoRAParam if spec.mode == "B" else nnx.Param
+    return MODES[spec.mode]
 
 

@@ -1,4 +1,4 @@
-"""Mode B: a frozen base kept in the representation that serves it, plus LoRA adapters.
+"""Mode "lora": a frozen base kept in the representation that serves it, plus LoRA adapters.
 
 - ``QuantConfig`` / ``LoraConfig`` (``rlx.quant.config``): base format, serving format (which fixes the
   learner's activation quantization), adapter rank / alpha / dropout / targets.
@@ -6,6 +6,8 @@
   ``load_quantized`` / ``load_gguf_quantized`` keep already-quantized checkpoints as they are.
 - ``apply_lora`` attaches ``nnx.LoRAParam`` adapters; ``model(ids, adapter=False)`` is the reference.
 - ``state_bytes`` reports frozen and trainable bytes. Export lives in ``rlx.io.export``.
+
+May import ``rlx.models`` and the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``).
 """
 
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError

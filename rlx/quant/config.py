@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlx.errors import ConfigError, one_of
+from rlx.models.decoder import DTYPES
+
 FORMATS = ("none", "int8", "int4", "fp8", "nf4", "gguf")
 SERVING_FORMATS = ("hf", "w8a8_int8", "fp8", "compressed-tensors", "gguf")
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+ATTN_TARGETS = ("q", "k", "v", "o")  # LoRA targets: attention projections
+MLP_TARGETS = ("gate", "up", "down")  # LoRA targets: MLP (and MoE expert) projections
+LORA_TARGETS = ATTN_TARGETS + MLP_TARGETS
 
 # base format -> serving formats that carry its exact values (README table).
 _COMPATIBLE = {
@@ -26,7 +31,7 @@ _COMPATIBLE = {
 }
 
 
-class QuantConfigError(ValueError):
+class QuantConfigError(ConfigError):
     """A quantization or LoRA setting rlx cannot honour; the message names the field."""
 
 
@@ -34,20 +39,20 @@ class QuantConfigError(ValueError):
 class QuantConfig:
     """How the frozen base is stored and which serving format it must match."""
 
-    format: str = "none"  # "none" | "int8" | "int4" | "fp8" | "nf4" | "gguf"
+    format: str = "none"  # one of FORMATS
     group_size: int = 64  # int4 / nf4: values per scale along the input dimension
     symmetric: bool = True  # int4 only: False stores a zero point per group (min/max calibration)
     fp8_granularity: str = "channel"  # "channel" (one scale per output) | "block128" (128x128 tiles)
     scale_dtype: str = "float32"  # "float32" | "bfloat16" | "float16": scales are rounded to this
     quantize_embed: bool = False  # also quantize the token embedding
     quantize_lm_head: bool = False  # also quantize a separate (untied) lm_head
-    serving: str = "hf"  # "hf" | "w8a8_int8" | "fp8" | "compressed-tensors" | "gguf"
+    serving: str = "hf"  # one of SERVING_FORMATS
 
     def __post_init__(self):
-        _one_of("format", self.format, FORMATS)
-        _one_of("serving", self.serving, SERVING_FORMATS)
-        _one_of("fp8_granularity", self.fp8_granularity, ("channel", "block128"))
-        _one_of("scale_dtype", self.scale_dtype, ("float32", "bfloat16", "float16"))
+        one_of("format", self.format, FORMATS)
+        one_of("serving", self.serving, SERVING_FORMATS)
+        one_of("fp8_granularity", self.fp8_granularity, ("channel", "block128"))
+        one_of("scale_dtype", self.scale_dtype, ("float32", "bfloat16", "float16"))
         if self.group_size < 2 or self.group_size % 2:
             raise QuantConfigError(f"group_size={self.group_size} must be an even number >= 2")
         if not self.symmetric and self.format != "int4":
@@ -83,7 +88,7 @@ class LoraConfig:
     dropout: float = 0.0  # on the adapter's input only (active in nnx train mode)
     targets: tuple[str, ...] = LORA_TARGETS  # any of q, k, v, o, gate, up, down
     experts: bool = True  # also adapt MoE experts (one adapter per expert, run batched)
-    param_dtype: str = "float32"  # adapter storage dtype: "float32" | "bfloat16"
+    param_dtype: str = "float32"  # adapter storage dtype: a key of rlx.models.decoder.DTYPES
 
     def __post_init__(self):
         if self.rank < 1:
@@ -93,13 +98,8 @@ class LoraConfig:
         bad = [t for t in self.targets if t not in LORA_TARGETS]
         if bad or not self.targets:
             raise QuantConfigError(f"targets={list(self.targets)}: each must be one of {list(LORA_TARGETS)}")
-        _one_of("param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        one_of("param_dtype", self.param_dtype, DTYPES)
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
-
-
-def _one_of(field: str, value, allowed) -> None:
-    if value not in allowed:
-        raise QuantConfigError(f"{field}={value!r} is not supported; use one of {tuple(allowed)}")

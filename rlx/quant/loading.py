@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.mesh import TRAIN_RULES, LogicalRules
+from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.hf import load_model, param_map
@@ -29,7 +29,6 @@ from rlx.models.loading import LoadedModel
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.quant.config import QuantConfig
 from rlx.quant.gguf_blocks import BLOCK_BYTES, GGUFTensor
-from rlx.quant.lora import shard_variables
 from rlx.quant.serving import config_from_hf, from_serving, is_quantized
 from rlx.quant.tensors import QTensor, QuantWeight
 

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
+from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.decoder import Transformer
 from rlx.models.layers import Linear
 from rlx.models.mixed import matmul
@@ -117,14 +117,6 @@ def apply_lora(model: Transformer, cfg: LoraConfig, rngs: nnx.Rngs, *, mesh: Mes
     if mesh is not None:
         shard_variables(model, nnx.LoRAParam, mesh, rules)
     return model
-
-
-def shard_variables(model: nnx.Module, kind, mesh: Mesh, rules: LogicalRules) -> None:
-    """Place every ``kind`` variable of ``model`` by its logical axes on ``mesh`` (in place)."""
-    for _, var in nnx.iter_graph(model):
-        if isinstance(var, kind):
-            axes = var.get_metadata().get("logical_axes")
-            var.set_value(jax.device_put(var[...], named_sharding(mesh, axes, rules, var.shape)))
 
 
 def lora_targets(model: Transformer) -> list[tuple[str, LoRA]]:

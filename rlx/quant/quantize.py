@@ -16,12 +16,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.mesh import TRAIN_RULES, LogicalRules
+from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.decoder import Transformer
 from rlx.models.layers import Linear
 from rlx.models.moe import DenseMLP, SparseMoE
 from rlx.quant.config import QuantConfig, QuantConfigError
-from rlx.quant.lora import shard_variables
 from rlx.quant.tensors import QTensor, QuantWeight, quantize_array
 
 

@@ -2,6 +2,9 @@
 
 Importing this package loads only the records and the registry; the graders (sympy, the
 sandbox) are imported on first use, by `get_reward(name)` or by attribute access below.
+
+May import only the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``): rewards run on the
+host and know nothing of models or the learner.
 """
 
 from __future__ import annotations
@@ -9,15 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlx.rewards.base import (
-    BatchRewardFn,
-    RewardFn,
-    RewardResult,
-    available_rewards,
-    get_reward,
-    register,
-    score_batch,
-)
+from rlx.rewards.base import (BatchRewardFn, RewardFn, RewardResult, available_rewards, get_reward,
+                              register, score_batch)
 
 _LAZY = {
     "MathReward": "rlx.rewards.math",

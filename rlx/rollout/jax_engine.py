@@ -1,10 +1,10 @@
 """The built-in JAX rollout engine: the learner's own model code, sampling with a KV cache.
 
 ``JaxEngine(model, tokenizer=..., mesh=...)`` runs ``Transformer.decode`` (``rlx.models.kv_cache``)
-on the very weights the learner trains: mode A full parameters, or mode B's frozen quantized base
+on the very weights the learner trains: full mode full parameters, or LoRA mode's frozen quantized base
 (int8/int4/nf4/fp8 ``QTensor``s, GGUF blocks) plus LoRA adapters, without any conversion.
 ``update_weights(weights, version)`` takes a new model, or an ``nnx.State`` holding some of its
-variables (e.g. only the ``nnx.LoRAParam`` adapters in mode B), in memory; with unchanged shapes and
+variables (e.g. only the ``nnx.LoRAParam`` adapters in LoRA mode), in memory; with unchanged shapes and
 dtypes nothing is recompiled. Weights are copied by default, so that the learner may donate its
 buffers to its next step while the engine still samples from the previous version. On XLA:CPU the
 copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a decode step's
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import zlib
 from collections.abc import Sequence
 
@@ -44,13 +43,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx.learner.heap import CompiledPerShape
-from rlx.learner.batching import _round_up
 from rlx.learner.state import variable_shardings
-from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, logical_to_spec, named_sharding
-from rlx.rollout.base import Prompt, RolloutError, SamplingParams
+from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
+                      round_up)
 from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
-from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, score_batch
-from rlx.types import Rollout
+from rlx.rollout.errors import RolloutError
+from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, sequence_logprobs
+from rlx.types import Prompt, Rollout, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Buckets:
     max_rows: int = 256
 
     def rows(self, n: int, multiple: int) -> int:
-        return _round_up(_pow2(max(n, self.min_rows)), multiple)
+        return round_up(_pow2(max(n, self.min_rows)), multiple)
 
     def prompt(self, n: int) -> int:
         return _pow2(max(n, self.min_prompt))
@@ -198,11 +197,7 @@ class JaxEngine:
 
     # --- compiled functions ---------------------------------------------------------------
     def _data_parallel(self) -> int:
-        if self.mesh is None:
-            return 1
-        spec = logical_to_spec(("batch",), self.rules, self.mesh)[0]
-        names = (spec,) if isinstance(spec, str) else tuple(spec or ())
-        return math.prod(self.mesh.shape[a] for a in names)
+        return 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
 
     def _jit(self, fn, n_rows_args: tuple[int, ...], n_scalars: int, out_ndims: tuple[int, ...]):
         """``jax.jit`` with the state on its shardings, row arrays over the batch axes; compiled
@@ -234,7 +229,7 @@ class JaxEngine:
     def _score_fn(self):
         key = ("score", self._graphdef, self.adapter, self.score_chunk)
         if key not in self._fns:
-            fn = functools.partial(score_batch, graphdef=self._graphdef, adapter=self.adapter,
+            fn = functools.partial(sequence_logprobs, graphdef=self._graphdef, adapter=self.adapter,
                                    chunk=self.score_chunk)
             self._fns[key] = self._jit(fn, (2, 1), 0, (2,))
         return self._fns[key]
@@ -326,9 +321,6 @@ class JaxEngine:
             logp = np.asarray(jax.device_get(self._score_fn()(self._state, *self._rows(ids, lens))))
             out += [logp[r, width - len(s) + p - 1: width - 1] for r, (s, p) in enumerate(chunk)]
         return out
-
-    def health(self) -> bool:
-        return self._state is not None
 
     def close(self) -> None:
         self._state, self._fns = None, {}

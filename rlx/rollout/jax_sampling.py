@@ -299,7 +299,7 @@ def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, s
                 done=c["done"] | stopped)
 
 
-def score_batch(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array, " b"], *,
+def sequence_logprobs(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array, " b"], *,
                 graphdef: nnx.GraphDef, adapter: bool = True, chunk: int = 256) -> Float[Array, "b t"]:
     """Teacher-forced raw-policy log-probs of left-padded rows through the cached forward pass.
 

@@ -4,7 +4,7 @@ Before training starts (and every k steps) a fixed probe batch of token sequence
 teacher-forced log-probs from the learner's own model code, and the log-probs the rollout engine
 assigns to the same tokens. Over the configured threshold on the maximum absolute difference, the
 run stops with an error naming the engine, the base format and the figures; below it, the figures
-are returned for tensorboard. Quantized bases in mode B are compared in their served form, so a
+are returned for tensorboard. Quantized bases in LoRA mode are compared in their served form, so a
 mismatched serving format or a stale adapter is caught before any update is wasted on it.
 """
 

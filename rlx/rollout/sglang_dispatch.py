@@ -35,7 +35,7 @@ from typing import Any
 
 import requests
 
-from rlx.rollout.base import RolloutError
+from rlx.rollout.errors import RolloutError
 
 log = logging.getLogger(__name__)
 

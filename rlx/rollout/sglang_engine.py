@@ -8,9 +8,9 @@ every server and what happened to it is raised when none is left). Results are k
 ``(prompt, sample)``: each sample is one request with exactly one answer, so nothing is dropped
 or counted twice.
 
-Weight sync: mode B hot-loads a PEFT adapter exported by rlx under a new name per policy version
+Weight sync: LoRA mode hot-loads a PEFT adapter exported by rlx under a new name per policy version
 (``/load_lora_adapter``) and unloads the previous one (an unloaded name can silently come back from
-its old path, so names are never reused); mode A reloads full weights from an rlx export
+its old path, so names are never reused); full mode reloads full weights from an rlx export
 (``/update_weights_from_disk``). The engine records what it loaded (the full weights or base from
 disk, the adapter, the version) so that a server that restarted or had its weights changed by
 someone else can be given rlx's weights again (``_restore``). Every answer's ``weight_version``
@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import requests
 
-from rlx.rollout.base import Prompt, RolloutError, SamplingParams
+from rlx.rollout.errors import RolloutError
 from rlx.rollout.sglang_dispatch import Call, ServerSet
-from rlx.types import Rollout
+from rlx.types import Prompt, Rollout, SamplingParams
 
 
 class SGLangEngine:
@@ -48,9 +48,9 @@ class SGLangEngine:
                                  processes={u.rstrip("/"): p for u, p in (processes or {}).items()})
         self.timeout = request_timeout_s
         self.pool = ThreadPoolExecutor(max_workers=concurrency)
-        self.adapter: str | None = None  # name of the loaded LoRA adapter (mode B)
+        self.adapter: str | None = None  # name of the loaded LoRA adapter (LoRA mode)
         self._adapter_path: str | None = None
-        self._disk_path: str | None = None  # full weights (mode A) or the base (mode B) served
+        self._disk_path: str | None = None  # full weights (full mode) or the base (LoRA mode) served
         self.servers.version = (self._set_version(str(weight_version))
                                 if weight_version is not None else self._server_version())
         self.servers.restore = self._restore
@@ -128,12 +128,12 @@ class SGLangEngine:
 
     # --- weights --------------------------------------------------------------------------
     def record_served(self, path: str) -> None:
-        """The weights (mode A) or base (mode B) the servers were launched from, at ``path``:
+        """The weights (full mode) or base (LoRA mode) the servers were launched from, at ``path``:
         what a re-sync loads first."""
         self._disk_path = path
 
     def load_adapter(self, path: str, version: int) -> None:
-        """Mode B: hot-load the PEFT adapter at ``path`` as policy ``version``; unload the old one."""
+        """LoRA mode: hot-load the PEFT adapter at ``path`` as policy ``version``; unload the old one."""
         name = f"policy-{version}"
         self.servers.broadcast("/load_lora_adapter", {"lora_name": name, "lora_path": path})
         old, self.adapter, self._adapter_path = self.adapter, name, path
@@ -150,7 +150,7 @@ class SGLangEngine:
         return out
 
     def update_weights_from_disk(self, path: str, version: int) -> None:
-        """Mode A: reload full weights from an rlx HF export at ``path``."""
+        """Full mode: reload full weights from an rlx HF export at ``path``."""
         for res in self.servers.broadcast("/update_weights_from_disk",
                                           {"model_path": path, "weight_version": str(version)}):
             if not res.get("success", False):

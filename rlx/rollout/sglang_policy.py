@@ -3,18 +3,18 @@
 At build the policy is exported into ``<output_dir>/serving/`` (``rlx.io.export``, each folder
 published atomically with its version):
 
-- mode B (``train.mode = "lora"``): the frozen base once, in the serving format ``quant.serving``
+- ``train.mode = "lora"``: the frozen base once, in the serving format ``quant.serving``
   (``serving/base``; a GGUF base is its file), and the adapter as PEFT (``serving/adapter-0``);
-- mode A (``train.mode = "full"``): every weight as HF safetensors (``serving/policy``).
+- ``train.mode = "full"``: every weight as HF safetensors (``serving/policy``).
 
 Servers are launched from that folder (``rollout.sglang.python``, ``num_servers`` of
 ``tp_size`` GPUs each; LoRA flags from ``config.lora``) or attached (``rollout.sglang.urls``); an
 attached server is first given rlx's export with ``/update_weights_from_disk`` (``sync_base``), so
 it holds the learner's values exactly, not its own quantization of some other checkpoint.
 
-After every update (``update_weights(model, version)``) mode B exports the new adapter to
+After every update (``update_weights(model, version)``) mode "lora" exports the new adapter to
 ``serving/adapter-<version>``, hot-loads it as ``policy-<version>`` and unloads (and deletes) the
-previous one; mode A re-exports ``serving/policy`` and reloads it with
+previous one; mode "full" re-exports ``serving/policy`` and reloads it with
 ``/update_weights_from_disk``. ``SGLangEngine`` checks the ``weight_version`` of every response.
 ``close()`` stops the servers this object launched (their whole process groups); launched
 from the main thread they also die with the rlx process if it is killed (``sglang_server``).
@@ -29,6 +29,7 @@ built-in engine there (``rollout.engine = "jax"``).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import shutil
 from collections.abc import Sequence
@@ -36,48 +37,63 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from rlx.config import ConfigError, RunConfig, resolve_path
+from rlx.errors import ConfigError
 from rlx.io.export import export_base, export_merged, export_peft
 from rlx.models.config import ModelConfig
-from rlx.rollout.base import Prompt, SamplingParams
+from rlx.models.loading import ModelSection, resolve_path
+from rlx.quant.config import MLP_TARGETS, LoraConfig, QuantConfig
+from rlx.rollout.config import SGLangSection
 from rlx.rollout.sglang_engine import SGLangEngine
-from rlx.rollout.sglang_server import SGLangServer, ServerSpec
-from rlx.types import Rollout
+from rlx.rollout.sglang_server import ServerSpec, SGLangServer
+from rlx.types import Prompt, Rollout, SamplingParams
 
 # SGLang serves MoE LoRA only on these bases (bf16 weights or fp8).
 _MOE_LORA_SERVING = ("hf", "fp8")
 
 
-def check_servable(cfg: RunConfig, model: ModelConfig, process_count: int = 1) -> None:
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """What a run asks SGLang to serve (``rlx.run.build.serving`` makes it from the run config)."""
+
+    sglang: SGLangSection  # config.rollout.sglang: servers to attach to or launch
+    model: ModelSection  # config.model: the checkpoint (PEFT base name, a GGUF base's file)
+    quant: QuantConfig  # config.quant: the base representation and its serving format
+    lora: LoraConfig | None  # config.lora in train.mode "lora"; None in "full" (whole weights)
+    output_dir: str  # exports go to <output_dir>/serving
+
+
+def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1) -> None:
     """Refuse, as a ``ConfigError`` naming the fields, what SGLang cannot serve for this run."""
+    q, lora = serving.quant, serving.lora
     if process_count > 1:
         raise ConfigError(f"config.rollout.engine='sglang' with {process_count} JAX processes: "
                           "multi-host runs drive the built-in engine (rollout.engine='jax'); "
                           "SGLang needs a single learner process for now")
-    if cfg.quant.serving == "gguf" and (cfg.model.shrink.enabled or cfg.quant.format != "gguf"):
+    if q.serving == "gguf" and (serving.model.shrink.enabled or q.format != "gguf"):
         raise ConfigError("config.quant.serving='gguf' serves the GGUF file the base was loaded "
                           "from; it needs quant.format='gguf' and no model.shrink (a random "
                           "shrunken copy has no file): use quant.serving='hf'")
-    adapts_experts = (cfg.train.mode == "lora" and model.moe is not None and cfg.lora.experts
-                      and any(t in cfg.lora.targets for t in ("gate", "up", "down")))
-    if adapts_experts and cfg.quant.serving not in _MOE_LORA_SERVING:
-        raise ConfigError(f"SGLang serves LoRA on MoE experts only over a {list(_MOE_LORA_SERVING)} "
-                          f"base, not config.quant.serving={cfg.quant.serving!r}: set "
-                          "config.lora.experts=False (adapters on attention only), serve "
-                          "quant.serving='hf', or use rollout.engine='jax'")
+    adapts_experts = (lora is not None and model.moe is not None and lora.experts
+                      and any(t in lora.targets for t in MLP_TARGETS))
+    if adapts_experts and q.serving not in _MOE_LORA_SERVING:
+        raise ConfigError(f"SGLang serves LoRA on MoE experts only over a float or fp8 base "
+                          f"(config.quant.serving one of {list(_MOE_LORA_SERVING)}), not "
+                          f"config.quant.serving={q.serving!r}: set config.lora.experts=False "
+                          "(adapters on attention only), serve quant.serving='hf', or use "
+                          "rollout.engine='jax'")
 
 
-def lora_server_args(cfg: RunConfig, model: ModelConfig) -> tuple[str, ...]:
-    """``--enable-lora`` flags for an adapter of ``cfg.lora`` on ``model``."""
-    modules = [f"{t}_proj" for t in cfg.lora.targets]
-    fused = model.moe is not None and cfg.lora.experts and {"gate", "up"} <= set(cfg.lora.targets)
-    rank = 2 * cfg.lora.rank if fused else cfg.lora.rank  # experts' gate+up export as one rank-2r
+def lora_server_args(lora: LoraConfig, model: ModelConfig) -> tuple[str, ...]:
+    """``--enable-lora`` flags for an adapter ``lora`` on ``model``."""
+    modules = [f"{t}_proj" for t in lora.targets]
+    fused = model.moe is not None and lora.experts and {"gate", "up"} <= set(lora.targets)
+    rank = 2 * lora.rank if fused else lora.rank  # experts' gate+up export as one rank-2r
     return ("--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules)
 
 
-def server_args(cfg: RunConfig, model: ModelConfig, index: int) -> tuple[str, ...]:
+def server_args(serving: Serving, model: ModelConfig, index: int) -> tuple[str, ...]:
     """``sglang.launch_server`` flags of launched server ``index`` (before ``--model-path``'s)."""
-    s = cfg.rollout.sglang
+    s = serving.sglang
     # rlx sends and reads token ids; an idle scheduler waits on its sockets instead of spinning
     # (otherwise each server holds a host core busy during every learner update)
     args: tuple[str, ...] = ("--skip-tokenizer-init", "--sleep-on-idle")
@@ -85,22 +101,49 @@ def server_args(cfg: RunConfig, model: ModelConfig, index: int) -> tuple[str, ..
         args += ("--tp-size", str(s.tp_size))
     if s.num_servers > 1:
         args += ("--base-gpu-id", str(index * s.tp_size))
-    if cfg.train.mode == "lora" and "--enable-lora" not in s.extra_args:
-        args += lora_server_args(cfg, model)
+    if serving.lora is not None and "--enable-lora" not in s.extra_args:
+        args += lora_server_args(serving.lora, model)
     return args + tuple(s.extra_args)  # last: the user's flags win
 
 
+def launch_specs(serving: Serving, model: ModelConfig, model_path: str) -> list[ServerSpec]:
+    """The servers to launch for ``serving`` (none when it attaches to ``sglang.urls``), each
+    loading ``model_path``; their logs go to ``<output_dir>/serving/sglang-<i>.log``."""
+    s = serving.sglang
+    if s.urls:
+        return []
+    folder = os.path.abspath(os.path.join(serving.output_dir, "serving"))
+    env = tuple(tuple(e.split("=", 1)) for e in s.env)
+    return [ServerSpec(python=os.path.expanduser(s.python), model_path=model_path,
+                       extra_args=server_args(serving, model, i), env=env,
+                       startup_timeout_s=s.startup_timeout_s,
+                       log_path=os.path.join(folder, f"sglang-{i}.log")) for i in range(s.num_servers)]
+
+
+def loads_export(serving: Serving) -> bool:
+    """Whether the servers are given rlx's export at start: attached ones with ``sync_base``
+    (launched ones start from it)."""
+    return bool(serving.sglang.urls) and serving.sglang.sync_base
+
+
+def client_options(serving: Serving) -> dict:
+    """``SGLangEngine`` settings of this policy's client: the request timeout, and the policy
+    version the servers hold (none known yet for servers about to load rlx's export)."""
+    return {"request_timeout_s": serving.sglang.request_timeout_s,
+            "weight_version": None if loads_export(serving) else 0}
+
+
 class SGLangPolicy:
-    """``generate`` / ``score`` / ``update_weights(model, version)`` / ``health`` / ``close``
-    on SGLang servers serving the learner's policy (see the module docstring)."""
+    """The ``rlx.types.RolloutEngine`` on SGLang servers serving the learner's policy (see the
+    module docstring); ``health()`` also asks every server."""
 
     name = "sglang"
 
-    def __init__(self, cfg: RunConfig, model):
-        check_servable(cfg, model.config, jax.process_count())
-        self.cfg, self.lora = cfg, cfg.train.mode == "lora"
-        self.dir = os.path.abspath(os.path.join(cfg.output_dir, "serving"))
-        self.dtype = np.float32 if cfg.model.param_dtype == "float32" else _bfloat16()
+    def __init__(self, serving: Serving, model):
+        check_servable(serving, model.config, jax.process_count())
+        self.serving, self.lora = serving, serving.lora is not None
+        self.dir = os.path.abspath(os.path.join(serving.output_dir, "serving"))
+        self.dtype = np.float32 if serving.model.param_dtype == "float32" else _bfloat16()
         self.servers: list[SGLangServer] = []
         self.engine: SGLangEngine | None = None
         self._adapter_dir: str | None = None
@@ -112,38 +155,30 @@ class SGLangPolicy:
 
     # --- build ----------------------------------------------------------------------------
     def _start(self, model) -> None:
-        s = self.cfg.rollout.sglang
+        s = self.serving.sglang
         served = self._export_served(model)
         urls = list(s.urls) or self._launch(served, model.config)
-        common = dict(request_timeout_s=s.request_timeout_s,
-                      processes={server.url: server for server in self.servers})
-        if s.urls and s.sync_base:
-            self.engine = SGLangEngine(urls, **common)
+        self.engine = SGLangEngine(urls, **client_options(self.serving),
+                                   processes={server.url: server for server in self.servers})
+        if loads_export(self.serving):
             self.engine.update_weights_from_disk(served, version=0)
-        else:
-            self.engine = SGLangEngine(urls, weight_version=0, **common)
-            if not s.urls and os.path.isdir(served):  # a re-sync can load rlx's export again
-                self.engine.record_served(served)
+        elif not s.urls and os.path.isdir(served):  # a re-sync can load rlx's export again
+            self.engine.record_served(served)
         if self.lora:
             self._load_adapter(model, 0)
 
     def _export_served(self, model) -> str:
-        """Mode B: the frozen base; mode A: all weights. Returns the path servers load."""
+        """Mode "lora": the frozen base; "full": all weights. Returns the path servers load."""
         if not self.lora:
             return export_merged(model, os.path.join(self.dir, "policy"), "0", self.dtype)
-        q = self.cfg.quant
-        gguf = resolve_path(self.cfg.model.path) if q.serving == "gguf" else None
+        q = self.serving.quant
+        gguf = resolve_path(self.serving.model.path) if q.serving == "gguf" else None
         path = export_base(model, q, os.path.join(self.dir, "base"), "0", self.dtype, gguf_file=gguf)
         return os.path.join(path, os.path.basename(gguf)) if gguf else path
 
     def _launch(self, model_path: str, model: ModelConfig) -> list[str]:
-        s = self.cfg.rollout.sglang
-        env = tuple(tuple(e.split("=", 1)) for e in s.env)
-        self.servers = [SGLangServer(ServerSpec(
-            python=os.path.expanduser(s.python), model_path=model_path,
-            extra_args=server_args(self.cfg, model, i), env=env,
-            startup_timeout_s=s.startup_timeout_s,
-            log_path=os.path.join(self.dir, f"sglang-{i}.log"))) for i in range(s.num_servers)]
+        specs = launch_specs(self.serving, model, model_path)
+        self.servers = [SGLangServer(spec) for spec in specs]
         for server in self.servers:  # on this thread: servers die with it (sglang_server)
             server.spawn()
         with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
@@ -158,17 +193,17 @@ class SGLangPolicy:
         return [server.url for server in self.servers]
 
     # --- weights --------------------------------------------------------------------------
-    def update_weights(self, model, version: int) -> None:
-        """Serve ``model`` (an ``nnx.Module``) as policy ``version``."""
+    def update_weights(self, weights, version: int) -> None:
+        """Serve ``weights`` (the whole model, an ``nnx.Module``) as policy ``version``."""
         if self.lora:
-            self._load_adapter(model, version)
+            self._load_adapter(weights, version)
             return
-        path = export_merged(model, os.path.join(self.dir, "policy"), str(version), self.dtype)
+        path = export_merged(weights, os.path.join(self.dir, "policy"), str(version), self.dtype)
         self.engine.update_weights_from_disk(path, version)
 
     def _load_adapter(self, model, version: int) -> None:
-        path = export_peft(model, self.cfg.lora, os.path.join(self.dir, f"adapter-{version}"),
-                           str(version), base_model_name_or_path=self.cfg.model.path)
+        path = export_peft(model, self.serving.lora, os.path.join(self.dir, f"adapter-{version}"),
+                           str(version), base_model_name_or_path=self.serving.model.path)
         self.engine.load_adapter(path, version)
         old, self._adapter_dir = self._adapter_dir, path
         if old is not None and old != path:
@@ -203,4 +238,5 @@ def _bfloat16():
     return ml_dtypes.bfloat16
 
 
-__all__ = ["SGLangPolicy", "check_servable", "lora_server_args", "server_args"]
+__all__ = ["SGLangPolicy", "Serving", "check_servable", "client_options", "launch_specs", "loads_export",
+           "lora_server_args", "server_args"]

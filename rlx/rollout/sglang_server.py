@@ -29,8 +29,7 @@ import weakref
 
 import requests
 
-from rlx.rollout.base import RolloutError
-
+from rlx.rollout.errors import RolloutError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,11 @@
+"""The run: ``build`` assembles it from a validated config (``rlx.build``), ``loop`` holds ``Run``
+and its ``step()``, ``engines`` makes the rollout engine a config names, ``hosts`` and
+``multihost`` split the work of a multi-host job, ``lifecycle`` checkpoints, resumes and stops on
+signals, ``checks`` refuses what cannot work before any weight is read, ``summary`` describes a
+model for ``--dry_run``.
+
+May import every stage (``rlx.models``, ``rlx.quant``, ``rlx.learner``, ``rlx.rewards``,
+``rlx.data``, ``rlx.envs``, ``rlx.rollout``), ``rlx.io``, ``rlx.config`` and the foundation
+(``rlx.types``, ``rlx.errors``, ``rlx.mesh``); only ``rlx.launch``, the benchmarks and notebooks
+import it.
+"""

@@ -1,33 +1,45 @@
 """``rlx.build(config) -> Run`` (defined here): everything a run needs, from a validated config.
 
-Mesh, model (mode A: all parameters; mode B: the base frozen in its quantized representation and
-LoRA adapters), train state, compiled steps, rollout engine, data, reward, logger. The returned
-``Run`` (``rlx.run.loop``) drives the loop; the CLI and notebooks both start here.
+Mesh, model (``train.mode="full"``: every parameter trains; ``"lora"``: the base frozen in its
+quantized representation with LoRA adapters), train state, compiled steps, rollout engine, data,
+reward, logger. The returned ``Run`` (``rlx.run.loop``) drives the loop; the CLI and notebooks
+both start here. The config is validated once (``rlx.config.parse_config``), then checked against
+the devices and the model's architecture (``rlx.run.checks``) before any weight is read.
 """
 
 from __future__ import annotations
 
+import os
+
+import grain
 import jax
 import ml_collections
 from flax import nnx
+from jax.sharding import Mesh
 
-from rlx.config import RunConfig, parse_config, resolve_path
-from rlx.run.checks import check_before_build
-from rlx.run.loop import Compiled, Run
+from rlx.config import RunConfig, parse_config
 from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
-from rlx.data.sources import get_source
-from rlx.run.hosts import Hosts
-from rlx.learner.state import create_train_state, make_optimizer
-from rlx.learner.step import FORWARDS, StepConfig, make_logprob_step, make_train_step, reference_forward
-from rlx.run.lifecycle import open_checkpointer, restore
-from rlx.mesh import MeshShape, make_mesh
-from rlx.io.metrics import LoggerConfig, MetricsLogger
+from rlx.data.sources import Example, get_source
+from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
+from rlx.learner.state import MODES, create_train_state, make_optimizer
+from rlx.learner.step import (FORWARDS, Compiled, make_logprob_step, make_train_step,
+                              reference_forward)
+from rlx.mesh import make_mesh
 from rlx.models import load_from_section
-from rlx.run.multihost import initialize_from
+from rlx.models.decoder import Transformer
+from rlx.models.loading import resolve_path
+from rlx.models.tokenizer import Tokenizer
 from rlx.quant import apply_lora, load_gguf_quantized, quantize_model
-from rlx.rewards import get_reward
+from rlx.rewards import RewardFn, get_reward
+from rlx.run.checks import check_before_build
+from rlx.run.engines import make_engine
+from rlx.run.hosts import Hosts
+from rlx.run.lifecycle import open_checkpointer, restore
+from rlx.run.loop import Run
+from rlx.run.multihost import initialize_from
+from rlx.types import RolloutEngine
 
 
 def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: bool = True) -> Run:
@@ -36,8 +48,7 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
     initialize_from(cfg.distributed)
     hosts = Hosts.from_config(cfg)  # which processes sample, which data shards each reads
     check_before_build(cfg, jax.device_count())  # before any weight is read or compiled
-    m = cfg.mesh
-    mesh = make_mesh(MeshShape(m.data, m.fsdp, m.tensor, m.expert))
+    mesh = make_mesh(cfg.mesh)
     model, tokenizer = load_policy(cfg, mesh)
     if tokenizer is None:
         raise ValueError(f"config.model.path={cfg.model.path!r} carries no tokenizer; RL needs one")
@@ -51,16 +62,10 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
         raise
 
 
-def _run(cfg: RunConfig, mesh, compiled: Compiled, engine, tokenizer, progress: bool,
-         hosts: Hosts) -> Run:
+def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine | None,
+         tokenizer: Tokenizer, progress: bool, hosts: Hosts) -> Run:
     """Data, evaluation set, checkpoints (restored when resuming), logger and reward."""
-    fmt = PromptFormat(system_prompt=cfg.data.system_prompt or None, template=cfg.data.template)
-    data = hosts.prompt_data(lambda index, count, size: make_prompt_pipeline(
-        get_source(cfg.data.source, "train"), tokenizer, batch_size=size, seed=cfg.seed,
-        shard_index=index, shard_count=count, max_prompt_tokens=cfg.data.max_prompt_tokens,
-        prompt_format=fmt), cfg.data.prompts_per_step)
-    eval_set = distinct_examples(get_source(cfg.data.source, "eval"), cfg.data.eval_size) \
-        if cfg.data.eval_size else []
+    data = prompt_data(cfg, tokenizer, hosts)
     checkpointer = open_checkpointer(cfg, compiled.state)
     try:
         start, compiled.state = restore(cfg, checkpointer, compiled.state, data)
@@ -70,28 +75,52 @@ def _run(cfg: RunConfig, mesh, compiled: Compiled, engine, tokenizer, progress: 
     if start:
         hosts.sync_weights(engine, compiled, start)
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
-    logger = MetricsLogger(LoggerConfig(logdir=cfg.output_dir, total_steps=cfg.train.steps,
-                                        text_every=max(cfg.train.sample_every, 1), progress=progress),
-                           start_step=start)
-    reward_kw = {"extractors": cfg.train.math_extractors} if cfg.train.reward == "math" else {}
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
-               data=data, eval_set=eval_set, prompt_format=fmt,
-               reward=get_reward(cfg.train.reward, **reward_kw), logger=logger,
+               data=data, eval_set=eval_examples(cfg), prompt_format=prompt_format(cfg),
+               reward=make_reward(cfg), logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts)
+
+
+def prompt_format(cfg: RunConfig) -> PromptFormat:
+    """How a data record becomes the user turn (``config.data.template`` / ``system_prompt``)."""
+    return PromptFormat(system_prompt=cfg.data.system_prompt or None, template=cfg.data.template)
+
+
+def prompt_data(cfg: RunConfig, tokenizer: Tokenizer, hosts: Hosts) -> grain.DatasetIterator:
+    """This process's training prompts: ``data.prompts_per_step`` per step over its data shards."""
+    return hosts.prompt_data(lambda index, count, size: make_prompt_pipeline(
+        get_source(cfg.data.source, "train"), tokenizer, batch_size=size, seed=cfg.seed,
+        shard_index=index, shard_count=count, max_prompt_tokens=cfg.data.max_prompt_tokens,
+        prompt_format=prompt_format(cfg)), cfg.data.prompts_per_step)
+
+
+def eval_examples(cfg: RunConfig) -> list[Example]:
+    """``data.eval_size`` distinct held-out problems (none when it is 0)."""
+    if not cfg.data.eval_size:
+        return []
+    return distinct_examples(get_source(cfg.data.source, "eval"), cfg.data.eval_size)
+
+
+def make_reward(cfg: RunConfig) -> RewardFn:
+    """The reward ``train.reward`` names (the math reward with ``train.math_extractors``)."""
+    kw = {"extractors": cfg.train.math_extractors} if cfg.train.reward == "math" else {}
+    return get_reward(cfg.train.reward, **kw)
+
+
+def make_logger(cfg: RunConfig, start: int, progress: bool = True) -> MetricsLogger:
+    return MetricsLogger(LoggerConfig(logdir=cfg.output_dir, total_steps=cfg.train.steps,
+                                      text_every=max(cfg.train.sample_every, 1), progress=progress),
+                         start_step=start)
 
 
 def _logged(output_dir: str) -> list[dict]:
     """The metrics an interrupted run logged (a resumed run continues its record)."""
-    import os
-
-    from rlx.io.metrics import METRICS_FILE, read_metrics
-
     path = os.path.join(output_dir, METRICS_FILE)
     return read_metrics(path) if os.path.exists(path) else []
 
 
-def load_policy(cfg: RunConfig, mesh):
-    """Mode B: the base in its serving representation + adapters; mode A: the float model."""
+def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | None]:
+    """Mode "lora": the base in its serving representation + adapters; "full": the float model."""
     if cfg.quant.format == "gguf":
         loaded = load_gguf_quantized(resolve_path(cfg.model.path), mesh=mesh,
                                      moe_impl=cfg.model.moe_impl)
@@ -104,38 +133,20 @@ def load_policy(cfg: RunConfig, mesh):
     return model, loaded.tokenizer
 
 
-def compile_steps(cfg: RunConfig, model, mesh) -> Compiled:
-    trainable = nnx.LoRAParam if cfg.train.mode == "lora" else nnx.Param
+def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
+    """Train state over the mesh, the train step and (with a KL term) the reference log-prob step:
+    the adapter switched off, so the reference costs no second copy of the weights."""
     graphdef, state = create_train_state(model, make_optimizer(cfg.optim), mesh,
-                                         trainable=trainable, seed=cfg.seed)
-    step_cfg = StepConfig(loss=cfg.loss, micro_batches=cfg.train.micro_batches,
-                          logprob_chunk=cfg.train.logprob_chunk,
-                          compute_entropy=True)
+                                         trainable=MODES[cfg.train.mode], seed=cfg.seed)
+    step_cfg = cfg.step_config
     train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim,
                                  apply_fn=FORWARDS[cfg.train.remat])
     ref_step = None
-    if cfg.loss.kl_coef > 0:
-        if cfg.train.mode != "lora":
-            raise ValueError("config.loss.kl_coef > 0 in mode 'full' needs a reference copy of the "
-                             "weights, which rlx does not keep yet; use train.mode='lora' (the "
-                             "reference is the base with the adapter off) or kl_coef=0")
+    if cfg.loss.kl_coef > 0:  # config validation refused a KL term in mode "full"
         ref_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg,
                                      apply_fn=reference_forward)
     return Compiled(graphdef=graphdef, state=state, train_step=train_step, ref_step=ref_step)
 
 
-def make_engine(cfg: RunConfig, compiled: Compiled, tokenizer, mesh):
-    """The rollout engine ``config.rollout.engine`` names, serving the learner's current policy."""
-    if cfg.rollout.engine == "sglang":
-        from rlx.rollout.sglang_policy import SGLangPolicy
-
-        return SGLangPolicy(cfg, compiled.model())  # exports, launches or attaches servers
-    if cfg.rollout.engine == "jax":
-        from rlx.rollout.jax_engine import JaxEngine
-
-        return JaxEngine(compiled.model(), tokenizer=tokenizer, mesh=mesh, seed=cfg.seed,
-                         weight_layout=cfg.rollout.weight_layout)
-    raise ValueError(f"config.rollout.engine={cfg.rollout.engine!r} has no coordinator wiring")
-
-
-__all__ = ["build", "load_policy", "compile_steps", "make_engine"]
+__all__ = ["build", "compile_steps", "eval_examples", "load_policy", "make_logger", "make_reward",
+           "prompt_data", "prompt_format"]

@@ -14,18 +14,25 @@ what is wrong and the values that would work:
   excluded by ``lora.experts=False`` and that has no dense or shared MLP);
 - a base format the model cannot take: ``quant.format='gguf'`` needs a GGUF file holding
   Q4_0/Q4_1/Q8_0 linear weights (and real weights, not ``model.shrink``), int4/nf4 group sizes must
-  divide every layer's input size, SGLang serves LoRA on MoE experts only over float or fp8 bases.
+  divide every layer's input size; what SGLang cannot serve (``rlx.rollout.sglang_policy.
+  check_servable``: LoRA on MoE experts only over a float or fp8 base, ...).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
-from rlx.config import ConfigError, RunConfig, resolve_path
-from rlx.models.config import ModelConfig, from_hf_config
+import jax
 
-ATTN_TARGETS = ("q", "k", "v", "o")
-MLP_TARGETS = ("gate", "up", "down")
+from rlx.config import RunConfig
+from rlx.errors import ConfigError
+from rlx.mesh import batch_axes, batch_shards
+from rlx.models.config import ModelConfig, from_hf_config
+from rlx.models.loading import resolve_path
+from rlx.quant.config import ATTN_TARGETS, MLP_TARGETS
+from rlx.rollout.sglang_policy import check_servable
+from rlx.run.engines import serving
 
 
 def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
@@ -67,8 +74,8 @@ def _divisors(n: int) -> list[int]:
 
 def check_batch(cfg: RunConfig) -> None:
     """The step's rows divide evenly over the data-parallel devices times the micro-batches."""
-    m, rows, micro = cfg.mesh, cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.train.micro_batches
-    dp = m.data * m.fsdp * m.expert
+    rows, micro = cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.train.micro_batches
+    dp = batch_shards(cfg.mesh)
     if rows % (dp * micro) == 0:
         return
     prompts = next(p for p in range(cfg.data.prompts_per_step, 10**9)
@@ -78,8 +85,8 @@ def check_batch(cfg: RunConfig) -> None:
         f" or train.micro_batches to one of {micros}" if micros else "")
     raise ConfigError(
         f"config.data.prompts_per_step * config.rollout.group_size = {cfg.data.prompts_per_step} * "
-        f"{cfg.rollout.group_size} = {rows} rollouts per step do not split evenly over mesh.data * "
-        f"mesh.fsdp * mesh.expert = {dp} devices x train.micro_batches = {micro}; {fix}")
+        f"{cfg.rollout.group_size} = {rows} rollouts per step do not split evenly over "
+        f"{' * '.join(f'mesh.{a}' for a in batch_axes())} = {dp} devices x train.micro_batches = {micro}; {fix}")
 
 
 def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:
@@ -117,12 +124,8 @@ def check_base_format(cfg: RunConfig, arch: ModelConfig, gguf_types: dict[str, s
         _check_gguf_base(cfg, gguf_types)
     if q.format in ("int4", "nf4"):
         _check_group_size(q.group_size, arch)
-    moe_lora = arch.moe is not None and cfg.train.mode == "lora" and cfg.lora.experts
-    if cfg.rollout.engine == "sglang" and moe_lora and q.format not in ("none", "fp8"):
-        raise ConfigError(
-            f"config.quant.format={q.format!r}: SGLang serves LoRA on MoE experts only over a float "
-            "or fp8 base; use quant.format='none' or 'fp8', lora.experts=False, or "
-            "rollout.engine='jax' (the built-in engine runs every base format)")
+    if cfg.rollout.engine == "sglang":
+        check_servable(serving(cfg), arch, jax.process_count())
 
 
 def _check_gguf_base(cfg: RunConfig, gguf_types: dict[str, str]) -> None:
@@ -155,8 +158,6 @@ def _check_group_size(group: int, arch: ModelConfig) -> None:
             inputs["shared expert intermediate_size"] = arch.moe.shared_intermediate_size
     bad = {k: v for k, v in inputs.items() if v % group}
     if bad:
-        import math
-
         common = math.gcd(*inputs.values())
         ok = [g for g in (16, 32, 64, 128, 256) if common % g == 0]
         raise ConfigError(f"config.quant.group_size={group} does not divide the model's input sizes "

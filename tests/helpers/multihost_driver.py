@@ -24,7 +24,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--process-id", type=int, default=0)
     p.add_argument("--coordinator", default="")
     p.add_argument("--local-devices", type=int, default=8)
-    p.add_argument("--mode", choices=("A", "B"), default="A")
+    p.add_argument("--mode", choices=("full", "lora"), default="full")
     return p.parse_args(argv)
 
 
@@ -46,15 +46,15 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
     import jax
     from flax import nnx
 
-    from rlx.run import multihost
     from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
     from rlx.learner.step import StepConfig, make_train_step
     from rlx.mesh import MeshShape, make_mesh
+    from rlx.run import multihost
     from tests.helpers.steps import TINY, add_qlora, tiny_model
 
     mesh = make_mesh(MeshShape(**MESH), jax.devices())
     model, trainable = tiny_model(0), nnx.Param
-    if args.mode == "B":
+    if args.mode == "lora":
         model, trainable = add_qlora(model), nnx.LoRAParam
     opt_cfg = OptimizerConfig(learning_rate=1e-2, schedule="constant")
     graphdef, state = create_train_state(model, make_optimizer(opt_cfg), mesh, trainable=trainable)

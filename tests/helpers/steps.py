@@ -1,4 +1,4 @@
-"""Small helpers for the learner-step tests: a tiny decoder, mode B (int8 frozen base + LoRA
+"""Small helpers for the learner-step tests: a tiny decoder, LoRA mode (int8 frozen base + LoRA
 adapters from rlx.quant), a jitted sampler without KV cache, and synthetic rollouts."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TINY = ModelConfig(
 
 def tiny_model(seed: int = 0, cfg: ModelConfig = TINY, head_scale: float = 1.0) -> Transformer:
     """A random tiny decoder. ``head_scale`` multiplies the 0.02-scale lm-head: after the final
-    RMSNorm such a head caps every logit gap near 0.6, which a frozen head (mode B) could never turn
+    RMSNorm such a head caps every logit gap near 0.6, which a frozen head (LoRA mode) could never turn
     into a confident policy, unlike a pretrained model's head; learning tests use an O(1) head."""
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     if model.lm_head is not None and head_scale != 1.0:
@@ -31,7 +31,7 @@ def tiny_model(seed: int = 0, cfg: ModelConfig = TINY, head_scale: float = 1.0) 
 
 
 def add_qlora(model: Transformer, rank: int = 4, alpha: float = 8.0, seed: int = 1) -> Transformer:
-    """Mode B: an int8 frozen base (rlx.quant) with LoRA adapters on every projection."""
+    """LoRA mode: an int8 frozen base (rlx.quant) with LoRA adapters on every projection."""
     quantize_model(model, QuantConfig(format="int8"))
     return apply_lora(model, LoraConfig(rank=rank, alpha=alpha), nnx.Rngs(seed))
 

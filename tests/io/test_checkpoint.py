@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume, mode B without its base, refusals, atomic commit, keep-last-n,
+"""Checkpoints: exact resume, LoRA mode without its base, refusals, atomic commit, keep-last-n,
 resharding."""
 
 from __future__ import annotations
@@ -18,18 +18,16 @@ import optax
 import pytest
 from flax import nnx
 
-from rlx.io.checkpoint import (
-    CheckpointConfig, CheckpointCorruptError, Checkpointer, CheckpointMismatchError,
-    base_reference,
-)
 from rlx.data import ListSource, make_prompt_pipeline
 from rlx.data.sources import user_example
+from rlx.io.checkpoint import (CheckpointConfig, CheckpointCorruptError, Checkpointer,
+                               CheckpointMismatchError, base_reference)
 from rlx.learner.state import OptimizerConfig, TrainState, create_train_state, make_optimizer
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import ModelConfig, Transformer
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
-from tests.helpers.tokenizers import byte_tokenizer
 from tests.helpers import ROOT as REPO
+from tests.helpers.tokenizers import byte_tokenizer
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=32,
                   intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8)
@@ -41,10 +39,10 @@ def _mesh(shape: MeshShape = MeshShape()):
 
 
 def _fresh(mode: str, seed: int = 0, cfg: ModelConfig = CFG, mesh=None) -> TrainState:
-    """A new state; mode B: int8 base (weights from `seed`) + rank-2 LoRA (init from seed + 1)."""
+    """A new state; LoRA mode: int8 base (weights from `seed`) + rank-2 LoRA (init from seed + 1)."""
     model = Transformer(cfg, rngs=nnx.Rngs(seed))
     trainable = nnx.Param
-    if mode == "B":
+    if mode == "lora":
         quantize_model(model, QuantConfig(format="int8"))
         apply_lora(model, LoraConfig(rank=2), nnx.Rngs(seed + 1))
         trainable = nnx.LoRAParam
@@ -95,7 +93,7 @@ def _ckpt(tmp_path, **kw) -> CheckpointConfig:
 
 
 def test_resume_is_bit_identical_and_continues_the_data(tmp_path):
-    trained, it = _advance(_fresh("B"), 3), _pipeline()
+    trained, it = _advance(_fresh("lora"), 3), _pipeline()
     next(it), next(it)
     want = _host(trained)
     with Checkpointer(_ckpt(tmp_path, every=2), model_config=CFG, run_config={"seed": 3}) as ck:
@@ -104,7 +102,7 @@ def test_resume_is_bit_identical_and_continues_the_data(tmp_path):
         next_batch = next(it)  # the iterator moves on while the write completes
         for x in jax.tree.leaves((trained.params, trained.opt_state)):
             x.delete()  # as a donating train step would: the save must not need them any more
-    fresh, it2 = _fresh("B"), _pipeline()
+    fresh, it2 = _fresh("lora"), _pipeline()
     assert not np.array_equal(jax.device_get(jax.tree.leaves(fresh.params)[0]),
                               jax.tree.leaves(want[2])[0])  # a different starting point
     restored = Checkpointer(_ckpt(tmp_path), model_config=CFG).restore_latest(fresh, it2)
@@ -128,7 +126,7 @@ def test_resume_is_bit_identical_and_continues_the_data(tmp_path):
 def test_mode_b_checkpoint_holds_no_base_and_refuses_another_base(tmp_path):
     cfg = dataclasses.replace(CFG, vocab_size=512, hidden_size=256, intermediate_size=512,
                               num_layers=2, head_dim=64)
-    state = _fresh("B", cfg=cfg)
+    state = _fresh("lora", cfg=cfg)
     base = base_reference(state.frozen, source="/models/tiny.gguf", format="int8")
     with Checkpointer(_ckpt(tmp_path), model_config=cfg, base=base) as ck:
         ck.save(1, state)
@@ -143,21 +141,21 @@ def test_mode_b_checkpoint_holds_no_base_and_refuses_another_base(tmp_path):
     assert all("lora" in p for p in saved if p.startswith("params/"))
     assert meta["fingerprint"]["base"]["source"] == "/models/tiny.gguf"
 
-    other = _fresh("B", seed=7, cfg=cfg)  # same shapes, other base weights
+    other = _fresh("lora", seed=7, cfg=cfg)  # same shapes, other base weights
     other_base = base_reference(other.frozen, source="/models/other.gguf", format="int8")
     ck = Checkpointer(_ckpt(tmp_path), model_config=cfg, base=other_base)
     with pytest.raises(CheckpointMismatchError, match=r"frozen base hash.*tiny\.gguf.*other\.gguf"):
         ck.restore_latest(other)
     same = Checkpointer(_ckpt(tmp_path), model_config=cfg)
-    assert same.restore(1, _fresh("B", cfg=cfg)).step == 1
+    assert same.restore(1, _fresh("lora", cfg=cfg)).step == 1
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path):
     with Checkpointer(_ckpt(tmp_path), model_config=CFG) as ck:
-        ck.save(1, _fresh("A"))
+        ck.save(1, _fresh("full"))
     wider = dataclasses.replace(CFG, intermediate_size=48)
     with pytest.raises(CheckpointMismatchError) as err:
-        Checkpointer(_ckpt(tmp_path), model_config=wider).restore_latest(_fresh("A", cfg=wider))
+        Checkpointer(_ckpt(tmp_path), model_config=wider).restore_latest(_fresh("full", cfg=wider))
     msg = str(err.value)
     assert "model.intermediate_size: checkpoint 64, current 48" in msg
     assert ("params/layers/0/mlp/gate_proj/kernel: checkpoint shape (32, 64) float32, "
@@ -165,9 +163,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(tmp_path):
     qwen = dataclasses.replace(CFG, architecture="Qwen2ForCausalLM")  # same tree, other model
     with pytest.raises(CheckpointMismatchError,
                        match="model.architecture: checkpoint 'LlamaForCausalLM'"):
-        Checkpointer(_ckpt(tmp_path), model_config=qwen).restore_latest(_fresh("A"))
+        Checkpointer(_ckpt(tmp_path), model_config=qwen).restore_latest(_fresh("full"))
     with pytest.raises(CheckpointMismatchError, match="params/layers/0/mlp/down_proj/lora/lora_a"):
-        Checkpointer(_ckpt(tmp_path)).restore_latest(_fresh("B"))  # mode A checkpoint, mode B run
+        Checkpointer(_ckpt(tmp_path)).restore_latest(_fresh("lora"))  # full mode checkpoint, LoRA mode run
 
 
 def _data_files(step_dir: str) -> list[str]:
@@ -176,7 +174,7 @@ def _data_files(step_dir: str) -> list[str]:
 
 
 def test_truncated_or_corrupt_checkpoints_are_refused_and_resume_falls_back(tmp_path):
-    states = {s: _advance(_fresh("A"), s) for s in (1, 2, 3)}
+    states = {s: _advance(_fresh("full"), s) for s in (1, 2, 3)}
     with Checkpointer(_ckpt(tmp_path)) as ck:
         for step, state in states.items():
             ck.save(step, state)
@@ -186,12 +184,12 @@ def test_truncated_or_corrupt_checkpoints_are_refused_and_resume_falls_back(tmp_
         f.truncate(os.path.getsize(big) // 2)
     ck = Checkpointer(_ckpt(tmp_path))
     with pytest.raises(CheckpointCorruptError, match="checkpoint 3 in .* is truncated or corrupt"):
-        ck.restore(3, _fresh("A"))
+        ck.restore(3, _fresh("full"))
     with open(f"{root}/2/meta/metadata", "r+b") as f:  # a half-written JSON item
         f.truncate(100)
     with pytest.raises(CheckpointCorruptError, match="checkpoint 2 .* metadata cannot be read"):
-        ck.restore(2, _fresh("A"))
-    restored = ck.restore_latest(_fresh("A"))
+        ck.restore(2, _fresh("full"))
+    restored = ck.restore_latest(_fresh("full"))
     assert restored.step == 1
     _assert_bit_identical(_host(restored.state), _host(states[1]))
     assert ck.steps() == [1] and sorted(os.listdir(root)) == ["1", "2.corrupt", "3.corrupt"]
@@ -205,12 +203,12 @@ def test_truncated_or_corrupt_checkpoints_are_refused_and_resume_falls_back(tmp_
         f.write(bytes([byte[0] ^ 0x55]))
     with pytest.raises(CheckpointCorruptError,
                        match=r"differ from the checksums written when it was saved: \w+/"):
-        ck.restore(1, _fresh("A"))
+        ck.restore(1, _fresh("full"))
     metadata = f"{root}/2/state/_METADATA"
     with open(metadata, "r+b") as f:
         f.truncate(10)
     with pytest.raises(CheckpointCorruptError, match="no complete checkpoint in .*tried 2"):
-        ck.restore_latest(_fresh("A"))
+        ck.restore_latest(_fresh("full"))
 
 
 _CHILD = """
@@ -343,7 +341,7 @@ def test_sigkill_at_random_times_in_a_loop_of_saves(tmp_path):
 
 
 def test_keep_last_n_and_the_save_interval(tmp_path):
-    state = _fresh("A")
+    state = _fresh("full")
     with Checkpointer(_ckpt(tmp_path, every=2, keep=2)) as ck:
         saved = [step for step in range(1, 10) if ck.save(step, state)]
         ck.wait()
@@ -359,12 +357,12 @@ def test_keep_last_n_and_the_save_interval(tmp_path):
 
 def test_restore_onto_another_mesh_reshards(tmp_path):
     fsdp = _mesh(MeshShape(fsdp=8))
-    trained = _advance(_fresh("A", mesh=fsdp), 2)
+    trained = _advance(_fresh("full", mesh=fsdp), 2)
     sharded = [x for x in jax.tree.leaves(trained.params) if len(x.sharding.device_set) == 8]
     assert sharded and any(not x.sharding.is_fully_replicated for x in sharded)
     with Checkpointer(_ckpt(tmp_path)) as ck:
         ck.save(2, trained)
-    single = _fresh("A", seed=5)
+    single = _fresh("full", seed=5)
     restored = Checkpointer(_ckpt(tmp_path)).restore_latest(single)
     _assert_bit_identical(_host(restored.state), _host(trained))
     for a, b in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(single.params)):
@@ -372,4 +370,4 @@ def test_restore_onto_another_mesh_reshards(tmp_path):
 
 
 def test_no_checkpoint_yet_is_not_an_error(tmp_path):
-    assert Checkpointer(_ckpt(tmp_path)).restore_latest(_fresh("A")) is None
+    assert Checkpointer(_ckpt(tmp_path)).restore_latest(_fresh("full")) is None

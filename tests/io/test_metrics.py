@@ -176,7 +176,7 @@ def test_config_and_bad_metrics(tmp_path):
 
 
 def test_low_precision_scalars_become_floats():
-    """bf16 / fp8 metrics (a mode-A step in bfloat16) are numbers too."""
+    """bf16 / fp8 metrics (a full-mode step in bfloat16) are numbers too."""
     out = to_scalars({"grad_norm": jnp.asarray(1.5, jnp.bfloat16),
                       "x": jnp.asarray(0.5, jnp.float8_e4m3fn), "n": jnp.asarray(3, jnp.int32)})
     assert out == {"grad_norm": 1.5, "x": 0.5, "n": 3.0}

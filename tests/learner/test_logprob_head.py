@@ -23,9 +23,9 @@ from tests.helpers.steps import TINY, add_qlora, random_rollouts
 
 V = 40  # > vocab_block below: several blocks, the last one overlapping
 CASES = {  # name -> (tied, compute dtype, mode)
-    "untied-f32-A": (False, jnp.float32, "A"), "tied-f32-A": (True, jnp.float32, "A"),
-    "tied-f32-B": (True, jnp.float32, "B"), "untied-f32-B": (False, jnp.float32, "B"),
-    "tied-bf16-A": (True, jnp.bfloat16, "A"), "untied-bf16-B": (False, jnp.bfloat16, "B"),
+    "untied-f32-full": (False, jnp.float32, "full"), "tied-f32-full": (True, jnp.float32, "full"),
+    "tied-f32-lora": (True, jnp.float32, "lora"), "untied-f32-lora": (False, jnp.float32, "lora"),
+    "tied-bf16-full": (True, jnp.bfloat16, "full"), "untied-bf16-lora": (False, jnp.bfloat16, "lora"),
 }
 
 
@@ -34,7 +34,7 @@ def _model(tied: bool, dtype, mode: str):
     model = Transformer(cfg, Precision(dtype=dtype), rngs=nnx.Rngs(3))
     head = model.embed if tied else model.lm_head.kernel  # logits of std ~1
     head.value = head[...] * 10.0
-    if mode == "B":
+    if mode == "lora":
         return add_qlora(model), nnx.LoRAParam
     return model, nnx.Param
 
@@ -78,12 +78,12 @@ def test_blocked_head_gives_the_losses_and_gradients_of_the_logits_callable(case
         assert np.abs(a - b).max() <= tol * max(float(np.abs(b).max()), 1e-6), name
         if "embed" in name if tied else "lm_head" in name:
             head_grads.append(float(np.abs(a).max()))
-    # mode A: the head's own gradient came through the blocked backward pass
-    assert (max(head_grads) > 1e-4) if mode == "A" else not head_grads
+    # full mode: the head's own gradient came through the blocked backward pass
+    assert (max(head_grads) > 1e-4) if mode == "full" else not head_grads
 
 
 def test_heads_that_cannot_be_sliced_keep_the_logits_callable():
-    model, _ = _model(False, jnp.float32, "A")
+    model, _ = _model(False, jnp.float32, "full")
     model.lm_head.act_quant = "int8_token"  # a W8A8 server's activation quantization
     assert not isinstance(logprob_head(model), LMHead)
     model.lm_head.act_quant = "none"
@@ -93,7 +93,7 @@ def test_heads_that_cannot_be_sliced_keep_the_logits_callable():
     assert isinstance(logprob_head(model), LMHead)
     quantize_model(model, QuantConfig(format="int8", quantize_lm_head=True))
     assert not isinstance(logprob_head(model), LMHead)  # dequantized chunk by chunk instead
-    tied, _ = _model(True, jnp.float32, "A")
+    tied, _ = _model(True, jnp.float32, "full")
     quantize_model(tied, QuantConfig(format="int8", quantize_embed=True))
     assert not isinstance(logprob_head(tied), LMHead)
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -9,14 +10,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlx.config import REMAT
+from rlx.config import TrainSection
+from rlx.errors import ConfigError
 from rlx.learner.advantages import grpo
 from rlx.learner.batching import loss_columns, pack_rollouts, pad_rollouts, shard_batch
 from rlx.learner.losses import LossConfig
 from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
-from rlx.learner.step import (
-    FORWARDS, StepConfig, compute_grads, make_logprob_step, make_train_step, model_forward, reference_forward,
-)
+from rlx.learner.step import (FORWARDS, StepConfig, compute_grads, make_logprob_step,
+                              make_train_step, model_forward, reference_forward)
 from rlx.mesh import MeshShape, make_mesh
 from rlx.types import Rollout, StepMetrics
 from tests.helpers.steps import TINY, add_qlora, random_rollouts, sample, tiny_model
@@ -31,7 +32,7 @@ def _mesh(shape=MeshShape()):
 
 def _model(mode: str, seed: int = 0, head_scale: float = 1.0):
     model = tiny_model(seed, head_scale=head_scale)
-    if mode == "B":
+    if mode == "lora":
         return add_qlora(model), nnx.LoRAParam
     return model, nnx.Param
 
@@ -66,7 +67,7 @@ def test_packed_equals_padded(loss_cfg):
     padded = pad_rollouts(rollouts, adv, old_logp=old, ref_logp=ref)
     packed = pack_rollouts(rollouts, adv, row_len=16, old_logp=old, ref_logp=ref)
     assert packed.shape[0] < padded.shape[0] and packed.segment_ids.max() >= 2  # really packed
-    model, _ = _model("A")
+    model, _ = _model("full")
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
     fn = _grads_fn(graphdef, StepConfig(loss=loss_cfg, logprob_chunk=7))
     g_pad, loss_pad, m_pad, tok_pad, seq_pad = fn(params, frozen, padded)
@@ -88,7 +89,7 @@ def test_micro_batches_equal_one_batch(policy_loss):
     adv = np.random.RandomState(5).normal(size=6)
     old, _ = _extras(rollouts, 6)
     batch = pad_rollouts(rollouts, adv, old_logp=old, rows_multiple=8)
-    model, _ = _model("A")
+    model, _ = _model("full")
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
     loss_cfg = LossConfig(policy_loss, clip_eps_high=0.28 if policy_loss == "dapo" else 0.2)
     one = _grads_fn(graphdef, StepConfig(loss=loss_cfg))(params, frozen, batch)
@@ -100,7 +101,7 @@ def test_micro_batches_equal_one_batch(policy_loss):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("mode", ["A", "B"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
 def test_scoring_only_the_loss_columns_gives_the_same_loss_and_gradients(mode, layout):
     """``TrainBatch.logp_columns``: the lm-head on the gathered loss tokens only. Long prompts, so
     the columns are fewer than the row; PPO + KL + entropy, two micro-batches."""
@@ -131,12 +132,20 @@ def test_scoring_only_the_loss_columns_gives_the_same_loss_and_gradients(mode, l
     np.testing.assert_allclose(lp_cols, lp_all * (whole.loss_mask > 0), atol=TOL)
 
 
-def test_every_remat_choice_of_the_config_has_a_forward():
-    assert tuple(FORWARDS) == REMAT
+def test_the_remat_choices_are_the_forwards_everywhere():
+    """config.train.remat and the planner's remat take exactly the keys of FORWARDS."""
+    from rlx.plan.spec import PlanSpec
+
+    for remat in FORWARDS:
+        assert TrainSection(remat=remat).remat == remat and PlanSpec(TINY, remat=remat).remat == remat
+    with pytest.raises(ConfigError, match=re.escape(f"remat='full' is not one of {list(FORWARDS)}")):
+        TrainSection(remat="full").validate()
+    with pytest.raises(ConfigError, match=re.escape(f"plan.remat='full' is not one of {list(FORWARDS)}")):
+        PlanSpec(TINY, remat="full")
 
 
 @pytest.mark.parametrize("remat", ["layer", "projections"])
-@pytest.mark.parametrize("mode", ["A", "B"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
 def test_remat_gives_the_same_loss_and_gradients(mode, remat):
     """``config.train.remat`` (recompute each layer, or all but the projections, in the backward
     pass) changes memory, not results: packed rows, two micro-batches, PPO + KL + entropy."""
@@ -158,7 +167,7 @@ def test_remat_frees_the_activations_of_a_compiled_train_step():
     """``train.remat`` must lower the compiled step's buffer memory, not only its arithmetic:
     XLA's CPU scheduler once kept every layer's recomputed activations alive together inside the
     micro-batch loop (temp buffers with remat 1.05x those without). Layers of SmolLM2-135M's
-    shape, mode B, two micro-batches of 8 x 192 tokens."""
+    shape, LoRA mode, two micro-batches of 8 x 192 tokens."""
     cfg = dataclasses.replace(TINY, num_layers=4, vocab_size=64, hidden_size=576,
                               intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64)
     mesh = _mesh()
@@ -185,7 +194,7 @@ def _step_once(mode, shape, batch_host, opt_cfg, step_cfg):
     return new_state, metrics
 
 
-@pytest.mark.parametrize("mode", ["A", "B"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
 def test_mesh_step_equals_single_device(mode):
     rollouts = random_rollouts(8, V, seed=7)
     old, ref = _extras(rollouts, 8)
@@ -207,7 +216,7 @@ def test_mesh_step_equals_single_device(mode):
     assert _max_tree_diff(s8.frozen, fresh_frozen) == 0  # the frozen part never moves
     specs = {str(x.sharding.spec) for x in jax.tree.leaves(s8.params) + jax.tree.leaves(s8.frozen)}
     assert any("fsdp" in s for s in specs) and any("tensor" in s for s in specs), specs
-    if mode == "B":  # the int8 base passes through as integers
+    if mode == "lora":  # the int8 base passes through as integers
         assert any(x.dtype == jnp.int8 for x in jax.tree.leaves(s8.frozen))
 
 
@@ -215,7 +224,7 @@ def test_nonfinite_guard_skips_the_update():
     rollouts = random_rollouts(4, V, seed=10)
     opt_cfg = OptimizerConfig(learning_rate=1e-2, schedule="constant")
     mesh = _mesh()
-    model, _ = _model("A")
+    model, _ = _model("full")
     graphdef, state = create_train_state(model, make_optimizer(opt_cfg), mesh)
     step = make_train_step(graphdef, state, mesh, StepConfig(), opt_cfg)
     before = jax.tree.map(np.asarray, (state.params, state.opt_state))
@@ -244,7 +253,7 @@ def test_logprob_step_matches_dense_and_reference_is_adapter_off():
     rollouts = random_rollouts(6, V, seed=11)
     batch = pack_rollouts(rollouts, np.zeros(6), row_len=16)
     mesh = _mesh()
-    model, _ = _model("B")
+    model, _ = _model("lora")
     for path, lora in nnx.iter_graph(model):  # a trained-looking adapter: B != 0
         if path and path[-1] == "lora_b":
             lora.set_value(0.3 * jax.random.normal(jax.random.key(0), lora.shape))
@@ -258,7 +267,7 @@ def test_logprob_step_matches_dense_and_reference_is_adapter_off():
     assert np.abs(lp - _dense_logp(model, batch)).max() <= TOL
     assert np.abs(ref - _dense_logp(model, batch, adapter=False)).max() <= TOL
     assert np.abs(lp - ref).max() > 1e-2  # the adapter matters
-    base, _ = _model("B")  # the same base with fresh adapters (B = 0): the reference policy
+    base, _ = _model("lora")  # the same base with fresh adapters (B = 0): the reference policy
     assert np.abs(ref - _dense_logp(base, batch)).max() <= TOL
 
 
@@ -288,7 +297,7 @@ def _emit7_run(mode, lr, steps=30, prompts=8, group=8, prompt_len=3, length=4):
     return rewards_per_step, mismatch
 
 
-@pytest.mark.parametrize("mode", ["A", "B"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
 def test_grpo_learns_to_emit_token_7(mode):
     rewards, mismatch = _emit7_run(mode, lr=1e-2)
     assert rewards[0] < 0.3, rewards

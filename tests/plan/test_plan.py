@@ -24,11 +24,11 @@ MOE = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=1536, hidden_si
 SMALL = dict(dtype="float32", param_dtype="float32", remat="none", rows=8, seq_len=160,
              logprob_chunk=320)
 CASES = {
-    "dense-A": PlanSpec(model=DENSE, mode="A", **SMALL),
-    "moe-A": PlanSpec(model=MOE, mode="A", moe_impl="dense", **SMALL),
-    "dense-B": PlanSpec(model=DENSE, mode="B", quant=QuantConfig("int8"), lora=LoraConfig(rank=8),
+    "dense-full": PlanSpec(model=DENSE, mode="full", **SMALL),
+    "moe-full": PlanSpec(model=MOE, mode="full", moe_impl="dense", **SMALL),
+    "dense-lora": PlanSpec(model=DENSE, mode="lora", quant=QuantConfig("int8"), lora=LoraConfig(rank=8),
                         **SMALL),
-    "moe-B": PlanSpec(model=MOE, mode="B", moe_impl="dense", quant=QuantConfig("int4", group_size=32),
+    "moe-lora": PlanSpec(model=MOE, mode="lora", moe_impl="dense", quant=QuantConfig("int4", group_size=32),
                       lora=LoraConfig(rank=4), **SMALL),
 }
 MESHES = [MeshShape(data=2, fsdp=2, tensor=2), MeshShape(fsdp=2, expert=4)]
@@ -50,7 +50,7 @@ def test_analytic_matches_compiled(name):
 
 
 @pytest.mark.parametrize("mesh", MESHES, ids=str)
-@pytest.mark.parametrize("name", ["moe-B"])
+@pytest.mark.parametrize("name", ["moe-lora"])
 def test_sharded_state_is_exact(name, mesh):
     """Per-device state bytes from logical axes equal XLA's per-device argument sizes."""
     spec = CASES[name].replace(mesh=mesh)
@@ -61,15 +61,15 @@ def test_sharded_state_is_exact(name, mesh):
 KIMI = os.path.join(ROOT, "configs", "kimi_k2_plan.py")
 
 
-def test_kimi_k2_mode_b_fits_one_node_mode_a_needs_eight():
+def test_kimi_k2_lora_fits_one_node_full_needs_eight():
     spec = spec_from_config(load_config_file(KIMI))
     assert 1.0e12 < spec.model.num_params() < 1.1e12 and spec.mesh.num_devices == 8
     b = plan(spec, hbm_gb=192)
     assert b.fits and b.bytes["frozen"] > 0.5 * b.peak  # the int4 base dominates
-    a = plan(spec.replace(mode="A"), hbm_gb=192)
+    a = plan(spec.replace(mode="full"), hbm_gb=192)
     assert not a.fits and a.bytes["frozen"] == 0
     assert a.bytes["optimizer"] == 2 * a.bytes["trainable"]
-    assert nodes_needed(spec.replace(mode="A"), 192) == 8
+    assert nodes_needed(spec.replace(mode="full"), 192) == 8
 
 
 def test_cli_prints_categories_and_verdict(capsys):
@@ -80,6 +80,6 @@ def test_cli_prints_categories_and_verdict(capsys):
     for key in ("frozen", "trainable", "optimizer", "grads", "activations", "logprob_chunks",
                 "kv_cache", "verdict    fits"):
         assert key in out
-    assert main(["--config", KIMI, "--mode", "A"]) == 1
+    assert main(["--config", KIMI, "--mode", "full"]) == 1
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "64 devices = 8 nodes of 8" in out

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlx.mesh import TRAIN_RULES, MeshShape, batch_sharding, make_mesh
+from rlx.mesh import TRAIN_RULES, MeshShape, batch_sharding, make_mesh, shard_variables
 from rlx.models import from_hf
 from rlx.quant import LoraConfig, apply_lora, quantize_model
-from rlx.quant.lora import shard_variables
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.quant import INT4, ids, randomize_lora_b
 

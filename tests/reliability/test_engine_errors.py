@@ -9,10 +9,10 @@ import socket
 import numpy as np
 import pytest
 
-from rlx.run.loop import check_rollouts
-from rlx.rollout.base import Prompt, RolloutError
+from rlx.rollout.errors import RolloutError
 from rlx.rollout.sglang_engine import SGLangEngine
-from rlx.types import Rollout
+from rlx.run.loop import check_rollouts
+from rlx.types import Prompt, Rollout
 
 PROMPTS = [Prompt("a", (1, 2)), Prompt("b", (3,))]
 

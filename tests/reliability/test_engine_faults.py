@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import glob
-import importlib.util
 import os
 import shutil
 import signal
@@ -37,9 +36,11 @@ import requests
 
 from rlx.config import parse_config
 from rlx.io.metrics import METRICS_FILE, read_metrics
-from rlx.rollout.base import Prompt, RolloutError, SamplingParams
-from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
-from tests.helpers import ROOT
+from rlx.rollout.errors import RolloutError
+from rlx.types import Prompt, SamplingParams
+from tests.helpers.runs import config_dict
+from tests.helpers.sglang_harness import (SGLANG_PYTHON, cpu_server_args, cpu_server_env,
+                                          sglang_available)
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")]
@@ -50,19 +51,13 @@ SURVIVED: collections.Counter = collections.Counter()
 
 
 def _config(out: str) -> dict:
-    spec = importlib.util.spec_from_file_location("rlx_config_tiny", os.path.join(ROOT, "configs", "tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config().to_dict()
     env = [f"{k}={v}" for k, v in cpu_server_env(os.path.join(out, "harness"))]
     env.append("SGLANG_CPU_OMP_THREADS_BIND=0|1")  # CPU "device" i of server i: one core each
-    c.update(output_dir=os.path.join(out, "run"), mesh={"data": 8})
-    c["data"]["eval_size"] = 0
-    c["train"].update(steps=1000, checkpoint_every=1, sample_every=0)
-    c["rollout"].update(engine="sglang", sglang=dict(
-        python=SGLANG_PYTHON, num_servers=2, env=env, request_timeout_s=TIMEOUT_S,
-        extra_args=list(cpu_server_args()) + ["--lora-backend", "torch_native"]))
-    return c
+    return config_dict("tiny", os.path.join(out, "run"), **{
+        "mesh": {"data": 8}, "data.eval_size": 0, "train.steps": 1000, "train.checkpoint_every": 1,
+        "train.sample_every": 0, "rollout.engine": "sglang", "rollout.sglang": dict(
+            python=SGLANG_PYTHON, num_servers=2, env=env, request_timeout_s=TIMEOUT_S,
+            extra_args=list(cpu_server_args()) + ["--lora-backend", "torch_native"])})
 
 
 class Recorder:

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import uuid
 
 import pytest
 
 from rlx.rewards import RewardResult, available_rewards, get_reward, register, score_batch
-from rlx.rewards.compose import (
-    ComposedReward,
-    OverlongConfig,
-    RewardTerm,
-    from_weights,
-    overlong_penalty,
-    reward_metrics,
-)
+from rlx.rewards.compose import (ComposedReward, OverlongConfig, RewardTerm, from_weights,
+                                 overlong_penalty, reward_metrics)
 from tests.helpers import ROOT
 
 

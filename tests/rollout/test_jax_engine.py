@@ -19,10 +19,10 @@ from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
-from rlx.rollout.base import Prompt, SamplingParams
 from rlx.rollout.jax_engine import Buckets, JaxEngine
 from rlx.rollout.jax_sampling import segment_ends
 from rlx.rollout.preflight import learner_logprobs
+from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.quant import quantized_lora_model, randomize_lora_b
 
@@ -67,7 +67,7 @@ def _parity(model, sampling=SamplingParams(max_new_tokens=12, n=2, seed=3)):
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
     sampled, scored, preflight = _parity(from_hf(make_hf_model(family, zoo)))
-    print(f"mode A {family} f32: sampler {sampled:.2e}, score {scored:.2e}")
+    print(f"full mode {family} f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
 
@@ -75,7 +75,7 @@ def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
 def test_sampler_logprobs_equal_learner_mode_b(zoo, family, fmt):
     model = quantized_lora_model(zoo, family, QuantConfig(format=fmt, group_size=8))
     sampled, scored, _ = _parity(model)
-    print(f"mode B {family} {fmt} + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
+    print(f"LoRA mode {family} {fmt} + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL
 
 
@@ -98,11 +98,11 @@ def test_a_cache_grown_per_segment_samples_what_the_learner_scores(zoo):
     assert max(len(r.completion_ids) for r in greedy) > 32  # past the first segment
 
 
-@pytest.mark.parametrize("mode", ["A", "B"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
 def test_bf16_logprob_figures(zoo, mode):
     """Reported, loosely bounded: bf16 compute rounds differently in a [B, T] and a 1-token pass."""
     model = from_hf(make_hf_model("llama", zoo), jnp.bfloat16)
-    if mode == "B":
+    if mode == "lora":
         quantize_model(model, QuantConfig(format="int4", group_size=8))
         apply_lora(model, LoraConfig(rank=3, alpha=5.0, param_dtype="bfloat16"), nnx.Rngs(0))
         randomize_lora_b(model)
@@ -166,7 +166,8 @@ def test_the_engine_copies_each_learner_weight_once(zoo):
 
 
 def test_every_weight_layout_of_the_config_is_an_engine_layout():
-    from rlx.config import ConfigError, RolloutSection
+    from rlx.errors import ConfigError
+    from rlx.rollout.config import RolloutSection
     from rlx.rollout.decode_layout import LAYOUTS
 
     for layout in LAYOUTS:

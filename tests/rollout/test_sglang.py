@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 
 from rlx.models import from_hf, to_hf
-from rlx.rollout.base import Prompt, RolloutError, SamplingParams
+from rlx.rollout.errors import RolloutError
 from rlx.rollout.preflight import PreflightError, learner_logprobs, run_preflight
 from rlx.rollout.sglang_engine import SGLangEngine
-from rlx.rollout.sglang_server import SGLangServer, ServerSpec
+from rlx.rollout.sglang_server import ServerSpec, SGLangServer
+from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
-from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
+from tests.helpers.sglang_harness import (SGLANG_PYTHON, cpu_server_args, cpu_server_env,
+                                          sglang_available)
 
 pytestmark = [pytest.mark.sglang,
               pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")]
@@ -165,7 +167,7 @@ def test_all_servers_dead_is_a_clear_error():
             PROMPTS[:1], SamplingParams(max_new_tokens=2))
 
 
-# --- mode B: LoRA adapters exported by rlx, hot-loaded into SGLang --------------------------------
+# --- LoRA mode: LoRA adapters exported by rlx, hot-loaded into SGLang --------------------------------
 
 def _with_random_adapter(base_path, seed):
     from flax import nnx

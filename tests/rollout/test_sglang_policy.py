@@ -1,6 +1,6 @@
-"""``rollout.engine = "sglang"``: config errors, and mode A (full weights) on a real CPU server.
+"""``rollout.engine = "sglang"``: config errors, and full mode (full weights) on a real CPU server.
 
-Mode B (base + hot-loaded adapters) on a real server is covered by ``tests/test_configs.py``
+LoRA mode (base + hot-loaded adapters) on a real server is covered by ``tests/test_configs.py``
 (the SGLang recipes); here the full-weight path: launched at build from rlx's export, reloaded
 after every update with ``/update_weights_from_disk``, a second policy attached to the same server
 (``urls``) pushing its own weights first (``sync_base``), and no process left after ``close()``.
@@ -9,7 +9,6 @@ after every update with ``/update_weights_from_disk``, a second policy attached 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import time
 
@@ -17,30 +16,20 @@ import jax
 import pytest
 from flax import nnx
 
-from rlx.config import ConfigError, parse_config
+from rlx.config import parse_config
+from rlx.errors import ConfigError
 from rlx.models import from_hf_config
 from rlx.models.presets import PRESETS
 from rlx.rollout.sglang_policy import check_servable, lora_server_args, server_args
-from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env, sglang_available
-from tests.helpers import ROOT
-
+from rlx.run.engines import serving
+from tests.helpers.runs import config_dict
+from tests.helpers.sglang_harness import (SGLANG_PYTHON, cpu_server_args, cpu_server_env,
+                                          sglang_available)
 
 
 def _tiny(tmp_path, **overrides) -> dict:
-    """configs/tiny.py (random 2-layer SmolLM2 shape) with dotted overrides."""
-    spec = importlib.util.spec_from_file_location("rlx_config_tiny", os.path.join(ROOT, "configs", "tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    c = module.get_config().to_dict()
-    c["output_dir"] = str(tmp_path / "run")
-    c["mesh"] = {"data": 8}
-    for dotted, value in overrides.items():
-        node = c
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return c
+    """configs/tiny.py (random 2-layer SmolLM2 shape) on 8 devices with dotted overrides."""
+    return config_dict("tiny", tmp_path / "run", **{"mesh": {"data": 8}, **overrides})
 
 
 @pytest.mark.parametrize("sglang,needle", [
@@ -68,47 +57,47 @@ def test_what_sglang_cannot_serve_is_refused_before_anything_starts(tmp_path):
     moe = from_hf_config(PRESETS["Qwen/Qwen3-30B-A3B"])
     attach = {"rollout.engine": "sglang", "rollout.sglang.urls": ["http://h:1"]}
     ok = parse_config(_tiny(tmp_path, **attach))
-    check_servable(ok, dense)
+    check_servable(serving(ok), dense)
     with pytest.raises(ConfigError, match="multi-host runs drive the built-in engine"):
-        check_servable(ok, dense, process_count=2)
+        check_servable(serving(ok), dense, process_count=2)
     gguf = parse_config(_tiny(tmp_path, **attach, **{"quant.format": "gguf", "quant.serving": "gguf"}))
     with pytest.raises(ConfigError, match="no model.shrink .* use quant.serving='hf'"):
-        check_servable(gguf, dense)
+        check_servable(serving(gguf), dense)
     int4 = parse_config(_tiny(tmp_path, **attach, **{
         "quant.format": "int4", "quant.group_size": 32, "quant.serving": "compressed-tensors"}))
-    check_servable(int4, dense)  # dense LoRA runs over SGLang's quantized matmuls
-    with pytest.raises(ConfigError, match="LoRA on MoE experts only over a \\['hf', 'fp8'\\] base"):
-        check_servable(int4, moe)
-    check_servable(parse_config(_tiny(tmp_path, **attach, **{
+    check_servable(serving(int4), dense)  # dense LoRA runs over SGLang's quantized matmuls
+    with pytest.raises(ConfigError, match="LoRA on MoE experts only over a float or fp8 base"):
+        check_servable(serving(int4), moe)
+    check_servable(serving(parse_config(_tiny(tmp_path, **attach, **{
         "quant.format": "int4", "quant.group_size": 32, "quant.serving": "compressed-tensors",
-        "lora.experts": False})), moe)
+        "lora.experts": False}))), moe)
 
 
 def test_lora_server_flags(tmp_path):
     cfg = parse_config(_tiny(tmp_path, **{"lora.rank": 8, "lora.targets": ["q", "v", "gate", "up"]}))
     dense = from_hf_config(PRESETS["Qwen/Qwen3-8B"])
     moe = from_hf_config(PRESETS["Qwen/Qwen3-30B-A3B"])
-    assert lora_server_args(cfg, dense) == ("--enable-lora", "--max-lora-rank", "8",
+    assert lora_server_args(cfg.lora, dense) == ("--enable-lora", "--max-lora-rank", "8",
                                             "--lora-target-modules", "q_proj", "v_proj",
                                             "gate_proj", "up_proj")
-    assert lora_server_args(cfg, moe)[2] == "16"  # experts' gate+up export as one rank-2r adapter
+    assert lora_server_args(cfg.lora, moe)[2] == "16"  # experts' gate+up export as one rank-2r adapter
 
 
 def test_launch_flags_place_servers_on_their_gpus(tmp_path):
     dense = from_hf_config(PRESETS["Qwen/Qwen3-8B"])
     sglang = {"urls": ["http://h:1"], "num_servers": 2, "tp_size": 2, "extra_args": ["--x", "1"]}
     cfg = parse_config(_tiny(tmp_path, **{"rollout.engine": "sglang", "rollout.sglang": sglang}))
-    args = server_args(cfg, dense, 1)
+    args = server_args(serving(cfg), dense, 1)
     assert args[:6] == ("--skip-tokenizer-init", "--sleep-on-idle", "--tp-size", "2",
                         "--base-gpu-id", "2")
     assert args[6:9] == ("--enable-lora", "--max-lora-rank", "4") and args[-2:] == ("--x", "1")
     full = parse_config(_tiny(tmp_path, **{"rollout.engine": "sglang", "rollout.sglang.urls": ["u"],
                                            "train.mode": "full", "quant.format": "none",
                                            "loss.kl_coef": 0.0}))
-    assert server_args(full, dense, 0) == ("--skip-tokenizer-init", "--sleep-on-idle")
+    assert server_args(serving(full), dense, 0) == ("--skip-tokenizer-init", "--sleep-on-idle")
 
 
-# --- mode A on a real server ----------------------------------------------------------------------
+# --- full mode on a real server ----------------------------------------------------------------------
 
 def _perturbed(model, seed: int):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -139,9 +128,9 @@ def _process_group_gone(pid: int, timeout_s: float = 60.0) -> bool:
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")
 def test_full_weights_launched_synced_attached_and_stopped(tmp_path):
-    from rlx.run.build import build
     from rlx.rollout.preflight import PreflightError, run_preflight
     from rlx.rollout.sglang_policy import SGLangPolicy
+    from rlx.run.build import build
 
     env = [f"{k}={v}" for k, v in cpu_server_env(str(tmp_path / "harness"))]
     cfg = _tiny(tmp_path, **{

@@ -8,15 +8,13 @@ synchronous step exactly; later batches are one version old and corrected by tru
 weights; both modes consume exactly the same prompt batches.
 """
 
-import os
 
-import numpy as np
 import pytest
 
-from rlx.run.build import build
 from rlx.rewards import RewardResult
 from rlx.rewards.base import available_rewards, register
-from tests.run.test_loop import _config
+from rlx.run.build import build
+from tests.helpers.runs import run_config
 
 STEPS = 3
 REWARD = "toy:word_starts"
@@ -34,7 +32,7 @@ if REWARD not in available_rewards():
 
 
 def _train(tmp_path, staleness: int) -> tuple[list[dict], object]:
-    cfg = _config("tiny", tmp_path / f"s{staleness}", **{
+    cfg = run_config("tiny", tmp_path / f"s{staleness}", **{
         "mesh.data": 8, "train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0,
         "data.prompts_per_step": 4, "rollout.group_size": 8, "rollout.max_new_tokens": 8,
         "data.eval_size": 0, "train.steps": STEPS, "train.reward": REWARD,

@@ -1,35 +1,17 @@
 """The RL loop end to end on the tiny config (random shrunken SmolLM2, int8 base + LoRA)."""
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
 
-from rlx.run.build import build
-from rlx.config import parse_config
 from rlx.io.metrics import read_metrics
-from tests.helpers import ROOT
-
-
-
-def _config(name: str, tmp_path, **overrides):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config().to_dict()
-    cfg["output_dir"] = str(tmp_path / name)
-    for dotted, value in overrides.items():
-        node = cfg
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return parse_config(cfg)
+from rlx.run.build import build
+from tests.helpers.runs import run_config
 
 
 def test_tiny_run_trains_logs_and_generates(tmp_path):
-    run = build(_config("tiny", tmp_path, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+    run = build(run_config("tiny", tmp_path, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
                 progress=False)
     try:
         records = run.train()
@@ -71,7 +53,7 @@ def test_tiny_run_trains_logs_and_generates(tmp_path):
 @pytest.mark.slow  # CI: tests/test_configs.py runs the same shrunken quickstart step
 def test_quickstart_config_runs_one_shrunken_step(tmp_path):
     """The README's main job, shrunken: same data, reward, loss and engine; random tiny weights."""
-    cfg = _config("quickstart", tmp_path, **{
+    cfg = run_config("quickstart", tmp_path, **{
         "model.shrink.enabled": True, "quant.format": "int8", "quant.serving": "hf",
         "mesh.data": 8, "data.prompts_per_step": 2, "data.eval_size": 2, "rollout.group_size": 4,
         "rollout.max_new_tokens": 4, "train.steps": 1, "train.micro_batches": 1})
@@ -90,12 +72,12 @@ def test_quickstart_config_runs_one_shrunken_step(tmp_path):
 
 
 def test_preflight_stops_a_run_whose_engine_serves_another_policy(tmp_path):
-    from flax import nnx
     import jax
+    from flax import nnx
 
     from rlx.rollout.preflight import PreflightError
 
-    run = build(_config("tiny", tmp_path, **{"mesh.data": 8}), progress=False)
+    run = build(run_config("tiny", tmp_path, **{"mesh.data": 8}), progress=False)
     try:
         graphdef, lora, rest = nnx.split(run.compiled.model(), nnx.LoRAParam, ...)
         keys = iter(jax.random.split(jax.random.key(3), 64))

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from tests.helpers import ROOT
 
 TOL = 1e-5
@@ -44,7 +45,7 @@ def _run_all(cmds: list[list[str]], timeout: float = 240) -> None:
         assert p.returncode == 0, out[-4000:]
 
 
-@pytest.mark.parametrize("mode", ["A", "B"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
 def test_two_processes_match_one(tmp_path, mode):
     single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
     port = _free_port()

@@ -38,10 +38,11 @@ import grain
 import numpy as np
 import pytest
 
-from rlx.config import ConfigError, parse_config
+from rlx.config import parse_config
 from rlx.data.pipeline import PromptBatch
+from rlx.errors import ConfigError
 from rlx.run.hosts import Hosts, ShardedPrompts
-from rlx.rollout.base import Prompt
+from rlx.types import Prompt
 from tests.helpers import ROOT
 
 TOL = 1e-5

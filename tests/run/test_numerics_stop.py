@@ -6,14 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rlx.io.metrics import read_metrics
 from rlx.run.build import build
 from rlx.run.loop import NonFiniteError
-from rlx.io.metrics import read_metrics
-from tests.run.test_loop import _config
+from tests.helpers.runs import run_config
 
 
 def test_nan_updates_are_skipped_then_the_run_stops_with_its_last_good_checkpoint(tmp_path):
-    cfg = _config("tiny", tmp_path, **{"mesh.data": 8, "data.eval_size": 0, "train.steps": 10,
+    cfg = run_config("tiny", tmp_path, **{"mesh.data": 8, "data.eval_size": 0, "train.steps": 10,
                                         "train.checkpoint_every": 1, "train.keep_checkpoints": 2,
                                         "train.max_skipped_steps": 3})
     run = build(cfg, progress=False)
