@@ -72,10 +72,13 @@ EFFECTS = {
     "loss.tis_cap": ("loss", 1.2, {}),
     "loss.tis_seq_low": ("loss", 0.95, {"loss.tis_mode": "sequence-mask"}),
     "loss.tis_seq_high": ("loss", 1.05, {"loss.tis_mode": "sequence-mask"}),
+    "loss.old_logp": ("loop", "sampler", {"train.minibatches": 2}),
     "train.mode": ("learner", "full", {k: v for k, v in FULL.items() if k != "train.mode"}),
     "train.steps": ("loop", 2, {}),
     "train.advantage": ("loop", "rloo", {}),
     "train.micro_batches": ("learner", 2, {}),
+    "train.epochs": ("loop", 2, {}),
+    "train.minibatches": ("loop", 2, {}),
     "train.logprob_chunk": ("learner", 16, {}),
     "train.length_buckets": ("loop", 1, {"rollout.ignore_eos": True, "rollout.max_new_tokens": 16}),
     "train.remat": ("learner", "layer", {}),
@@ -99,7 +102,8 @@ EFFECTS = {
     "rollout.ignore_eos": ("loop", True, {}),
     "rollout.weight_layout": ("engine", "in_out", {}),
     "rollout.sglang.urls": ("sglang", ["http://h:1"], SGLANG),
-    "rollout.sglang.python": ("sglang", sys.executable + "3", SGLANG),
+    "rollout.sglang.python": ("sglang", os.path.join(os.path.dirname(sys.executable), ".",
+                                                     os.path.basename(sys.executable)), SGLANG),
     "rollout.sglang.num_servers": ("sglang", 2, SGLANG),
     "rollout.sglang.tp_size": ("sglang", 2, SGLANG),
     "rollout.sglang.extra_args": ("sglang", ["--x", "1"], SGLANG),
@@ -119,7 +123,8 @@ def _config(tmp_path, context: dict, **change) -> RunConfig:
 
 # --- the loop, with recording stand-ins for the compiled steps and the engine -----------------
 class _Step:
-    """The train step's stand-in: records each batch, advances the state's step."""
+    """The train step's stand-in: records each batch (its shape, loss tokens, advantages and
+    old log-probs), advances the state's step."""
 
     def __init__(self, trace: list, skip: bool):
         self.trace, self.skip = trace, skip
@@ -127,7 +132,8 @@ class _Step:
     def __call__(self, state, batch):
         mask = np.asarray(batch.loss_mask)
         adv = np.round(np.asarray(batch.advantages)[mask > 0], 4)
-        self.trace.append(("train", batch.shape, int(mask.sum()), tuple(adv.tolist())))
+        old = None if batch.old_logp is None else round(float(np.asarray(batch.old_logp).sum()), 3)
+        self.trace.append(("train", batch.shape, int(mask.sum()), tuple(adv.tolist()), old))
         zero = jnp.zeros((), jnp.float32)
         metrics = StepMetrics(*[zero] * len(StepMetrics._fields))._replace(
             skipped=jnp.float32(self.skip))
