@@ -80,6 +80,8 @@ class TrainSection:
     steps: int = 100  # RL steps (generate -> score -> update)
     advantage: str = "grpo"  # an estimator of rlx.learner.advantages.ESTIMATORS (grpo, dr_grpo, rloo, ...)
     micro_batches: int = 1  # gradient accumulation inside one compiled update
+    epochs: int = 1  # passes over each rollout batch (PPO epochs)
+    minibatches: int = 1  # optimizer updates per pass, each over its share of the batch's rows
     logprob_chunk: int = 512  # tokens per chunk of the chunked log-softmax
     # padded train-row lengths per doubling (rlx.learner.batching.train_buckets): a batch pads its
     # longest row by at most 1/n, and the train step compiles at most n shapes per doubling
@@ -104,6 +106,9 @@ class TrainSection:
         one_of("config.train.max_staleness", self.max_staleness, (0, 1))
         if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
             raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ConfigError(f"config.train.epochs={self.epochs} and minibatches="
+                              f"{self.minibatches} must be >= 1 (1 and 1: one update per batch)")
         if self.length_buckets < 1:
             raise ConfigError(f"config.train.length_buckets={self.length_buckets} must be >= 1 "
                               "(padded row lengths per doubling; 8: at most 12.5% padding)")

@@ -141,6 +141,8 @@ class StepMetrics(NamedTuple):
     entropy: Scalar  # policy entropy per token
     clip_frac_low: Scalar
     clip_frac_high: Scalar
+    clip_frac: Scalar  # tokens whose gradient the clip removed (low + high)
+    approx_kl: Scalar  # k3 estimate of KL(pi_old || pi) over the update's tokens
     ratio_mean: Scalar
     ratio_min: Scalar
     ratio_max: Scalar

@@ -66,6 +66,9 @@ DEFAULT_AGGREGATION = {
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_AS = ("loss", "reward-penalty")
 TIS_MODES = ("off", "token", "sequence-mask")
+# whose log-probs the ratio's denominator pi_old is when one rollout batch takes several updates:
+# "learner" the policy's own at the start of the step (computed once), "sampler" the engine's
+OLD_LOGP = ("learner", "sampler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +88,7 @@ class LossConfig:
     tis_cap: float = 2.0  # "token": per-token weight min(pi_old / pi_sampler, tis_cap)
     tis_seq_low: float = 0.5  # "sequence-mask": keep if geo-mean ratio >= this
     tis_seq_high: float = 2.0  # "sequence-mask": keep if geo-mean ratio <= this
+    old_logp: str = "learner"  # one of OLD_LOGP: pi_old of the clipped ratio
 
     def __post_init__(self):
         one_of("policy_loss", self.policy_loss, POLICY_LOSSES)
@@ -93,6 +97,7 @@ class LossConfig:
         one_of("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         one_of("kl_as", self.kl_as, KL_AS)
         one_of("tis_mode", self.tis_mode, TIS_MODES)
+        one_of("old_logp", self.old_logp, OLD_LOGP)
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LossConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -121,6 +126,8 @@ class LossMetrics(NamedTuple):
     entropy: Scalar  # token-mean entropy (0 without entropy)
     clip_frac_low: Scalar  # tokens with r < 1 - eps_low and A < 0 (gradient clipped away)
     clip_frac_high: Scalar  # tokens with r > 1 + eps_high and A > 0
+    clip_frac: Scalar  # clip_frac_low + clip_frac_high: tokens whose gradient the clip removed
+    approx_kl: Scalar  # token mean of (r - 1) - log r, the k3 estimate of KL(pi_old || pi)
     ratio_mean: Scalar
     ratio_min: Scalar
     ratio_max: Scalar
@@ -230,6 +237,11 @@ def _seq_mean(x: PerToken, mask: PerToken, segment_ids=None) -> Float[Array, "b 
     seq_sum, seq_len = _per_sequence(x, mask, segment_ids)  # [B, T + 1]
     means = seq_sum / jnp.maximum(seq_len, 1.0)  # [B, T + 1]
     return jnp.take_along_axis(means, segment_ids, axis=1)  # [B, T]
+
+
+def _k3(log_r: PerToken) -> PerToken:
+    """(r - 1) - log r per token: the k3 estimate of KL(pi_old || pi) from samples of pi_old."""
+    return jnp.expm1(log_r) - log_r
 
 
 def _log_ratio(
@@ -352,6 +364,8 @@ def policy_loss(
         entropy=_masked_mean(ent_tok, mask),
         clip_frac_low=_masked_mean(clip_low, mask),
         clip_frac_high=_masked_mean(clip_high, mask),
+        clip_frac=_masked_mean(clip_low + clip_high, mask),
+        approx_kl=_masked_mean(_k3(jax.lax.stop_gradient(logp - old_logp)), mask),
         ratio_mean=_masked_mean(ratio, mask),
         ratio_min=_masked_extreme(ratio, mask, largest=False),
         ratio_max=_masked_extreme(ratio, mask, largest=True),

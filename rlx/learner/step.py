@@ -404,13 +404,15 @@ def make_logprob_step(
 
 @dataclasses.dataclass
 class Compiled:
-    """The learner of a run: graph, state (donated each update), the compiled train step and,
-    with a KL term, the reference log-prob step (``rlx.run.build.compile_steps`` makes it)."""
+    """The learner of a run: graph, state (donated each update), the compiled train step, with a
+    KL term the reference log-prob step, and with several updates per batch the policy's own
+    log-prob step (``rlx.run.build.compile_steps`` makes them)."""
 
     graphdef: nnx.GraphDef
     state: TrainState
     train_step: Callable[[TrainState, TrainBatch], tuple[TrainState, StepMetrics]]
     ref_step: Callable[..., LogProbs] | None
+    old_step: Callable[..., LogProbs] | None = None  # (params, frozen, batch): pi_old, adapter on
 
     def model(self) -> nnx.Module:
         """The current policy as a module (parameters and frozen base merged)."""

@@ -36,6 +36,7 @@ from rlx.rewards import RewardFn, get_reward
 from rlx.run.checks import check_before_build
 from rlx.run.engines import make_engine
 from rlx.run.hosts import Hosts
+from rlx.run.learn import needs_old_logprobs
 from rlx.run.lifecycle import open_checkpointer, restore
 from rlx.run.loop import Run
 from rlx.run.multihost import initialize_from
@@ -134,18 +135,22 @@ def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | No
 
 
 def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
-    """Train state over the mesh, the train step and (with a KL term) the reference log-prob step:
-    the adapter switched off, so the reference costs no second copy of the weights."""
+    """Train state over the mesh, the train step, (with a KL term) the reference log-prob step:
+    the adapter switched off, so the reference costs no second copy of the weights; and (several
+    updates per batch) the policy's log-prob step for the old log-probs."""
     graphdef, state = create_train_state(model, make_optimizer(cfg.optim), mesh,
                                          trainable=MODES[cfg.train.mode], seed=cfg.seed)
     step_cfg = cfg.step_config
     train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim,
                                  apply_fn=FORWARDS[cfg.train.remat])
-    ref_step = None
+    ref_step = old_step = None
     if cfg.loss.kl_coef > 0:  # config validation refused a KL term in mode "full"
         ref_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg,
                                      apply_fn=reference_forward)
-    return Compiled(graphdef=graphdef, state=state, train_step=train_step, ref_step=ref_step)
+    if needs_old_logprobs(cfg):
+        old_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg)
+    return Compiled(graphdef=graphdef, state=state, train_step=train_step, ref_step=ref_step,
+                    old_step=old_step)
 
 
 __all__ = ["build", "compile_steps", "eval_examples", "load_policy", "make_logger", "make_reward",

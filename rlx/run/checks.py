@@ -73,20 +73,22 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_batch(cfg: RunConfig) -> None:
-    """The step's rows divide evenly over the data-parallel devices times the micro-batches."""
-    rows, micro = cfg.data.prompts_per_step * cfg.rollout.group_size, cfg.train.micro_batches
+    """The step's rows divide evenly over the data-parallel devices times the micro-batches (of
+    each of ``train.minibatches`` minibatches)."""
+    rows = cfg.data.prompts_per_step * cfg.rollout.group_size
+    micro = cfg.train.micro_batches * cfg.train.minibatches
     dp = batch_shards(cfg.mesh)
     if rows % (dp * micro) == 0:
         return
     prompts = next(p for p in range(cfg.data.prompts_per_step, 10**9)
                    if p * cfg.rollout.group_size % (dp * micro) == 0)
     micros = [d for d in _divisors(rows) if rows % (dp * d) == 0]
-    fix = f"set data.prompts_per_step={prompts}" + (
-        f" or train.micro_batches to one of {micros}" if micros else "")
+    split = "train.micro_batches" + (" x train.minibatches" if cfg.train.minibatches > 1 else "")
+    fix = f"set data.prompts_per_step={prompts}" + (f" or {split} to one of {micros}" if micros else "")
     raise ConfigError(
         f"config.data.prompts_per_step * config.rollout.group_size = {cfg.data.prompts_per_step} * "
         f"{cfg.rollout.group_size} = {rows} rollouts per step do not split evenly over "
-        f"{' * '.join(f'mesh.{a}' for a in batch_axes())} = {dp} devices x train.micro_batches = {micro}; {fix}")
+        f"{' * '.join(f'mesh.{a}' for a in batch_axes())} = {dp} devices x {split} = {micro}; {fix}")
 
 
 def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:

@@ -1,9 +1,10 @@
 """The RL loop: a short ``step()`` of named calls.
 
 prompts -> generate -> score -> advantages -> batch -> reference log-probs -> update -> weight
-sync -> metrics, then (in ``train``) evaluation and checkpoints. Each step takes one optimizer
-update over the whole batch (gradient accumulation over ``train.micro_batches`` inside the
-compiled step) and hands the new weights to the engine (``weight_version`` = learner step).
+sync -> metrics, then (in ``train``) evaluation and checkpoints. Each step takes ``train.epochs``
+x ``train.minibatches`` optimizer updates over its batch (default one; each accumulates gradients
+over ``train.micro_batches`` inside the compiled step; ``rlx.run.learn``) and hands the new
+weights to the engine (``weight_version`` = learner step).
 
 * Synchronous on-policy (``train.max_staleness = 0``): each step samples with the current weights.
 * One-step-off asynchronous (``train.max_staleness = 1``): while step t scores and updates, the
@@ -40,7 +41,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import grain
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -49,15 +49,13 @@ from rlx.data.chat import PromptFormat
 from rlx.data.pipeline import PromptBatch
 from rlx.data.sources import Example
 from rlx.io.checkpoint import Checkpointer
-from rlx.io.metrics import MetricsLogger, TextSample, to_scalars
-from rlx.learner.advantages import compute_advantages
-from rlx.learner.batching import pad_rollouts, train_buckets
+from rlx.io.metrics import MetricsLogger, TextSample
 from rlx.learner.step import Compiled
-from rlx.mesh import batch_shards
 from rlx.models.tokenizer import Tokenizer
 from rlx.rewards.base import RewardFn, score_batch
 from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
+from rlx.run.learn import StepLearner
 from rlx.run.lifecycle import DataPosition, StopSignals
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
@@ -131,18 +129,16 @@ class Run:
             with timer("score"):
                 rewards, texts, reasons = self._score(rollouts, batch)
             uids = np.array([r.prompt_uid for r in rollouts])
-            advantages = compute_advantages(self.cfg.train.advantage, rewards, uids)
             keep = self._keep(rewards, uids)
             with timer("logprob"):
-                train_batch = self._batch([rollouts[i] for i in keep], advantages[keep])
-            with timer("update"):  # dispatch is asynchronous: time the update itself
-                self.compiled.state, step_metrics = jax.block_until_ready(
-                    self.compiled.train_step(self.compiled.state, train_batch))
+                train_batch, real_rows = self.learner.prepare(rollouts, rewards, uids, keep)
+            with timer("update"):  # dispatch is asynchronous: the updates block until done
+                learned = self.learner.update(train_batch, real_rows, self.step_count)
             with timer("sync"):
                 self.step_count += 1
                 self._await_prefetch()  # the engine's weights change only when it is idle
                 self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
-        record = self._record(step_metrics, rollouts, rewards, keep, timer.times)
+        record = {**learned, **self._record(rollouts, rewards, keep, timer.times)}
         self._log(record, rollouts, texts, rewards, reasons)
         self._check_numerics(record)
         return record
@@ -234,21 +230,16 @@ class Run:
         keep = np.array([i for i, u in enumerate(uids.tolist()) if u in mixed], np.int64)
         return keep if len(keep) else np.arange(len(rewards))
 
-    def _batch(self, rollouts: Sequence[Rollout], advantages: np.ndarray):
-        rows = batch_shards(self.mesh) * self.cfg.train.micro_batches
-        host = pad_rollouts(rollouts, advantages, buckets=_buckets(self.cfg),
-                            rows_multiple=rows)
-        batch = self.hosts.device_batch(host, self.mesh)
-        if self.compiled.ref_step is not None:
-            ref = self.compiled.ref_step(self.compiled.state.params, self.compiled.state.frozen, batch)
-            batch = batch.replace(ref_logp=jax.block_until_ready(ref.logp))  # timed as logprob
-        return batch
+    @property
+    def learner(self) -> StepLearner:
+        """The learner's side of a step (``rlx.run.learn``) on the current compiled steps."""
+        return StepLearner(self.cfg, self.mesh, self.compiled, self.hosts)
 
     # --- metrics --------------------------------------------------------------------------
-    def _record(self, step_metrics, rollouts, rewards, keep, times) -> dict[str, float]:
+    def _record(self, rollouts, rewards, keep, times) -> dict[str, float]:
         lengths = np.array([len(r.completion_ids) for r in rollouts], np.float64)
         tokens = float(sum(len(r.completion_ids) for r in rollouts))
-        record = {f"learner/{k}": v for k, v in to_scalars(step_metrics).items()}
+        record = {}
         record.update({
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "reward/min": float(rewards.min()), "reward/max": float(rewards.max()),
@@ -428,8 +419,3 @@ def check_rollouts(prompts: Sequence[Prompt], n: int, rollouts: Sequence[Rollout
                            f"{len(prompts)} prompts x {n} samples: {'; '.join(problems)}; "
                            "refusing to train on them (an engine bug or a server fault)")
 
-
-def _buckets(cfg) -> tuple[int, ...]:
-    """Padded lengths for train batches up to the prompt + completion caps (``train_buckets``)."""
-    return train_buckets(cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
-                         per_octave=cfg.train.length_buckets)

@@ -97,13 +97,15 @@ def test_scalars_reach_tensorboard_jsonl_console_and_progress_bar(tmp_path, monk
     for step in (1, 2, 3):
         assert board[("reward/math/mean", step)] == 0.25 * step
         assert board[("time/generate", step)] == 1.5 * step
-        assert board[("train/grad_norm", step)] == pytest.approx(step + 1.5, abs=1e-6)
+        grad_norm = step + StepMetrics._fields.index("grad_norm") / 10  # see _step_metrics
+        assert board[("train/grad_norm", step)] == pytest.approx(grad_norm, abs=1e-6)
 
     records = read_metrics(str(tmp_path / "run"))
     lines = open(tmp_path / "run" / "metrics.jsonl").read().splitlines()
     assert len(lines) == 3 and [r["step"] for r in records] == [1, 2, 3]
     assert records[1]["reward/math/mean"] == 0.5 and records[1]["reward/math/std"] == 0.5
-    assert records[2]["train/lr"] == float(np.float32(3 + 1.9))  # the float32 value, exactly
+    lr = StepMetrics._fields.index("lr") / 10
+    assert records[2]["train/lr"] == float(np.float32(3 + lr))  # the float32 value, exactly
     assert records[0]["eval/pass_at_1"] == pytest.approx(0.1) and records[0]["wall_time"] > 1.7e9
     out = stream.getvalue()
     assert "step 2/3 | reward/math/mean 0.5 | train/loss 2" in out
