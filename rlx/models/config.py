@@ -1,119 +1,48 @@
-"""Model hyper-parameters, read from and written to transformers ``config.json`` dicts.
+"""Model hyper-parameters read from and written to transformers ``config.json`` dicts.
 
-One ``ModelConfig`` describes every supported decoder: Llama (incl. llama3 rope scaling), Qwen2
-(qkv bias), Qwen3 (q/k RMSNorm), Mixtral, Qwen2-MoE (shared expert with a sigmoid gate) and
-Qwen3-MoE. Unknown architectures are refused with the list of supported ones.
+``from_hf_config`` turns a ``config.json`` dict into a ``ModelConfig`` (the records live in
+``rlx.models.hparams`` and are re-exported here); ``to_hf_config`` is its inverse and writes what
+transformers 5.x itself saves for the class. Every option rlx interprets is checked here, before
+any weight is read: an architecture, rope type, router scoring function, top-k method or
+activation rlx does not implement is refused with ``ModelConfigError`` naming the field and the
+supported values. Optional fields take the defaults of the transformers config class, so a
+``config.json`` means what it means to transformers.
+
+DeepSeek-V3 (``DeepseekV3ForCausalLM``, also Kimi-K2 and DeepSeek-V2-Lite shapes) and GLM-4.5
+(``Glm4MoeForCausalLM``) use the sigmoid router with a correction bias and group-limited top-k
+(``scoring_func="sigmoid"``, ``topk_method="noaux_tc"``, the only values their transformers
+classes implement). GLM-4.5's ``partial_rotary_factor`` defaults to 0.5 as in transformers; the
+other GQA families rotate whole heads and refuse a partial factor.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
+from rlx.models.hparams import (ROPE_KINDS, SUPPORTED_ARCHITECTURES, MLAConfig, ModelConfig,
+                                ModelConfigError, MoEConfig, RopeConfig, yarn_get_mscale)
+
+ACTIVATIONS = ("silu", "swish")  # hidden_act values rlx implements (both are x * sigmoid(x))
+SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")  # model types with the DeepSeek-V3 router
+# transformers' defaults for the optional fields of the sigmoid-routed config classes
+_SIGMOID_DEFAULTS = {
+    "deepseek_v3": {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 8,
+                    "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True},
+    "glm4_moe": {"n_shared_experts": 1, "routed_scaling_factor": 1.0, "n_group": 1,
+                 "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": True},
 }
-
-
-class ModelConfigError(ValueError):
-    """A model config that rlx cannot represent; the message names the field."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding: ``default`` or ``llama3`` frequency scaling."""
-
-    theta: float = 10000.0
-    kind: str = "default"  # "default" | "llama3" | "linear"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Sparse MLP: ``num_experts`` experts, ``top_k`` per token, optional shared expert."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool  # renormalise the top-k softmax probabilities to sum to 1
-    shared_intermediate_size: int = 0  # 0: no shared expert
-    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(x @ w) scales the shared expert
-    sparse_layers: tuple[int, ...] = ()  # layer indices with a sparse MLP; the others are dense
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Decoder hyper-parameters (HF names in comments where they differ)."""
-
-    architecture: str  # HF class name, e.g. "Qwen3ForCausalLM"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int  # num_hidden_layers
-    num_heads: int  # num_attention_heads
-    num_kv_heads: int  # num_key_value_heads
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope: RopeConfig = RopeConfig()
-    qkv_bias: bool = False  # Qwen2 / Qwen2-MoE
-    qk_norm: bool = False  # Qwen3 / Qwen3-MoE
-    tie_word_embeddings: bool = False
-    moe: MoEConfig | None = None
-    max_position_embeddings: int = 32768
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    hidden_act: str = "silu"
-
-    @property
-    def model_type(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
-
-    def is_sparse_layer(self, i: int) -> bool:
-        return self.moe is not None and i in self.moe.sparse_layers
-
-    def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        d, v, hd = self.hidden_size, self.vocab_size, self.head_dim
-        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        attn += hd * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
-        attn += 2 * hd if self.qk_norm else 0
-        total = v * d * (1 if self.tie_word_embeddings else 2) + d
-        for i in range(self.num_layers):
-            total += attn + 2 * d + self._mlp_params(i)
-        return total
-
-    def _mlp_params(self, i: int) -> int:
-        d = self.hidden_size
-        if not self.is_sparse_layer(i):
-            return 3 * d * self.intermediate_size
-        m = self.moe
-        n = m.num_experts * 3 * d * m.intermediate_size + d * m.num_experts
-        n += 3 * d * m.shared_intermediate_size + (d if m.shared_expert_gate else 0)
-        return n
+_SIGMOID_CHOICES = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)}
 
 
 def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     """Translate a transformers ``config.json`` dict into a ``ModelConfig``."""
-    archs = hf.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ModelConfigError(
-            f"config.json architectures={archs!r} is not supported; rlx supports "
-            f"{sorted(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = _architecture(hf)
     kind = SUPPORTED_ARCHITECTURES[arch]
+    _check_choices(hf, arch, kind)
     heads = _req(hf, "num_attention_heads")
     hidden = _req(hf, "hidden_size")
-    head_dim = hf.get("head_dim") or hidden // heads
     layers = _req(hf, "num_hidden_layers")
+    mla = _mla_from_hf(hf) if kind == "deepseek_v3" else None
     return ModelConfig(
         architecture=arch,
         vocab_size=_req(hf, "vocab_size"),
@@ -121,45 +50,105 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         intermediate_size=_req(hf, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
+        num_kv_heads=heads if mla else hf.get("num_key_value_heads") or heads,
+        head_dim=mla.qk_head_dim if mla else hf.get("head_dim") or hidden // heads,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_rope_from_hf(hf),
+        rope=_rope_from_hf(hf, arch, kind),
         qkv_bias=bool(hf.get("qkv_bias", kind in ("qwen2", "qwen2_moe")))
         or bool(hf.get("attention_bias", False)),
-        qk_norm=kind in ("qwen3", "qwen3_moe"),
+        qk_norm=kind in ("qwen3", "qwen3_moe") or (kind == "glm4_moe" and bool(hf.get("use_qk_norm"))),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         moe=_moe_from_hf(hf, kind, layers),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         hidden_act=hf.get("hidden_act", "silu"),
+        mla=mla,
     )
 
 
-def _req(hf: dict[str, Any], key: str) -> Any:
+def _architecture(hf: dict[str, Any]) -> str:
+    archs = hf.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelConfigError(
+            f"config.json architectures={archs!r} is not supported; rlx supports "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _req(hf: dict[str, Any], key: str, where: str = "") -> Any:
     if hf.get(key) is None:
-        raise ModelConfigError(f"config.json is missing required field {key!r}")
+        raise ModelConfigError(f"config.json is missing required field {where + key!r}")
     return hf[key]
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "llama3", "linear"):
-        raise ModelConfigError(
-            f"rope_type={kind!r} is not supported; use 'default', 'llama3' or 'linear'"
-        )
+def _refuse_unless(field: str, value: Any, supported, arch: str = "") -> None:
+    """Refuse ``value`` of config.json ``field`` unless it is one of ``supported``."""
+    if value not in supported:
+        scope = f" for {arch}" if arch else ""
+        raise ModelConfigError(f"config.json {field}={value!r} is not supported{scope}; rlx "
+                               f"supports {list(supported)}")
+
+
+def _check_choices(hf: dict[str, Any], arch: str, kind: str) -> None:
+    """Options with alternatives rlx does not implement (checked before anything else is read)."""
+    _refuse_unless("hidden_act", hf.get("hidden_act", "silu"), ACTIVATIONS)
+    if kind in SIGMOID_ROUTED:
+        for field, supported in _SIGMOID_CHOICES.items():
+            _refuse_unless(field, hf.get(field, supported[0]), supported, arch)
+
+
+def _rope_params(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rope dict as transformers resolves it: ``rope_scaling`` (older files) over
+    ``rope_parameters``, ``rope_theta`` from either level."""
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    return params
+
+
+def _rope_from_hf(hf: dict[str, Any], arch: str, kind: str) -> RopeConfig:
+    params = _rope_params(hf)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    _refuse_unless("rope_parameters.rope_type", rope_type, ROPE_KINDS)
+    partial = float(params.get("partial_rotary_factor", hf.get(
+        "partial_rotary_factor", 0.5 if kind == "glm4_moe" else 1.0)))
+    if kind != "glm4_moe" and partial != 1.0:
+        raise ModelConfigError(f"config.json partial_rotary_factor={partial} is not supported for "
+                               f"{arch}; rlx rotates part of a head only for Glm4MoeForCausalLM")
+    original = params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
     return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=float(params.get("factor", 1.0)),
+        theta=float(params["rope_theta"]),
+        kind=rope_type,
+        factor=float(_req(params, "factor", "rope_parameters.") if rope_type == "yarn"
+                     else params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
-        ),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=_opt_float(params.get("mscale")),
+        mscale_all_dim=_opt_float(params.get("mscale_all_dim")),
+        attention_factor=_opt_float(params.get("attention_factor")),
+        truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=partial,
+    )
+
+
+def _opt_float(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
+    q_rank = hf.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=None if q_rank is None else int(q_rank),
+        kv_lora_rank=int(_req(hf, "kv_lora_rank")),
+        qk_nope_head_dim=int(_req(hf, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_req(hf, "qk_rope_head_dim")),
+        v_head_dim=int(_req(hf, "v_head_dim")),
+        rope_interleave=bool(hf.get("rope_interleave", True)),
     )
 
 
@@ -172,6 +161,8 @@ def _moe_from_hf(hf: dict[str, Any], kind: str, layers: int) -> MoEConfig | None
             norm_topk_prob=True,
             sparse_layers=tuple(range(layers)),
         )
+    if kind in SIGMOID_ROUTED:
+        return _sigmoid_moe_from_hf(hf, kind, layers)
     if kind not in ("qwen2_moe", "qwen3_moe"):
         return None
     n = hf.get("num_experts") or hf.get("num_local_experts")
@@ -189,6 +180,27 @@ def _moe_from_hf(hf: dict[str, Any], kind: str, layers: int) -> MoEConfig | None
         shared_intermediate_size=shared,
         shared_expert_gate=shared > 0,
         sparse_layers=sparse,
+    )
+
+
+def _sigmoid_moe_from_hf(hf: dict[str, Any], kind: str, layers: int) -> MoEConfig:
+    """DeepSeek-V3 / GLM-4.5: sigmoid router with correction bias, ungated shared experts and the
+    first ``first_k_dense_replace`` layers dense."""
+    get = {k: hf.get(k) if hf.get(k) is not None else v for k, v in _SIGMOID_DEFAULTS[kind].items()}
+    width = int(_req(hf, "moe_intermediate_size"))
+    first_dense = int(get["first_k_dense_replace"])
+    return MoEConfig(
+        num_experts=int(hf.get("n_routed_experts") or _req(hf, "num_local_experts")),
+        top_k=int(_req(hf, "num_experts_per_tok")),
+        intermediate_size=width,
+        norm_topk_prob=bool(get["norm_topk_prob"]),
+        shared_intermediate_size=int(get["n_shared_experts"]) * width,
+        sparse_layers=tuple(range(first_dense, layers)),
+        router="sigmoid",
+        correction_bias=True,
+        n_group=int(get["n_group"]),
+        topk_group=int(get["topk_group"]),
+        routed_scaling_factor=float(get["routed_scaling_factor"]),
     )
 
 
@@ -217,6 +229,11 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.model_type in ("llama",):
         hf["attention_bias"] = cfg.qkv_bias
         hf["mlp_bias"] = False
+    if cfg.mla is not None:
+        hf.update(_mla_to_hf(cfg))
+    if cfg.model_type == "glm4_moe":
+        hf.update(attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm,
+                  partial_rotary_factor=cfg.rope.partial_rotary_factor)
     if cfg.moe is not None:
         hf.update(_moe_to_hf(cfg))
     return hf
@@ -233,7 +250,29 @@ def _rope_to_hf(rope: RopeConfig) -> dict[str, Any]:
         )
     elif rope.kind == "linear":
         out["factor"] = rope.factor
+    elif rope.kind == "yarn":
+        out.update(factor=rope.factor, beta_fast=rope.beta_fast, beta_slow=rope.beta_slow,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+        optional = {"mscale": rope.mscale, "mscale_all_dim": rope.mscale_all_dim,
+                    "attention_factor": rope.attention_factor}
+        out.update({k: v for k, v in optional.items() if v is not None})
+        if not rope.truncate:
+            out["truncate"] = False
+    if rope.partial_rotary_factor != 1.0:
+        out["partial_rotary_factor"] = rope.partial_rotary_factor
     return out
+
+
+def _mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    m = cfg.mla
+    assert m is not None
+    return {
+        "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim, "rope_interleave": m.rope_interleave,
+        "head_dim": m.qk_rope_head_dim,  # what transformers sets and saves
+        "attention_bias": cfg.qkv_bias,
+    }
 
 
 def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -241,6 +280,8 @@ def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     assert m is not None
     if cfg.model_type == "mixtral":
         return {"num_local_experts": m.num_experts, "num_experts_per_tok": m.top_k}
+    if cfg.model_type in SIGMOID_ROUTED:
+        return _sigmoid_moe_to_hf(cfg)
     out: dict[str, Any] = {
         "num_experts": m.num_experts,
         "num_experts_per_tok": m.top_k,
@@ -253,3 +294,26 @@ def _moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         out["shared_expert_intermediate_size"] = m.shared_intermediate_size
         out["qkv_bias"] = cfg.qkv_bias
     return out
+
+
+def _sigmoid_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    m = cfg.moe
+    first_dense = cfg.first_k_dense_replace
+    if first_dense is None or m.router != "sigmoid" or not m.correction_bias or m.shared_expert_gate:
+        raise ModelConfigError(
+            f"{cfg.architecture} needs a sigmoid router with correction bias, ungated shared "
+            f"experts and sparse layers first_k_dense_replace..{cfg.num_layers - 1}; got {m}")
+    out = {
+        "n_routed_experts": m.num_experts, "num_experts_per_tok": m.top_k,
+        "moe_intermediate_size": m.intermediate_size, "n_shared_experts": m.num_shared_experts,
+        "routed_scaling_factor": m.routed_scaling_factor, "n_group": m.n_group,
+        "topk_group": m.topk_group, "norm_topk_prob": m.norm_topk_prob,
+        "first_k_dense_replace": first_dense,
+    }
+    if cfg.model_type == "deepseek_v3":
+        out.update({k: v[0] for k, v in _SIGMOID_CHOICES.items()})
+    return out
+
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ACTIVATIONS", "ModelConfig", "ModelConfigError", "MoEConfig",
+           "MLAConfig", "RopeConfig", "from_hf_config", "to_hf_config", "yarn_get_mscale"]
