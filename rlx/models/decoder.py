@@ -1,4 +1,11 @@
-"""The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
+(multi-head latent attention, ``rlx.models.mla``) and GLM-4.5.
+
+Each ``Block`` holds GQA ``Attention`` or ``MLAttention`` (when the config has ``mla``) and a dense
+or sparse MLP (``ModelConfig.is_sparse_layer``; DeepSeek / GLM: the first ``first_k_dense_replace``
+layers dense). The rotary angles are computed once per forward pass for the config's
+``rotary_dim`` (a GLM head's rotating part, MLA's ``qk_rope_head_dim``), scaled by YaRN's
+temperature where the rope has one.
 
 ``Transformer(input_ids, positions=None, segment_ids=None, attention_mask=None) -> logits [B,T,V]``.
 With neither ``positions`` nor ``segment_ids``, the batch is taken as unpadded. ``attention_mask``
@@ -24,12 +31,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from rlx.models.config import ModelConfig
+from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import (Linear, RMSNorm, attention_mask, causal_attention, gqa_attention,
                                param, rope_angles, rope_inv_freq, rotate, weight_value)
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
+from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # float dtypes by config name
@@ -50,6 +58,8 @@ class Precision:
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention (optional qkv bias, q/k RMSNorm, partial rotary)."""
+
     def __init__(self, cfg: ModelConfig, p: Precision, rngs):
         d, hd = cfg.hidden_size, cfg.head_dim
         kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
@@ -61,6 +71,10 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+
+    def linears(self) -> tuple[Linear, ...]:
+        """Every projection of the layer (for quantization and LoRA)."""
+        return (self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
     def _qkv(self, x, angles, adapter: bool):
         """Projected queries, keys, values ``[b, t, heads, d]``, queries and keys rotated by
@@ -99,7 +113,7 @@ class Block(nnx.Module):
         norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
         kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
-        self.self_attn = Attention(cfg, p, rngs)
+        self.self_attn = MLAttention(cfg, p, rngs) if cfg.mla is not None else Attention(cfg, p, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         if cfg.is_sparse_layer(layer):
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, impl=p.moe_impl, **kw)
@@ -163,8 +177,10 @@ class Transformer(nnx.Module):
         return self.norm(x), cache.advance(keys, values, input_ids.shape[1])
 
     def rope_angles(self, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
-        """The rotary cosines and sines every layer uses (``rlx.models.layers.rope_angles``)."""
-        return rope_angles(positions, rope_inv_freq(self.config.rope, self.config.head_dim))
+        """The rotary cosines and sines every layer uses (``rlx.models.layers.rope_angles``), for
+        ``config.rotary_dim`` and times the rope's ``cos_sin_scale``."""
+        rope = self.config.rope
+        return rope_angles(positions, rope_inv_freq(rope, self.config.rotary_dim), rope.cos_sin_scale())
 
     def embed_tokens(self, input_ids: Int[Array, "b t"]) -> Float[Array, "b t d"]:
         """Embedding rows in the compute dtype (a quantized embedding dequantizes only these rows)."""

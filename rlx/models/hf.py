@@ -3,7 +3,10 @@
 Loading never builds the whole model on one device: the model is created abstractly
 (``nnx.eval_shape``), each parameter's sharding is derived from its logical axes, and every device
 reads just its slice from the memory-mapped safetensors files (``jax.make_array_from_callback``).
-HF linears are ``[out, in]``; rlx kernels are ``[in, out]``, and MoE experts are stacked ``[E, ...]``.
+HF linears are ``[out, in]``; rlx kernels are ``[in, out]``, and MoE experts are stacked ``[E, ...]``
+(checkpoints hold one tensor per expert, ``...experts.{e}.gate_proj.weight``, which is also what
+transformers 5.x ``save_pretrained`` writes). Besides the ``nnx.Param`` leaves, a router's
+``CorrectionBias`` (``mlp.gate.e_score_correction_bias``) is read and written like a parameter.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from jax.sharding import Mesh
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
 from rlx.models.config import ModelConfig, from_hf_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
+from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder, save_sharded
 
 
@@ -48,20 +52,43 @@ def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
     us, hf = f"layers/{i}", f"model.layers.{i}"
     out = {f"{us}/{n}/weight": ParamSource((f"{hf}.{n}.weight",), "copy")
            for n in ("input_layernorm", "post_attention_layernorm")}
-    for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        out[f"{us}/self_attn/{p}/kernel"] = ParamSource((f"{hf}.self_attn.{p}.weight",), "T")
-    if cfg.qkv_bias:
-        for p in ("q_proj", "k_proj", "v_proj"):
-            out[f"{us}/self_attn/{p}/bias"] = ParamSource((f"{hf}.self_attn.{p}.bias",), "copy")
-    if cfg.qk_norm:
-        for n in ("q_norm", "k_norm"):
-            out[f"{us}/self_attn/{n}/weight"] = ParamSource((f"{hf}.self_attn.{n}.weight",), "copy")
+    attention = _mla_map if cfg.mla is not None else _attention_map
+    out.update(attention(cfg, f"{us}/self_attn", f"{hf}.self_attn"))
     if not cfg.is_sparse_layer(i):
         for p in ("gate_proj", "up_proj", "down_proj"):
             out[f"{us}/mlp/{p}/kernel"] = ParamSource((f"{hf}.mlp.{p}.weight",), "T")
         return out
     out.update(_moe_map(cfg, us, hf))
     return out
+
+
+def _linears(us: str, hf: str, names, bias=()) -> dict[str, ParamSource]:
+    """Kernels (and the biases named in ``bias``) of the linears ``names``."""
+    out = {f"{us}/{p}/kernel": ParamSource((f"{hf}.{p}.weight",), "T") for p in names}
+    out.update({f"{us}/{p}/bias": ParamSource((f"{hf}.{p}.bias",), "copy") for p in bias})
+    return out
+
+
+def _norms(us: str, hf: str, names) -> dict[str, ParamSource]:
+    return {f"{us}/{n}/weight": ParamSource((f"{hf}.{n}.weight",), "copy") for n in names}
+
+
+def _attention_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
+    """GQA: q/k/v/o projections, q/k/v biases, q/k norms."""
+    bias = ("q_proj", "k_proj", "v_proj") if cfg.qkv_bias else ()
+    out = _linears(us, hf, ("q_proj", "k_proj", "v_proj", "o_proj"), bias)
+    return out | (_norms(us, hf, ("q_norm", "k_norm")) if cfg.qk_norm else {})
+
+
+def _mla_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
+    """MLA (DeepSeek names); ``attention_bias`` puts biases on q_a, kv_a and o."""
+    low_rank_q = cfg.mla.q_lora_rank is not None
+    names = ("q_a_proj", "q_b_proj") if low_rank_q else ("q_proj",)
+    names += ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    bias = tuple(n for n in ("q_a_proj", "kv_a_proj_with_mqa", "o_proj")
+                 if n in names) if cfg.qkv_bias else ()
+    norms = ("q_a_layernorm", "kv_a_layernorm") if low_rank_q else ("kv_a_layernorm",)
+    return _linears(us, hf, names, bias) | _norms(us, hf, norms)
 
 
 def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
@@ -72,13 +99,15 @@ def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
     else:
         block, names = f"{hf}.mlp", {p: p for p in ("gate_proj", "up_proj", "down_proj")}
     out = {f"{us}/mlp/router": ParamSource((f"{block}.gate.weight",), "T")}
+    if m.correction_bias:
+        out[f"{us}/mlp/correction_bias"] = ParamSource((f"{block}.gate.e_score_correction_bias",), "copy")
     for ours, theirs in names.items():
         srcs = tuple(f"{block}.experts.{e}.{theirs}.weight" for e in range(m.num_experts))
         out[f"{us}/mlp/experts/{ours}"] = ParamSource(srcs, "stack_T")
-    if m.shared_intermediate_size:
-        for p in ("gate_proj", "up_proj", "down_proj"):
-            out[f"{us}/mlp/shared_expert/{p}/kernel"] = ParamSource(
-                (f"{block}.shared_expert.{p}.weight",), "T")
+    if m.shared_intermediate_size:  # Qwen2-MoE: one gated shared_expert; DeepSeek / GLM: several
+        shared = "shared_experts" if cfg.model_type in ("deepseek_v3", "glm4_moe") else "shared_expert"
+        out.update(_linears(f"{us}/mlp/shared_expert", f"{block}.{shared}",
+                            ("gate_proj", "up_proj", "down_proj")))
     if m.shared_expert_gate:
         out[f"{us}/mlp/shared_gate"] = ParamSource((f"{block}.shared_expert_gate.weight",), "T")
     return out
@@ -173,15 +202,20 @@ def from_hf(
     return load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
 
 
+# what a HF checkpoint holds: float base parameters and frozen buffers (not the LoRA adapters)
+CHECKPOINTED = nnx.Any(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)), CorrectionBias)
+
+
 def hf_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
-    """HF-named host arrays for every float base parameter of ``model`` (experts split per expert;
-    LoRA adapters and quantized weights are left to ``rlx.io.export``)."""
+    """HF-named host arrays for every float base parameter and buffer of ``model`` (experts split
+    per expert; LoRA adapters and quantized weights are left to ``rlx.io.export``)."""
     out: dict[str, np.ndarray] = {}
     sources = param_map(model.config)
-    for key, var in nnx.to_flat_state(nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))):
+    for key, var in nnx.to_flat_state(nnx.state(model, CHECKPOINTED)):
         path = "/".join(map(str, key))
         src = sources[path]
-        put_hf_layout(src, np.asarray(jax.device_get(var[...])).astype(dtype), out)
+        kept = np.float32 if isinstance(var, CorrectionBias) else dtype  # f32, as transformers keeps it
+        put_hf_layout(src, np.asarray(jax.device_get(var[...])).astype(kept), out)
     return out
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from rlx.models.config import ModelConfig
+from rlx.models.hparams import ModelConfig
 from rlx.models.mixed import is_low_precision
 
 
@@ -41,10 +41,12 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
         """An empty cache of ``length`` slots for ``batch`` rows of a decode in compute ``dtype``;
-        keys/values in ``cache_dtype(dtype)`` (f32 for a 16-bit float on a CPU)."""
-        kv, d, dtype = cfg.num_kv_heads, cfg.head_dim, cache_dtype(dtype)
-        keys = tuple(jnp.zeros((batch, kv, d, length), dtype) for _ in range(cfg.num_layers))
-        values = tuple(jnp.zeros((batch, kv, length, d), dtype) for _ in range(cfg.num_layers))
+        keys/values in ``cache_dtype(dtype)`` (f32 for a 16-bit float on a CPU). Keys are
+        ``head_dim`` wide, values ``value_head_dim`` (they differ for MLA, whose keys and values
+        this cache holds expanded per head)."""
+        kv, dk, dv, dtype = cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim, cache_dtype(dtype)
+        keys = tuple(jnp.zeros((batch, kv, dk, length), dtype) for _ in range(cfg.num_layers))
+        values = tuple(jnp.zeros((batch, kv, length, dv), dtype) for _ in range(cfg.num_layers))
         slots = jnp.zeros((batch, length), jnp.int32)
         return cls(keys, values, slots, slots, jnp.zeros((), jnp.int32))
 

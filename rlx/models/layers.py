@@ -22,7 +22,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Bool, Float, Int
 
-from rlx.models.config import RopeConfig
+from rlx.models.hparams import RopeConfig
 from rlx.models.mixed import matmul, matmul_out_in
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -122,11 +122,16 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies ``[head_dim // 2]`` incl. llama3 / linear scaling (f32)."""
+    """Inverse frequencies ``[head_dim // 2]`` incl. linear / llama3 / YaRN scaling (f32).
+
+    ``head_dim`` is the rotary width (``ModelConfig.rotary_dim``: a GLM head's rotating part,
+    MLA's ``qk_rope_head_dim``), as transformers computes the frequencies over that width."""
     inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     inv = inv.astype(np.float32)
     if rope.kind == "linear":
         return inv / rope.factor
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim)
     if rope.kind != "llama3":
         return inv
     old = rope.original_max_position_embeddings
@@ -140,9 +145,32 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN (Peng et al. 2023, "NTK-by-parts"): frequencies that turn fewer than ``beta_slow``
+    times over the original context are divided by ``factor`` (interpolated), those turning more
+    than ``beta_fast`` times are kept (extrapolated), with a linear ramp between, over the
+    dimension range transformers computes (``truncate``: rounded outwards to whole dimensions).
+    The temperature on cos/sin is ``RopeConfig.cos_sin_scale``, applied by ``rope_angles``."""
+    def correction_dim(rotations: float) -> float:
+        turns = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # a one-dimension ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (original frequency), 0: interpolate
+    wavelengths = (rope.theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)).astype(np.float32)
+    interpolated, original = 1.0 / (rope.factor * wavelengths), 1.0 / wavelengths
+    return (interpolated * (1 - keep) + original * keep).astype(np.float32)
+
+
+def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray, scale: float = 1.0
                 ) -> tuple[Float[Array, "b t 1 d2"], Float[Array, "b t 1 d2"]]:
-    """Cosines and sines ``[b, t, 1, head_dim // 2]`` (f32) of the rotary angles at ``positions``.
+    """Cosines and sines ``[b, t, 1, rotary_dim // 2]`` (f32) of the rotary angles at
+    ``positions``, both times ``scale`` (YaRN's temperature, ``RopeConfig.cos_sin_scale``).
 
     The decoder computes them once per forward pass and hands them to every layer. XLA counts
     cosine and sine as cheap and fuses them into every consumer, where a fused loop evaluates them
@@ -153,12 +181,12 @@ def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray
     """
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [b, t, d/2]
     if positions.shape[1] == 1:  # a decode step: a few values, nothing worth materialising
-        return jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
+        return scale * jnp.cos(freqs)[:, :, None, :], scale * jnp.sin(freqs)[:, :, None, :]
     # split along the frequencies (never sharded), so a batch sharded over devices stays so
     (b, t, d2), half = freqs.shape, -(-freqs.shape[2] // 2)
     padded = jnp.pad(freqs, ((0, 0), (0, 0), (0, 2 * half - d2)))
     halves = jnp.moveaxis(padded.reshape(b, t, 2, half), 2, 0)  # [2, b, t, half]
-    cos, sin = jax.lax.map(lambda f: (jnp.cos(f), jnp.sin(f)), halves)
+    cos, sin = jax.lax.map(lambda f: (scale * jnp.cos(f), scale * jnp.sin(f)), halves)
     join = lambda a: jnp.moveaxis(a, 0, 2).reshape(b, t, 1, 2 * half)[..., :d2]  # noqa: E731
     return join(cos), join(sin)
 
@@ -166,14 +194,19 @@ def rope_angles(positions: Int[Array, "b t"], inv_freq: np.ndarray
 def rotate(x: Float[Array, "b t h d"], angles: tuple[Array, Array]) -> Float[Array, "b t h d"]:
     """Rotate-half rotary embedding (HF convention: first/second halves paired) by ``angles``
     (``rope_angles``), computed in f32 and rounded once to ``x``'s dtype (HF rounds each step of a
-    bf16 input; a bf16 result here is within one rounding of HF's).
+    bf16 input; a bf16 result here is within one rounding of HF's). Angles narrower than the head
+    (a partial rotary factor, GLM-4.5) rotate its leading ``2 * angles' width`` dimensions and
+    pass the rest through, as transformers does.
 
     The backward pass is the inverse rotation (``_rotate``'s VJP). Under plain autodiff the
     rotation's transpose (slices, pads, negation, sums) ran in bf16, which XLA:CPU evaluates as f32
     with a conversion pair around every operation; the inverse rotation is one f32 pass rounded
     once, like the forward one.
     """
-    return _rotate(x, *angles)
+    rot = 2 * angles[0].shape[-1]
+    if rot == x.shape[-1]:
+        return _rotate(x, *angles)
+    return jnp.concatenate([_rotate(x[..., :rot], *angles), x[..., rot:]], axis=-1)
 
 
 def _rotation(x, cos, sin):
@@ -211,10 +244,11 @@ def attention_mask(
 
 
 def gqa_attention(
-    q: Float[Array, "b t h d"], k: Float[Array, "b s kv d"], v: Float[Array, "b s kv d"],
-    mask: Bool[Array, "b t s"], kv_major: bool = False,
-) -> Float[Array, "b t h d"]:
-    """Grouped-query softmax attention; scores and softmax in f32.
+    q: Float[Array, "b t h d"], k: Float[Array, "b s kv d"], v: Float[Array, "b s kv dv"],
+    mask: Bool[Array, "b t s"], kv_major: bool = False, scale: float | None = None,
+) -> Float[Array, "b t h dv"]:
+    """Grouped-query softmax attention; scores and softmax in f32. ``scale`` multiplies the
+    scores (default ``1 / sqrt(d)``); values may be narrower or wider than keys (MLA).
 
     ``kv_major``: ``k`` and ``v`` come in the KV cache's layouts, keys ``[b, kv, d, s]`` and values
     ``[b, kv, s, d]`` (``rlx.models.kv_cache``; both products read them without a transposed copy),
@@ -225,9 +259,9 @@ def gqa_attention(
     product with ``g`` and ``t`` as separate free dimensions.
     """
     b, t, h, d = q.shape
-    kv = k.shape[1] if kv_major else k.shape[2]
+    kv, dv = (k.shape[1] if kv_major else k.shape[2]), v.shape[-1]
     if kv_major and t == 1:
-        return _one_query_attention(q, k, v, mask)
+        return _one_query_attention(q, k, v, mask, scale)
     k, v = k.astype(q.dtype), v.astype(q.dtype)  # a wider cache (`kv_cache.cache_dtype`)
     g = h // kv
     key_spec = "bkqd,bkds->bkqs"  # the cache's keys, slots minor
@@ -237,11 +271,12 @@ def gqa_attention(
     # a KV head's g query heads as one [g * t, d] operand: one product per (row, KV head)
     qg = jnp.transpose(q.reshape(b, t, kv, g, d), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, d)
     scores = jnp.einsum(key_spec, qg, k, preferred_element_type=jnp.float32)
-    scores = scores.reshape(b, kv, g, t, -1) / math.sqrt(d)  # [b, kv, g, t, s]
+    scores = scores.reshape(b, kv, g, t, -1)  # [b, kv, g, t, s]
+    scores = scores / math.sqrt(d) if scale is None else scores * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kv, g, t, d)
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, d)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kv, g, t, dv)
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, dv)
 
 
 CAUSAL_BLOCKS = 4  # most query blocks of `causal_attention`
@@ -249,9 +284,9 @@ CAUSAL_BLOCK_MIN = 32  # fewest query tokens per block
 
 
 def causal_attention(
-    q: Float[Array, "b t h d"], k: Float[Array, "b t kv d"], v: Float[Array, "b t kv d"],
-    mask: Bool[Array, "b t t"],
-) -> Float[Array, "b t h d"]:
+    q: Float[Array, "b t h d"], k: Float[Array, "b t kv d"], v: Float[Array, "b t kv dv"],
+    mask: Bool[Array, "b t t"], scale: float | None = None,
+) -> Float[Array, "b t h dv"]:
     """``gqa_attention`` of a sequence over itself, column-causal: token ``i`` attends token ``j``
     where ``mask`` allows it and ``j <= i`` (HF's causal mask; rlx's batches order each segment's
     positions along the columns, so ``mask`` alone already implies it for them).
@@ -266,8 +301,8 @@ def causal_attention(
     mask = mask & (cols[None, :] <= cols[:, None])[None]  # [b, t, t]
     blocks = tuple(causal_blocks(t))
     if len(blocks) == 1:
-        return gqa_attention(q, k, v, mask)
-    outs = [gqa_attention(qb, k[:, :e], v[:, :e], mask[:, a:e, :e])
+        return gqa_attention(q, k, v, mask, scale=scale)
+    outs = [gqa_attention(qb, k[:, :e], v[:, :e], mask[:, a:e, :e], scale=scale)
             for qb, (a, e) in zip(_split_tokens(q, blocks), blocks)]
     return jnp.concatenate(outs, axis=1)
 
@@ -301,9 +336,9 @@ def causal_blocks(t: int) -> list[tuple[int, int]]:
 
 
 def _one_query_attention(
-    q: Float[Array, "b 1 h d"], k: Float[Array, "b kv d s"], v: Float[Array, "b kv s d"],
-    mask: Bool[Array, "b 1 s"],
-) -> Float[Array, "b 1 h d"]:
+    q: Float[Array, "b 1 h d"], k: Float[Array, "b kv d s"], v: Float[Array, "b kv s dv"],
+    mask: Bool[Array, "b 1 s"], scale: float | None = None,
+) -> Float[Array, "b 1 h dv"]:
     """``gqa_attention`` of one new token per row over a KV-head-major cache (a decode step).
 
     The same math with the query axis dropped from both products: XLA:CPU then runs them as
@@ -314,7 +349,8 @@ def _one_query_attention(
     kv = k.shape[1]
     qg = q.reshape(b, kv, h // kv, d)  # [b, kv, g, d]
     scores = jnp.einsum("bkgd,bkds->bkgs", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, :, :], scores / math.sqrt(d), _MASK_VALUE)
+    scores = scores / math.sqrt(d) if scale is None else scores * scale
+    scores = jnp.where(mask[:, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [b, kv, g, s]
     out = jnp.einsum("bkgs,bksd->bkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(b, 1, h, d)
+    return out.astype(q.dtype).reshape(b, 1, h, v.shape[-1])

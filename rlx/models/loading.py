@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import math
 import os
 
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import DTYPES, Precision, Transformer
 from rlx.models.hf import load_model, read_hf_config
-from rlx.models.moe import MOE_IMPLS
+from rlx.models.moe import MOE_IMPLS, CorrectionBias
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.models.tokenizer import Tokenizer
 
@@ -124,14 +125,36 @@ def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN
 
 
 def shrunk(cfg, s: ShrinkSection):
-    """``cfg`` (a ``ModelConfig``) with the sizes of a ``config.model.shrink`` section."""
-    moe = None if cfg.moe is None else dataclasses.replace(
-        cfg.moe, num_experts=s.num_experts, top_k=min(cfg.moe.top_k, s.num_experts),
-        intermediate_size=s.moe_intermediate_size,
-        sparse_layers=tuple(i for i in cfg.moe.sparse_layers if i < s.num_layers))
-    return dataclasses.replace(cfg, num_layers=s.num_layers, hidden_size=s.hidden_size,
-                               intermediate_size=s.intermediate_size, num_heads=s.num_heads,
-                               num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, moe=moe)
+    """``cfg`` (a ``ModelConfig``) with the sizes of a ``config.model.shrink`` section. MLA keeps
+    its kind (low-rank queries or not, interleaved rope) with ranks ``hidden_size // 2``, a
+    ``head_dim`` position-free part, a ``head_dim // 2`` rotary part and ``head_dim`` values."""
+    moe = None if cfg.moe is None else _shrunk_moe(cfg.moe, s)
+    mla = None if cfg.mla is None else dataclasses.replace(
+        cfg.mla, q_lora_rank=None if cfg.mla.q_lora_rank is None else s.hidden_size // 2,
+        kv_lora_rank=s.hidden_size // 2, qk_nope_head_dim=s.head_dim,
+        qk_rope_head_dim=s.head_dim // 2, v_head_dim=s.head_dim)
+    return dataclasses.replace(
+        cfg, num_layers=s.num_layers, hidden_size=s.hidden_size,
+        intermediate_size=s.intermediate_size, num_heads=s.num_heads,
+        num_kv_heads=s.num_heads if mla else s.num_kv_heads,
+        head_dim=mla.qk_head_dim if mla else s.head_dim, moe=moe, mla=mla)
+
+
+def _shrunk_moe(m, s: ShrinkSection):
+    """The MoE of ``shrunk``: ``s.num_experts`` experts in as many of the original groups as
+    divide them (at least two experts a group), ungated shared experts as many as before."""
+    e = s.num_experts
+    groups = math.gcd(m.n_group, e)
+    groups = groups if e // groups >= 2 else 1
+    topk_group = min(m.topk_group, groups)
+    shared = m.shared_intermediate_size
+    if shared and not m.shared_expert_gate:
+        shared = m.num_shared_experts * s.moe_intermediate_size
+    return dataclasses.replace(
+        m, num_experts=e, top_k=min(m.top_k, topk_group * (e // groups)),
+        intermediate_size=s.moe_intermediate_size, shared_intermediate_size=shared,
+        n_group=groups, topk_group=topk_group,
+        sparse_layers=tuple(i for i in m.sparse_layers if i < s.num_layers))
 
 
 def shrunk_random(section: ModelSection, mesh: Mesh | None, seed: int, rules: LogicalRules = TRAIN_RULES) -> LoadedModel:
@@ -151,7 +174,7 @@ def shrunk_random(section: ModelSection, mesh: Mesh | None, seed: int, rules: Lo
     cfg = shrunk(cfg, section.shrink)
     model = Transformer(cfg, section.precision, rngs=nnx.Rngs(seed))
     if mesh is not None:
-        shard_variables(model, nnx.Param, mesh, rules)
+        shard_variables(model, (nnx.Param, CorrectionBias), mesh, rules)
     return LoadedModel(model, tokenizer, f"random shrunken copy of {path}", "random")
 
 

@@ -1,8 +1,23 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5).
 
-Routing follows each model: softmax over all experts in f32, top-k, then renormalisation of the
-top-k weights when ``norm_topk_prob`` (always for Mixtral). Qwen2-MoE adds a shared expert scaled
-by ``sigmoid(x @ w_gate)``.
+Routing follows each model (``MoEConfig.router``):
+
+- ``softmax`` (Mixtral, Qwen): softmax over all experts in f32, top-k, then renormalisation of the
+  top-k weights when ``norm_topk_prob`` (always for Mixtral).
+- ``sigmoid`` (DeepSeek-V3 "auxiliary-loss-free" routing, also GLM-4.5): router logits in f32,
+  scores ``sigmoid(logits)``; the experts are chosen by ``scores + correction_bias`` (the
+  checkpoint's ``e_score_correction_bias``), first keeping the ``topk_group`` best of ``n_group``
+  expert groups (a group scores the sum of its best two experts), then the top-k experts within
+  them; the gates are the *uncorrected* scores of the chosen experts, renormalised when
+  ``norm_topk_prob`` (denominator + 1e-20, as transformers) and times ``routed_scaling_factor``.
+  The bias is a ``CorrectionBias``: a frozen buffer read from and written to checkpoints, never
+  an ``nnx.Param``, so neither training mode's trainable filter picks it up (DeepSeek updates it
+  outside the gradient from expert load; rlx keeps it fixed). The router weight is kept in f32,
+  as transformers keeps ``gate.weight``. The selection is not differentiable (top-k indices);
+  gradients reach the router through the gates.
+
+Qwen2-MoE adds a shared expert scaled by ``sigmoid(x @ w_gate)``; DeepSeek-V3 / GLM-4.5 add
+``n_shared_experts`` ungated shared experts, run as one SwiGLU MLP of their summed width.
 
 Experts are stacked parameters ``[E, in, out]`` and run as one batched computation, never a Python
 loop over experts. Expert weights may be frozen quantized tensors (``rlx.quant``) and each projection
@@ -24,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from rlx.models.config import MoEConfig
+from rlx.models.hparams import MoEConfig
 from rlx.models.layers import Linear, param, quantize_activations, weight_value
 
 MOE_IMPLS = ("ragged", "dense")  # the two implementations above (config.model.moe_impl)
@@ -104,11 +119,51 @@ class Experts(nnx.Module):
         return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
+class CorrectionBias(nnx.Variable):
+    """A router's per-expert selection bias (``e_score_correction_bias``), f32: a frozen buffer,
+    deliberately not an ``nnx.Param`` (nor an ``nnx.LoRAParam``), so it is never trained nor
+    differentiated; loaded from and saved to HF checkpoints with the parameters."""
+
+
+def softmax_topk(logits: Float[Array, "n e"], k: int, norm: bool
+                 ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+    """Experts and gates of the softmax router (f32)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    gates, idx = jax.lax.top_k(probs, k)  # [n, k]
+    if norm:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    return idx, gates
+
+
+def sigmoid_group_topk(logits: Float[Array, "n e"], bias: Float[Array, " e"] | None, m: MoEConfig
+                       ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+    """Experts and gates of the sigmoid router with group-limited top-k (f32; see the module doc)."""
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [n, e]
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if m.topk_group < m.n_group:  # keep the topk_group best groups, by their best two experts
+        n, e = choice.shape
+        grouped = choice.reshape(n, m.n_group, e // m.n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [n, groups]
+        _, best = jax.lax.top_k(group_scores, m.topk_group)  # [n, topk_group]
+        keep = jnp.sum(jax.nn.one_hot(best, m.n_group, dtype=jnp.int32), axis=1) > 0  # [n, groups]
+        keep = jnp.repeat(keep, e // m.n_group, axis=1)  # [n, e]
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, idx = jax.lax.top_k(choice, m.top_k)  # [n, k]
+    gates = jnp.take_along_axis(scores, idx, axis=1)
+    if m.norm_topk_prob:
+        gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+    return idx, gates
+
+
 class SparseMoE(nnx.Module):
-    """Router + experts (+ optional gated shared expert)."""
+    """Router + experts (+ optional shared experts, gated or not)."""
 
     def __init__(self, d: int, m: MoEConfig, *, dtype, param_dtype, rngs, impl: str = "ragged"):
-        self.router = param(rngs, (d, m.num_experts), param_dtype, ("embed", None))
+        sigmoid = m.router == "sigmoid"
+        self.router = param(rngs, (d, m.num_experts), jnp.float32 if sigmoid else param_dtype,
+                            ("embed", None))
+        self.correction_bias = CorrectionBias(
+            jnp.zeros((m.num_experts,), jnp.float32), logical_axes=(None,)) if m.correction_bias else None
         self.experts = Experts(m.num_experts, d, m.intermediate_size, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
         self.shared_expert = (
@@ -118,14 +173,20 @@ class SparseMoE(nnx.Module):
         self.shared_gate = (
             param(rngs, (d, 1), param_dtype, ("embed", None)) if m.shared_expert_gate else None
         )
-        self.top_k, self.norm_topk_prob, self.dtype, self.impl = m.top_k, m.norm_topk_prob, dtype, impl
+        self.routing, self.dtype, self.impl = m, dtype, impl
 
-    def route(self, x: Float[Array, "n d"]):
-        logits = x @ self.router[...].astype(self.dtype)  # [n, e]
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        gates, idx = jax.lax.top_k(probs, self.top_k)  # [n, k]
-        if self.norm_topk_prob:
-            gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    def route(self, x: Float[Array, "n d"]) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+        """The experts of each token and their gates (in the compute dtype)."""
+        m = self.routing
+        if m.router == "softmax":
+            logits = x @ self.router[...].astype(self.dtype)  # [n, e]
+            idx, gates = softmax_topk(logits, m.top_k, m.norm_topk_prob)
+        else:
+            logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [n, e]
+            bias = None if self.correction_bias is None else self.correction_bias[...]
+            idx, gates = sigmoid_group_topk(logits, bias, m)
+        if m.routed_scaling_factor != 1.0:
+            gates = gates * m.routed_scaling_factor
         return idx, gates.astype(self.dtype)
 
     def __call__(self, x: Float[Array, "b t d"], adapter: bool = True) -> Float[Array, "b t d"]:
