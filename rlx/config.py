@@ -9,6 +9,7 @@ a ``ConfigError`` whose message is a single line naming the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
@@ -16,12 +17,13 @@ from typing import Any
 import ml_collections
 
 from rlx.errors import ConfigError, one_of
-from rlx.learner.advantages import ESTIMATORS
+from rlx.learner.advantages import ESTIMATORS, TOKEN_ESTIMATORS
+from rlx.learner.critic import CriticSection
 from rlx.learner.losses import LossConfig
 from rlx.learner.state import MODES, OptimizerConfig
 from rlx.learner.step import FORWARDS, StepConfig
 from rlx.mesh import MeshShape
-from rlx.models.loading import ModelSection
+from rlx.models.loading import ModelSection, resolve_path
 from rlx.quant.config import LoraConfig, QuantConfig
 from rlx.rollout.config import RolloutSection
 
@@ -78,7 +80,9 @@ class TrainSection:
 
     mode: str = "lora"  # "lora": frozen base + adapter | "full": every parameter (rlx.learner.state.MODES)
     steps: int = 100  # RL steps (generate -> score -> update)
-    advantage: str = "grpo"  # an estimator of rlx.learner.advantages.ESTIMATORS (grpo, dr_grpo, rloo, ...)
+    # an estimator of rlx.learner.advantages.ESTIMATORS (grpo, dr_grpo, rloo, reinforce_pp) or
+    # TOKEN_ESTIMATORS ("gae": PPO with the learned critic of config.critic)
+    advantage: str = "grpo"
     micro_batches: int = 1  # gradient accumulation inside one compiled update
     epochs: int = 1  # passes over each rollout batch (PPO epochs)
     minibatches: int = 1  # optimizer updates per pass, each over its share of the batch's rows
@@ -102,7 +106,7 @@ class TrainSection:
     def validate(self) -> None:
         one_of("config.train.mode", self.mode, MODES)
         one_of("config.train.remat", self.remat, FORWARDS)
-        one_of("config.train.advantage", self.advantage, ESTIMATORS)
+        one_of("config.train.advantage", self.advantage, (*ESTIMATORS, *TOKEN_ESTIMATORS))
         one_of("config.train.max_staleness", self.max_staleness, (0, 1))
         if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
             raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
@@ -131,6 +135,7 @@ class RunConfig:
     rollout: RolloutSection = RolloutSection()
     train: TrainSection = TrainSection()
     loss: LossConfig = LossConfig()  # policy loss, KL, entropy, truncated importance sampling
+    critic: CriticSection = CriticSection()  # PPO's learned critic (train.advantage="gae")
     optim: OptimizerConfig = OptimizerConfig()  # AdamW + schedule + clipping
     distributed: DistributedSection = DistributedSection()
     seed: int = 0  # seeds parameter init, data order and sampling
@@ -174,6 +179,7 @@ class RunConfig:
                               "reference copy of the weights, which rlx does not keep; use "
                               "train.mode='lora' (the reference is the base with the adapter off) "
                               "or loss.kl_coef=0")
+        self._check_critic()
         try:
             self.step_config  # noqa: B018 (the learner step's own checks of these settings)
         except ValueError as e:
@@ -182,6 +188,24 @@ class RunConfig:
             raise ConfigError(f"config.loss.kl_as={self.loss.kl_as!r}: the run applies the KL "
                               "penalty only as a loss term; a KL penalty subtracted from the "
                               "rewards is not implemented yet; use loss.kl_as='loss'")
+
+    def _check_critic(self) -> None:
+        gae, critic = self.train.advantage in TOKEN_ESTIMATORS, self.critic
+        if gae and not critic.enabled:
+            raise ConfigError(f"config.train.advantage={self.train.advantage!r} needs a learned "
+                              "critic: set config.critic.enabled=True (or choose an outcome "
+                              f"estimator: {sorted(ESTIMATORS)})")
+        if critic.enabled and not gae:
+            raise ConfigError(f"config.critic.enabled=True trains a critic that only "
+                              f"train.advantage in {list(TOKEN_ESTIMATORS)} reads; the run's is "
+                              f"{self.train.advantage!r}")
+        if critic.path and self.train.mode == "lora":
+            raise ConfigError(f"config.critic.path={critic.path!r}: in train.mode='lora' the critic "
+                              "is a second adapter on the policy's frozen base; leave "
+                              "critic.path empty (a separate critic model is for mode 'full')")
+        if critic.path and not os.path.exists(resolve_path(critic.path)):
+            raise ConfigError(f"config.critic.path={critic.path!r} does not exist; point it at a "
+                              "HF model folder or a .gguf file with the policy's vocabulary")
 
 
 def parse_config(cd: ml_collections.ConfigDict | dict, cls: type = RunConfig) -> Any:

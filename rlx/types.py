@@ -31,7 +31,7 @@ Scalar = Float[Array, ""]
 
 BATCH_FIELDS = (
     "input_ids", "positions", "segment_ids", "loss_mask", "advantages", "sampler_logp",
-    "old_logp", "ref_logp", "uid", "weight_version",
+    "old_logp", "ref_logp", "uid", "weight_version", "old_values", "returns",
 )
 
 
@@ -78,7 +78,8 @@ class TrainBatch:
 
     Padded rows carry one sequence each (segment id 1, padding 0); packed rows carry several
     (segment ids 1, 2, ..., positions restarting at 0 per segment). `old_logp` None means the
-    policy has not moved since sampling (ratio 1, on-policy); `ref_logp` None: no KL term.
+    policy has not moved since sampling (ratio 1, on-policy); `ref_logp` None: no KL term;
+    `old_values` / `returns` (PPO with a critic) the value loss's inputs, None without a critic.
     """
 
     input_ids: Int[Array, "b t"]
@@ -91,6 +92,8 @@ class TrainBatch:
     ref_logp: PerToken | None = None  # reference policy log-probs
     uid: Int[Array, "b t"] | None = None  # prompt uid of each token's sequence; -1 on padding
     weight_version: Int[Array, "b t"] | None = None  # sampling weight version; -1 on padding
+    old_values: PerToken | None = None  # the critic's values before this step's updates (PPO)
+    returns: PerToken | None = None  # the critic's targets: GAE advantages + old_values
     # columns t whose log-prob the loss reads, ascending per row, 0 in unused slots (column 0 is
     # never predicted); None: every column. The lm-head then runs on B x K tokens, not B x T.
     logp_columns: Int[Array, "b k"] | None = None

@@ -146,6 +146,7 @@ def shrunken(name: str, tmp_path, stand_in, **overrides) -> dict:
     c.setdefault("rollout", {}).update(group_size=2, max_new_tokens=8)
     c.setdefault("train", {}).update(steps=1, micro_batches=1, eval_every=0, sample_every=0,
                                      checkpoint_every=0)
+    data["prompts_per_step"] *= c["train"].get("minibatches", 1)  # a row per device each
     for dotted, value in overrides.items():
         node = c
         *parents, leaf = dotted.split(".")

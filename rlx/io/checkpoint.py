@@ -4,7 +4,9 @@ One checkpoint per saved step, in ``<directory>/<step>/``, written by an orbax `
 as a composite of three items:
 
 * ``state`` - ``TrainState`` without its frozen part: ``step``, ``skipped``, ``params`` (the
-  trainable variables), ``opt_state`` and the rng (as raw key data; the impl name is in ``meta``);
+  trainable variables), ``opt_state``, the rng (as raw key data; the impl name is in ``meta``)
+  and, with PPO's critic, ``critic`` (its trainable variables: an adapter or a whole model, and the
+  value head; and their optimizer state);
 * ``meta`` - JSON: a ``Fingerprint`` of what was saved (every leaf's path, shape and dtype, the
   model architecture, the frozen-base reference), the run config, and a 64-bit checksum per
   saved array computed on device (a flipped byte in an array file otherwise loads silently);
@@ -200,8 +202,11 @@ def checksums(tree) -> dict[str, str]:
 
 
 def _saved_tree(state: TrainState) -> dict[str, Any]:
-    return {"step": state.step, "skipped": state.skipped, "params": state.params,
+    tree = {"step": state.step, "skipped": state.skipped, "params": state.params,
             "opt_state": state.opt_state, "rng": jax.random.key_data(state.rng)}
+    if state.critic is not None:  # its adapter or model and value head; never the base
+        tree["critic"] = {"params": state.critic.params, "opt_state": state.critic.opt_state}
+    return tree
 
 
 def _leaf_map(tree) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -423,6 +428,8 @@ class Checkpointer:
         rng = jax.random.wrap_key_data(tree["rng"], impl=saved.rng_impl)
         restored = state.replace(step=tree["step"], skipped=tree["skipped"], params=tree["params"],
                                  opt_state=tree["opt_state"], rng=rng)
+        if "critic" in tree:
+            restored = restored.replace(critic=state.critic.replace(**tree["critic"]))
         return Restored(step=int(meta["step"]), state=restored, config=meta.get("config") or {})
 
     def _read_arrays(self, step: int, state: TrainState, where: str):

@@ -24,7 +24,16 @@ rloo (RLOO's leave-one-out mean is undefined there; the paper assumes k >= 2).
 
 `gae` is Generalized Advantage Estimation (Schulman et al. 2016) for PPO with a critic, per token.
 Masked positions (padding, or tool/environment tokens inside a multi-turn completion) are skipped:
-they get advantage 0 and the recursion carries over them as if they were absent.
+they get advantage 0 and the recursion carries over them as if they were absent. `gae_advantages`
+is what a run with `train.advantage="gae"` calls: the outcome reward lands on each completion's
+last loss token (`token_rewards`), a completion's end is terminal (bootstrap 0, also when it was
+cut at the length cap, as in verl and TRL's PPO), and the advantages are whitened over the batch's
+loss tokens (PPO's usual normalisation; the paper's GAE has none).
+
+KL in the reward (`LossConfig(kl_as="reward-penalty")`, verl's `use_kl_in_reward`, TRL's PPO):
+`token_rewards` subtracts `kl_coef * KL_t` from every loss token's reward before GAE; for the
+outcome estimators `sequence_rewards` subtracts `kl_coef * sum_t KL_t` from each completion's
+reward before the group statistics.
 """
 
 from __future__ import annotations
@@ -126,6 +135,8 @@ ESTIMATORS: dict[str, Callable[..., np.ndarray]] = {
     "rloo": rloo,
     "reinforce_pp": reinforce_pp,
 }
+# per-token estimators: they need a critic's values (config.train.advantage also takes these)
+TOKEN_ESTIMATORS = ("gae",)
 
 
 def compute_advantages(name: str, rewards: Rewards, uids: Uids, **kw) -> Rewards:
@@ -176,3 +187,65 @@ def gae(
         next_adv = np.where(m, adv, next_adv)
     returns = np.where(mask, advantages + values[:, :t], 0.0)  # [B, T]
     return advantages.astype(np.float32), returns.astype(np.float32)
+
+
+def _kl_sums(kl, mask: np.ndarray, n: int) -> np.ndarray:
+    if kl is None:
+        return np.zeros(n)
+    return np.where(mask > 0, np.asarray(kl, np.float64), 0.0).sum(axis=1)[:n]  # [n]
+
+
+def sequence_rewards(rewards: Rewards, mask: Float[np.ndarray, "b t"],
+                     kl: Float[np.ndarray, "b t"] | None = None, kl_coef: float = 0.0) -> Rewards:
+    """Each completion's reward minus ``kl_coef`` times its summed per-token KL (row i of the
+    [B, T] arrays is completion i; rows past n are padding)."""
+    rewards = np.asarray(rewards, np.float64)
+    mask = np.asarray(mask)
+    return rewards - kl_coef * _kl_sums(kl, mask, len(rewards))
+
+
+def token_rewards(rewards: Rewards, mask: Float[np.ndarray, "b t"],
+                  kl: Float[np.ndarray, "b t"] | None = None,
+                  kl_coef: float = 0.0) -> Float[np.ndarray, "b t"]:
+    """[B, T] per-token rewards: completion i's reward on the last loss token of row i, minus
+    ``kl_coef * kl`` on every loss token; 0 elsewhere and on rows past ``len(rewards)``."""
+    mask = np.asarray(mask) > 0
+    out = np.zeros(mask.shape, np.float64)
+    if kl is not None:
+        out -= kl_coef * np.where(mask, np.asarray(kl, np.float64), 0.0)
+    for i, r in enumerate(np.asarray(rewards, np.float64)):
+        cols = np.flatnonzero(mask[i])
+        if len(cols):
+            out[i, cols[-1]] += r
+    return out
+
+
+def whiten(x: Float[np.ndarray, "b t"], mask: Float[np.ndarray, "b t"],
+           eps: float = 1e-8) -> Float[np.ndarray, "b t"]:
+    """(x - mean) / sqrt(var + eps) over the masked entries; 0 elsewhere."""
+    on = np.asarray(mask) > 0
+    x = np.asarray(x, np.float64)
+    if not on.any():
+        return np.zeros_like(x)
+    mean, var = x[on].mean(), x[on].var()
+    return np.where(on, (x - mean) / np.sqrt(var + eps), 0.0)
+
+
+def gae_advantages(rewards: Rewards, values: Float[np.ndarray, "b t"],
+                   mask: Float[np.ndarray, "b t"], gamma: float = 1.0, lam: float = 1.0,
+                   kl: Float[np.ndarray, "b t"] | None = None, kl_coef: float = 0.0
+                   ) -> tuple[Float[np.ndarray, "b t"], Float[np.ndarray, "b t"]]:
+    """PPO's advantages for a padded batch (row i = completion i): whitened GAE over
+    ``token_rewards`` and the critic's ``values``, and the critic's targets (GAE + values)."""
+    adv, returns = gae(token_rewards(rewards, mask, kl, kl_coef), values, mask, gamma, lam)
+    return whiten(adv, mask).astype(np.float32), returns
+
+
+def explained_variance(values: Float[np.ndarray, "b t"], returns: Float[np.ndarray, "b t"],
+                       mask: Float[np.ndarray, "b t"]) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens (nan when Var(returns)
+    is 0): 1 for a critic that predicts its targets, 0 for one that predicts their mean."""
+    on = np.asarray(mask) > 0
+    r, v = np.asarray(returns, np.float64)[on], np.asarray(values, np.float64)[on]
+    var = r.var() if r.size else 0.0
+    return float(1.0 - (r - v).var() / var) if var > 0 else float("nan")

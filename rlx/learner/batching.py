@@ -40,7 +40,8 @@ _FLOAT_FIELDS = ("loss_mask", "advantages", "sampler_logp", "old_logp", "ref_log
 def _empty(rows: int, length: int, with_old: bool, with_ref: bool) -> dict[str, np.ndarray]:
     out = {}
     for name in BATCH_FIELDS:
-        if (name == "old_logp" and not with_old) or (name == "ref_logp" and not with_ref):
+        if (name == "old_logp" and not with_old) or (name == "ref_logp" and not with_ref) or \
+                name in ("old_values", "returns"):  # filled in on device (rlx.learner.critic)
             continue
         if name in _FLOAT_FIELDS:
             out[name] = np.zeros((rows, length), np.float32)

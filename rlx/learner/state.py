@@ -90,6 +90,17 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 
 @struct.dataclass
+class CriticState:
+    """PPO's critic (``rlx.learner.critic``): its trainable variables, optimizer state and, for a
+    separate critic model, that model's own frozen variables."""
+
+    params: Any  # {"body": nnx.State (a LoRA adapter or a whole float model), "head": {...}}
+    opt_state: Any  # optax state of `params`
+    frozen: nnx.State | None = None  # None: the critic's body runs on the policy's frozen base
+    optimizer: Any = struct.field(pytree_node=False, default=None)  # its optax transformation
+
+
+@struct.dataclass
 class TrainState:
     """Everything a train step reads and writes; a pytree (the graphdef is kept apart)."""
 
@@ -99,6 +110,7 @@ class TrainState:
     frozen: nnx.State  # everything else in the model, passed through unchanged
     opt_state: Any  # optax state of `params`
     rng: Key[Array, ""]
+    critic: CriticState | None = None  # PPO with a learned critic; None without
 
 
 def _is_variable(x) -> bool:
@@ -128,13 +140,27 @@ def state_shardings(
     """Shardings of a (possibly abstract) `TrainState`, as a TrainState-shaped prefix tree."""
     replicated = NamedSharding(mesh, PartitionSpec())
     params = variable_shardings(state.params, mesh, rules)
-    opt = optax.tree_map_params(
-        optimizer, lambda _, s: s, state.opt_state, params,
-        transform_non_params=lambda _: replicated, is_leaf=_is_variable,
-    )
+    opt = _optimizer_shardings(optimizer, state.opt_state, params, mesh)
     return TrainState(step=replicated, skipped=replicated, params=params,
                       frozen=variable_shardings(state.frozen, mesh, rules), opt_state=opt,
-                      rng=replicated)
+                      rng=replicated, critic=_critic_shardings(state.critic, mesh, rules))
+
+
+def _optimizer_shardings(optimizer, opt_state, params, mesh: Mesh):
+    """Optimizer moments on their parameter's sharding, everything else replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, params,
+                                 transform_non_params=lambda _: replicated, is_leaf=_is_variable)
+
+
+def _critic_shardings(critic: CriticState | None, mesh: Mesh, rules: LogicalRules):
+    if critic is None:
+        return None
+    params = variable_shardings(critic.params, mesh, rules)
+    frozen = None if critic.frozen is None else variable_shardings(critic.frozen, mesh, rules)
+    return critic.replace(params=params, frozen=frozen,
+                          opt_state=_optimizer_shardings(critic.optimizer, critic.opt_state,
+                                                         params, mesh))
 
 
 def create_train_state(

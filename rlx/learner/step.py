@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -151,10 +151,10 @@ def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
     With `batch.logp_columns` only those columns are scored (0 elsewhere): the lm-head and the
     log-softmax run on the [B, K] gathered hidden states instead of all [B, T]."""
     hidden, project = apply_fn(model, batch)  # [B, T, D]
-    predicted = _predicted(batch.segment_ids)  # [B, T]
+    is_predicted = predicted(batch.segment_ids)  # [B, T]
     if batch.logp_columns is not None:
         logp, entropy = _column_logprobs(hidden, project, batch, cfg)  # [B, T] each, aligned
-        keep = lambda x: None if x is None else jnp.where(predicted, x, 0.0)  # noqa: E731
+        keep = lambda x: None if x is None else jnp.where(is_predicted, x, 0.0)  # noqa: E731
         return LogProbs(keep(logp), keep(entropy))
     targets = jnp.roll(batch.input_ids, -1, axis=1)  # [B, T]  token t + 1, predicted at t
     logp, entropy = _token_logprobs(hidden, project, targets, cfg)  # [B, T] each
@@ -162,7 +162,7 @@ def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
     def align(x):  # value for token t lives at position t - 1
         if x is None:
             return None
-        return jnp.where(predicted, jnp.pad(x[:, :-1], ((0, 0), (1, 0))), 0.0)  # [B, T]
+        return jnp.where(is_predicted, jnp.pad(x[:, :-1], ((0, 0), (1, 0))), 0.0)  # [B, T]
 
     return LogProbs(align(logp), align(entropy))
 
@@ -201,7 +201,7 @@ def for_mesh(cfg: StepConfig, mesh: Mesh) -> StepConfig:
     return cfg
 
 
-def _predicted(segment_ids) -> jax.Array:
+def predicted(segment_ids) -> jax.Array:
     """Tokens with a predecessor in the same sequence: [B, T] bool."""
     prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)))  # [B, T]
     return (segment_ids > 0) & (segment_ids == prev)
@@ -258,7 +258,7 @@ def _finish(acc: LossMetrics, tokens) -> LossMetrics:
     return LossMetrics(**out)
 
 
-def _split_micro(batch: TrainBatch, k: int, row_sharding) -> TrainBatch:
+def split_micro(batch: TrainBatch, k: int, row_sharding) -> TrainBatch:
     """[B, T] fields -> [k, B / k, T]; micro-batch j holds rows j, j + k, ..."""
     rows = batch.shape[0]
     if rows % k:
@@ -282,7 +282,7 @@ def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
 
     Returns (grads, loss, LossMetrics, tokens, sequences). Pure; jit it (the train step does).
     """
-    mask = batch.loss_mask * _predicted(batch.segment_ids)  # [B, T]  no loss without a prediction
+    mask = batch.loss_mask * predicted(batch.segment_ids)  # [B, T]  no loss without a prediction
     batch = batch.replace(loss_mask=mask)
     total_norm = _normaliser(mask, batch.segment_ids, cfg.loss)
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
@@ -298,7 +298,7 @@ def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
     acc = LossMetrics(**{n: jnp.inf if n in _MIN_FIELDS else -jnp.inf if n in _MAX_FIELDS
                          else zero for n in LossMetrics._fields})
     init = (jax.tree.map(jnp.zeros_like, params), zero, acc)
-    micro = _split_micro(batch, cfg.micro_batches, row_sharding)
+    micro = split_micro(batch, cfg.micro_batches, row_sharding)
     (grads, loss, acc), _ = jax.lax.scan(body, init, micro)
     tokens = jnp.sum(mask)
     return grads, loss, _finish(acc, tokens), tokens, sequence_count(mask, batch.segment_ids)
@@ -413,6 +413,11 @@ class Compiled:
     train_step: Callable[[TrainState, TrainBatch], tuple[TrainState, StepMetrics]]
     ref_step: Callable[..., LogProbs] | None
     old_step: Callable[..., LogProbs] | None = None  # (params, frozen, batch): pi_old, adapter on
+    # PPO's critic (rlx.learner.critic, state.critic): its body's graph (the policy's own in LoRA
+    # mode), (state, batch) -> values, and one update (state, batch) -> (state, metrics)
+    critic_graphdef: nnx.GraphDef | None = None
+    value_step: Callable[..., Array] | None = None
+    critic_step: Callable[..., tuple[TrainState, Any]] | None = None
 
     def model(self) -> nnx.Module:
         """The current policy as a module (parameters and frozen base merged)."""

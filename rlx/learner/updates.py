@@ -13,25 +13,27 @@ ratio is 1 in value, ``old_logp`` stays None and the train step uses its own log
   every minibatch has the same shape (one compiled program). A minibatch without a loss token is
   skipped: a zero-gradient Adam step would still move the parameters by its momentum.
 * ``run_updates`` - the updates in order, each one call of the compiled train step (which itself
-  accumulates gradients over ``train.micro_batches``), gathering each minibatch's rows on device.
+  accumulates gradients over ``train.micro_batches``) and, with a critic, of the critic's step,
+  on each minibatch's rows gathered on device.
 * ``summarise`` - one record for the step: the mean of every metric over the updates, the largest
   ``skipped``, and with several updates each one's ``clip_frac`` and ``approx_kl``.
 
-Departure from the paper: PPO's value loss trains in the same updates; here the critic (when
-there is one, ``rlx.learner.critic``) trains in the same compiled step on the same minibatches.
+Departure from the paper: PPO sums the policy and value losses into one update; here the critic
+(``rlx.learner.critic``) takes its own compiled update on each of the policy's minibatches.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
-from rlx.types import StepMetrics, TrainBatch
+from rlx.types import TrainBatch
 
 PER_UPDATE = ("clip_frac", "approx_kl")  # reported for every update of a step
 
@@ -71,27 +73,34 @@ def take_rows(batch: TrainBatch, index: np.ndarray, mesh: Mesh,
     return _gather(mesh, rules)(batch, jax.numpy.asarray(index))
 
 
-def run_updates(train_step: Callable, state, batch: TrainBatch, plan: Sequence[np.ndarray],
-                mesh: Mesh) -> tuple[object, list[StepMetrics]]:
-    """One train-step call per entry of ``plan`` (see ``plan_minibatches``), in order."""
-    metrics = []
+def run_updates(steps: Sequence[Callable], state, batch: TrainBatch, plan: Sequence[np.ndarray],
+                mesh: Mesh) -> tuple[object, list[list]]:
+    """For every entry of ``plan`` (see ``plan_minibatches``) in order, each of ``steps`` (the
+    policy's train step, the critic's) on that minibatch; the metrics per step, per update."""
+    metrics: list[list] = [[] for _ in steps]
     for index in plan:
-        state, m = train_step(state, take_rows(batch, index, mesh))
-        metrics.append(m)
+        minibatch = take_rows(batch, index, mesh)
+        for step, out in zip(steps, metrics):
+            state, m = step(state, minibatch)
+            out.append(m)
     return state, metrics
 
 
-def summarise(updates: Sequence[StepMetrics]) -> dict[str, float]:
-    """The step's learner record (see the module docstring); keys without the ``learner/``
-    prefix."""
+def summarise(updates: Sequence[NamedTuple]) -> dict[str, float]:
+    """One record for a step's updates (see the module docstring): keys are the metrics' field
+    names, without a prefix."""
+    if not updates:
+        return {}
     host = jax.device_get(list(updates))
+    fields = type(updates[0])._fields
     out = {}
-    for name in StepMetrics._fields:
+    for name in fields:
         values = np.array([float(getattr(m, name)) for m in host], np.float64)
         out[name] = float(values.max() if name == "skipped" else values.mean())
     if len(host) > 1:
         for i, m in enumerate(host):
-            out.update({f"update_{i}/{name}": float(getattr(m, name)) for name in PER_UPDATE})
+            out.update({f"update_{i}/{name}": float(getattr(m, name))
+                        for name in PER_UPDATE if name in fields})
     out["updates"] = float(len(host))
     return out
 

@@ -112,6 +112,8 @@ def _abstract_batch(spec: PlanSpec, mesh) -> TrainBatch:
         ("batch", None), TRAIN_RULES, mesh))
     fields = {}
     for name in BATCH_FIELDS:
+        if name in ("old_values", "returns"):  # the critic's; none in a planned policy step
+            continue
         dtype = jnp.int32 if name in ("input_ids", "positions", "segment_ids", "uid",
                                       "weight_version") else jnp.float32
         fields[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=rows)

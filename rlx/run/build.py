@@ -9,11 +9,13 @@ the devices and the model's architecture (``rlx.run.checks``) before any weight 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import grain
 import jax
 import ml_collections
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -23,13 +25,16 @@ from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import Example, get_source
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
-from rlx.learner.state import MODES, create_train_state, make_optimizer
+from rlx.learner.critic import (init_critic, make_critic_step, make_value_step, read_value_head,
+                                value_head)
+from rlx.learner.state import (MODES, TrainState, create_train_state, make_optimizer,
+                               state_shardings)
 from rlx.learner.step import (FORWARDS, Compiled, make_logprob_step, make_train_step,
                               reference_forward)
 from rlx.mesh import make_mesh
 from rlx.models import load_from_section
 from rlx.models.decoder import Transformer
-from rlx.models.loading import resolve_path
+from rlx.models.loading import ShrinkSection, resolve_path
 from rlx.models.tokenizer import Tokenizer
 from rlx.quant import apply_lora, load_gguf_quantized, quantize_model
 from rlx.rewards import RewardFn, get_reward
@@ -138,8 +143,13 @@ def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
     """Train state over the mesh, the train step, (with a KL term) the reference log-prob step:
     the adapter switched off, so the reference costs no second copy of the weights; and (several
     updates per batch) the policy's log-prob step for the old log-probs."""
-    graphdef, state = create_train_state(model, make_optimizer(cfg.optim), mesh,
-                                         trainable=MODES[cfg.train.mode], seed=cfg.seed)
+    optimizer = make_optimizer(cfg.optim)
+    graphdef, state = create_train_state(model, optimizer, mesh, trainable=MODES[cfg.train.mode],
+                                         seed=cfg.seed)
+    critic_graphdef = None
+    if cfg.critic.enabled:
+        critic_graphdef, state = attach_critic(cfg, graphdef, state, optimizer, mesh,
+                                               model.config.hidden_size)
     step_cfg = cfg.step_config
     train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim,
                                  apply_fn=FORWARDS[cfg.train.remat])
@@ -149,9 +159,41 @@ def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
                                      apply_fn=reference_forward)
     if needs_old_logprobs(cfg):
         old_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg)
-    return Compiled(graphdef=graphdef, state=state, train_step=train_step, ref_step=ref_step,
-                    old_step=old_step)
+    compiled = Compiled(graphdef=graphdef, state=state, train_step=train_step, ref_step=ref_step,
+                        old_step=old_step)
+    if critic_graphdef is None:
+        return compiled
+    return dataclasses.replace(
+        compiled, critic_graphdef=critic_graphdef,
+        value_step=make_value_step(critic_graphdef, state, mesh, optimizer),
+        critic_step=make_critic_step(critic_graphdef, state, mesh, optimizer,
+                                     value_clip=cfg.critic.value_clip,
+                                     micro_batches=cfg.train.micro_batches,
+                                     apply_fn=FORWARDS[cfg.train.remat]))
 
 
-__all__ = ["build", "compile_steps", "eval_examples", "load_policy", "make_logger", "make_reward",
+def attach_critic(cfg: RunConfig, graphdef: nnx.GraphDef, state: TrainState,
+                  optimizer: optax.GradientTransformation, mesh: Mesh, hidden_size: int
+                  ) -> tuple[nnx.GraphDef, TrainState]:
+    """PPO's critic on the mesh (``rlx.learner.critic``): LoRA mode a second adapter on the
+    policy's base, full mode a copy of the policy or the model ``critic.path`` names (starting
+    from the value head it carries, if any); its graph and the state holding it."""
+    critic_optimizer = make_optimizer(dataclasses.replace(
+        cfg.optim, learning_rate=cfg.critic.learning_rate))
+    if cfg.critic.path:
+        section = dataclasses.replace(cfg.model, path=cfg.critic.path, format="auto",
+                                      shrink=ShrinkSection())
+        loaded = load_from_section(section, mesh, seed=cfg.seed)
+        critic_graphdef, body, frozen = nnx.split(loaded.model, nnx.Param, ...)
+        head = value_head(loaded.model.config.hidden_size,
+                          *read_value_head(resolve_path(cfg.critic.path)))
+    else:
+        critic_graphdef, body, frozen = graphdef, state.params, None
+        head = value_head(hidden_size)
+    critic = init_critic(body, head, critic_optimizer, frozen)
+    state = state.replace(critic=critic)
+    return critic_graphdef, jax.device_put(state, state_shardings(state, optimizer, mesh))
+
+
+__all__ = ["attach_critic", "build", "compile_steps", "eval_examples", "load_policy", "make_logger", "make_reward",
            "prompt_data", "prompt_format"]

@@ -27,6 +27,7 @@ import jax
 
 from rlx.config import RunConfig
 from rlx.errors import ConfigError
+from rlx.learner.critic import HEAD_TENSORS, value_head_width
 from rlx.mesh import batch_axes, batch_shards
 from rlx.models.config import ModelConfig, from_hf_config
 from rlx.models.loading import resolve_path
@@ -44,15 +45,20 @@ def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
     if cfg.train.mode == "lora":
         check_lora_targets(cfg, arch)
     check_base_format(cfg, arch, gguf_types)
+    if cfg.critic.path:
+        check_critic(cfg, arch)
     return arch
 
 
-def read_architecture(cfg: RunConfig) -> tuple[ModelConfig, dict[str, str]]:
+def read_architecture(cfg: RunConfig, other: str | None = None
+                      ) -> tuple[ModelConfig, dict[str, str]]:
     """The model's ``ModelConfig`` (shrunk when ``model.shrink`` is on) and, for a GGUF file, the
-    storage type of each tensor; only headers are read."""
-    path = resolve_path(cfg.model.path)
+    storage type of each tensor; only headers are read. ``other``: another model's path (a
+    critic's), read as it is (never shrunk)."""
+    path = resolve_path(other or cfg.model.path)
+    gguf = path.endswith(".gguf") if other else cfg.model.resolved_format == "gguf"
     types: dict[str, str] = {}
-    if cfg.model.resolved_format == "gguf":
+    if gguf:
         from rlx.models.gguf import read_gguf
 
         ckpt = read_gguf(path)
@@ -61,7 +67,7 @@ def read_architecture(cfg: RunConfig) -> tuple[ModelConfig, dict[str, str]]:
         from rlx.models.hf import read_hf_config
 
         arch = read_hf_config(path)
-    if cfg.model.shrink.enabled:
+    if other is None and cfg.model.shrink.enabled:
         from rlx.models.loading import shrunk
 
         arch = shrunk(arch, cfg.model.shrink)
@@ -118,6 +124,21 @@ def check_lora_targets(cfg: RunConfig, arch: ModelConfig) -> None:
             f"{arch.architecture}: every layer's MLP is sparse, it has no shared expert and "
             "config.lora.experts=False; set lora.experts=True or target only "
             f"{list(ATTN_TARGETS)}")
+
+
+def check_critic(cfg: RunConfig, arch: ModelConfig) -> None:
+    """A separate critic (``critic.path``) reads the policy's token ids, and a value head it
+    carries fits its hidden states."""
+    critic, _ = read_architecture(cfg, cfg.critic.path)
+    if critic.vocab_size != arch.vocab_size:
+        raise ConfigError(f"config.critic.path={cfg.critic.path!r} has a vocabulary of "
+                          f"{critic.vocab_size} tokens, the policy's {arch.vocab_size}: the critic "
+                          "reads the policy's token ids; use a model with the same tokenizer")
+    width = value_head_width(resolve_path(cfg.critic.path))
+    if width is not None and width != critic.hidden_size:
+        raise ConfigError(f"config.critic.path={cfg.critic.path!r} carries a value head "
+                          f"({HEAD_TENSORS[0]}) of width {width}, but its hidden size is "
+                          f"{critic.hidden_size}; the head and the model disagree")
 
 
 def check_base_format(cfg: RunConfig, arch: ModelConfig, gguf_types: dict[str, str]) -> None:

@@ -215,6 +215,10 @@ class Hosts:
         local = multihost.take_local_rows(batch, mesh)
         return multihost.global_batch(local, mesh, batch.shape[0])
 
+    def to_numpy(self, x: jax.Array) -> np.ndarray:
+        """A device array of the global batch as host numpy, on every process."""
+        return np.asarray(multihost.to_host(x) if self.multi else jax.device_get(x))
+
     def sync_weights(self, engine: RolloutEngine | None, compiled: Compiled, version: int) -> None:
         """The learner's current weights to the engine as ``version``: one process the whole
         model; several the trainable variables (all-gathered), where an engine runs."""

@@ -130,10 +130,10 @@ class Run:
                 rewards, texts, reasons = self._score(rollouts, batch)
             uids = np.array([r.prompt_uid for r in rollouts])
             keep = self._keep(rewards, uids)
-            with timer("logprob"):
-                train_batch, real_rows = self.learner.prepare(rollouts, rewards, uids, keep)
+            with timer("logprob"):  # and values, advantages
+                prepared = self.learner.prepare(rollouts, rewards, uids, keep)
             with timer("update"):  # dispatch is asynchronous: the updates block until done
-                learned = self.learner.update(train_batch, real_rows, self.step_count)
+                learned = self.learner.update(prepared, self.step_count)
             with timer("sync"):
                 self.step_count += 1
                 self._await_prefetch()  # the engine's weights change only when it is idle

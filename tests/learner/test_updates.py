@@ -76,7 +76,7 @@ def test_second_update_is_clipped_against_the_old_logprobs_of_the_step():
     old = make_logprob_step(graphdef, state.params, state.frozen, mesh, cfg,
                             apply_fn=_forward)(state.params, state.frozen, batch).logp
     batch = batch.replace(old_logp=old)
-    state, (m1, m2) = run_updates(step, state, batch, [np.array([0]), np.array([1])], mesh)
+    state, ((m1, m2),) = run_updates([step], state, batch, [np.array([0]), np.array([1])], mesh)
     # Adam still moves on update 2 (its momentum): m = 0.9 * 0.1 g, v = 0.999 * 0.001 g^2,
     # bias-corrected 0.4736842 g / (0.7069300 |g|): w moves 0.25 * 0.6700582 = 0.1675146 more
     w = np.asarray(jax.tree.leaves(state.params)[0]).ravel()
