@@ -184,10 +184,6 @@ class RunConfig:
             self.step_config  # noqa: B018 (the learner step's own checks of these settings)
         except ValueError as e:
             raise ConfigError(f"config.{e}") from None
-        if self.loss.kl_as != "loss":
-            raise ConfigError(f"config.loss.kl_as={self.loss.kl_as!r}: the run applies the KL "
-                              "penalty only as a loss term; a KL penalty subtracted from the "
-                              "rewards is not implemented yet; use loss.kl_as='loss'")
 
     def _check_critic(self) -> None:
         gae, critic = self.train.advantage in TOKEN_ESTIMATORS, self.critic

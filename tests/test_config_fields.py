@@ -66,7 +66,7 @@ EFFECTS = {
                                      "loss.norm_length": 8}),
     "loss.kl_coef": ("loss", 0.5, {}),
     "loss.kl_estimator": ("loss", "k1", {}),
-    "loss.kl_as": ("refused", "reward-penalty", {}),
+    "loss.kl_as": ("loop", "reward-penalty", {}),
     "loss.entropy_coef": ("loss", 0.1, {}),
     "loss.tis_mode": ("loss", "off", {}),
     "loss.tis_cap": ("loss", 1.2, {}),
