@@ -20,6 +20,7 @@ from rlx.errors import ConfigError, one_of
 from rlx.learner.advantages import ESTIMATORS, TOKEN_ESTIMATORS
 from rlx.learner.critic import CriticSection
 from rlx.learner.losses import LossConfig
+from rlx.learner.preference import ALGORITHMS
 from rlx.learner.state import MODES, OptimizerConfig
 from rlx.learner.step import FORWARDS, StepConfig
 from rlx.mesh import MeshShape
@@ -79,6 +80,9 @@ class TrainSection:
     """The RL loop."""
 
     mode: str = "lora"  # "lora": frozen base + adapter | "full": every parameter (rlx.learner.state.MODES)
+    # rlx.learner.preference.ALGORITHMS: "rl" (sample, score, advantages, policy loss) | "dpo"
+    # (preference pairs from data.source, loss.dpo_*; the reference is the adapter switched off)
+    algorithm: str = "rl"
     steps: int = 100  # RL steps (generate -> score -> update)
     # an estimator of rlx.learner.advantages.ESTIMATORS (grpo, dr_grpo, rloo, reinforce_pp) or
     # TOKEN_ESTIMATORS ("gae": PPO with the learned critic of config.critic)
@@ -105,6 +109,7 @@ class TrainSection:
 
     def validate(self) -> None:
         one_of("config.train.mode", self.mode, MODES)
+        one_of("config.train.algorithm", self.algorithm, ALGORITHMS)
         one_of("config.train.remat", self.remat, FORWARDS)
         one_of("config.train.advantage", self.advantage, (*ESTIMATORS, *TOKEN_ESTIMATORS))
         one_of("config.train.max_staleness", self.max_staleness, (0, 1))
@@ -180,10 +185,16 @@ class RunConfig:
                               "train.mode='lora' (the reference is the base with the adapter off) "
                               "or loss.kl_coef=0")
         self._check_critic()
+        if self.train.algorithm == "dpo" and (self.train.mode != "lora" or self.critic.enabled):
+            raise ConfigError(f"config.train.algorithm='dpo' needs train.mode='lora' (its "
+                              "reference is the base with the adapter switched off) and no "
+                              f"critic; got train.mode={self.train.mode!r}, critic.enabled="
+                              f"{self.critic.enabled}")
         try:
             self.step_config  # noqa: B018 (the learner step's own checks of these settings)
         except ValueError as e:
             raise ConfigError(f"config.{e}") from None
+
 
     def _check_critic(self) -> None:
         gae, critic = self.train.advantage in TOKEN_ESTIMATORS, self.critic

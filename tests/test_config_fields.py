@@ -55,6 +55,7 @@ BASE = {"train.steps": 3, "data.eval_size": 2, "train.checkpoint_every": 1,
         "train.keep_checkpoints": 2, "train.sample_every": 1, "train.eval_every": 0}
 SGLANG = {"rollout.engine": "sglang", "rollout.sglang.python": sys.executable}
 FULL = {"train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0}
+DPO = {"train.algorithm": "dpo", "data.source": "arith_pairs:add2"}
 
 # field -> (observer, new value, context); "refused": the new value must be refused
 EFFECTS = {
@@ -73,6 +74,9 @@ EFFECTS = {
     "loss.tis_seq_low": ("loss", 0.95, {"loss.tis_mode": "sequence-mask"}),
     "loss.tis_seq_high": ("loss", 1.05, {"loss.tis_mode": "sequence-mask"}),
     "loss.old_logp": ("loop", "sampler", {"train.minibatches": 2}),
+    "loss.dpo_beta": ("learner", 0.5, DPO),
+    "loss.dpo_label_smoothing": ("learner", 0.1, DPO),
+    "train.algorithm": ("loop", "dpo", {"data.source": "arith_pairs:add2"}),
     "train.mode": ("learner", "full", {k: v for k, v in FULL.items() if k != "train.mode"}),
     "train.steps": ("loop", 2, {}),
     "train.advantage": ("loop", "rloo", {}),

@@ -327,6 +327,8 @@ _BUILTIN: dict[str, str] = {
     "bfcl": "rlx.data.bundled:bfcl_source",
     "reasoning_gym": "rlx.data.bundled:reasoning_gym_source",
     "arith": "rlx.data.arith:arith_source",
+    "arith_pairs": "rlx.data.pairs:arith_pairs_source",  # preference pairs (rlx.data.pairs)
+    "pairs": "rlx.data.pairs:pairs_source",
     "jsonl": "rlx.data.sources:_file_source",
     "parquet": "rlx.data.sources:_file_source",
 }

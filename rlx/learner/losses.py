@@ -89,6 +89,8 @@ class LossConfig:
     tis_seq_low: float = 0.5  # "sequence-mask": keep if geo-mean ratio >= this
     tis_seq_high: float = 2.0  # "sequence-mask": keep if geo-mean ratio <= this
     old_logp: str = "learner"  # one of OLD_LOGP: pi_old of the clipped ratio
+    dpo_beta: float = 0.1  # DPO (train.algorithm="dpo"): scale of the implicit reward
+    dpo_label_smoothing: float = 0.0  # DPO: assumed share of flipped labels (conservative DPO)
 
     def __post_init__(self):
         one_of("policy_loss", self.policy_loss, POLICY_LOSSES)
@@ -101,6 +103,9 @@ class LossConfig:
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LossConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.dpo_beta <= 0 or not 0 <= self.dpo_label_smoothing < 0.5:
+            raise ValueError(f"LossConfig.dpo_beta must be > 0 and dpo_label_smoothing in "
+                             f"[0, 0.5), got {self.dpo_beta}, {self.dpo_label_smoothing}")
         if self.clip_eps_low >= 1:
             raise ValueError(f"LossConfig.clip_eps_low must be < 1, got {self.clip_eps_low}")
         if self.tis_cap <= 0:

@@ -25,6 +25,7 @@ from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import Example, get_source
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
+from rlx.learner.preference import make_dpo_step
 from rlx.learner.critic import (init_critic, make_critic_step, make_value_step, read_value_head,
                                 value_head)
 from rlx.learner.state import (MODES, TrainState, create_train_state, make_optimizer,
@@ -151,10 +152,16 @@ def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
         critic_graphdef, state = attach_critic(cfg, graphdef, state, optimizer, mesh,
                                                model.config.hidden_size)
     step_cfg = cfg.step_config
-    train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim,
-                                 apply_fn=FORWARDS[cfg.train.remat])
+    if cfg.train.algorithm == "dpo":
+        train_step = make_dpo_step(graphdef, state, mesh, step_cfg, cfg.optim,
+                                   beta=cfg.loss.dpo_beta,
+                                   label_smoothing=cfg.loss.dpo_label_smoothing,
+                                   apply_fn=FORWARDS[cfg.train.remat])
+    else:
+        train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim,
+                                     apply_fn=FORWARDS[cfg.train.remat])
     ref_step = old_step = None
-    if cfg.loss.kl_coef > 0:  # config validation refused a KL term in mode "full"
+    if cfg.loss.kl_coef > 0 or cfg.train.algorithm == "dpo":  # mode "full" refused both
         ref_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg,
                                      apply_fn=reference_forward)
     if needs_old_logprobs(cfg):

@@ -47,6 +47,8 @@ def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
     check_base_format(cfg, arch, gguf_types)
     if cfg.critic.path:
         check_critic(cfg, arch)
+    if cfg.train.algorithm == "dpo":
+        check_pairs(cfg)
     return arch
 
 
@@ -81,6 +83,8 @@ def _divisors(n: int) -> list[int]:
 def check_batch(cfg: RunConfig) -> None:
     """The step's rows divide evenly over the data-parallel devices times the micro-batches (of
     each of ``train.minibatches`` minibatches)."""
+    if cfg.train.algorithm == "dpo":  # whole pairs per micro-batch and device
+        return _check_pairs(cfg)
     rows = cfg.data.prompts_per_step * cfg.rollout.group_size
     micro = cfg.train.micro_batches * cfg.train.minibatches
     dp = batch_shards(cfg.mesh)
@@ -95,6 +99,25 @@ def check_batch(cfg: RunConfig) -> None:
         f"config.data.prompts_per_step * config.rollout.group_size = {cfg.data.prompts_per_step} * "
         f"{cfg.rollout.group_size} = {rows} rollouts per step do not split evenly over "
         f"{' * '.join(f'mesh.{a}' for a in batch_axes())} = {dp} devices x {split} = {micro}; {fix}")
+
+
+def _check_pairs(cfg: RunConfig) -> None:
+    pairs, dp, micro = cfg.data.prompts_per_step, batch_shards(cfg.mesh), cfg.train.micro_batches
+    if pairs % (dp * micro):
+        raise ConfigError(f"config.data.prompts_per_step={pairs} preference pairs per step do not "
+                          f"split evenly over {dp} data-parallel devices x train.micro_batches = "
+                          f"{micro}; use a multiple of {dp * micro}")
+
+
+def check_pairs(cfg: RunConfig) -> None:
+    """DPO: every pair of ``data.source`` has a prompt and two non-empty, different replies
+    (the pair source refuses a bad line naming it; read before any weight)."""
+    from rlx.data.sources import DataError, get_source
+
+    try:
+        get_source(cfg.data.source, "all")
+    except (DataError, KeyError) as e:
+        raise ConfigError(f"config.data.source={cfg.data.source!r}: {e}") from None
 
 
 def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:

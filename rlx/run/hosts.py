@@ -182,6 +182,12 @@ class Hosts:
         everyone = multihost.allgather_objects(tuple(prompts))
         return tuple(p for part in everyone for p in part) if self.index == 0 else ()
 
+    def all_examples(self, examples: Sequence[Any]) -> tuple[Any, ...]:
+        """Every process's examples of this step, in process order (DPO's pairs), everywhere."""
+        if not self.multi:
+            return tuple(examples)
+        return tuple(e for part in multihost.allgather_objects(tuple(examples)) for e in part)
+
     def share(self, rollouts: list[Rollout], seconds: float) -> tuple[list[Rollout], float]:
         """The global rollouts (process order) and generation seconds, on every process."""
         if not self.multi:

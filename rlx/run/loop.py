@@ -56,6 +56,7 @@ from rlx.rewards.base import RewardFn, score_batch
 from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
 from rlx.run.learn import StepLearner
+from rlx.run.preference import learn_preferences
 from rlx.run.lifecycle import DataPosition, StopSignals
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
@@ -119,6 +120,8 @@ class Run:
 
     # --- one RL step ----------------------------------------------------------------------
     def step(self) -> dict[str, float]:
+        if self.cfg.train.algorithm == "dpo":
+            return self._preference_step()
         timer = _Timer()
         with timer("step"):
             with timer("wait_rollouts"):
@@ -140,6 +143,23 @@ class Run:
                 self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
         record = {**learned, **self._record(rollouts, rewards, keep, timer.times)}
         self._log(record, rollouts, texts, rewards, reasons)
+        self._check_numerics(record)
+        return record
+
+    def _preference_step(self) -> dict[str, float]:
+        """DPO (``rlx.run.preference``): this step's pairs -> one update -> weight sync."""
+        timer = _Timer()
+        with timer("step"):
+            batch = next(self.data)
+            with timer("update"):
+                record = learn_preferences(self.cfg, self.mesh, self.compiled, self.hosts,
+                                           self.tokenizer, self.prompt_format, batch.examples)
+            with timer("sync"):
+                self.step_count += 1
+                self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
+        record = {**record, **timer.times, "learner/skipped": record["dpo/skipped"]}
+        self.metrics.append({"step": self.step_count, **record})
+        self.logger.log(self.step_count, record)
         self._check_numerics(record)
         return record
 
