@@ -1,7 +1,9 @@
 """Tiny randomly initialised HF transformers models of every family rlx supports.
 
 Weights are drawn with a large init range so that logits are O(1) and a wrong layout, a missing
-bias or a wrong routing rule shows up far above the parity tolerance.
+bias or a wrong routing rule shows up far above the parity tolerance. Sigmoid routers (DeepSeek-V3,
+Kimi-K2, GLM-4.5) get a random ``e_score_correction_bias`` about as large as the spread of their
+scores, so the experts it selects differ from the plain top-k.
 """
 
 from __future__ import annotations
@@ -32,10 +34,49 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
         "qwen3_moe": transformers.Qwen3MoeConfig(
             **_COMMON, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8,
             norm_topk_prob=True),
+        **_sigmoid_routed_configs(),
+    }
+
+
+def _sigmoid_routed_configs() -> dict[str, transformers.PretrainedConfig]:
+    """DeepSeek-V3 (MLA) and GLM-4.5 shapes: 8 experts, the first layer dense."""
+    mla = dict(_COMMON, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=8,
+               first_k_dense_replace=1, kv_lora_rank=16)
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+            "mscale_all_dim": 0.8}  # mscale != mscale_all_dim: a cos/sin and a softmax temperature
+    glm = dict(_COMMON, moe_intermediate_size=16, n_routed_experts=8, first_k_dense_replace=1)
+    return {
+        "deepseek_v3": transformers.DeepseekV3Config(  # group-limited top-2, interleaved rope
+            **mla, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+            n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+            routed_scaling_factor=2.5, rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+        "deepseek_v2_lite": transformers.DeepseekV3Config(  # plain q_proj, biases, rotate-half rope
+            **mla, q_lora_rank=None, qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=8,
+            n_group=1, topk_group=1, num_experts_per_tok=3, n_shared_experts=2,
+            routed_scaling_factor=1.0, norm_topk_prob=False, attention_bias=True,
+            rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+        "kimi_k2": transformers.DeepseekV3Config(  # one expert group, 2.827, YaRN (factor 32)
+            **{**mla, "max_position_embeddings": 512}, q_lora_rank=24, qk_nope_head_dim=8,
+            qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, num_experts_per_tok=2,
+            n_shared_experts=1, routed_scaling_factor=2.827, rope_parameters=yarn),
+        "glm4_moe": transformers.Glm4MoeConfig(  # partial rotary 0.5, q/k norm, qkv bias
+            **glm, head_dim=16, use_qk_norm=True, attention_bias=True, n_group=2, topk_group=1,
+            num_experts_per_tok=3, n_shared_experts=1, routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                             "partial_rotary_factor": 0.5}),
+        "glm4_moe_plain": transformers.Glm4MoeConfig(  # partial rotary by the class default
+            **glm, use_qk_norm=False, attention_bias=False, num_experts_per_tok=2,
+            norm_topk_prob=False, rope_parameters={"rope_type": "default", "rope_theta": 100.0}),
+        "qwen3_yarn": transformers.Qwen3Config(  # long-context YaRN of a GQA family
+            **{**_COMMON, "max_position_embeddings": 128}, head_dim=16, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 32}),
     }
 
 
 FAMILIES = tuple(_configs())
+SIGMOID_ROUTED = ("deepseek_v3", "deepseek_v2_lite", "kimi_k2", "glm4_moe", "glm4_moe_plain")
 
 
 def _extra_configs() -> dict[str, transformers.PretrainedConfig]:
@@ -44,12 +85,17 @@ def _extra_configs() -> dict[str, transformers.PretrainedConfig]:
     return {"llama_wide": transformers.LlamaConfig(**wide, tie_word_embeddings=False)}
 
 
+def hf_config(family: str) -> transformers.PretrainedConfig:
+    """The transformers config of the zoo's ``family``."""
+    return {**_configs(), **_extra_configs()}[family]
+
+
 def make_hf_model(family: str, root: str) -> str:
     """Create, save and return the folder of a tiny HF model of ``family`` (cached under root)."""
     path = os.path.join(root, family)
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(0)
-        config = {**_configs(), **_extra_configs()}[family]
+        config = hf_config(family)
         model = transformers.AutoModelForCausalLM.from_config(config)
         with torch.no_grad():  # norms are initialised to exactly 1; perturb them to catch mix-ups
             for name, p in model.named_parameters():
@@ -57,6 +103,9 @@ def make_hf_model(family: str, root: str) -> str:
                     p.add_(0.1 * torch.randn_like(p))
                 if name.endswith("bias"):
                     p.add_(0.5 * torch.randn_like(p))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.3 * torch.randn_like(b))
         model.save_pretrained(path)
     return path
 

@@ -72,3 +72,31 @@ def test_no_weights_in_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises((CheckpointError, ModelConfigError)):
         from_hf(str(tmp_path))
+
+
+BAD_OPTIONS = [  # (family, config.json edit, what the error names: the field and the supported values)
+    ("deepseek_v3", {"scoring_func": "softmax"}, r"scoring_func='softmax'.*\['sigmoid'\]"),
+    ("deepseek_v3", {"topk_method": "group_limited_greedy"},
+     r"topk_method='group_limited_greedy'.*\['noaux_tc'\]"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+     r"rope_type='longrope'.*\['default', 'linear', 'llama3', 'yarn'\]"),
+    ("glm4_moe", {"hidden_act": "gelu"}, r"hidden_act='gelu'.*\['silu', 'swish'\]"),
+    ("glm4_moe", {"n_group": 3}, r"n_group=3 must divide n_routed_experts=8"),
+    ("qwen2", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5.*Glm4MoeForCausalLM"),
+]
+
+
+@pytest.mark.parametrize("family, edit, message", BAD_OPTIONS)
+def test_unsupported_option_is_refused_before_the_weights(tmp_path_factory, tmp_path, family, edit,
+                                                          message):
+    """The weights file is garbage: an error naming the config field shows that the config was
+    checked before a single weight was read."""
+    dst = str(tmp_path / "model")
+    shutil.copytree(make_hf_model(family, str(tmp_path_factory.mktemp("zoo"))), dst)
+    cfg_file = os.path.join(dst, "config.json")
+    cfg = json.load(open(cfg_file)) | edit
+    json.dump(cfg, open(cfg_file, "w"))
+    with open(os.path.join(dst, "model.safetensors"), "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(ModelConfigError, match=message):
+        from_hf(dst)

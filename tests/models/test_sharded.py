@@ -25,7 +25,8 @@ MESHES = {
 @pytest.mark.parametrize("family,mesh_name", [
     ("llama", "data-fsdp-tensor"), ("qwen2", "data-fsdp-tensor"), ("qwen3", "data-fsdp-tensor"),
     ("mixtral", "data-fsdp-tensor"), ("qwen3_moe", "data-tensor-expert"),
-    ("qwen2_moe", "data-tensor-expert"),
+    ("qwen2_moe", "data-tensor-expert"), ("deepseek_v3", "data-fsdp-tensor"),
+    ("kimi_k2", "data-tensor-expert"), ("glm4_moe", "data-tensor-expert"),
 ])
 def test_sharded_logits_equal_unsharded(zoo, family, mesh_name):
     path = make_hf_model(family, zoo)
@@ -38,14 +39,16 @@ def test_sharded_logits_equal_unsharded(zoo, family, mesh_name):
     sharded = forward(model, batch)
     assert np.abs(np.asarray(sharded) - single).max() <= 1e-5
 
-    kernel = model.layers[0].self_attn.q_proj.kernel[...]
+    attn = model.layers[0].self_attn
+    kernel = (attn.q_proj or attn.q_b_proj).kernel[...]  # MLA: q_b_proj when q_lora_rank is set
     assert kernel.sharding.mesh.shape == mesh.shape
     spec = kernel.sharding.spec
     assert "tensor" in jax.tree.leaves(tuple(spec)), spec  # heads split over tensor
     shard_shape = kernel.addressable_shards[0].data.shape
     assert shard_shape[1] == kernel.shape[1] // 2
-    if MESHES[mesh_name].expert > 1 and family.endswith("moe"):
-        experts = model.layers[0].mlp.experts.gate_proj[...]
+    if MESHES[mesh_name].expert > 1 and model.config.moe is not None:
+        sparse = model.config.moe.sparse_layers[0]
+        experts = model.layers[sparse].mlp.experts.gate_proj[...]
         assert experts.addressable_shards[0].data.shape[0] == experts.shape[0] // 2
     per_device = param_bytes_per_device(model)
     total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
