@@ -16,7 +16,8 @@ caches) are dropped from the medians but kept in ``Results.warmup``.
 Worker protocol (JSON lines): the parent writes the spec ``{"target", "kwargs"}``; the worker answers
 ``{"ready": ..., "setup_s": ...}``; then for every ``"run"`` (or ``{"run": case}``) line one result
 line; ``"exit"`` ends it. Anything the side prints goes to the worker's stderr, so stdout carries
-only protocol lines.
+only protocol lines. A side may name another interpreter (``Side.python``: a peer that cannot share
+rlx's environment); its worker then runs there, importing rlx from this checkout.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Side:
     target: str
     kwargs: dict = dataclasses.field(default_factory=dict)
     env: dict = dataclasses.field(default_factory=dict)  # over BASE_ENV; None unsets
+    python: str = ""  # the worker's interpreter ("": this one); see ``worker_command``
 
 
 def peak_rss_mb() -> float:
@@ -84,6 +86,20 @@ def _timed_run(worker: "Worker", case: Any) -> tuple[dict, float]:
     return r, wall
 
 
+def worker_command(side: Side) -> tuple[list[str], dict]:
+    """The worker's command line and the variables it adds. A side with its own interpreter (a
+    peer's separate environment, ``rlx.bench.peer_envs``) imports rlx from this checkout: the
+    checkout goes first on its ``PYTHONPATH``, and its side module imports only what that
+    environment holds."""
+    if not side.python:
+        return [sys.executable, "-m", "rlx.bench.worker"], {}
+    import rlx
+
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(rlx.__file__)))
+    path = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
+    return [side.python, "-m", "rlx.bench.worker"], {"PYTHONPATH": path}
+
+
 def resolve(target: str) -> Callable[..., Callable[[], dict]]:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -94,14 +110,16 @@ class Worker:
 
     def __init__(self, side: Side, log_path: str | None = None, wait: bool = True):
         self.side = side
+        command, extra = worker_command(side)
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # no fake test devices
         env.update(BASE_ENV)
+        env.update(extra)
         env.update(side.env)
         env = {k: v for k, v in env.items() if v is not None}
         self._log = open(log_path or os.devnull, "w")
         self.log_path = log_path
-        self.proc = subprocess.Popen([sys.executable, "-m", "rlx.bench.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, env=env)
         self._send({"target": side.target, "kwargs": side.kwargs})
         self.setup: dict | None = self._receive() if wait else None
 
@@ -250,7 +268,7 @@ def write_json(path: str | None, payload: dict) -> None:
 
 def add_run_args(p: argparse.ArgumentParser, repeats: int, sides_help: str) -> None:
     """The flags shared by the whole-model benchmarks (``learner``, ``e2e``): compute dtype,
-    rounds, sides, output files and the model work folder."""
+    rounds, sides, output files, the model work folder and the Tunix side's interpreter."""
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype of every side")
     p.add_argument("--repeats", type=int, default=repeats)
@@ -263,3 +281,6 @@ def add_run_args(p: argparse.ArgumentParser, repeats: int, sides_help: str) -> N
     p.add_argument("--work-dir", default=None,
                    help="where the model folders are written and reused (default: a fresh "
                         "temporary folder, removed at the end)")
+    p.add_argument("--tunix-python", default="",
+                   help="the Tunix side's interpreter (default: $RLX_TUNIX_PYTHON or the "
+                        "environment `python -m rlx.bench.peer_envs tunix` creates)")
