@@ -13,7 +13,14 @@ the table gives medians over the measured rounds. Sides (``--sides``, default al
 - ``hf``: transformers ``generate``, f32, on rlx's HF export of the same weights (torch threads:
   ``--torch-threads``, default torch's own choice, i.e. every core);
 - ``sglang``: a real SGLang server serving that export (``rlx.bench.sglang_setup``), skipped with
-  the reason printed when its environment is missing.
+  the reason printed when its environment is missing;
+- ``llama.cpp``: llama-cpp-python in its own environment (``rlx.bench.peer_envs``) on SmolLM2's
+  GGUF Q4_1 file, the file ``rlx-q4_1`` loads (``rlx.bench.llama_cpp_peer``: its high-level API at
+  batch 1, its batched decoding API above), skipped with the reason printed when its environment
+  is missing or the model has no GGUF file (``tiny``).
+
+``--batch`` takes one or more batch sizes (``1,16``): each is its own table, with every side built
+again for it (the SGLang server is launched once per model).
 
 Each side generates exactly ``--new`` tokens per prompt (no end-of-sequence stop) and the tokens
 it actually produced are counted. Setup (load, build; for a launched SGLang server its start-up)
@@ -37,14 +44,16 @@ import time
 
 from rlx.bench.harness import (TORCH_ENV, BenchError, Results, Side, call_once, interleave,
                                markdown_table, write_json)
+from rlx.bench.peer_envs import LLAMA_CPP
 from rlx.bench.rollout_sides import CASES
 from rlx.bench.sglang_setup import SGLangSetup, group_rss_mb, sglang_server
-from rlx.bench.workloads import MODELS, Workload, prompt_ids, smollm2_config
+from rlx.bench.workloads import MODELS, Workload, gguf_path, prompt_ids, smollm2_config
 
-SIDES = ("rlx-f32", "rlx-f32-nolp", "rlx-int8", "rlx-q4_1", "hf", "sglang")
+SIDES = ("rlx-f32", "rlx-f32-nolp", "rlx-int8", "rlx-q4_1", "hf", "sglang", "llama.cpp")
 GOALS = {"smollm2": 2.0, "tiny": 3.0}  # rlx f32 tokens/s over HF generate's
-HF, SGLANG = "HF generate f32", "SGLang f32"
+HF, SGLANG, LLAMA = "HF generate f32", "SGLang f32", "llama.cpp Q4_1"
 NOLP = "rlx f32, no log-probs"
+PEERS = {"hf": HF, "sglang": SGLANG, "llama": LLAMA}  # ratio key -> the peer's label
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +67,24 @@ class RunOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class LlamaSetup:
+    """Where the llama.cpp side runs: its interpreter ("": ``peer_envs.LLAMA_CPP``'s) and threads
+    (0: every core)."""
+
+    python: str = ""
+    threads: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    """One model's run: which sides, with what."""
+    """One model's run at one batch size: which sides, with what."""
 
     workload: Workload
     sides: tuple[str, ...]
     lora_rank: int
     torch_threads: int
     sglang: SGLangSetup
+    llama: LlamaSetup = LlamaSetup()
 
 
 def _rlx_label(side: str, lora_rank: int) -> str:
@@ -98,39 +117,77 @@ def build_sides(plan: Plan, prompts: list[list[int]], folder: str, url: str | No
                             dict(url=url, prompts=prompts, new=w.new,
                                  load_folder=folder if plan.sglang.url else "",
                                  server_pgid=server_pgid)))
+        elif name == "llama.cpp" and llama_reason(plan) is None:
+            out.append(Side(LLAMA, "rlx.bench.llama_cpp_peer:llama_cpp_rollout",
+                            dict(gguf=gguf_path(), prompts=prompts, new=w.new,
+                                 threads=plan.llama.threads),
+                            python=LLAMA_CPP.interpreter(plan.llama.python)))
     return out
 
 
-def run_model(plan: Plan, root: str, opts: RunOptions) -> dict:
-    """Run every side of ``plan`` on one model; returns the JSON record (rows included)."""
-    w = plan.workload
-    load_before = os.getloadavg()
+def llama_reason(plan: Plan) -> str | None:
+    """Why the llama.cpp side cannot run in ``plan``, or None."""
+    if plan.workload.model != "smollm2":
+        return f"llama.cpp runs GGUF files; {plan.workload.model} has none"
+    return LLAMA_CPP.unavailable(plan.llama.python)
+
+
+def skipped_sides(plan: Plan) -> dict[str, str]:
+    """Peer label -> why that requested peer is skipped."""
+    reasons = {SGLANG: plan.sglang.unavailable() if "sglang" in plan.sides else None,
+               LLAMA: llama_reason(plan) if "llama.cpp" in plan.sides else None}
+    return {label: reason for label, reason in reasons.items() if reason}
+
+
+@dataclasses.dataclass
+class _Server:
+    """The SGLang server of one model's run (all None when there is none)."""
+
+    url: str | None = None
+    handle: object | None = None
+    start_s: float | None = None
+
+    @property
+    def pgid(self) -> int:  # a launched server leads its process group
+        return self.handle.proc.pid if self.handle is not None else 0
+
+
+def run_model(plans: list[Plan], root: str, opts: RunOptions) -> list[dict]:
+    """Run every side of each plan (one model, one plan per batch size); one JSON record per plan
+    (rows included). The export and the SGLang server serve every plan."""
+    w = plans[0].workload
     logs = os.path.join(root, "logs")
     os.makedirs(logs, exist_ok=True)
-    prompts = prompt_ids(w)
     hf_config = smollm2_config() if w.model == "tiny" else None  # read once, not per worker
-    folder, skipped = os.path.join(root, f"{w.model}-hf"), {}
-    if {"hf", "sglang"} & set(plan.sides):
+    folder = os.path.join(root, f"{w.model}-hf")
+    if {"hf", "sglang"} & set(plans[0].sides):
         call_once(Side(f"export {w.model}", "rlx.bench.workloads:export_hf",
                        dict(model=w.model, folder=folder, hf_config=hf_config)), logs)
-    reason = plan.sglang.unavailable() if "sglang" in plan.sides else None
-    if reason:
-        skipped[SGLANG] = reason
-        print(f"SGLang side skipped: {reason}", file=sys.stderr)
+    skipped = skipped_sides(plans[0])
+    for label, reason in skipped.items():
+        print(f"{label} side skipped: {reason}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
-        url, server, start_s = None, None, None
-        if "sglang" in plan.sides and not reason:
+        server = _Server()
+        if "sglang" in plans[0].sides and SGLANG not in skipped:
             t = time.perf_counter()
-            url, server = stack.enter_context(sglang_server(plan.sglang, folder, root))
-            start_s = None if server is None else time.perf_counter() - t
-        pgid = server.proc.pid if server is not None else 0  # a launched server leads its group
-        sides = build_sides(plan, prompts, folder, url, hf_config, pgid)
-        results = interleave(sides, opts.repeats, opts.warmup, logs, cases=opts.modes,
-                             parallel_setup=opts.parallel_setup)
-        server_rss = group_rss_mb(server)
-    rows = table_rows(results, [s.label for s in sides], opts.modes, server_rss, start_s)
+            server.url, server.handle = stack.enter_context(
+                sglang_server(plans[0].sglang, folder, root))
+            server.start_s = None if server.handle is None else time.perf_counter() - t
+        return [_run_plan(p, folder, logs, hf_config, server, opts) | {"skipped": skipped}
+                for p in plans]
+
+
+def _run_plan(plan: Plan, folder: str, logs: str, hf_config: dict | None, server: _Server,
+              opts: RunOptions) -> dict:
+    w = plan.workload
+    load_before = os.getloadavg()
+    sides = build_sides(plan, prompt_ids(w), folder, server.url, hf_config, server.pgid)
+    results = interleave(sides, opts.repeats, opts.warmup, logs, cases=opts.modes,
+                         parallel_setup=opts.parallel_setup)
+    server_rss = group_rss_mb(server.handle)
+    rows = table_rows(results, [s.label for s in sides], opts.modes, server_rss, server.start_s)
     return {"workload": dataclasses.asdict(w), "sides": [s.label for s in sides], "rows": rows,
-            "skipped": skipped, "sglang_server_rss_mb": server_rss, "sglang_server_start_s": start_s,
+            "sglang_server_rss_mb": server_rss, "sglang_server_start_s": server.start_s,
             "load_before": load_before, "load_after": os.getloadavg(), "results": results.to_json()}
 
 
@@ -155,10 +212,10 @@ def _row(results: Results, label: str, mode: str, rate: dict, per_cpu: dict,
          server_rss: float | None, server_start_s: float | None) -> dict:
     first = results.select(label, mode, warmup=True)
     sglang = label == SGLANG
+    ratios = {f"vs_{key}": _ratio(rate, label, peer) for key, peer in PEERS.items()}
+    ratios |= {f"cpu_vs_{key}": _ratio(per_cpu, label, peer) for key, peer in PEERS.items()}
     return {"side": label, "mode": mode, "tokens_per_s": rate[label],
-            "vs_hf": _ratio(rate, label, HF), "vs_sglang": _ratio(rate, label, SGLANG),
-            "tokens_per_cpu_s": per_cpu.get(label), "cpu_vs_hf": _ratio(per_cpu, label, HF),
-            "cpu_vs_sglang": _ratio(per_cpu, label, SGLANG),
+            "tokens_per_cpu_s": per_cpu.get(label), **ratios,
             "seconds": results.median(label, "seconds", mode),
             "setup_s": server_start_s if sglang and server_start_s else results.setup[label]["setup_s"],
             "first_run_s": first[0]["seconds"] if first else None,
@@ -172,11 +229,11 @@ def markdown(rows: list[dict]) -> str:
     def opt(v):
         return "-" if v is None else v
 
-    header = ["side", "mode", "tokens/s", "vs HF", "vs SGLang", "tokens/CPU-s", "vs HF", "vs SGLang",
-              "setup s", "1st run s", "peak RSS MB"]
+    header = ["side", "mode", "tokens/s", "vs HF", "vs SGLang", "vs llama.cpp", "tokens/CPU-s",
+              "vs HF", "vs SGLang", "vs llama.cpp", "setup s", "1st run s", "peak RSS MB"]
     return markdown_table(header, [
-        [r["side"], r["mode"], r["tokens_per_s"], ratio(r["vs_hf"]), ratio(r["vs_sglang"]),
-         opt(r["tokens_per_cpu_s"]), ratio(r["cpu_vs_hf"]), ratio(r["cpu_vs_sglang"]),
+        [r["side"], r["mode"], r["tokens_per_s"], *(ratio(r[f"vs_{k}"]) for k in PEERS),
+         opt(r["tokens_per_cpu_s"]), *(ratio(r[f"cpu_vs_{k}"]) for k in PEERS),
          r["setup_s"], opt(r["first_run_s"]), opt(r["rss_mb"])] for r in rows])
 
 
@@ -195,13 +252,24 @@ def verdicts(model: str, rows: list[dict]) -> list[str]:
             extra = "" if cpu is None else f" (per CPU-second: {cpu:.2f}x)"
             out.append(f"{r['side']} vs {peer}, {r['mode']}: {wall:.2f}x{extra} (goal >= "
                        f"{goal:g}x): {'met' if wall >= goal else 'MISSED'}")
+    return out + llama_lines(rows)
+
+
+def llama_lines(rows: list[dict]) -> list[str]:
+    """Every rlx side against llama.cpp on the same GGUF file (no goal is set for it)."""
+    out = []
+    for r in rows:
+        if r["side"].startswith("rlx") and r["vs_llama"] is not None:
+            cpu = "" if r["cpu_vs_llama"] is None else f" (per CPU-second: {r['cpu_vs_llama']:.2f}x)"
+            out.append(f"{r['side']} vs {LLAMA}, {r['mode']}: {r['vs_llama']:.2f}x{cpu}")
     return out
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlx.bench rollout", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help=f"comma-separated subset of {','.join(MODELS)}")
-    p.add_argument("--batch", type=int, default=16, help="prompts per call")
+    p.add_argument("--batch", default="16", help="prompts per call; comma-separated sizes (1,16) "
+                   "run one table each")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     p.add_argument("--new", type=int, default=128, help="new tokens per prompt (exactly)")
     p.add_argument("--modes", default=",".join(CASES), help="comma-separated subset of greedy,sampled")
@@ -220,7 +288,20 @@ def _parser() -> argparse.ArgumentParser:
                    "(CPU-only machines: tests.helpers.sglang_harness)")
     p.add_argument("--sglang-url", default="", help="attach to this running server (it loads the export)")
     p.add_argument("--sglang-args", default="", help="extra sglang.launch_server flags")
+    p.add_argument("--llama-python", default="", help="llama.cpp interpreter (default "
+                   f"${LLAMA_CPP.variable} or {LLAMA_CPP.default_python})")
+    p.add_argument("--llama-threads", type=int, default=0, help="llama.cpp threads (0: every core)")
     return p
+
+
+def _batches(value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise SystemExit(f"--batch: {value!r} is not a comma-separated list of sizes") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"--batch: {value!r}: sizes must be >= 1")
+    return sizes
 
 
 def _split(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
@@ -233,23 +314,25 @@ def _split(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
-    models = _split(a.model, MODELS, "--model")
+    models, batches = _split(a.model, MODELS, "--model"), _batches(a.batch)
     sides, modes = _split(a.sides, SIDES, "--sides"), _split(a.modes, CASES, "--modes")
     sglang = SGLangSetup(a.sglang_python, a.sglang_harness, a.sglang_url, a.sglang_args)
-    payload: dict = {"benchmark": "rollout", "models": {}}
+    llama = LlamaSetup(a.llama_python, a.llama_threads)
+    opts = RunOptions(a.repeats, a.warmup, modes, a.parallel_setup)
+    payload: dict = {"benchmark": "rollout", "runs": []}
     with tempfile.TemporaryDirectory(prefix="rlx-bench-rollout-") as tmp:
         root = a.workdir or tmp
         for model in models:
-            plan = Plan(Workload(model, a.batch, a.prompt, a.new, a.seed), sides, a.lora_rank,
-                        a.torch_threads, sglang)
+            plans = [Plan(Workload(model, b, a.prompt, a.new, a.seed), sides, a.lora_rank,
+                          a.torch_threads, sglang, llama) for b in batches]
             try:
-                record = run_model(plan, os.path.join(root, model),
-                                   RunOptions(a.repeats, a.warmup, modes, a.parallel_setup))
+                records = run_model(plans, os.path.join(root, model), opts)
             except BenchError as e:
                 print(f"rollout benchmark failed on {model}: {e}", file=sys.stderr)
                 return 1
-            payload["models"][model] = record
-            _print(plan.workload, record)
+            payload["runs"] += records
+            for plan, record in zip(plans, records):
+                _print(plan.workload, record)
     write_json(a.json or None, payload)
     return 0
 
