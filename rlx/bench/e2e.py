@@ -15,6 +15,11 @@ and compute).
   phase split comes from the step's own timers.
 * ``trl``: ``GRPOTrainer.train()`` held at every step boundary (``rlx.bench.trl_peer``), TRL's
   defaults otherwise (transformers ``generate``, gradient checkpointing).
+* ``tunix``: Tunix 0.1.7's ``GRPOLearner.train()`` with its own sampler, held the same way, LoRA
+  by qwix, in its own environment (``rlx.bench.tunix_peer``, ``rlx.bench.peer_envs``; skipped
+  with the reason printed where that environment is missing). Its "generate s" is its whole
+  generate-and-score stage, its "update s" the rest of the step (update and weight sync). Tunix
+  computes in its weights' dtype (``--dtype bfloat16``: bf16 weights and compute).
 
 With ``--fixed-length`` (default) every completion is exactly ``--new`` tokens (rlx
 ``rollout.ignore_eos``; TRL ``min_new_tokens``), so both sides do the same work; otherwise
@@ -31,11 +36,13 @@ import sys
 import tempfile
 
 from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
+from rlx.bench.peer_envs import TUNIX
 from rlx.bench.rl_models import MODELS, ModelSource, resolve_model, smollm2_gguf, work_dir
 from rlx.learner.heap import release_free_heap
 
-SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8", "rlx-gguf", "trl")
+SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8", "rlx-gguf", "trl", "tunix")
 PEER = "trl"
+PEERS = ("trl", "tunix")  # a "speed vs" column each
 PHASES = ("generate", "score", "logprob", "update", "sync")
 
 
@@ -126,8 +133,28 @@ def e2e_spec(spec: dict) -> E2ESpec:
     return E2ESpec(**{**spec, "extractors": tuple(spec.get("extractors", ()))})
 
 
+def e2e_prompts(s, model_path: str) -> list[dict]:
+    """The prompts rlx's pipeline yields for steps 0 .. steps-1 (same seed, format and order),
+    as rendered chat text with their gold answers."""
+    from rlx.data.chat import PromptFormat
+    from rlx.data.pipeline import make_prompt_pipeline
+    from rlx.data.sources import get_source
+    from rlx.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_path)
+    it = make_prompt_pipeline(get_source(s.source, "train"), tok, batch_size=s.prompts, seed=s.seed,
+                              max_prompt_tokens=s.max_prompt_tokens,
+                              prompt_format=PromptFormat(template=s.template))
+    rows = []
+    for _ in range(s.steps):
+        batch = next(it)
+        rows += [{"prompt": tok.decode(list(p.token_ids)), "answer": e.answer}
+                 for p, e in zip(batch.prompts, batch.examples)]
+    return rows
+
+
 # ------------------------------------------------------------------------------ CLI
-def build_sides(names, spec: E2ESpec, src: ModelSource) -> list[Side]:
+def build_sides(names, spec: E2ESpec, src: ModelSource, tunix_python: str = "") -> list[Side]:
     out = []
     for name in names:
         kw = {"spec": dataclasses.asdict(spec), "model": src.to_kwargs()}
@@ -135,27 +162,40 @@ def build_sides(names, spec: E2ESpec, src: ModelSource) -> list[Side]:
             out.append(Side(name, "rlx.bench.e2e:rlx_side", {**kw, "base": name[4:]}))
         elif name == PEER:
             out.append(Side(name, "rlx.bench.trl_peer:e2e_side", kw, TORCH_ENV))
+        elif name == "tunix":
+            out.append(Side(name, "rlx.bench.tunix_peer:e2e_side",
+                            {**kw, "prompts": e2e_prompts(spec, src.path)},
+                            python=TUNIX.interpreter(tunix_python)))
         else:
             raise ValueError(f"--sides: unknown side {name!r}; choose from {SIDES}")
     return out
 
 
-HEADER = ["side", "samples/step", "step s", "samples/s", "speed vs trl", "completion tokens",
-          "generate s", "score s", "update s", "peak RSS GB"]
+HEADER = ["side", "samples/step", "step s", "samples/s", "speed vs trl", "speed vs tunix",
+          "completion tokens", "generate s", "score s", "update s", "peak RSS GB"]
 
 
 def summarize(results, labels) -> list[list]:
-    peer = results.rate(PEER, "samples") if PEER in labels else None
+    peers = {p: results.rate(p, "samples") for p in PEERS if p in labels}
     rows = []
     for label in labels:
-        rate = results.rate(label, "samples")
-        phases = [results.median(label, f"{p}_s") if "generate_s" in results.runs[label][0]
-                  else "-" for p in ("generate", "score", "update")]
+        rate, first = results.rate(label, "samples"), results.runs[label][0]
+        phases = [results.median(label, f"{p}_s") if f"{p}_s" in first else "-"
+                  for p in ("generate", "score", "update")]
+        speed = [f"{rate / peers[p]:.2f}x" if p in peers else "-" for p in PEERS]
         rows.append([label, int(results.median(label, "samples")), results.median(label, "seconds"),
-                     rate, f"{rate / peer:.2f}x" if peer else "-",
-                     int(results.median(label, "completion_tokens")), *phases,
+                     rate, *speed, int(results.median(label, "completion_tokens")), *phases,
                      results.median(label, "peak_rss_mb") / 1024.0])
     return rows
+
+
+def available(names: list[str], tunix_python: str) -> tuple[list[str], dict[str, str]]:
+    """The sides that can run here, and why each other one cannot (printed)."""
+    reason = TUNIX.unavailable(tunix_python) if "tunix" in names else None
+    if reason:
+        print(f"tunix side skipped: {reason}", file=sys.stderr)
+        return [n for n in names if n != "tunix"], {"tunix": reason}
+    return list(names), {}
 
 
 def parse_args(argv):
@@ -177,20 +217,23 @@ def main(argv: list[str]) -> int:
     spec = E2ESpec(prompts=a.prompts, group=a.group, new=a.new, micro_batches=a.micro_batches,
                    fixed_length=a.fixed_length, steps=a.warmup + a.repeats, dtype=a.dtype)
     default = f"rlx-{'bf16' if a.dtype == 'bfloat16' else 'f32'},trl"
-    names = [n.strip() for n in (a.sides or default).split(",") if n.strip()]
+    names, skipped = available([n.strip() for n in (a.sides or default).split(",") if n.strip()],
+                               a.tunix_python)
     with work_dir(a.work_dir, "rlx_bench_e2e_") as work:
         if a.log_dir:
             os.makedirs(a.log_dir, exist_ok=True)
         src = resolve_model(a.model, work)
-        results = interleave(build_sides(names, spec, src), a.repeats, a.warmup,
+        results = interleave(build_sides(names, spec, src, a.tunix_python), a.repeats, a.warmup,
                              log_dir=a.log_dir or work, parallel_setup=a.parallel_setup)
     rows = summarize(results, names)
     length = "exactly" if spec.fixed_length else "up to"
     print(f"## e2e: GRPO steps, {a.model}, {spec.dtype}, {spec.prompts} prompts x {spec.group} samples x "
           f"{length} {spec.new} tokens, LoRA r{spec.lora_rank}, median of {a.repeats}\n")
     print(markdown_table(HEADER, rows))
+    for name, reason in skipped.items():
+        print(f"\n{name}: skipped ({reason})")
     write_json(a.json, {"benchmark": "e2e", "model": a.model, "spec": dataclasses.asdict(spec),
-                        "header": HEADER, "rows": rows, **results.to_json()})
+                        "header": HEADER, "rows": rows, "skipped": skipped, **results.to_json()})
     return 0
 
 

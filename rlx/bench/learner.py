@@ -14,6 +14,11 @@ model's) with the same hyper-parameters and micro-batching, in its own worker pr
 * ``peft`` / ``peft-nogc``: PyTorch + PEFT LoRA of the same shape on the f32 weights, loss from
   TRL's own ``GRPOTrainer.compute_loss`` (``rlx.bench.trl_peer``), torch AdamW from the trainer;
   ``peft`` keeps TRL's default gradient checkpointing, ``peft-nogc`` turns it off.
+* ``tunix``: Tunix 0.1.7's GRPO learner (its loss, its trainer's jitted step, qwix LoRA of the
+  same shape, AdamW behind global-norm clipping, micro-batches accumulated by ``optax.MultiSteps``)
+  in its own environment (``rlx.bench.tunix_peer``; skipped with the reason printed where that
+  environment is missing). Its LoRA ``A`` is qwix's own random init (``B = 0`` everywhere, so the
+  first loss is the base's); Tunix computes in its weights' dtype.
 
 ``--dtype`` is the compute dtype of every side: float32, or bfloat16 (TRL's default; torch
 autocasts, rlx computes in bf16 with f32 accumulation). LoRA parameters and AdamW stay in f32.
@@ -36,6 +41,7 @@ import time
 import numpy as np
 
 from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
+from rlx.bench.peer_envs import TUNIX
 from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, resolve_model,
                                  work_dir)
 from rlx.learner.heap import release_free_heap
@@ -44,7 +50,7 @@ RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" a
 REMAT_SUFFIXES = {"": "none", "remat": "layer", "proj": "projections"}  # suffix -> train.remat
 RLX_VARIANTS = {f"{n}-{x}".rstrip("-"): (n.removeprefix("rlx-"), remat)  # side -> (base, remat)
                 for x, remat in REMAT_SUFFIXES.items() for n in RLX_SIDES}
-SIDES = (*RLX_VARIANTS, "peft", "peft-nogc")
+SIDES = (*RLX_VARIANTS, "peft", "peft-nogc", "tunix")
 PEER = "peft"
 
 
@@ -206,7 +212,7 @@ def _rlx_batch(s: LearnerSpec, r: RolloutBatch, mesh):
 
 
 # ------------------------------------------------------------------------------ CLI
-def build_sides(names, spec: LearnerSpec, src: ModelSource) -> list[Side]:
+def build_sides(names, spec: LearnerSpec, src: ModelSource, tunix_python: str = "") -> list[Side]:
     out = []
     for name in names:
         kw = {"spec": dataclasses.asdict(spec), "model": src.to_kwargs()}
@@ -216,27 +222,32 @@ def build_sides(names, spec: LearnerSpec, src: ModelSource) -> list[Side]:
         elif name in ("peft", "peft-nogc"):
             out.append(Side(name, "rlx.bench.trl_peer:learner_side",
                             {**kw, "gradient_checkpointing": name == "peft"}, TORCH_ENV))
+        elif name == "tunix":
+            out.append(Side(name, "rlx.bench.tunix_peer:learner_side", kw,
+                            python=TUNIX.interpreter(tunix_python)))
         else:
             raise ValueError(f"--sides: unknown side {name!r}; choose from {SIDES}")
     return out
 
 
 def summarize(results, labels) -> list[list]:
-    """Table rows: side, tokens per update, update s, tokens/s, x peer, peak RSS, x peer."""
+    """Table rows: side, tokens per update, update s, tokens/s, x peft, x tunix, peak RSS, x peft."""
     peer_rate = results.rate(PEER, "tokens") if PEER in labels else None
+    tunix_rate = results.rate("tunix", "tokens") if "tunix" in labels else None
     peer_rss = results.median(PEER, "peak_rss_mb") if PEER in labels else None
     rows = []
     for label in labels:
         rate, rss = results.rate(label, "tokens"), results.median(label, "peak_rss_mb")
         rows.append([label, int(results.median(label, "tokens")),
                      results.median(label, "seconds"), rate,
-                     f"{rate / peer_rate:.2f}x" if peer_rate else "-", rss / 1024.0,
+                     f"{rate / peer_rate:.2f}x" if peer_rate else "-",
+                     f"{rate / tunix_rate:.2f}x" if tunix_rate else "-", rss / 1024.0,
                      f"{rss / peer_rss:.2f}x" if peer_rss else "-"])
     return rows
 
 
-HEADER = ["side", "tokens/update", "update s", "tokens/s", "speed vs peft", "peak RSS GB",
-          "RSS vs peft"]
+HEADER = ["side", "tokens/update", "update s", "tokens/s", "speed vs peft", "speed vs tunix",
+          "peak RSS GB", "RSS vs peft"]
 
 
 def parse_args(argv):
@@ -260,18 +271,26 @@ def main(argv: list[str]) -> int:
                        micro_batches=a.micro_batches, group=min(8, a.batch), dtype=a.dtype,
                        logprob_chunk=a.logprob_chunk)
     names = [n.strip() for n in (a.sides or ",".join(default_sides(a.dtype))).split(",") if n.strip()]
+    skipped = {"tunix": TUNIX.unavailable(a.tunix_python)} if "tunix" in names else {}
+    skipped = {k: v for k, v in skipped.items() if v}
+    names = [n for n in names if n not in skipped]
+    for name, reason in skipped.items():
+        print(f"{name} side skipped: {reason}", file=sys.stderr)
     with work_dir(a.work_dir, "rlx_bench_learner_") as work:
         if a.log_dir:
             os.makedirs(a.log_dir, exist_ok=True)
         src = resolve_model(a.model, work)
-        results = interleave(build_sides(names, spec, src), a.repeats, a.warmup,
+        results = interleave(build_sides(names, spec, src, a.tunix_python), a.repeats, a.warmup,
                              log_dir=a.log_dir or work, parallel_setup=a.parallel_setup)
     print(f"## learner: one GRPO update, {a.model}, {spec.dtype}, {spec.batch} x ({spec.prompt} + "
           f"{spec.completion}) tokens, {spec.micro_batches} micro-batches, LoRA r{spec.lora_rank}, "
           f"median of {a.repeats}\n")
     print(markdown_table(HEADER, summarize(results, names)))
+    for name, reason in skipped.items():
+        print(f"\n{name}: skipped ({reason})")
     write_json(a.json, {"benchmark": "learner", "model": a.model, "spec": dataclasses.asdict(spec),
-                        "header": HEADER, "rows": summarize(results, names), **results.to_json()})
+                        "header": HEADER, "rows": summarize(results, names), "skipped": skipped,
+                        **results.to_json()})
     return 0
 
 

@@ -179,33 +179,13 @@ def arith_reward(completions, answer, **kwargs) -> list[float]:
     return [r.score for r in score_batch(fn, completions, [{"answer": a} for a in answer])]
 
 
-def e2e_prompts(s, model_path: str) -> list[dict]:
-    """The prompts rlx's pipeline yields for steps 0 .. steps-1 (same seed, format and order),
-    as rendered chat text with their gold answers."""
-    from rlx.data.chat import PromptFormat
-    from rlx.data.pipeline import make_prompt_pipeline
-    from rlx.data.sources import get_source
-    from rlx.models.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_dir(model_path)
-    it = make_prompt_pipeline(get_source(s.source, "train"), tok, batch_size=s.prompts, seed=s.seed,
-                              max_prompt_tokens=s.max_prompt_tokens,
-                              prompt_format=PromptFormat(template=s.template))
-    rows = []
-    for _ in range(s.steps):
-        batch = next(it)
-        rows += [{"prompt": tok.decode(list(p.token_ids)), "answer": e.answer}
-                 for p, e in zip(batch.prompts, batch.examples)]
-    return rows
-
-
 def e2e_side(spec: dict, model: dict, gradient_checkpointing: bool = True):
     """Worker factory: ``GRPOTrainer.train()`` in a thread, released one step per repetition."""
     import torch
     from datasets import Dataset
     from trl import GRPOTrainer
 
-    from rlx.bench.e2e import e2e_spec
+    from rlx.bench.e2e import e2e_prompts, e2e_spec
 
     s, src = e2e_spec(spec), ModelSource(**model)
     torch.manual_seed(s.seed)

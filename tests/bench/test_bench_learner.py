@@ -2,11 +2,15 @@
 the same tokens, and the correctness anchor: on the same weights, batch and LoRA init, rlx's loss
 and gradient norm equal those of TRL's own GRPO loss on the PyTorch + PEFT side (f32, tolerance
 1e-5 absolute on the loss, 1e-4 relative on the gradient norm; measured about 1e-7), so the
-benchmark times the same computation. No timing assertions."""
+benchmark times the same computation. No timing assertions. The Tunix side runs where its
+environment exists (``python -m rlx.bench.peer_envs tunix``)."""
 
 import json
 
+import pytest
+
 from rlx.bench.learner import HEADER, main
+from rlx.bench.peer_envs import TUNIX
 
 # batch 4 = 2 micro-batches of 2 rows, prompt 8 + completion 8 tokens
 TINY = ["--model", "tiny", "--batch", "4", "--prompt", "8", "--completion", "8",
@@ -31,3 +35,18 @@ def test_learner_bench_tiny_matches_trl_loss(tmp_path, tmp_path_factory, capsys)
     assert abs(rlx["grad_norm"] - peft["grad_norm"]) <= 1e-4 * peft["grad_norm"]
     assert peft["grad_norm"] > 0
     assert record["rows"][1][4] == "1.00x" and record["rows"][0][3] > 0
+
+
+def test_learner_bench_tunix_side_tiny(tmp_path, tmp_path_factory, capsys):
+    """Tunix's GRPO learner updates on the same batch (its loss is that of another rotary base,
+    so only the work is compared); skipped, naming the command that creates its environment,
+    where missing."""
+    if reason := TUNIX.unavailable():
+        pytest.skip(reason)
+    path = tmp_path / "learner.json"
+    work = tmp_path_factory.getbasetemp() / "rl-bench-models"
+    assert main(TINY + ["--sides", "tunix", "--json", str(path), "--work-dir", str(work)]) == 0
+    record = json.loads(path.read_text())
+    assert [row[0] for row in record["rows"]] == ["tunix"] and record["rows"][0][5] == "1.00x"
+    r = record["runs"]["tunix"][0]
+    assert r["tokens"] == 4 * (8 + 8) and r["loss_tokens"] == 4 * 8 and r["seconds"] > 0, r

@@ -1,10 +1,12 @@
 """The benchmark harness's worker environments: what each kind of side runs under."""
 
 import os
+import sys
 
 import pytest
 
 from rlx.bench.harness import TORCH_ENV, Side, Worker, interleave, stolen_cpu_s
+from tests.helpers import ROOT
 
 
 def env_side(names):
@@ -27,6 +29,22 @@ def test_torch_sides_get_openmp_defaults_and_rlx_sides_sleeping_threads(monkeypa
     assert _env_of(TORCH_ENV) == {"OMP_WAIT_POLICY": None, "TOKENIZERS_PARALLELISM": "false"}
 
 
+def test_a_side_of_another_interpreter_imports_rlx_from_this_checkout(tmp_path):
+    # a peer's environment is a venv without rlx installed: one with no site packages shows it
+    import venv
+
+    venv.create(tmp_path / "bare", with_pip=False, system_site_packages=False)
+    python = str(tmp_path / "bare" / "bin" / "python")
+    worker = Worker(Side("bare", "tests.bench.probe_sides:interpreter_side", python=python))
+    try:
+        seen = worker.run()
+    finally:
+        worker.close()
+    assert seen["python"] == python
+    assert seen["rlx"] == os.path.join(ROOT, "rlx", "__init__.py")
+    assert seen["path"].split(os.pathsep)[0] == ROOT
+
+
 def test_every_torch_peer_runs_under_the_torch_environment():
     from rlx.bench import e2e, learner, products, rollout
     from rlx.bench.rl_models import ModelSource
@@ -42,6 +60,24 @@ def test_every_torch_peer_runs_under_the_torch_environment():
     torch = {s.label for s in sides if s.env == TORCH_ENV}
     assert torch == {"peft", "peft-nogc", "trl", "torch", rollout.HF}
     assert all(s.env == {} for s in sides if s.label not in torch)
+    assert all(s.python == "" for s in sides)  # all of them run in rlx's own interpreter
+
+
+def test_the_peers_of_other_environments_run_their_interpreters():
+    from rlx.bench import learner, rollout
+    from rlx.bench.peer_envs import LLAMA_CPP, TUNIX
+    from rlx.bench.rl_models import ModelSource
+    from rlx.bench.sglang_setup import SGLangSetup
+    from rlx.bench.workloads import Workload
+
+    plan = rollout.Plan(Workload("smollm2"), ("rlx-q4_1", "llama.cpp"), 0, 0, SGLangSetup(),
+                        rollout.LlamaSetup(python=sys.executable))
+    [rlx_side, llama] = rollout.build_sides(plan, [[1, 2]], "unused", None)
+    [tunix] = learner.build_sides(["tunix"], learner.LearnerSpec(), ModelSource("tiny", "unused"),
+                                  tunix_python="/elsewhere/python")
+    assert rlx_side.python == "" and llama.python == sys.executable and llama.env == {}
+    assert llama.kwargs["gguf"].endswith(".gguf") and tunix.python == "/elsewhere/python"
+    assert rollout.LlamaSetup().python == "" and LLAMA_CPP.interpreter() and TUNIX.interpreter()
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="the kernel reports no steal time")
