@@ -19,12 +19,16 @@ class Benchmark(NamedTuple):
 
 BENCHMARKS = {
     "rollout": Benchmark(
-        "rlx.bench.rollout", "generation tokens/s: rlx JAX engine vs HF generate vs SGLang"
+        "rlx.bench.rollout",
+        "generation tokens/s: rlx JAX engine vs HF generate, SGLang and llama.cpp",
     ),
     "learner": Benchmark(
-        "rlx.bench.learner", "one GRPO update: rlx LoRA mode vs PyTorch + PEFT with TRL's loss"
+        "rlx.bench.learner",
+        "one GRPO update: rlx LoRA mode vs PyTorch + PEFT with TRL's loss, and Tunix",
     ),
-    "e2e": Benchmark("rlx.bench.e2e", "samples/s of whole RL steps: rlx vs TRL GRPOTrainer"),
+    "e2e": Benchmark(
+        "rlx.bench.e2e", "samples/s of whole RL steps: rlx vs TRL GRPOTrainer and Tunix GRPOLearner"
+    ),
     "sync": Benchmark("rlx.bench.sync", "update done -> engine serves the new policy; bytes moved"),
     "quant": Benchmark("rlx.bench.quant", "per-format layer error and decode tokens/s"),
     "products": Benchmark(
