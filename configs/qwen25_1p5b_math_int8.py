@@ -7,8 +7,8 @@ activations the same way), so sampler and learner run the same policy; only the 
 trains and is hot-loaded into the servers after every step. The reference policy for the KL term
 is the same base with the adapter switched off.
 
-``model.path`` is a local copy of the checkpoint (``hf download Qwen/Qwen2.5-1.5B-Instruct
---local-dir Qwen/Qwen2.5-1.5B-Instruct``); its architecture is also in ``rlx.models.presets``,
+``model.path`` is the Hub id (fetched into the Hugging Face cache; a local folder of that name
+wins); its architecture is also in ``rlx.models.presets``,
 which the CI uses to run one step of a shrunken random copy.
 """
 
@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.resume = ""  # "" fresh (refuses an output_dir with checkpoints) | "latest" | a step number
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = "Qwen/Qwen2.5-1.5B-Instruct"  # local HF folder (config.json, safetensors, tokenizer)
+    c.model.path = "Qwen/Qwen2.5-1.5B-Instruct"  # Hugging Face Hub id or a local HF folder
     c.model.format = "hf"  # safetensors folder
     c.model.dtype = "bfloat16"  # compute dtype on GPU
     c.model.param_dtype = "bfloat16"  # storage of float leaves (embeddings, norms)

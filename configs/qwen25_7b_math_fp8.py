@@ -7,8 +7,8 @@ releases, and served as SGLang ``fp8`` (block-scaled weights, activations fp8 pe
 the learner quantizes its activations the same way). Only the LoRA adapter trains and is
 hot-loaded into the servers after every step; the KL reference is the base with the adapter off.
 
-``model.path`` is a local copy of the checkpoint (``hf download Qwen/Qwen2.5-7B-Instruct
---local-dir Qwen/Qwen2.5-7B-Instruct``); its architecture is also in ``rlx.models.presets``.
+``model.path`` is the Hub id (fetched into the Hugging Face cache; a local folder of that name
+wins); its architecture is also in ``rlx.models.presets``.
 """
 
 import ml_collections
@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.resume = ""  # "" fresh (refuses an output_dir with checkpoints) | "latest" | a step number
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = "Qwen/Qwen2.5-7B-Instruct"  # local HF folder (config.json, safetensors, tokenizer)
+    c.model.path = "Qwen/Qwen2.5-7B-Instruct"  # Hugging Face Hub id or a local HF folder
     c.model.format = "hf"  # safetensors folder
     c.model.dtype = "bfloat16"  # compute dtype on GPU
     c.model.param_dtype = "bfloat16"  # storage of float leaves (embeddings, lm_head, norms)

@@ -9,8 +9,8 @@ base and adapters: SGLang serves LoRA on MoE experts only over bf16 or fp8 bases
 policy with expert adapters cannot be served there as the same values. The KL reference is the
 base with the adapters off.
 
-``model.path`` is a local copy of the checkpoint (``hf download Qwen/Qwen3-30B-A3B --local-dir
-Qwen/Qwen3-30B-A3B``); its architecture is also in ``rlx.models.presets``.
+``model.path`` is the Hub id (fetched into the Hugging Face cache; a local folder of that name
+wins); its architecture is also in ``rlx.models.presets``.
 """
 
 import ml_collections
@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.resume = ""  # "" fresh (refuses an output_dir with checkpoints) | "latest" | a step number
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = "Qwen/Qwen3-30B-A3B"  # local HF folder (config.json, safetensors, tokenizer)
+    c.model.path = "Qwen/Qwen3-30B-A3B"  # Hugging Face Hub id or a local HF folder
     c.model.format = "hf"  # safetensors folder, read slice-wise into the sharded arrays
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "bfloat16"  # float leaves: embeddings, lm_head, norms, routers

@@ -10,8 +10,8 @@ engine on the same mesh: it samples with the learner's own modules and sharded w
 weights leave the devices and every host takes part (SGLang needs a single learner process).
 There is no KL term: full mode keeps no reference copy of the weights.
 
-``model.path`` is a local copy of the checkpoint on every host (``hf download Qwen/Qwen3-8B
---local-dir Qwen/Qwen3-8B``); its architecture is also in ``rlx.models.presets``.
+``model.path`` is the Hub id (each host fetches it into its Hugging Face cache; a local folder
+of that name wins); its architecture is also in ``rlx.models.presets``.
 """
 
 import ml_collections
@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.resume = ""  # "" fresh (refuses an output_dir with checkpoints) | "latest" | a step number
 
     c.model = ml_collections.ConfigDict()
-    c.model.path = "Qwen/Qwen3-8B"  # local HF folder on every host (config.json, safetensors, tokenizer)
+    c.model.path = "Qwen/Qwen3-8B"  # Hugging Face Hub id or a local HF folder
     c.model.format = "hf"  # safetensors folder, read slice-wise into the sharded arrays
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "bfloat16"  # parameters (and so AdamW moments) in bf16

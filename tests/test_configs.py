@@ -127,7 +127,7 @@ def shrunken(name: str, tmp_path, stand_in, **overrides) -> dict:
     c = copy.deepcopy(CONFIGS[name])
     c["output_dir"] = str(tmp_path / name)
     model = c.setdefault("model", {})
-    if not os.path.exists(resolve_path(model["path"])):
+    if not os.path.exists(resolve_path(model["path"], hub=False)):  # no download in a test
         preset = find_preset(model["path"])
         assert preset, f"configs/{name}.py: model.path={model['path']!r} is neither on this machine " \
                        "nor in rlx.models.presets; add its architecture there"

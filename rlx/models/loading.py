@@ -16,6 +16,7 @@ from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import DTYPES, Precision, Transformer
 from rlx.models.hf import load_model, read_hf_config
+from rlx.models.hub import parse_hub_id, resolve_hub
 from rlx.models.moe import MOE_IMPLS, CorrectionBias
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.models.tokenizer import Tokenizer
@@ -45,19 +46,32 @@ class ShrinkSection:
 class ModelSection:
     """Which checkpoint to load and in which precision (``config.model``)."""
 
-    path: str = ""  # HF folder, .gguf file, or package://pkg/file.gguf (a file shipped in a package)
+    # HF folder, .gguf file, package://pkg/file.gguf (a file shipped in a package), or a Hugging
+    # Face Hub id: org/name, org/name@revision, org/name/file.gguf (rlx.models.hub)
+    path: str = ""
+    gguf_file: str = ""  # a .gguf file inside the repo or folder ``path`` names (joined onto path)
     format: str = "auto"  # one of FORMATS
     dtype: str = "float32"  # compute dtype: a key of rlx.models.decoder.DTYPES
     param_dtype: str = "float32"  # storage dtype of full-precision parameters
     moe_impl: str = "ragged"  # "ragged" (sorted grouped matmul) | "dense" (all experts, einsum)
     shrink: ShrinkSection = ShrinkSection()  # random shrunken copy instead of the weights
 
+    def __post_init__(self):
+        """``gguf_file`` is joined onto ``path`` (and cleared), so every reader of ``path`` sees
+        the file: ``org/name`` + ``x.gguf`` is ``org/name/x.gguf``."""
+        if not self.gguf_file:
+            return
+        if self.path.endswith(".gguf") or not self.gguf_file.endswith(".gguf"):
+            raise ConfigError(f"config.model.gguf_file={self.gguf_file!r} names a .gguf file inside "
+                              f"the hub repo or folder of model.path (got path={self.path!r})")
+        object.__setattr__(self, "path", f"{self.path.rstrip('/')}/{self.gguf_file}")
+        object.__setattr__(self, "gguf_file", "")
+
     def validate(self) -> None:
         if not self.path:
-            raise ConfigError("config.model.path is empty; set it to a HF folder or a .gguf file")
-        if not os.path.exists(resolve_path(self.path)):
-            raise ConfigError(f"config.model.path={self.path!r} does not exist; point it at a HF "
-                              "model folder (config.json + *.safetensors) or a .gguf file")
+            raise ConfigError("config.model.path is empty; set it to a HF folder, a .gguf file or "
+                              "a Hugging Face Hub id (org/name)")
+        check_path("config.model.path", self.path)
         one_of("config.model.format", self.format, FORMATS)
         one_of("config.model.dtype", self.dtype, DTYPES)
         one_of("config.model.param_dtype", self.param_dtype, DTYPES)
@@ -74,8 +88,12 @@ class ModelSection:
         return Precision.named(self.dtype, self.param_dtype, self.moe_impl)
 
 
-def resolve_path(path: str) -> str:
-    """Turn ``package://pkg/rel/path`` into a filesystem path; other paths are returned as is."""
+def resolve_path(path: str, hub: bool = True) -> str:
+    """The filesystem path of a model path: ``package://pkg/rel/path`` inside an installed
+    package, a Hugging Face Hub id (``rlx.models.hub``; not with ``hub=False``) in the local
+    cache (downloaded there first when missing); other paths are returned as they are."""
+    if hub and parse_hub_id(path) is not None:
+        return resolve_hub(path)
     if not path.startswith("package://"):
         return os.path.expanduser(path)
     pkg, _, rel = path[len("package://"):].partition("/")
@@ -84,6 +102,20 @@ def resolve_path(path: str) -> str:
     except ModuleNotFoundError:
         raise ConfigError(f"config path {path!r}: Python package {pkg!r} is not installed; "
                           f"pip install it (e.g. `pip install -e .[demo]`)") from None
+
+
+def check_path(field: str, path: str) -> None:
+    """Refuse a model path that names nothing: one line naming ``field`` and the fix."""
+    try:
+        local = resolve_path(path)
+    except ConfigError as e:
+        if path.startswith("hf://") or path.startswith("package://"):
+            raise ConfigError(f"{field}={path!r}: {e}") from None
+        raise ConfigError(f"{field}={path!r} is no local path, and as a Hugging Face Hub id: "
+                          f"{e}") from None
+    if not os.path.exists(local):
+        raise ConfigError(f"{field}={path!r} does not exist; point it at a HF model folder "
+                          "(config.json + *.safetensors), a .gguf file or a Hub id (org/name)")
 
 
 @dataclasses.dataclass
