@@ -17,6 +17,7 @@ from typing import Any
 import ml_collections
 
 from rlx.errors import ConfigError, one_of
+from rlx.io.trackers import LogSection
 from rlx.learner.advantages import ESTIMATORS, TOKEN_ESTIMATORS
 from rlx.learner.critic import CriticSection
 from rlx.learner.losses import LossConfig
@@ -143,6 +144,7 @@ class RunConfig:
     critic: CriticSection = CriticSection()  # PPO's learned critic (train.advantage="gae")
     optim: OptimizerConfig = OptimizerConfig()  # AdamW + schedule + clipping
     distributed: DistributedSection = DistributedSection()
+    log: LogSection = LogSection()  # trackers: tensorboard, wandb, mlflow (rlx.io.trackers)
     seed: int = 0  # seeds parameter init, data order and sampling
     output_dir: str = "runs/default"  # tensorboard logs, metrics, checkpoints, exports
     resume: str = ""  # "" fresh | "latest" (or "true") newest complete checkpoint | a step number

@@ -26,7 +26,7 @@ ALLOWED = {
     "rlx.envs": FOUNDATION | {"rlx.models", "rlx.rewards", "rlx.data"},
     "rlx.io": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner"},
     "rlx.rollout": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io"},
-    "rlx.config": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout"},
+    "rlx.config": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
     "rlx.run": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
                              "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
     "rlx.plan": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner"},

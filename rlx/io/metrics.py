@@ -8,12 +8,15 @@ depth; it flattens them into ``/``-joined names (``{"reward": {"math": stats}}``
 * a tensorboard scalar per name (tensorboardX, ``<logdir>/events.out.tfevents.*``);
 * one JSON object per call to ``<logdir>/metrics.jsonl``: ``{"step", "wall_time", <name>: value}``
   (``read_metrics`` loads it as a list of records, one per step, ready for ``pandas.DataFrame``);
-* a console line every ``console_every`` steps and a tqdm progress bar with ETA and the last reward.
+* a console line every ``console_every`` steps and a tqdm progress bar with ETA and the last reward;
+* the same scalars to every tracker of ``trackers`` besides tensorboard (``rlx.io.trackers``:
+  wandb, MLflow), at the same step.
 
 ``log_text`` writes sample completions every ``text_every`` steps as tensorboard text and to
-``<logdir>/samples.jsonl``. Only process 0 writes anything; on other processes every method is a
+``<logdir>/samples.jsonl`` (and as a table to each tracker). Only process 0 writes anything; on other processes every method is a
 no-op. A run resumed from a checkpoint of step k (``start_step=k``) makes tensorboard drop the
-interrupted run's events after k, and ``read_metrics`` keeps the last record written per step.
+interrupted run's events after k, ``read_metrics`` keeps the last record written per step, and
+the trackers continue the run ids they saved.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlx.io.trackers import BUILTIN, Tracker, TrackerRun, open_trackers
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
@@ -47,6 +52,10 @@ class LoggerConfig:
     reward_key: str = "reward/mean"  # the scalar shown on the progress bar
     console_keys: tuple[str, ...] = ("reward/mean", "loss", "kl", "entropy", "grad_norm",
                                      "time/step")  # console line; "loss" also finds "x/loss"
+    trackers: tuple[str, ...] = ("tensorboard",)  # rlx.io.trackers: tensorboard, wandb, mlflow
+    project: str = "rlx"  # wandb project / MLflow experiment
+    run_name: str = ""  # "" : the name of logdir
+    run_config: Mapping[str, Any] | None = None  # the run's config: config.json, each tracker
 
     def __post_init__(self):
         if self.text_every < 1:
@@ -144,16 +153,24 @@ class MetricsLogger:
         self.active = index == 0
         self._stream = stream or sys.stderr
         self._writer = self._jsonl = self._samples = self._bar = None
+        self._trackers: list[Tracker] = []
         self._last_step = start_step
         if not self.active:
             return
-        from tensorboardX import SummaryWriter
-
         os.makedirs(cfg.logdir, exist_ok=True)
-        self._writer = SummaryWriter(  # a unique file name: two writers may start in one second
-            cfg.logdir, purge_step=start_step + 1 if start_step else None, flush_secs=30,
-            filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        if "tensorboard" in cfg.trackers:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(  # a unique file name: two writers may start in one second
+                cfg.logdir, purge_step=start_step + 1 if start_step else None, flush_secs=30,
+                filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        self._trackers = open_trackers(
+            [t for t in cfg.trackers if t not in BUILTIN],
+            TrackerRun(cfg.logdir, project=cfg.project, run_name=cfg.run_name,
+                       config=cfg.run_config, resume=start_step > 0))
         self._jsonl = open(os.path.join(cfg.logdir, METRICS_FILE), "a", encoding="utf-8")
+        if cfg.run_config is not None:
+            self.log_config(cfg.run_config)
         if cfg.progress:
             from tqdm import tqdm
             self._bar = tqdm(total=cfg.total_steps, initial=start_step, file=self._stream,
@@ -178,8 +195,11 @@ class MetricsLogger:
         if reserved:
             raise ValueError(f"metric names {sorted(reserved)} are reserved for the JSONL record")
         now = time.time()
-        for name, value in scalars.items():
-            self._writer.add_scalar(name, value, step, walltime=now)
+        if self._writer is not None:
+            for name, value in scalars.items():
+                self._writer.add_scalar(name, value, step, walltime=now)
+        for tracker in self._trackers:
+            tracker.log(step, scalars)
         self._jsonl.write(json.dumps({"step": int(step), "wall_time": now, **scalars}) + "\n")
         self._jsonl.flush()
         self._progress(step, scalars)
@@ -211,13 +231,17 @@ class MetricsLogger:
         """Write `samples` if `step` is a multiple of ``text_every`` or `force`; returns whether."""
         if not self.active or not samples or not (force or step % self.cfg.text_every == 0):
             return False
-        self._writer.add_text(tag, _sample_markdown(samples), step)
+        if self._writer is not None:
+            self._writer.add_text(tag, _sample_markdown(samples), step)
         if self._samples is None:
             self._samples = open(os.path.join(self.cfg.logdir, SAMPLES_FILE), "a", encoding="utf-8")
-        for s in samples:
-            self._samples.write(json.dumps({"step": int(step), "tag": tag,
-                                            **dataclasses.asdict(s)}) + "\n")
+        rows = [{"step": int(step), **dataclasses.asdict(s)} for s in samples]
+        for row in rows:
+            self._samples.write(json.dumps({"step": row["step"], "tag": tag,
+                                            **{k: v for k, v in row.items() if k != "step"}}) + "\n")
         self._samples.flush()
+        for tracker in self._trackers:
+            tracker.table(step, tag, rows)
         return True
 
     def log_config(self, config: Mapping[str, Any]) -> None:
@@ -225,20 +249,25 @@ class MetricsLogger:
         if not self.active:
             return
         text = json.dumps(config, indent=2, sort_keys=True, default=str)
-        self._writer.add_text("config", _indent(text), 0)
+        if self._writer is not None:
+            self._writer.add_text("config", _indent(text), 0)
         with open(os.path.join(self.cfg.logdir, "config.json"), "w", encoding="utf-8") as f:
             f.write(text + "\n")
 
     def flush(self) -> None:
         if self.active:
-            self._writer.flush()
+            if self._writer is not None:
+                self._writer.flush()
             self._jsonl.flush()
 
     def close(self) -> None:
         """Flush and close every output; the logger is inactive afterwards."""
         if not self.active:
             return
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()
+        for tracker in self._trackers:
+            tracker.close()
         self._jsonl.close()
         if self._samples is not None:
             self._samples.close()

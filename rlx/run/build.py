@@ -19,17 +19,16 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.config import RunConfig, parse_config
+from rlx.config import RunConfig, parse_config, to_dict
 from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import Example, get_source
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
-from rlx.learner.preference import make_dpo_step
 from rlx.learner.critic import (init_critic, make_critic_step, make_value_step, read_value_head,
                                 value_head)
-from rlx.learner.state import (MODES, TrainState, create_train_state, make_optimizer,
-                               state_shardings)
+from rlx.learner.preference import make_dpo_step
+from rlx.learner.state import MODES, TrainState, create_train_state, make_optimizer, state_shardings
 from rlx.learner.step import (FORWARDS, Compiled, make_logprob_step, make_train_step,
                               reference_forward)
 from rlx.mesh import make_mesh
@@ -115,8 +114,12 @@ def make_reward(cfg: RunConfig) -> RewardFn:
 
 
 def make_logger(cfg: RunConfig, start: int, progress: bool = True) -> MetricsLogger:
+    """Tensorboard, ``metrics.jsonl`` and the trackers of ``config.log``, told the whole config; a
+    run resumed at step ``start`` > 0 continues the trackers' runs."""
     return MetricsLogger(LoggerConfig(logdir=cfg.output_dir, total_steps=cfg.train.steps,
-                                      text_every=max(cfg.train.sample_every, 1), progress=progress),
+                                      text_every=max(cfg.train.sample_every, 1), progress=progress,
+                                      trackers=cfg.log.trackers, project=cfg.log.project,
+                                      run_name=cfg.log.run_name, run_config=to_dict(cfg)),
                          start_step=start)
 
 
