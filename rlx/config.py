@@ -27,6 +27,7 @@ from rlx.learner.step import FORWARDS, StepConfig
 from rlx.mesh import MeshShape
 from rlx.models.loading import ModelSection, resolve_path
 from rlx.quant.config import LoraConfig, QuantConfig
+from rlx.quant.peft_import import peft_lora_config
 from rlx.rollout.config import RolloutSection
 
 
@@ -148,6 +149,14 @@ class RunConfig:
     seed: int = 0  # seeds parameter init, data order and sampling
     output_dir: str = "runs/default"  # tensorboard logs, metrics, checkpoints, exports
     resume: str = ""  # "" fresh | "latest" (or "true") newest complete checkpoint | a step number
+
+    def __post_init__(self):
+        """``lora.init_from``: the adapter's rank, alpha and targets are the PEFT folder's."""
+        if self.lora.init_from:
+            if self.train.mode != "lora":
+                raise ConfigError(f"config.lora.init_from={self.lora.init_from!r} warm-starts a LoRA "
+                                  f"adapter, which needs train.mode='lora' (got {self.train.mode!r})")
+            object.__setattr__(self, "lora", peft_lora_config(self.lora))
 
     @property
     def resume_step(self) -> int | str | None:

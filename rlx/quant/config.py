@@ -89,6 +89,9 @@ class LoraConfig:
     targets: tuple[str, ...] = LORA_TARGETS  # any of q, k, v, o, gate, up, down
     experts: bool = True  # also adapt MoE experts (one adapter per expert, run batched)
     param_dtype: str = "float32"  # adapter storage dtype: a key of rlx.models.decoder.DTYPES
+    # a HF PEFT LoRA folder to start from (an SFT adapter); in a run config its adapter_config.json
+    # sets rank, alpha and targets (rlx.quant.peft_import)
+    init_from: str = ""
 
     def __post_init__(self):
         if self.rank < 1:

@@ -37,8 +37,10 @@ from rlx.models.decoder import Transformer
 from rlx.models.loading import ShrinkSection, resolve_path
 from rlx.models.tokenizer import Tokenizer
 from rlx.quant import apply_lora, load_gguf_quantized, quantize_model
+from rlx.quant.peft_import import (abstract_lora_model, check_peft_adapter, load_peft_adapter,
+                                   read_peft_adapter)
 from rlx.rewards import RewardFn, get_reward
-from rlx.run.checks import check_before_build
+from rlx.run.checks import check_before_build, read_architecture
 from rlx.run.engines import make_engine
 from rlx.run.hosts import Hosts
 from rlx.run.learn import needs_old_logprobs
@@ -130,7 +132,13 @@ def _logged(output_dir: str) -> list[dict]:
 
 
 def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | None]:
-    """Mode "lora": the base in its serving representation + adapters; "full": the float model."""
+    """Mode "lora": the base in its serving representation + adapters (``lora.init_from``: those
+    of a PEFT folder, checked against the base's shapes before any weight is read); "full": the
+    float model."""
+    warm = cfg.lora.init_from if cfg.train.mode == "lora" else ""
+    if warm:
+        check_peft_adapter(read_peft_adapter(warm), abstract_lora_model(
+            read_architecture(cfg)[0], cfg.model.precision, cfg.lora))
     if cfg.quant.format == "gguf":
         loaded = load_gguf_quantized(resolve_path(cfg.model.path), mesh=mesh,
                                      moe_impl=cfg.model.moe_impl)
@@ -140,6 +148,8 @@ def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | No
     model = loaded.model
     if cfg.train.mode == "lora":
         apply_lora(model, cfg.lora, nnx.Rngs(cfg.seed), mesh=mesh)
+    if warm:
+        load_peft_adapter(model, warm)
     return model, loaded.tokenizer
 
 
