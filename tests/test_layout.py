@@ -31,6 +31,7 @@ ALLOWED = {
                              "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
     "rlx.plan": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner"},
     "rlx.launch": FOUNDATION | {"rlx.config", "rlx.run", "rlx.io", "rlx.rollout"},
+    "rlx.eval": FOUNDATION | {"rlx.config", "rlx.run"},
     "rlx": {"rlx.run"},  # rlx/__init__.py: build
 }
 TOP_LEVEL = {"__init__.py", "launch.py", "config.py", "types.py", "mesh.py", "errors.py"}

@@ -13,7 +13,7 @@ A completion counts as correct when its reward is at least `success_threshold`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -86,10 +86,12 @@ def evaluate(
     success_threshold: float = 1.0,
     batch_size: int | None = None,
     keep_completions: bool = False,
+    on_batch: Callable[[int], None] | None = None,
 ) -> EvalReport:
     """Samples `sampling.n` completions per example and reports pass@1 and pass@k.
 
-    `reward` is a reward function or a registered name (then built here and closed after).
+    `reward` is a reward function or a registered name (then built here and closed after);
+    `on_batch(count)` is called after each batch of `count` problems is graded (a progress bar).
     """
     if sampling.n < k:
         raise ValueError(f"pass@{k} needs sampling.n >= {k}, got n={sampling.n}")
@@ -118,6 +120,8 @@ def evaluate(
                     pass_at={kk: pass_at_k(sampling.n, correct, kk) for kk in ks},
                     completions=tuple(texts[mine]) if keep_completions else (),
                 ))
+            if on_batch is not None:
+                on_batch(len(chunk))
     finally:
         if isinstance(reward, str) and hasattr(grader, "close"):
             grader.close()  # built here (e.g. math grading workers): ours to stop
