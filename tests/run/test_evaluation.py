@@ -120,3 +120,36 @@ def test_the_command_line_writes_the_report_and_refuses_bad_options(tmp_path):
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert [x for x in bad.stderr.splitlines() if x.startswith("rlx.eval:")] == [
         "rlx.eval: config error: give --checkpoint or --adapter, not both"]
+
+
+def test_an_adapter_folder_is_evaluated_as_lora_init_from(tmp_path):
+    """``--adapter DIR``: the config's LoRA becomes that PEFT folder's (rank, alpha, targets),
+    its tensors on the tiny model's adapters."""
+    from safetensors.numpy import save_file
+
+    from rlx.quant.peft_import import peft_modules
+    from rlx.run.evaluation import eval_config
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    json.dump({"peft_type": "LORA", "r": 2, "lora_alpha": 6.0, "target_modules": ["q_proj"]},
+              open(adapter / "adapter_config.json", "w"))
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for i in range(2):  # configs/tiny.py: 2 layers of width 64, 4 query heads of 16
+        name = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        tensors[f"{name}.lora_A.weight"] = rng.standard_normal((2, 64)).astype(np.float32)
+        tensors[f"{name}.lora_B.weight"] = rng.standard_normal((64, 2)).astype(np.float32)
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    cfg = eval_config(parse_config(config_dict("tiny", tmp_path / "run", **TINY)),
+                      EvalOptions(adapter=str(adapter)))
+    assert (cfg.lora.init_from, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets) == (
+        str(adapter), 2, 6.0, ("q",))
+    model, _ = load_policy(cfg, make_mesh(cfg.mesh))
+    mods = peft_modules(model)
+    assert sorted(mods) == [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+    for name, lo in mods.items():
+        assert np.array_equal(np.asarray(lo.lora_a[...]),
+                              tensors[f"base_model.model.{name}.lora_A.weight"].T)
+    with pytest.raises(ConfigError, match="is not a folder"):
+        eval_config(cfg, EvalOptions(adapter=str(tmp_path / "missing")))
