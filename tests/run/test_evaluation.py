@@ -4,8 +4,9 @@ A one-step run writes a checkpoint; evaluating it restores exactly the run's tra
 and reports pass@1 / pass@k / mean reward that agree with the per-problem lines, which agree with
 pass@k recomputed here from each problem's count of correct samples (``math.comb``). The reward
 grades the parity of a completion's length, so a random model gets a mix of right and wrong. The
-command line writes the same two files, shows a progress bar, prints one summary line, and
-refuses bad options with one line, writing nothing.
+command line writes the same two files for a code source (HumanEval, the sandboxed code reward),
+shows a progress bar, prints one summary line, and refuses bad options with one line, writing
+nothing.
 """
 
 from __future__ import annotations
@@ -96,21 +97,42 @@ def test_a_checkpoint_is_scored_with_its_own_parameters(tmp_path):
     assert json.load(open(tmp_path / "eval" / REPORT_FILE))["pass@2"] == report["pass@2"]
 
 
+CODE_CONFIG = """
+import importlib.util
+
+def get_config():
+    spec = importlib.util.spec_from_file_location("tiny", {tiny!r})
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    c = tiny.get_config()
+    c.data.source, c.data.template, c.train.reward = "humaneval", "{{prompt}}", "code"
+    c.mesh.data, c.rollout.max_new_tokens = 8, 6
+    return c
+"""
+
+
 def _cli(tmp_path, *args):
+    """``python -m rlx.eval`` on the tiny model with HumanEval's held-out split and the code
+    reward."""
+    config = tmp_path / "tiny_code.py"
+    config.write_text(CODE_CONFIG.format(tiny=os.path.join(ROOT, "configs", "tiny.py")))
     return subprocess.run(
-        [sys.executable, "-m", "rlx.eval", "--config", os.path.join(ROOT, "configs", "tiny.py"),
-         "--config.mesh.data=8", "--config.rollout.max_new_tokens=6",
+        [sys.executable, "-m", "rlx.eval", "--config", str(config),
          f"--config.output_dir={tmp_path / 'run'}", *args],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
 def test_the_command_line_writes_the_report_and_refuses_bad_options(tmp_path):
+    """On a code source (HumanEval's held-out split, graded by running the tests)."""
     proc = _cli(tmp_path, "--k", "2", "--temperature", "0.7", "--problems", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.load(open(tmp_path / "run" / "eval" / REPORT_FILE))
     assert report["k"] == 2 and report["n"] == 2 and report["temperature"] == 0.7
     assert report["problems"] == 2 and report["split"] == "eval" and report["adapter"] is None
-    assert len(open(tmp_path / "run" / "eval" / PROBLEMS_FILE).readlines()) == 2
+    assert report["data_source"] == "humaneval" and report["config"]["train"]["reward"] == "code"
+    lines = [json.loads(x) for x in open(tmp_path / "run" / "eval" / PROBLEMS_FILE)]
+    assert len(lines) == 2 and all(x["uid"].startswith("humaneval:") for x in lines)
+    assert all(len(x["completions"]) == 2 for x in lines)
     assert "2/2" in proc.stderr and "problem" in proc.stderr  # the progress bar
     (line,) = proc.stdout.strip().splitlines()
     assert line.startswith("2 problems x 2 samples") and "pass@2" in line
