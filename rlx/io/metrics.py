@@ -158,16 +158,16 @@ class MetricsLogger:
         if not self.active:
             return
         os.makedirs(cfg.logdir, exist_ok=True)
+        self._trackers = open_trackers(  # first: one that cannot start leaves no file open
+            [t for t in cfg.trackers if t not in BUILTIN],
+            TrackerRun(cfg.logdir, project=cfg.project, run_name=cfg.run_name,
+                       config=cfg.run_config, resume=start_step > 0))
         if "tensorboard" in cfg.trackers:
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(  # a unique file name: two writers may start in one second
                 cfg.logdir, purge_step=start_step + 1 if start_step else None, flush_secs=30,
                 filename_suffix=f".{uuid.uuid4().hex[:8]}")
-        self._trackers = open_trackers(
-            [t for t in cfg.trackers if t not in BUILTIN],
-            TrackerRun(cfg.logdir, project=cfg.project, run_name=cfg.run_name,
-                       config=cfg.run_config, resume=start_step > 0))
         self._jsonl = open(os.path.join(cfg.logdir, METRICS_FILE), "a", encoding="utf-8")
         if cfg.run_config is not None:
             self.log_config(cfg.run_config)

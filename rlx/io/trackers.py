@@ -35,15 +35,18 @@ TRACKER_COLUMNS = ("step", "prompt", "completion", "reward", "reason")
 
 @dataclasses.dataclass(frozen=True)
 class TrackerSpec:
-    """One tracker: the module it needs and the line that installs it."""
+    """One tracker: the module it needs, the line that installs it, what to do when it fails."""
 
     module: str
     install: str
+    fix: str
 
 
 TRACKERS = {
-    "wandb": TrackerSpec("wandb", 'pip install -e ".[wandb]"  (or: pip install wandb)'),
-    "mlflow": TrackerSpec("mlflow", 'pip install -e ".[mlflow]"  (or: pip install mlflow)'),
+    "wandb": TrackerSpec("wandb", 'pip install -e ".[wandb]"  (or: pip install wandb)',
+                         "log in (`wandb login` or WANDB_API_KEY) or set WANDB_MODE=offline"),
+    "mlflow": TrackerSpec("mlflow", 'pip install -e ".[mlflow]"  (or: pip install mlflow)',
+                          "check MLFLOW_TRACKING_URI (or unset it: a sqlite file in output_dir)"),
 }
 BUILTIN = ("tensorboard",)  # written by rlx.io.metrics itself (tensorboardX)
 
@@ -186,7 +189,12 @@ def open_trackers(names: Sequence[str], run: TrackerRun) -> list[Tracker]:
         if name not in _OPENERS or not installed(name):
             raise ConfigError(f"tracker {name!r} is not available: "
                               f"{TRACKERS[name].install if name in TRACKERS else list(TRACKERS)}")
-        tracker = _OPENERS[name](run, saved.get(name))
+        try:
+            tracker = _OPENERS[name](run, saved.get(name))
+        except Exception as e:  # not logged in, a tracking server out of reach, ...
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(f"config.log.trackers: {name} could not start ({type(e).__name__}: "
+                              f"{first}); {TRACKERS[name].fix}") from e
         ids[name] = tracker.id
         out.append(tracker)
     if out:

@@ -135,3 +135,20 @@ def test_a_run_sends_its_scalars_samples_and_config_to_wandb(tmp_path, tracker_e
     tb = tensorboard_scalars(str(out))
     assert {s for _, s in tb} == {1, 2} and len(tb) > 2 * 10
     assert set(logged) == set(tb) and all(np.float32(logged[k]) == tb[k] for k in tb)
+
+
+def test_a_tracker_that_cannot_start_stops_the_run_with_one_line(tmp_path, monkeypatch):
+    from rlx.io import trackers
+
+    class Offline:
+        def __init__(self, run, run_id):
+            raise RuntimeError("No API key configured.\nUse `wandb login`.")
+
+    monkeypatch.setattr(trackers, "installed", lambda name: True)
+    monkeypatch.setitem(trackers._OPENERS, "wandb", Offline)
+    with pytest.raises(ConfigError) as e:
+        MetricsLogger(LoggerConfig(str(tmp_path / "run"), progress=False,
+                                   trackers=("tensorboard", "wandb")), process_index=0)
+    assert str(e.value) == ("config.log.trackers: wandb could not start (RuntimeError: No API key "
+                            "configured.); log in (`wandb login` or WANDB_API_KEY) or set "
+                            "WANDB_MODE=offline")
