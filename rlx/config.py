@@ -105,7 +105,9 @@ class TrainSection:
     eval_every: int = 10  # steps between evaluations (0 = only at the start and the end)
     checkpoint_every: int = 0  # steps between checkpoints (0 = only at exit)
     keep_checkpoints: int = 2  # checkpoints kept on disk
-    max_staleness: int = 0  # 0: synchronous on-policy; 1: one-step-off async (generate t+1 during update t)
+    # batches of rollouts in flight: 0 synchronous on-policy; k >= 1 the batch of step t + k is
+    # generated with the weights of step t while the learner works (1: one-step-off)
+    max_staleness: int = 0
     max_skipped_steps: int = 3  # stop after this many updates in a row skipped for NaN/Inf
     sample_every: int = 10  # steps between logged sample completions
 
@@ -114,7 +116,9 @@ class TrainSection:
         one_of("config.train.algorithm", self.algorithm, ALGORITHMS)
         one_of("config.train.remat", self.remat, FORWARDS)
         one_of("config.train.advantage", self.advantage, (*ESTIMATORS, *TOKEN_ESTIMATORS))
-        one_of("config.train.max_staleness", self.max_staleness, (0, 1))
+        if self.max_staleness < 0:
+            raise ConfigError(f"config.train.max_staleness={self.max_staleness} must be >= 0 (0: "
+                              "synchronous; k: up to k batches of rollouts in flight)")
         if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
             raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
         if self.epochs < 1 or self.minibatches < 1:
@@ -196,6 +200,9 @@ class RunConfig:
                               "train.mode='lora' (the reference is the base with the adapter off) "
                               "or loss.kl_coef=0")
         self._check_critic()
+        if self.rollout.partial and not self.train.max_staleness:
+            raise ConfigError("config.rollout.partial=True continues generations across weight "
+                              "syncs, which needs batches in flight: set train.max_staleness >= 1")
         if self.train.algorithm == "dpo" and (self.train.mode != "lora" or self.critic.enabled):
             raise ConfigError(f"config.train.algorithm='dpo' needs train.mode='lora' (its "
                               "reference is the base with the adapter switched off) and no "

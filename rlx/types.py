@@ -55,6 +55,9 @@ class Rollout:
     completion_mask: np.ndarray | None = None  # [C] {0, 1}; None: all generated
     reward: float | None = None
     has_logprobs: bool = True  # False: sampler_logp was not computed (NaN); no batch takes it
+    # [C] the weight version that sampled each token (a partial rollout continued across a weight
+    # sync, rlx.run.rollouts); None: every token weight_version's
+    token_versions: np.ndarray | None = None
 
     def __post_init__(self):
         c = len(self.completion_ids)
@@ -63,6 +66,9 @@ class Rollout:
         if len(self.sampler_logp) != c:
             raise ValueError(f"Rollout.sampler_logp has {len(self.sampler_logp)} entries for {c} "
                              "completion tokens")
+        if self.token_versions is not None and len(self.token_versions) != c:
+            raise ValueError(f"Rollout.token_versions has {len(self.token_versions)} entries for "
+                             f"{c} completion tokens")
         if self.completion_mask is not None and len(self.completion_mask) != c:
             raise ValueError(f"Rollout.completion_mask has {len(self.completion_mask)} entries "
                              f"for {c} completion tokens")

@@ -102,6 +102,9 @@ def _place(arrays, row: int, start: int, segment: int, r: Rollout, adv: float, o
     if ref is not None:
         arrays["ref_logp"][row, done] = np.asarray(ref) * mask
     arrays["uid"][row, span], arrays["weight_version"][row, span] = tags
+    versions = getattr(r, "token_versions", None)
+    if versions is not None:  # a partial rollout: each token's own version
+        arrays["weight_version"][row, done] = np.asarray(versions)
 
 
 def train_buckets(top: int, smallest: int = 64, per_octave: int = 4) -> tuple[int, ...]:

@@ -67,6 +67,9 @@ class RolloutSection:
     # built-in engine's copy of float projection weights: "auto" ([out, in] on CPU, where decode
     # products run faster so), "out_in" or "in_out" (the learner's); see rlx.rollout.decode_layout
     weight_layout: str = "auto"
+    # with train.max_staleness = k >= 1: generate each batch in k + 1 segments, one per step, so a
+    # completion spanning a weight sync continues with the new weights (rlx.run.rollouts)
+    partial: bool = False
     sglang: SGLangSection = SGLangSection()  # servers, used when engine == "sglang"
 
     def validate(self) -> None:

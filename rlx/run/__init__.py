@@ -1,8 +1,9 @@
 """The run: ``build`` assembles it from a validated config (``rlx.build``), ``loop`` holds ``Run``
-and its ``step()``, ``engines`` makes the rollout engine a config names, ``hosts`` and
-``multihost`` split the work of a multi-host job, ``lifecycle`` checkpoints, resumes and stops on
-signals, ``checks`` refuses what cannot work before any weight is read, ``summary`` describes a
-model for ``--dry_run``.
+and its ``step()``, ``rollouts`` the batches of rollouts in flight ahead of the learner
+(``train.max_staleness``, ``rollout.partial``), ``learn`` the learner's side of a step,
+``engines`` makes the rollout engine a config names, ``hosts`` and ``multihost`` split the work of
+a multi-host job, ``lifecycle`` checkpoints, resumes and stops on signals, ``checks`` refuses what
+cannot work before any weight is read, ``summary`` describes a model for ``--dry_run``.
 
 May import every stage (``rlx.models``, ``rlx.quant``, ``rlx.learner``, ``rlx.rewards``,
 ``rlx.data``, ``rlx.envs``, ``rlx.rollout``), ``rlx.io``, ``rlx.config`` and the foundation

@@ -225,6 +225,13 @@ class Hosts:
         """A device array of the global batch as host numpy, on every process."""
         return np.asarray(multihost.to_host(x) if self.multi else jax.device_get(x))
 
+    def engine_weights(self, compiled: Compiled) -> nnx.Module | nnx.State | None:
+        """What ``RolloutEngine.update_weights`` takes after an update: one process the whole
+        model, several the trainable variables (all-gathered; every process takes part)."""
+        if not self.multi:
+            return compiled.model()
+        return multihost.to_host(compiled.state.params)
+
     def sync_weights(self, engine: RolloutEngine | None, compiled: Compiled, version: int) -> None:
         """The learner's current weights to the engine as ``version``: one process the whole
         model; several the trainable variables (all-gathered), where an engine runs."""

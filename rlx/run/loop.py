@@ -7,22 +7,25 @@ over ``train.micro_batches`` inside the compiled step; ``rlx.run.learn``) and ha
 weights to the engine (``weight_version`` = learner step).
 
 * Synchronous on-policy (``train.max_staleness = 0``): each step samples with the current weights.
-* One-step-off asynchronous (``train.max_staleness = 1``): while step t scores and updates, the
-  engine already generates step t+1's rollouts with the weights of step t (a background thread);
-  the weights move to the engine once that generation is done. Rollouts carry their
-  ``weight_version``; the loss's truncated importance sampling (sampler vs. learner log-probs)
-  corrects the one-version lag together with the numerical sampler/learner mismatch, which is
-  measured every step (``mismatch/*``, ``rollout/staleness``).
+* Asynchronous (``train.max_staleness = k >= 1``, ``rlx.run.rollouts``): up to k batches of
+  rollouts are in flight; the engine generates step t + k's batch with the weights of step t on a
+  worker thread while the learner scores and updates (one-step-off for k = 1); weight syncs are
+  queued behind the generations, so the engine always samples with the newest weights it has.
+  ``rollout.partial`` continues a completion that spans a weight sync with the new weights, each
+  token tagged with its version. Rollouts carry their ``weight_version`` (and per-token versions);
+  the loss's truncated importance sampling (sampler vs. learner log-probs, per token) corrects the
+  lag together with the numerical sampler/learner mismatch, which is measured every step
+  (``mismatch/*``, ``rollout/staleness`` per batch and ``rollout/token_staleness`` per token).
 
 Rollouts are checked before anything uses them (``check_rollouts``): exactly ``group_size``
 samples of every prompt, each ``(uid, sample index)`` once, all of the policy version the engine
-was given; otherwise a ``RolloutError``. An engine failure ends ``train`` with a checkpoint of the
-last completed step and an error saying where to resume.
+served when it made them; otherwise a ``RolloutError``. An engine failure ends ``train`` with a
+checkpoint of the last completed step and an error saying where to resume.
 
 Checkpoints (``rlx.run.lifecycle``): every ``train.checkpoint_every`` steps, and at the end of
 ``train`` or when SIGTERM / Ctrl-C stop it after the current step. A resumed synchronous run is
 bit-identical to an uninterrupted one (same batches, same sampling seeds, same rng stream); a
-resumed one-step-off run regenerates its first batch with the restored weights.
+resumed asynchronous run regenerates its batches in flight with the restored weights.
 
 Multi-host (``config.distributed``): every process runs this loop; ``Run.hosts`` (``rlx.run.hosts``)
 exchanges prompts, rollouts and rewards so that every process trains on the same global batch,
@@ -31,8 +34,6 @@ each feeding its own rows; with one process each of its calls is the identity.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -46,7 +47,6 @@ from jax.sharding import Mesh
 
 from rlx.config import RunConfig
 from rlx.data.chat import PromptFormat
-from rlx.data.pipeline import PromptBatch
 from rlx.data.sources import Example
 from rlx.io.checkpoint import Checkpointer
 from rlx.io.metrics import MetricsLogger, TextSample
@@ -57,6 +57,7 @@ from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
 from rlx.run.learn import StepLearner
 from rlx.run.preference import learn_preferences
+from rlx.run.rollouts import RolloutQueue
 from rlx.run.lifecycle import DataPosition, StopSignals
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
@@ -65,21 +66,6 @@ log = logging.getLogger(__name__)
 
 class NonFiniteError(RuntimeError):
     """Too many updates in a row were skipped for a non-finite loss or gradient norm."""
-
-
-@dataclasses.dataclass
-class _Pending:
-    """One-step-off: the next step's batch, generating in the background."""
-
-    batch: PromptBatch
-    data_position: dict[str, Any]  # the data iterator's state before this batch was taken
-    future: concurrent.futures.Future  # -> (rollouts, generation seconds)
-
-
-def _timed(fn, *args):
-    t = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t
 
 
 class _Timer:
@@ -112,8 +98,7 @@ class Run:
     probe: list[tuple[list[int], int]] | None = None  # the parity preflight's fixed sequences
     checkpointer: Checkpointer | None = None  # None: no checkpoints
     stopped_by: int | None = None  # the signal that stopped `train`, if one did
-    _pending: _Pending | None = None
-    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _queue: RolloutQueue | None = None  # batches in flight, the engine's worker (rlx.run.rollouts)
     _horizon: int | None = None  # the last step `train` will take (no prefetch beyond it)
     _skipped_in_row: int = 0  # updates skipped for NaN/Inf since the last good one
     hosts: Hosts = dataclasses.field(default_factory=Hosts)  # this process's part (rlx.run.hosts)
@@ -127,8 +112,6 @@ class Run:
             with timer("wait_rollouts"):
                 batch, rollouts, gen_time = self._rollouts()
             timer.times["time/generate"] = gen_time
-            if self.cfg.train.max_staleness and self.step_count + 1 != self._horizon:
-                self._prefetch()
             with timer("score"):
                 rewards, texts, reasons = self._score(rollouts, batch)
             uids = np.array([r.prompt_uid for r in rollouts])
@@ -136,11 +119,11 @@ class Run:
             with timer("logprob"):  # and values, advantages
                 prepared = self.learner.prepare(rollouts, rewards, uids, keep)
             with timer("update"):  # dispatch is asynchronous: the updates block until done
+                self.queue.wait_synced()  # the engine has copied the weights the update donates
                 learned = self.learner.update(prepared, self.step_count)
             with timer("sync"):
                 self.step_count += 1
-                self._await_prefetch()  # the engine's weights change only when it is idle
-                self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
+                self.queue.sync(self.hosts.engine_weights(self.compiled), self.step_count)
         record = {**learned, **self._record(rollouts, rewards, keep, timer.times)}
         self._log(record, rollouts, texts, rewards, reasons)
         self._check_numerics(record)
@@ -152,11 +135,12 @@ class Run:
         with timer("step"):
             batch = next(self.data)
             with timer("update"):
+                self.queue.wait_synced()
                 record = learn_preferences(self.cfg, self.mesh, self.compiled, self.hosts,
                                            self.tokenizer, self.prompt_format, batch.examples)
             with timer("sync"):
                 self.step_count += 1
-                self.hosts.sync_weights(self.engine, self.compiled, self.step_count)
+                self.queue.sync(self.hosts.engine_weights(self.compiled), self.step_count)
         record = {**record, **timer.times, "learner/skipped": record["dpo/skipped"]}
         self.metrics.append({"step": self.step_count, **record})
         self.logger.log(self.step_count, record)
@@ -183,43 +167,34 @@ class Run:
                 "Lower optim.learning_rate or check the rewards and data, then resume with "
                 "--config.resume=latest")
 
+    @property
+    def queue(self) -> RolloutQueue:
+        """Rollouts in flight and the engine's worker (``rlx.run.rollouts``)."""
+        if self._queue is None:
+            self._queue = RolloutQueue(self.engine, self.hosts, self.cfg.train.max_staleness,
+                                       self.cfg.rollout.partial)
+        return self._queue
+
     def _rollouts(self):
-        """This step's batch and rollouts: the prefetched ones, or generated now. (A failed
-        prefetch stays pending: a checkpoint then records the data position before its batch.)"""
-        if self._pending is not None:
-            pending = self._pending
-            rollouts, seconds = self.hosts.share(*pending.future.result())
-            self._pending = None
-            return pending.batch, rollouts, seconds
-        batch = next(self.data)
-        prompts = self.hosts.to_generate(batch.prompts)
-        rollouts, seconds = self.hosts.share(*_timed(
-            self._generate, prompts, self._sampling(), self.step_count))
+        """This step's batch and rollouts: the oldest in flight (finished now with the newest
+        weights when partial), or generated now; then the batches in flight move one segment
+        (partial) and new ones start until ``train.max_staleness`` are in flight. (A failed
+        generation stays in flight: a checkpoint then records the data position before it.)"""
+        q = self.queue
+        if not q.in_flight:
+            self._start(self.step_count)
+        batch, rollouts, seconds = q.take()
+        q.advance()
+        while q.in_flight < self.cfg.train.max_staleness:
+            step = self.step_count + q.in_flight + 1  # the step that will train on it
+            if self._horizon is not None and step >= self._horizon:
+                break
+            self._start(step)
         return batch, rollouts, seconds
 
-    def _generate(self, prompts: Sequence[Prompt], sampling: SamplingParams,
-                  version: int) -> list[Rollout]:
-        """The engine's rollouts, checked before anything uses them (``check_rollouts``)."""
-        if not prompts:
-            return []
-        rollouts = self.engine.generate(prompts, sampling)
-        check_rollouts(prompts, sampling.n, rollouts, version)
-        return rollouts
-
-    def _prefetch(self) -> None:
-        """One-step-off: start generating the next step's batch with the current weights."""
+    def _start(self, step: int) -> None:
         position = self.data.get_state()
-        batch = next(self.data)
-        prompts = self.hosts.to_generate(batch.prompts)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, "rlx-rollout")
-        sampling = self._sampling(step=self.step_count + 1)
-        future = self._pool.submit(_timed, self._generate, prompts, sampling, self.step_count)
-        self._pending = _Pending(batch, position, future)
-
-    def _await_prefetch(self) -> None:
-        if self._pending is not None:
-            concurrent.futures.wait([self._pending.future])
+        self.queue.start(next(self.data), position, self._sampling(step=step), step)
 
     def _sampling(self, evaluation: bool = False, step: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
@@ -268,8 +243,7 @@ class Run:
             "response_length/clipped_frac": float(np.mean(
                 [r.finish_reason == "length" for r in rollouts])),
             "batch/kept_frac": len(keep) / len(rollouts),
-            "rollout/staleness": float(np.mean([self.step_count - 1 - r.weight_version
-                                                for r in rollouts])),
+            **staleness(rollouts, self.step_count - 1),
             "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
             **times,
         })
@@ -340,12 +314,14 @@ class Run:
         data position saved is the one after this step's batch, also in one-step-off mode."""
         if self.checkpointer is None or self._skipped_in_row:  # only states after a good update
             return False
-        data = self.data if self._pending is None else DataPosition(self._pending.data_position)
+        oldest = None if self._queue is None else self._queue.oldest_position()
+        data = self.data if oldest is None else DataPosition(oldest)
         return self.checkpointer.save(self.step_count, self.compiled.state, data, force=force)
 
     def preflight(self):
         """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);
         raises ``PreflightError`` above ``rollout.preflight_threshold``, else logs the figures."""
+        self.queue.wait()  # the engine serves the learner's weights, and is idle
         report = self.hosts.on_primary(self._preflight, self.hosts.learner_model(self.compiled))
         self.logger.log(self.step_count, report.scalars())
         self.metrics.append({"step": self.step_count, **report.scalars()})
@@ -368,6 +344,7 @@ class Run:
 
     def evaluate(self) -> dict[str, float]:
         """Greedy (``rollout.eval_temperature``) accuracy on the held-out set."""
+        self.queue.wait()
         record = self.hosts.on_primary(self._evaluate)
         self.metrics.append({"step": self.step_count, **record})
         self.logger.log(self.step_count, record)
@@ -388,6 +365,7 @@ class Run:
         base = dataclasses.replace(self._sampling(evaluation=True), **sampling)
         prompts = [Prompt(f"gen-{i}", tuple(self.tokenizer.encode_chat(
             [{"role": "user", "content": t}], add_generation_prompt=True))) for i, t in enumerate(texts)]
+        self.queue.wait()
         outs = self.hosts.on_primary(lambda: self.engine.generate(prompts, base))
         return [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True) for r in outs]
 
@@ -405,10 +383,8 @@ class Run:
     def close(self) -> None:
         """Finish pending work (checkpoint writes, a prefetched generation), stop the engine's
         servers and the reward workers, close the logs."""
-        self._await_prefetch()
-        self._pending = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._queue is not None:
+            self._queue.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.logger.close()
@@ -419,23 +395,17 @@ class Run:
             close()
 
 
-def check_rollouts(prompts: Sequence[Prompt], n: int, rollouts: Sequence[Rollout],
-                   version: int) -> None:
-    """Raise ``RolloutError`` unless ``rollouts`` are exactly ``n`` samples of every prompt (each
-    ``(uid, sample_index)`` once) made with policy ``version``: a dropped, doubled, foreign or
-    stale rollout is never trained on."""
-    want = collections.Counter((p.uid, j) for p in prompts for j in range(n))
-    got = collections.Counter((r.prompt_uid, r.sample_index) for r in rollouts)
-    problems = []
-    if got != want:
-        missing, extra = sorted(want - got), sorted(got - want)
-        problems += [f"{len(missing)} missing (first {missing[:3]})"] if missing else []
-        problems += [f"{len(extra)} unexpected or doubled (first {extra[:3]})"] if extra else []
-    stale = sorted({r.weight_version for r in rollouts} - {version})
-    if stale:
-        problems.append(f"made with weight_version {stale}, not the policy's {version}")
-    if problems:
-        raise RolloutError(f"the rollout engine returned {len(rollouts)} rollouts for "
-                           f"{len(prompts)} prompts x {n} samples: {'; '.join(problems)}; "
-                           "refusing to train on them (an engine bug or a server fault)")
+def staleness(rollouts: Sequence[Rollout], version: int) -> dict[str, float]:
+    """How many versions behind ``version`` (the policy the step trained) the rollouts were
+    sampled: per completion by its oldest token (``rollout/staleness``, mean and max over the
+    batch) and per token (``rollout/token_staleness``)."""
+    per_seq = np.array([version - r.weight_version for r in rollouts], np.float64)
+    per_token = np.concatenate([version - (np.full(len(r.completion_ids), r.weight_version)
+                                           if r.token_versions is None else r.token_versions)
+                                for r in rollouts] + [np.zeros(0)]).astype(np.float64)
+    return {"rollout/staleness": float(per_seq.mean()), "rollout/staleness_max": float(per_seq.max()),
+            "rollout/token_staleness": float(per_token.mean()) if per_token.size else 0.0,
+            "rollout/token_staleness_max": float(per_token.max(initial=0.0))}
 
+
+__all__ = ["NonFiniteError", "Run", "staleness"]

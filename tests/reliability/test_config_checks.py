@@ -66,7 +66,7 @@ FIELD_ERRORS = [
     ("train.mode", "qlora", "config.train.mode='qlora' is not one of ['lora', 'full']"),
     ("train.advantage", "ppo", "config.train.advantage='ppo' is not one of"),
     ("train.remat", "full", "config.train.remat='full' is not one of ['none', 'layer', 'projections']"),
-    ("train.max_staleness", 2, "config.train.max_staleness=2 is not one of [0, 1]"),
+    ("train.max_staleness", -1, "config.train.max_staleness=-1 must be >= 0"),
     ("rollout.engine", "vllm", "config.rollout.engine='vllm' is not one of ['jax', 'sglang']"),
     ("rollout.top_p", 0.0, "config.rollout temperatures must be >= 0 and top_p in (0, 1]"),
     ("distributed.rollouts", "all", "config.distributed.rollouts='all' is not one of"),

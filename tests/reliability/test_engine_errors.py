@@ -11,7 +11,7 @@ import pytest
 
 from rlx.rollout.errors import RolloutError
 from rlx.rollout.sglang_engine import SGLangEngine
-from rlx.run.loop import check_rollouts
+from rlx.run.rollouts import check_rollouts
 from rlx.types import Prompt, Rollout
 
 PROMPTS = [Prompt("a", (1, 2)), Prompt("b", (3,))]

@@ -1,0 +1,233 @@
+"""Rollouts ahead of the learner: up to ``train.max_staleness`` batches in flight.
+
+One worker thread owns the engine while the run trains: it runs, in the order they were queued,
+the generations of the batches in flight and the weight syncs after each update, so the engine
+samples every batch with the newest weights it has and the order of events (and so every token)
+is the same on every run. A step takes the oldest batch, queues new ones until ``k`` are in
+flight, trains, and queues the sync of its new weights. The next update (which donates the learner
+state the sync reads) waits for that sync.
+
+* ``k = 0``: each batch is generated when its step takes it (synchronous on-policy).
+* ``k >= 1``: batch t + k starts generating at step t with the weights of step t; a batch is
+  consumed k versions after the weights that sampled it (one-step-off for k = 1).
+* ``rollout.partial``: a batch's budget is split into ``k + 1`` segments; each step advances every
+  batch in flight by one segment, the step that takes a batch finishes it. A completion that spans
+  a weight sync continues with the new weights: the engine is given the prompt and the tokens so
+  far as a new prompt (its KV entries are recomputed with the new weights), and every token is
+  tagged with the version that sampled it (``Rollout.token_versions``); its ``sampler_logp`` are
+  those of that version, which is what truncated importance sampling divides by. Later tokens of a
+  completion are fresher than its first (the staleness of the last segment is 0).
+
+Every generation call is checked (``check_rollouts``): exactly ``n`` samples of every prompt, all
+made with the version the engine serves at that moment.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlx.data.pipeline import PromptBatch
+from rlx.rollout.errors import RolloutError
+from rlx.run.hosts import Hosts
+from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
+
+
+@dataclasses.dataclass
+class _Completion:
+    """A completion being sampled, segment by segment."""
+
+    prompt: Prompt
+    index: int  # sample index within its prompt's group
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    stopped: bool = False
+    has_logprobs: bool = True
+
+    def rollout(self, budget: int) -> Rollout:
+        versions = np.asarray(self.versions, np.int64)
+        return Rollout(
+            prompt_uid=self.prompt.uid, prompt_ids=np.asarray(self.prompt.token_ids, np.int32),
+            completion_ids=np.asarray(self.ids, np.int32),
+            sampler_logp=np.asarray(self.logp, np.float32),
+            finish_reason="stop" if self.stopped else "length",
+            weight_version=int(versions.min()) if len(versions) else 0, sample_index=self.index,
+            has_logprobs=self.has_logprobs, token_versions=versions)
+
+
+class _Generation:
+    """One batch's generation: whole (one call), or in segments (``rollout.partial``)."""
+
+    def __init__(self, prompts: Sequence[Prompt], sampling: SamplingParams, segments: int):
+        self.prompts, self.sampling = tuple(prompts), sampling
+        self.segment = max(1, math.ceil(sampling.max_new_tokens / segments))
+        self.partial = segments > 1
+        self.done: list[Rollout] | None = [] if not prompts else None
+        self.parts = [_Completion(p, j) for p in self.prompts for j in range(sampling.n)]
+        self.seconds = 0.0
+        self.error: BaseException | None = None  # the first failure, raised again by later calls
+
+    def advance(self, engine: RolloutEngine) -> None:
+        """Generate one more segment (everything, without segments) with the engine's weights.
+        A failure is final: it is raised again by every later call (never retried silently)."""
+        if self.error is not None:
+            raise self.error
+        if self.done is not None:
+            return
+        t = time.perf_counter()
+        try:
+            if not self.partial:
+                version = engine.weight_version
+                rollouts = engine.generate(self.prompts, self.sampling)
+                check_rollouts(self.prompts, self.sampling.n, rollouts, version)
+                self.done = rollouts
+            else:
+                self._segment(engine)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def _segment(self, engine: RolloutEngine) -> None:
+        budget = self.sampling.max_new_tokens
+        live = [c for c in self.parts if not c.stopped and len(c.ids) < budget]
+        # one request per completion; its uid names the completion and its length so far, so each
+        # segment draws fresh random numbers (an engine seeds a request by its uid)
+        prompts = [Prompt(f"{c.prompt.uid}\x00{c.index}\x00{len(c.ids)}",
+                          tuple(c.prompt.token_ids) + tuple(c.ids)) for c in live]
+        sampling = dataclasses.replace(self.sampling, n=1, max_new_tokens=min(
+            self.segment, budget - min(len(c.ids) for c in live)))
+        version = engine.weight_version
+        outs = engine.generate(prompts, sampling)
+        check_rollouts(prompts, 1, outs, version)
+        for c, r in zip(live, outs):
+            take = min(len(r.completion_ids), budget - len(c.ids))
+            c.ids += r.completion_ids[:take].tolist()
+            c.logp += r.sampler_logp[:take].tolist()
+            c.versions += [version] * take
+            c.has_logprobs = c.has_logprobs and r.has_logprobs
+            c.stopped = r.finish_reason == "stop" and take == len(r.completion_ids)
+        if all(c.stopped or len(c.ids) >= budget for c in self.parts):
+            self.done = [c.rollout(budget) for c in self.parts]
+
+    def finish(self, engine: RolloutEngine) -> tuple[list[Rollout], float]:
+        while self.done is None:
+            self.advance(engine)
+        return self.done, self.seconds
+
+
+@dataclasses.dataclass
+class _InFlight:
+    batch: PromptBatch
+    data_position: Any  # the data iterator's state before this batch was taken
+    generation: _Generation
+    step: int  # the step that trains on it
+
+
+@dataclasses.dataclass
+class RolloutQueue:
+    """The batches in flight and the engine's worker (see the module docstring)."""
+
+    engine: RolloutEngine | None
+    hosts: Hosts
+    depth: int  # train.max_staleness
+    partial: bool  # rollout.partial
+    _flight: collections.deque = dataclasses.field(default_factory=collections.deque)
+    _pool: concurrent.futures.ThreadPoolExecutor | None = None
+    _jobs: list = dataclasses.field(default_factory=list)  # queued, not yet waited for
+    _synced: concurrent.futures.Future | None = None  # the last weight sync queued
+
+    def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "rlx-rollout")
+        job = self._pool.submit(fn, *args)
+        self._jobs.append(job)
+        return job
+
+    def start(self, batch: PromptBatch, position: Any, sampling: SamplingParams, step: int) -> None:
+        """Queue the generation of ``batch`` (for step ``step``) behind everything queued."""
+        prompts = self.hosts.to_generate(batch.prompts)
+        segments = self.depth + 1 if self.partial else 1
+        flight = _InFlight(batch, position, _Generation(prompts, sampling, segments), step)
+        self._flight.append(flight)
+        self._submit(flight.generation.advance, self.engine)
+
+    def advance(self) -> None:
+        """``rollout.partial``: one more segment of every batch in flight, with the weights the
+        engine will have when the worker gets to it."""
+        for flight in self._flight:
+            if self.partial:
+                self._submit(flight.generation.advance, self.engine)
+
+    def take(self) -> tuple[PromptBatch, list[Rollout], float]:
+        """The oldest batch, finished with the engine's newest weights (waits for it)."""
+        flight = self._flight.popleft()
+        rollouts, seconds = self._submit(flight.generation.finish, self.engine).result()
+        self._jobs = [j for j in self._jobs if not j.done()]
+        return flight.batch, *self.hosts.share(rollouts, seconds)
+
+    def sync(self, weights: Any, version: int) -> None:
+        """Queue the engine's update to ``weights`` as ``version``."""
+        if self.engine is not None:
+            self._synced = self._submit(self.engine.update_weights, weights, version)
+
+    def wait_synced(self) -> None:
+        """Until the last weight sync queued has run: before an update donates what it reads."""
+        if self._synced is not None:
+            self._synced.result()
+
+    def wait(self) -> None:
+        """Until every queued job has run (the first that failed raises here)."""
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._flight)
+
+    def oldest_position(self) -> Any | None:
+        """The data position before the oldest batch in flight (what a checkpoint records)."""
+        return self._flight[0].data_position if self._flight else None
+
+    def close(self) -> None:
+        """Let the queued jobs finish (their errors are dropped), stop the worker."""
+        if self._pool is not None:
+            concurrent.futures.wait(self._jobs)
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._jobs, self._synced = [], None
+        self._flight.clear()
+
+
+def check_rollouts(prompts: Sequence[Prompt], n: int, rollouts: Sequence[Rollout],
+                   version: int) -> None:
+    """Raise ``RolloutError`` unless ``rollouts`` are exactly ``n`` samples of every prompt (each
+    ``(uid, sample_index)`` once) made with policy ``version``: a dropped, doubled, foreign or
+    stale rollout is never trained on."""
+    want = collections.Counter((p.uid, j) for p in prompts for j in range(n))
+    got = collections.Counter((r.prompt_uid, r.sample_index) for r in rollouts)
+    problems = []
+    if got != want:
+        missing, extra = sorted(want - got), sorted(got - want)
+        problems += [f"{len(missing)} missing (first {missing[:3]})"] if missing else []
+        problems += [f"{len(extra)} unexpected or doubled (first {extra[:3]})"] if extra else []
+    stale = sorted({r.weight_version for r in rollouts} - {version})
+    if stale:
+        problems.append(f"made with weight_version {stale}, not the policy's {version}")
+    if problems:
+        raise RolloutError(f"the rollout engine returned {len(rollouts)} rollouts for "
+                           f"{len(prompts)} prompts x {n} samples: {'; '.join(problems)}; "
+                           "refusing to train on them (an engine bug or a server fault)")
+
+
+__all__ = ["RolloutQueue", "check_rollouts"]
