@@ -16,7 +16,8 @@ def tensorboard_scalars(logdir: str) -> dict[tuple[str, int], float]:
     from tensorboardX.proto import event_pb2
 
     out = {}
-    for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*")), key=os.path.getmtime):
+    files = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+    for path in sorted(files, key=os.path.getmtime):
         data, pos = open(path, "rb").read(), 0
         while pos < len(data):
             (n,) = struct.unpack("<Q", data[pos:pos + 8])
@@ -57,10 +58,14 @@ def wandb_records(run_file: str) -> list:
 
 
 def wandb_offline_runs(logdir: str) -> dict[str, list[str]]:
-    """run id -> its offline run folders under ``<logdir>/wandb`` (oldest first)."""
+    """run id -> its offline run folders under ``<logdir>/wandb`` (oldest first; the id is the
+    name of the folder's ``run-<id>.wandb``: a folder started in the same second as another gets
+    a ``-1`` suffix)."""
     out: dict[str, list[str]] = {}
     for folder in sorted(glob.glob(os.path.join(logdir, "wandb", "offline-run-*"))):
-        out.setdefault(folder.rsplit("-", 1)[1], []).append(folder)
+        (run_file,) = glob.glob(os.path.join(folder, "run-*.wandb"))
+        run_id = os.path.basename(run_file).removeprefix("run-").removesuffix(".wandb")
+        out.setdefault(run_id, []).append(folder)
     return out
 
 
@@ -71,9 +76,10 @@ def wandb_history(folder: str) -> tuple[dict[tuple[str, int], float], dict[int, 
     scalars, other, config = {}, {}, {}
     for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")
-        if kind == "run":
-            config = {u.key: json.loads(u.value_json) for u in record.run.config.update
-                      if u.key != "_wandb"}  # wandb's own telemetry
+        if kind in ("run", "config"):  # the config comes with the run or in records after it
+            updates = record.run.config.update if kind == "run" else record.config.update
+            config.update({u.key: json.loads(u.value_json) for u in updates
+                           if u.key != "_wandb"})  # wandb's own telemetry
         elif kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                      for i in record.history.item}
