@@ -57,6 +57,14 @@ def wandb_records(run_file: str) -> list:
     return records
 
 
+def wandb_flush() -> None:
+    """Wait until wandb has written everything (``run.finish()`` may return while its service
+    still writes the run file; ``wandb.teardown`` waits for the service to end)."""
+    import wandb
+
+    wandb.teardown()
+
+
 def wandb_offline_runs(logdir: str) -> dict[str, list[str]]:
     """run id -> its offline run folders under ``<logdir>/wandb`` (oldest first; the id is the
     name of the folder's ``run-<id>.wandb``: a folder started in the same second as another gets

@@ -21,7 +21,7 @@ from rlx.errors import ConfigError
 from rlx.io.metrics import LoggerConfig, MetricsLogger, TextSample
 from rlx.io.trackers import IDS_FILE, TRACKER_COLUMNS, LogSection
 from tests.helpers.runs import config_dict
-from tests.helpers.trackers import (TRACKER_ENV, tensorboard_scalars, wandb_history,
+from tests.helpers.trackers import (TRACKER_ENV, tensorboard_scalars, wandb_flush, wandb_history,
                                     wandb_offline_runs)
 
 WANDB_SKIP = 'wandb is not installed: pip install -e ".[wandb]"'
@@ -51,6 +51,8 @@ def _log(logdir: str, trackers: tuple[str, ...], steps: range, start: int = 0) -
         for step in steps:
             logger.log(step, _record(step))
             logger.log_text(step, SAMPLES)
+    if "wandb" in trackers:
+        wandb_flush()
 
 
 def test_unknown_and_missing_trackers_are_refused_with_the_install_line(monkeypatch):
@@ -127,6 +129,7 @@ def test_a_run_sends_its_scalars_samples_and_config_to_wandb(tmp_path, tracker_e
         run.train()
     finally:
         run.close()
+    wandb_flush()
     (folders,) = wandb_offline_runs(str(out)).values()
     logged, tables, config = wandb_history(folders[0])
     assert config["model"]["path"].endswith(".gguf") and config["log"]["project"] == "rlx-tests"
