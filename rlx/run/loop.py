@@ -56,9 +56,9 @@ from rlx.rewards.base import RewardFn, score_batch
 from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
 from rlx.run.learn import StepLearner
+from rlx.run.lifecycle import DataPosition, StopSignals
 from rlx.run.preference import learn_preferences
 from rlx.run.rollouts import RolloutQueue
-from rlx.run.lifecycle import DataPosition, StopSignals
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -16,12 +16,25 @@ from tests.helpers import ROOT
 
 TINY = os.path.join(ROOT, "configs", "tiny.py")
 STEPS = 4
+# configs/tiny.py with PPO's critic (a second adapter and a value head on the same base)
+TINY_PPO = """import ml_collections
+from configs.tiny import get_config as tiny
+
+
+def get_config():
+    c = tiny()
+    c.train.advantage = "gae"
+    c.critic = ml_collections.ConfigDict({"enabled": True, "learning_rate": 1e-3})
+    return c
+"""
 # Wall-clock and throughput figures differ between runs; everything else must not.
 VOLATILE = ("time/", "throughput/", "wall_time")
 
 
 def _command(out: str, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "rlx.launch", f"--config={TINY}", f"--config.output_dir={out}",
+    config = next((o.split("=", 1)[1] for o in overrides if o.startswith("--config=")), TINY)
+    overrides = tuple(o for o in overrides if not o.startswith("--config="))
+    return [sys.executable, "-m", "rlx.launch", f"--config={config}", f"--config.output_dir={out}",
             f"--config.train.steps={STEPS}", "--config.train.checkpoint_every=1",
             "--config.train.keep_checkpoints=2", "--config.mesh.data=8", *overrides]
 
@@ -75,9 +88,8 @@ def uninterrupted(tmp_path_factory):
     return out
 
 
-def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
-    out = str(tmp_path / "killed")
-    proc = _start(out)
+def _kill_at_2_then_resume(out: str, *overrides: str) -> None:
+    proc = _start(out, *overrides)
     try:
         _wait_for_checkpoint(proc, out, 2)
         proc.send_signal(signal.SIGKILL)
@@ -86,17 +98,44 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
         proc.kill()
     killed_at = _committed(out)[-1]
     assert killed_at < STEPS  # the kill landed mid-run
-    r = _run(out, "--config.resume=latest")
+    r = _run(out, "--config.resume=latest", *overrides)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from checkpoint" in r.stderr
 
-    want, got = _saved_arrays(uninterrupted, STEPS), _saved_arrays(out, STEPS)
+
+def _assert_identical(want_dir: str, got_dir: str) -> dict:
+    want, got = _saved_arrays(want_dir, STEPS), _saved_arrays(got_dir, STEPS)
     assert want.keys() == got.keys()
     params = [k for k in want if "params" in k]
     assert params and any("opt_state" in k for k in want)
     for key in want:  # adapters, optimizer moments, step counters, rng: bit for bit
         assert want[key].tobytes() == got[key].tobytes(), key
-    assert _stable(read_metrics(out)) == _stable(read_metrics(uninterrupted))
+    assert _stable(read_metrics(got_dir)) == _stable(read_metrics(want_dir))
+    return want
+
+
+def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
+    out = str(tmp_path / "killed")
+    _kill_at_2_then_resume(out)
+    _assert_identical(uninterrupted, out)
+
+
+def test_a_ppo_run_resumes_bit_identical_with_its_critic(tmp_path):
+    # PPO's critic (a second LoRA adapter and a value head on the same frozen base) and its
+    # optimizer state are in the checkpoint; the resumed run's critic, values and advantages
+    # are the uninterrupted run's bit for bit
+    config = tmp_path / "tiny_ppo.py"
+    config.write_text(TINY_PPO)
+    ppo = (f"--config={config}",)
+    straight, out = str(tmp_path / "straight"), str(tmp_path / "killed")
+    r = _run(straight, *ppo)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _kill_at_2_then_resume(out, *ppo)
+    arrays = _assert_identical(straight, out)
+    critic = [k for k in arrays if "'critic'" in k]
+    assert any("lora" in k for k in critic) and any("head" in k for k in critic), critic
+    assert any("opt_state" in k for k in critic), critic
+    assert any("critic/value_loss" in m for m in read_metrics(out))  # the critic trained
 
 
 @pytest.mark.slow  # CI: 30 s of launches
