@@ -11,8 +11,8 @@ reason) and the whole run config once.
   name), the config as the run's config, files under ``<output_dir>/wandb``. Its environment
   applies (``WANDB_MODE=offline``, ``WANDB_API_KEY``, ``WANDB_ENTITY``, ...).
 * ``mlflow``: experiment ``log.project``, run ``log.run_name``, the config flattened into params;
-  ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<output_dir>/mlflow.db``. Tables go to the
-  run's artifacts as ``<tag>/step_<step>.json``.
+  ``MLFLOW_TRACKING_URI`` when set, else ``sqlite:///<output_dir>/mlflow.db`` with the artifacts
+  in ``<output_dir>/mlartifacts``. Tables go to the run's artifacts as ``<tag>/step_<step>.json``.
 
 The run id of each tracker is kept in ``<output_dir>/trackers.json``; a run resumed from a
 checkpoint (``--config.resume``) continues the same wandb run and MLflow run.
@@ -24,6 +24,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -135,12 +136,16 @@ class MlflowTracker:
         import mlflow
 
         self._mlflow = mlflow
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri("sqlite:///" + os.path.join(os.path.abspath(run.logdir),
-                                                                "mlflow.db"))
+        logdir = os.path.abspath(run.logdir)
+        local = not os.environ.get("MLFLOW_TRACKING_URI")
+        if local:  # the store and the artifacts (tables) in the output folder, not the cwd
+            mlflow.set_tracking_uri("sqlite:///" + os.path.join(logdir, "mlflow.db"))
         if run_id:
             self.run = mlflow.start_run(run_id=run_id)
         else:
+            if local and mlflow.get_experiment_by_name(run.project) is None:
+                mlflow.create_experiment(run.project, artifact_location=pathlib.Path(
+                    logdir, "mlartifacts").as_uri())
             mlflow.set_experiment(run.project)
             self.run = mlflow.start_run(run_name=run.name)
             params = _flat(run.config or {})

