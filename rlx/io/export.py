@@ -38,14 +38,12 @@ from flax import nnx
 from rlx.models.config import to_hf_config
 from rlx.models.decoder import Transformer
 from rlx.models.hf import param_map, put_hf_layout
+from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import save_sharded
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
 from rlx.quant.loading import node_at
 from rlx.quant.lora import LoRA
 from rlx.quant.serving import quantization_config, to_serving
-
-_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def publish(path: str, version: str, kind: str, write: Callable[[str], dict | None]) -> str:
@@ -80,17 +78,22 @@ def _np(x) -> np.ndarray:
     return np.asarray(jax.device_get(x), np.float32)
 
 
-def _hf_module(path: str) -> str:
-    """'layers/0/self_attn/q_proj/kernel' -> 'model.layers.0.self_attn.q_proj'."""
-    parts = path.split("/")[:-1]
-    return "model." + ".".join(parts)
+# Model types whose MoE experts transformers 5 fuses and for which peft 0.21 reads the MLP names of
+# ``target_modules`` (gate_proj / up_proj / down_proj) as the fused experts' parameters (its
+# transformers-4 conversion), so those names cannot reach a dense or shared-expert MLP. Their
+# MLP adapters go to ``target_parameters`` by weight ('mlp.shared_experts.up_proj.weight'): the
+# same tensors, which peft then puts on exactly those linears.
+PEFT_REMAPS_MLP_NAMES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 
 
 def _dense_adapters(model: Transformer) -> dict[str, LoRA]:
-    out = {}
+    """HF module name -> adapter of every adapted ``Linear``, named by ``param_map`` (so
+    'layers/1/mlp/shared_expert/up_proj' is DeepSeek's 'model.layers.1.mlp.shared_experts.up_proj')."""
+    sources, out = param_map(model.config), {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, LoRA) and node.lora_a.ndim == 2:
-            out[_hf_module("/".join(map(str, path)))] = node
+            kernel = "/".join(map(str, path[:-1])) + "/kernel"
+            out[sources[kernel].hf_names[0].removesuffix(".weight")] = node
     return out
 
 
@@ -124,10 +127,15 @@ def _expert_tensors(lg, lu, ld, prefix: str, nested: bool) -> dict[str, np.ndarr
 def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     """(PEFT-named adapter tensors, the shape facts ``adapter_config.json`` needs)."""
     tensors, modules, params, fused_rank = {}, set(), set(), 0
+    remapped = model.config.model_type in PEFT_REMAPS_MLP_NAMES
     for name, lo in _dense_adapters(model).items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = _np(lo.lora_a[...]).T.copy()
         tensors[f"base_model.model.{name}.lora_B.weight"] = _np(lo.lora_b[...]).T.copy()
-        modules.add(name.rsplit(".", 1)[1])
+        leaf = name.rsplit(".", 1)[1]
+        if remapped and ".mlp." in name:  # 'model.layers.1.mlp.shared_experts.up_proj'
+            params.add(f"mlp.{name.split('.mlp.', 1)[1]}.weight")
+        else:
+            modules.add(leaf)
     for i, layer in enumerate(model.layers):
         ex = getattr(layer.mlp, "experts", None)
         if ex is None or (ex.gate_lora, ex.up_lora, ex.down_lora) == (None, None, None):
@@ -181,6 +189,16 @@ def _value(node, dtype=np.float32) -> np.ndarray:
     return np.asarray(jax.device_get(node.dequantize())).astype(dtype)
 
 
+def _float_dtype(model: Transformer, path: str, node, dtype):
+    """The dtype a float leaf is written in: f32 for a sigmoid router and its correction bias (rlx
+    computes routing in f32 from f32 weights, so a server must see the same bits), else ``dtype``."""
+    moe = model.config.moe
+    if isinstance(node, CorrectionBias) or (
+            moe is not None and moe.router == "sigmoid" and path.endswith("/mlp/router")):
+        return np.float32
+    return dtype
+
+
 def _delta(model: Transformer, path: str) -> np.ndarray | None:
     """``(alpha / r) A @ B`` in rlx layout for the weight at ``path``, or None without an adapter."""
     owner_path, _, leaf = path.rpartition("/")
@@ -195,11 +213,12 @@ def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndar
     """HF-named float tensors of base (dequantized) + merged adapters."""
     out: dict[str, np.ndarray] = {}
     for path, src in param_map(model.config).items():
-        value = _value(node_at(model, path), np.float32)
+        node = node_at(model, path)
+        value = _value(node, np.float32)
         delta = _delta(model, path)
         if delta is not None:
             value = value + delta
-        put_hf_layout(src, value.astype(dtype), out)
+        put_hf_layout(src, value.astype(_float_dtype(model, path, node, dtype)), out)
     return out
 
 
@@ -228,7 +247,7 @@ def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dic
     for path, src in param_map(model.config).items():
         node = node_at(model, path)
         if isinstance(node, nnx.Variable) or q.serving == "hf" or src.layout == "copy":
-            put_hf_layout(src, _value(node, dtype), out)
+            put_hf_layout(src, _value(node, _float_dtype(model, path, node, dtype)), out)
             continue
         leaves = {k: np.asarray(jax.device_get(v)) for k, v in node.leaves().items()}
         if src.layout == "T":

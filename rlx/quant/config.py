@@ -16,9 +16,20 @@ from rlx.models.decoder import DTYPES
 
 FORMATS = ("none", "int8", "int4", "fp8", "nf4", "gguf")
 SERVING_FORMATS = ("hf", "w8a8_int8", "fp8", "compressed-tensors", "gguf")
-ATTN_TARGETS = ("q", "k", "v", "o")  # LoRA targets: attention projections
-MLP_TARGETS = ("gate", "up", "down")  # LoRA targets: MLP (and MoE expert) projections
+# LoRA targets: short name -> the projection it adapts (the rlx attribute, which is also the HF
+# module name; the one list that apply_lora, the PEFT export, the config checks and SGLang's
+# --lora-target-modules read). GQA attention has q/k/v/o; multi-head latent attention (DeepSeek-V3,
+# Kimi-K2) has q_a/q_b (or a plain q without q_lora_rank), kv_a, kv_b and o.
+ATTN_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_a": "q_a_proj",
+                "q_b": "q_b_proj", "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj"}
+MLP_MODULES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # MLPs and MoE experts
+TARGET_MODULES = {**ATTN_MODULES, **MLP_MODULES}
+ATTN_TARGETS = tuple(ATTN_MODULES)
+MLP_TARGETS = tuple(MLP_MODULES)
 LORA_TARGETS = ATTN_TARGETS + MLP_TARGETS
+GQA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # every projection of a GQA model
+MLA_TARGETS = ("q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down")  # ... of an MLA model
+QUANT_MODULES = ("all", "experts")  # QuantConfig.modules
 
 # base format -> serving formats that carry its exact values (README table).
 _COMPATIBLE = {
@@ -47,10 +58,14 @@ class QuantConfig:
     quantize_embed: bool = False  # also quantize the token embedding
     quantize_lm_head: bool = False  # also quantize a separate (untied) lm_head
     serving: str = "hf"  # one of SERVING_FORMATS
+    # "all": every decoder linear and the MoE experts; "experts": the routed MoE experts only,
+    # attention, dense and shared-expert MLPs stay float (Kimi-K2-Thinking's int4 release)
+    modules: str = "all"
 
     def __post_init__(self):
         one_of("format", self.format, FORMATS)
         one_of("serving", self.serving, SERVING_FORMATS)
+        one_of("modules", self.modules, QUANT_MODULES)
         one_of("fp8_granularity", self.fp8_granularity, ("channel", "block128"))
         one_of("scale_dtype", self.scale_dtype, ("float32", "bfloat16", "float16"))
         if self.group_size < 2 or self.group_size % 2:
@@ -67,6 +82,12 @@ class QuantConfig:
                 "quantize_lm_head=False or serve the dequantized base (serving='hf')")
         if self.serving == "w8a8_int8" and not self.symmetric:
             raise QuantConfigError("serving='w8a8_int8' needs symmetric int8 weights")
+        if self.modules == "experts" and (self.format == "gguf"
+                                          or self.serving not in ("hf", "compressed-tensors")):
+            raise QuantConfigError(
+                f"modules='experts' keeps attention and dense MLPs float (written as a "
+                f"compressed-tensors ignore list): it needs serving 'hf' or 'compressed-tensors' "
+                f"and a format rlx quantizes, not format={self.format!r} serving={self.serving!r}")
 
     @property
     def activation_mode(self) -> str:
@@ -86,7 +107,7 @@ class LoraConfig:
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0  # on the adapter's input only (active in nnx train mode)
-    targets: tuple[str, ...] = LORA_TARGETS  # any of q, k, v, o, gate, up, down
+    targets: tuple[str, ...] = GQA_TARGETS  # keys of TARGET_MODULES (MLA models: MLA_TARGETS)
     experts: bool = True  # also adapt MoE experts (one adapter per expert, run batched)
     param_dtype: str = "float32"  # adapter storage dtype: a key of rlx.models.decoder.DTYPES
     # a HF PEFT LoRA folder to start from (an SFT adapter); in a run config its adapter_config.json
@@ -98,7 +119,7 @@ class LoraConfig:
             raise QuantConfigError(f"rank={self.rank} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise QuantConfigError(f"dropout={self.dropout} must be in [0, 1)")
-        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        bad = [t for t in self.targets if t not in TARGET_MODULES]
         if bad or not self.targets:
             raise QuantConfigError(f"targets={list(self.targets)}: each must be one of {list(LORA_TARGETS)}")
         one_of("param_dtype", self.param_dtype, DTYPES)

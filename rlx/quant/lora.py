@@ -24,14 +24,14 @@ from jaxtyping import Array, Float, Int
 
 from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.decoder import Transformer
+from rlx.models.hf import param_map
+from rlx.models.hparams import ModelConfig
 from rlx.models.layers import Linear
 from rlx.models.mixed import matmul
 from rlx.models.moe import DenseMLP, Experts, SparseMoE
-from rlx.quant.config import LoraConfig
+from rlx.quant.config import ATTN_MODULES, MLP_MODULES, TARGET_MODULES, LoraConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
-_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 
 
 class LoRA(nnx.Module):
@@ -83,7 +83,7 @@ def _linear_lora(lin: Linear, cfg: LoraConfig, rngs) -> LoRA:
 
 
 def _mlp_adapters(mlp: DenseMLP, cfg: LoraConfig, rngs) -> None:
-    for t, name in _MLP.items():
+    for t, name in MLP_MODULES.items():
         if t in cfg.targets:
             lin = getattr(mlp, name)
             lin.lora = _linear_lora(lin, cfg, rngs)
@@ -91,7 +91,7 @@ def _mlp_adapters(mlp: DenseMLP, cfg: LoraConfig, rngs) -> None:
 
 def _expert_adapters(ex: Experts, cfg: LoraConfig, rngs) -> None:
     axes = {"gate": ("embed", "expert_mlp"), "up": ("embed", "expert_mlp"), "down": ("expert_mlp", "embed")}
-    for t, name in _MLP.items():
+    for t, name in MLP_MODULES.items():
         if t in cfg.targets:
             e, d_in, d_out = getattr(ex, name).shape
             setattr(ex, f"{t}_lora", LoRA(d_in, d_out, cfg, axes[t], dtype=ex.dtype, rngs=rngs, experts=e))
@@ -99,11 +99,13 @@ def _expert_adapters(ex: Experts, cfg: LoraConfig, rngs) -> None:
 
 def apply_lora(model: Transformer, cfg: LoraConfig, rngs: nnx.Rngs, *, mesh: Mesh | None = None,
                rules: LogicalRules = TRAIN_RULES) -> Transformer:
-    """Attach adapters to ``model`` in place (and return it); on a mesh they are sharded by logical axes."""
+    """Attach adapters to ``model`` in place (and return it); on a mesh they are sharded by logical
+    axes. A target the model lacks (``k`` on an MLA layer) adapts nothing here; ``target_counts``
+    says which, and ``rlx.run.checks`` refuses such targets before a run loads weights."""
     for layer in model.layers:
-        for t, name in _ATTN.items():
-            if t in cfg.targets:
-                lin = getattr(layer.self_attn, name)
+        for t, name in ATTN_MODULES.items():
+            lin = getattr(layer.self_attn, name, None)
+            if t in cfg.targets and lin is not None:
                 lin.lora = _linear_lora(lin, cfg, rngs)
         mlp = layer.mlp
         if isinstance(mlp, DenseMLP):
@@ -119,8 +121,24 @@ def apply_lora(model: Transformer, cfg: LoraConfig, rngs: nnx.Rngs, *, mesh: Mes
     return model
 
 
+def target_counts(arch: ModelConfig, cfg: LoraConfig) -> dict[str, int]:
+    """How many weights of ``arch`` each target of ``cfg`` adapts (a layer's expert stack counts
+    once; experts only with ``cfg.experts``), read from the parameter names of
+    ``rlx.models.hf.param_map``: ``.../self_attn/<module>/kernel``, ``.../mlp/[shared_expert/]
+    <module>/kernel`` and ``.../mlp/experts/<module>``."""
+    paths = [p.split("/") for p in param_map(arch)]
+    counts = {}
+    for t in cfg.targets:
+        module = TARGET_MODULES[t]
+        linear = sum(1 for p in paths if p[-2:] == [module, "kernel"])
+        experts = sum(1 for p in paths if p[-2:] == ["experts", module]) if cfg.experts else 0
+        counts[t] = linear + experts
+    return counts
+
+
 def lora_targets(model: Transformer) -> list[tuple[str, LoRA]]:
-    """(rlx path of the adapted weight, adapter) for every adapter of ``model``."""
+    """(rlx path of the adapter: ``.../kv_b_proj/lora``, ``.../experts/gate_lora``, adapter) for
+    every adapter of ``model``."""
     out = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, LoRA):

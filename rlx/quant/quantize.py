@@ -1,10 +1,12 @@
 """Turning a float model into a frozen quantized base, and measuring what it occupies.
 
-``quantize_model(model, cfg)`` replaces, in place, every linear kernel of the decoder layers (q/k/v/o,
-dense MLP, shared expert, and the stacked MoE experts) by a ``QTensor`` (see ``rlx.quant.tensors``);
-the token embedding and an untied lm_head follow ``cfg.quantize_embed`` / ``cfg.quantize_lm_head``.
-Routers, the shared-expert gate, norms and biases stay float (they are tiny and servers keep them
-float too). For W8A8 serving formats every quantized linear also gets the matching activation mode.
+``quantize_model(model, cfg)`` replaces, in place, every linear kernel of the decoder layers (the
+attention's projections, GQA or multi-head latent; dense MLP, shared experts, and the stacked MoE
+experts) by a ``QTensor`` (see ``rlx.quant.tensors``); ``cfg.modules="experts"`` quantizes the
+routed experts only. The token embedding and an untied lm_head follow ``cfg.quantize_embed`` /
+``cfg.quantize_lm_head``. Routers (and a sigmoid router's f32 correction bias), the shared-expert
+gate, norms and biases stay float (they are tiny and servers keep them float too). For W8A8
+serving formats every quantized linear also gets the matching activation mode.
 ``format="gguf"`` cannot be produced from float weights (rlx never requantizes into llama.cpp
 blocks): load it with ``rlx.quant.load_gguf_quantized``.
 """
@@ -40,8 +42,7 @@ def _quantize_linear(lin: Linear, cfg: QuantConfig) -> None:
 def linears(model: Transformer):
     """Every decoder-layer ``Linear`` (attention, dense MLP, shared expert), in layer order."""
     for layer in model.layers:
-        attn = layer.self_attn
-        yield from (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        yield from layer.self_attn.linears()
         mlp = layer.mlp
         dense = mlp if isinstance(mlp, DenseMLP) else mlp.shared_expert
         if dense is not None:
@@ -56,7 +57,7 @@ def quantize_model(model: Transformer, cfg: QuantConfig, *, mesh: Mesh | None = 
     if cfg.format == "gguf":
         raise QuantConfigError("format='gguf' keeps a GGUF file's blocks; load it with "
                                "rlx.quant.load_gguf_quantized instead of quantizing float weights")
-    for lin in linears(model):
+    for lin in linears(model) if cfg.modules == "all" else ():
         _quantize_linear(lin, cfg)
     for layer in model.layers:
         if isinstance(layer.mlp, SparseMoE):

@@ -35,6 +35,11 @@ import numpy as np
 from rlx.quant.config import QuantConfig, QuantConfigError
 
 _PACK_BITS = {"int4": 4, "int8": 8}
+# compressed-tensors modules left float by QuantConfig.modules="experts" (attention, shared experts,
+# dense MLPs; the routed experts' names, mlp.experts.{e}.*, match none of them), as
+# Kimi-K2-Thinking's int4 release lists them
+_FLOAT_BESIDE_EXPERTS = ["re:.*self_attn.*", "re:.*shared_expert.*",
+                         r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
 
 
 def quantization_config(q: QuantConfig) -> dict | None:
@@ -56,8 +61,9 @@ def quantization_config(q: QuantConfig) -> dict | None:
         weights = {"num_bits": bits, "type": "int", "symmetric": q.symmetric, "dynamic": False,
                    "strategy": "group" if group else "channel", "group_size": q.group_size if group else None}
         acts, fmt = None, "pack-quantized"
+    ignore = ["lm_head"] + (_FLOAT_BESIDE_EXPERTS if q.modules == "experts" else [])
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "ignore": ["lm_head"], "config_groups": {"group_0": {
+            "ignore": ignore, "config_groups": {"group_0": {
                 "targets": ["Linear"], "weights": weights, "input_activations": acts}}}
 
 
@@ -76,11 +82,12 @@ def config_from_hf(qc: dict | None) -> QuantConfig:
     if method != "compressed-tensors" or len(qc.get("config_groups", {})) != 1:
         raise QuantConfigError(f"quantization_config {qc} is not a layout rlx reads (see rlx.quant.serving)")
     w = next(iter(qc["config_groups"].values()))["weights"]
+    modules = "experts" if "re:.*self_attn.*" in (qc.get("ignore") or []) else "all"
     if w["type"] == "float":
-        return QuantConfig(format="fp8", serving="compressed-tensors")
+        return QuantConfig(format="fp8", serving="compressed-tensors", modules=modules)
     fmt = {4: "int4", 8: "int8"}[w["num_bits"]]
     return QuantConfig(format=fmt, group_size=w.get("group_size") or 64, symmetric=w["symmetric"],
-                       serving="compressed-tensors")
+                       serving="compressed-tensors", modules=modules)
 
 
 def pack_int32(u: np.ndarray, bits: int) -> np.ndarray:

@@ -41,7 +41,7 @@ from rlx.errors import ConfigError
 from rlx.io.export import export_base, export_merged, export_peft
 from rlx.models.config import ModelConfig
 from rlx.models.loading import ModelSection, resolve_path
-from rlx.quant.config import MLP_TARGETS, LoraConfig, QuantConfig
+from rlx.quant.config import MLP_TARGETS, TARGET_MODULES, LoraConfig, QuantConfig
 from rlx.rollout.config import SGLangSection
 from rlx.rollout.sglang_engine import SGLangEngine
 from rlx.rollout.sglang_server import ServerSpec, SGLangServer
@@ -85,7 +85,7 @@ def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1)
 
 def lora_server_args(lora: LoraConfig, model: ModelConfig) -> tuple[str, ...]:
     """``--enable-lora`` flags for an adapter ``lora`` on ``model``."""
-    modules = [f"{t}_proj" for t in lora.targets]
+    modules = [TARGET_MODULES[t] for t in lora.targets]
     fused = model.moe is not None and lora.experts and {"gate", "up"} <= set(lora.targets)
     rank = 2 * lora.rank if fused else lora.rank  # experts' gate+up export as one rank-2r
     return ("--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules)

@@ -20,6 +20,7 @@ what is wrong and the values that would work:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -31,7 +32,8 @@ from rlx.learner.critic import HEAD_TENSORS, value_head_width
 from rlx.mesh import batch_axes, batch_shards
 from rlx.models.config import ModelConfig, from_hf_config
 from rlx.models.loading import resolve_path
-from rlx.quant.config import ATTN_TARGETS, MLP_TARGETS
+from rlx.quant.config import LORA_TARGETS, MLP_TARGETS
+from rlx.quant.lora import target_counts
 from rlx.rollout.sglang_policy import check_servable
 from rlx.run.engines import serving
 
@@ -131,22 +133,24 @@ def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:
                           f"{arch.moe.num_experts} experts; use one of {_divisors(arch.moe.num_experts)}")
 
 
-def _has_dense_mlp(arch: ModelConfig) -> bool:
-    if arch.moe is None or arch.moe.shared_intermediate_size:
-        return True
-    return any(not arch.is_sparse_layer(i) for i in range(arch.num_layers))
-
-
 def check_lora_targets(cfg: RunConfig, arch: ModelConfig) -> None:
-    """Each LoRA target adapts at least one module of this model."""
-    has_mlp = _has_dense_mlp(arch) or (arch.moe is not None and cfg.lora.experts)
-    dead = [t for t in cfg.lora.targets if t in MLP_TARGETS and not has_mlp]
-    if dead:
-        raise ConfigError(
-            f"config.lora.targets={list(cfg.lora.targets)}: {dead} adapt no module of "
-            f"{arch.architecture}: every layer's MLP is sparse, it has no shared expert and "
-            "config.lora.experts=False; set lora.experts=True or target only "
-            f"{list(ATTN_TARGETS)}")
+    """Each LoRA target adapts at least one module of this model (``rlx.quant.lora.target_counts``:
+    e.g. ``k`` on a multi-head latent attention model, or MLP targets on a MoE whose experts are
+    excluded by ``lora.experts=False`` and that has no dense or shared MLP)."""
+    counts = target_counts(arch, cfg.lora)
+    dead = [t for t, n in counts.items() if n == 0]
+    if not dead:
+        return
+    every = target_counts(arch, dataclasses.replace(cfg.lora, targets=LORA_TARGETS))
+    live = [t for t in LORA_TARGETS if every[t]]
+    why = ""
+    if any(t in MLP_TARGETS for t in dead) and arch.moe is not None and not cfg.lora.experts:
+        why = ("every layer's MLP is sparse, it has no shared expert and config.lora.experts="
+               "False; set lora.experts=True or ")
+    attention = "multi-head latent attention" if arch.mla is not None else "attention"
+    raise ConfigError(
+        f"config.lora.targets={list(cfg.lora.targets)}: {dead} adapt no module of "
+        f"{arch.architecture} ({attention}); {why}target only {live}")
 
 
 def check_critic(cfg: RunConfig, arch: ModelConfig) -> None:
@@ -169,7 +173,7 @@ def check_base_format(cfg: RunConfig, arch: ModelConfig, gguf_types: dict[str, s
     if q.format == "gguf":
         _check_gguf_base(cfg, gguf_types)
     if q.format in ("int4", "nf4"):
-        _check_group_size(q.group_size, arch)
+        _check_group_size(q.group_size, arch, q.modules)
     if cfg.rollout.engine == "sglang":
         check_servable(serving(cfg), arch, jax.process_count())
 
@@ -195,13 +199,33 @@ def _check_gguf_base(cfg: RunConfig, gguf_types: dict[str, str]) -> None:
             "dequantized weights")
 
 
-def _check_group_size(group: int, arch: ModelConfig) -> None:
-    inputs = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
-              "num_heads * head_dim": arch.num_heads * arch.head_dim}
+def group_inputs(arch: ModelConfig, modules: str = "all") -> dict[str, int]:
+    """The input widths of the linears a grouped int4/nf4 base quantizes (``quant.modules``): the
+    routed experts' (hidden, expert width) and, for ``"all"``, the attention's (GQA: hidden and
+    ``num_heads * head_dim``; MLA: hidden, ``q_lora_rank``, ``kv_lora_rank`` and ``num_heads *
+    v_head_dim``), the dense MLPs' and the shared experts'."""
+    inputs = {"hidden_size": arch.hidden_size}
     if arch.moe is not None:
         inputs["moe intermediate_size"] = arch.moe.intermediate_size
-        if arch.moe.shared_intermediate_size:
-            inputs["shared expert intermediate_size"] = arch.moe.shared_intermediate_size
+    if modules == "experts":
+        return inputs
+    if any(not arch.is_sparse_layer(i) for i in range(arch.num_layers)):
+        inputs["intermediate_size"] = arch.intermediate_size
+    if arch.moe is not None and arch.moe.shared_intermediate_size:
+        inputs["shared expert intermediate_size"] = arch.moe.shared_intermediate_size
+    m = arch.mla
+    if m is None:
+        inputs["num_heads * head_dim"] = arch.num_heads * arch.head_dim
+        return inputs
+    if m.q_lora_rank is not None:
+        inputs["q_lora_rank"] = m.q_lora_rank
+    inputs["kv_lora_rank"] = m.kv_lora_rank
+    inputs["num_heads * v_head_dim"] = arch.num_heads * m.v_head_dim
+    return inputs
+
+
+def _check_group_size(group: int, arch: ModelConfig, modules: str) -> None:
+    inputs = group_inputs(arch, modules)
     bad = {k: v for k, v in inputs.items() if v % group}
     if bad:
         common = math.gcd(*inputs.values())
