@@ -2,7 +2,8 @@
 
 Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata (see ``rlx.mesh``); kernels
 are stored ``[in, out]``. A ``Linear`` kernel may instead be a frozen quantized tensor (``rlx.quant``:
-any object with ``dequantize(dtype)``), dequantized inside the jitted matmul; a ``Linear`` may carry a
+any object with ``dequantize(dtype)`` and ``product(x, dtype, out_dtype)``), whose product reads
+the packed values where it can and is dequantized inside the jitted matmul otherwise; a ``Linear`` may carry a
 LoRA adapter (``lora``, called on the unquantized input and skipped when ``adapter=False``) and an
 activation fake-quantizer (``act_quant``) that reproduces a W8A8 server's per-token dynamic
 activation quantization with a straight-through gradient. Attention takes explicit per-token ``positions`` and ``segment_ids`` so that
@@ -98,7 +99,9 @@ class Linear(nnx.Module):
         # accumulators and the sum is rounded once (XLA:CPU evaluates a bf16 sum in f32 with a
         # conversion pair around every operation).
         acc = jnp.float32 if lora else self.dtype
-        y = product(xq, weight_value(self.kernel, self.dtype), self.dtype, acc)
+        y = None if isinstance(self.kernel, nnx.Variable) else self.kernel.product(xq, self.dtype, acc)
+        if y is None:
+            y = product(xq, weight_value(self.kernel, self.dtype), self.dtype, acc)
         if self.bias is not None:
             y = y + self.bias[...].astype(acc)
         if lora:

@@ -71,6 +71,10 @@ class GGUFTensor(nnx.Module):
         w = dequantize_blocks(self.blocks[...], self.qtype)  # [..., N, K]
         return (jnp.swapaxes(w, -1, -2) if self.kernel else w).astype(dtype)
 
+    def product(self, x: Array, dtype, out_dtype) -> None:
+        """None: a GGUF kernel's product dequantizes its blocks inside the jitted matmul."""
+        return None
+
     def take(self, ids: Array, dtype) -> Array:
         """Rows ``ids`` of an embedding: gather the blocks first, dequantize only those."""
         if self.kernel:

@@ -26,18 +26,24 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
 from jaxtyping import Array
 
+from rlx.models.mixed import mixed_einsum
 from rlx.quant.config import QuantConfigError
 
 _NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                  -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                  0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                  0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
+# QTensor.product runs grouped scales inside the product for up to GROUPED_ROWS rows on these
+# backends (XLA:CPU's batched dot takes no bf16 x bf16 -> f32, see rlx.models.mixed)
+GROUPED_ROWS = 32
+GROUPED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 _SCALE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -101,6 +107,44 @@ class QTensor(nnx.Module):
     def take(self, ids: Array, dtype) -> Array:
         """Rows ``ids`` of the logical matrix (embedding lookup)."""
         return jnp.take(self.dequantize(dtype), ids, axis=0)
+
+    def product(self, x: Array, dtype, out_dtype) -> Array | None:
+        """``x @ w`` for a 2-D kernel without materialising ``w``, or None where this format or
+        shape keeps the dequantize-then-multiply path.
+
+        The stored values enter the product in the compute ``dtype`` (int8, int4 and fp8 e4m3
+        values are exact in bf16), accumulated in f32; each K-group's scale (and zero point) is
+        applied to that accumulator: ``sum_g s_g * (x_g @ q_g - sum(x_g) * z_g)``. One group
+        (channel scales) is one product for any number of rows; several groups (int4 groups, fp8
+        128x128 tiles) are ``[rows, G, N]`` products summed over ``G``, used for a decode step's
+        few rows on accelerators (``GROUPED_ROWS``, ``GROUPED_BACKENDS``). The compiler then
+        reads the packed weights inside the product instead of writing and re-reading a float
+        copy of the matrix on every call.
+        """
+        k, n = self.kn
+        bk, bn = self.block
+        rows = math.prod(x.shape[:-1])
+        groups = -(-k // bk)
+        if self.transposed or len(self.shape) != 2 or self.fmt == "nf4" or (
+                groups > 1 and (rows > GROUPED_ROWS or k % bk
+                                 or jax.default_backend() not in GROUPED_BACKENDS)):
+            return None
+        q = (self.decode() if self.fmt == "int4" else self.values[...]).astype(dtype)
+        xr = x.reshape(rows, groups, k // groups).astype(dtype)  # one group: bk may exceed K
+        scale = expand_blocks(self.scale[...].astype(jnp.float32), groups, n, 1, bn)  # [G, N]
+        zero = None if self.zero is None else expand_blocks(
+            self.zero[...].astype(jnp.float32), groups, n, 1, bn)
+        if groups == 1:  # a plain 2-D product (XLA:CPU's fast path takes no batch axis)
+            acc = mixed_einsum("rk,kn->rn", xr[:, 0], q, jnp.float32)
+            if zero is not None:
+                acc = acc - jnp.sum(xr[:, 0].astype(jnp.float32), -1, keepdims=True) * zero
+            y = acc * scale
+        else:
+            acc = mixed_einsum("rgk,gkn->rgn", xr, q.reshape(groups, k // groups, n), jnp.float32)
+            if zero is not None:
+                acc = acc - jnp.sum(xr.astype(jnp.float32), -1)[..., None] * zero
+            y = jnp.sum(acc * scale, axis=1)
+        return y.astype(out_dtype).reshape(*x.shape[:-1], n)
 
     def leaves(self) -> dict[str, Array]:
         out = {"values": self.values[...], "scale": self.scale[...]}
