@@ -3,7 +3,7 @@
 ``publish(path, version, kind, write)`` writes into a fresh temp folder next to ``path``, adds
 ``rlx_export.json`` (``{"version", "kind", ...}``), then renames it into place; a reader sees either
 the old complete folder or the new complete one (an existing folder is first renamed aside, then
-removed). Three kinds:
+removed). Four kinds:
 
 - ``export_peft``: the LoRA adapter as HF PEFT (``adapter_config.json`` + ``adapter_model.safetensors``,
   names ``base_model.model.<hf module>.lora_A.weight`` ``[r, in]`` / ``lora_B.weight`` ``[out, r]``).
@@ -20,6 +20,9 @@ removed). Three kinds:
   ``rlx.quant.serving``; a GGUF base is the GGUF file it was loaded from).
 - ``export_merged``: base dequantized + ``(alpha / r) B A`` merged, plain HF safetensors (float32 by
   default) that any consumer loads.
+- ``export_critic``: PPO's critic apart from the policy, for ``AutoModelForTokenClassification``
+  with one label: its adapter + value head as a PEFT folder (LoRA mode) or its merged model with
+  the head (full mode).
 """
 
 from __future__ import annotations
@@ -154,22 +157,28 @@ def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
 
 
 def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
-                base_model_name_or_path: str | None = None) -> str:
-    """Write the adapters of ``model`` as a HF PEFT adapter folder (published atomically)."""
+                base_model_name_or_path: str | None = None, head: dict | None = None) -> str:
+    """Write the adapters of ``model`` as a HF PEFT adapter folder (published atomically); with a
+    ``head`` (HF-named tensors of a task head, e.g. ``value_head_tensors``) a token-classification
+    adapter whose head is PEFT's ``modules_to_save``."""
     tensors, facts = peft_state(model)
     if not tensors:
         raise QuantConfigError("the model has no LoRA adapters to export; call rlx.quant.apply_lora first")
+    modules_to_save = sorted({name.split(".")[0] for name in head or {}}) or None
+    tensors.update({f"base_model.model.{name}": value for name, value in (head or {}).items()})
     rank_pattern, alpha_pattern = {}, {}
     if facts["fused_rank"] and facts["fused_rank"] != lora.rank:
         rank_pattern["gate_up_proj"] = facts["fused_rank"]
         alpha_pattern["gate_up_proj"] = lora.alpha * facts["fused_rank"] / lora.rank
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+        "peft_type": "LORA", "task_type": "TOKEN_CLS" if head else "CAUSAL_LM", "r": lora.rank,
+        "lora_alpha": lora.alpha,
         "lora_dropout": 0.0 if facts["target_parameters"] else lora.dropout,
         "target_modules": facts["target_modules"], "target_parameters": facts["target_parameters"] or None,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-        "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": base_model_name_or_path,
+        "inference_mode": True, "modules_to_save": modules_to_save,
+        "base_model_name_or_path": base_model_name_or_path,
     }
 
     def write(tmp: str) -> dict:
@@ -279,5 +288,39 @@ def export_base(model: Transformer, q: QuantConfig, path: str, version: str, dty
     return publish(path, version, "base", write)
 
 
-__all__ = ["publish", "read_version", "export_peft", "export_base", "export_merged", "peft_state",
-           "merged_state_dict", "base_state_dict"]
+def value_head_tensors(head: dict) -> dict[str, np.ndarray]:
+    """PPO's value head (``{"kernel": [D], "bias": []}``) as HF's token-classification head with
+    one label: ``score.weight`` [1, D] and ``score.bias`` [1] (what ``config.critic.path`` reads)."""
+    return {"score.weight": _np(head["kernel"]).reshape(1, -1),
+            "score.bias": _np(head["bias"]).reshape(1)}
+
+
+def export_critic(critic: Transformer, head: dict, path: str, version: str,
+                  lora: LoraConfig | None = None, base_model_name_or_path: str | None = None,
+                  dtype=np.float32) -> str:
+    """PPO's critic, apart from the policy, as transformers' ``AutoModelForTokenClassification``
+    with one label reads it (its ``score`` layer is the value head; its logit at position t is
+    rlx's value at t + 1, ``rlx.learner.critic``):
+
+    - ``lora`` (LoRA mode): ``critic`` is the policy's frozen base with the critic's adapter; a
+      PEFT folder of that adapter (``export_peft``, task ``TOKEN_CLS``) with the head as
+      ``modules_to_save``, loaded on the policy's base with ``num_labels=1``;
+    - else (full mode): a HF folder of the critic model (adapters merged, as ``export_merged``)
+      with ``score.weight`` / ``score.bias`` beside its weights, which a later run can take as
+      ``config.critic.path``.
+    """
+    score = value_head_tensors(head)
+    if lora is not None:
+        return export_peft(critic, lora, path, version, base_model_name_or_path, head=score)
+
+    def write(tmp: str) -> dict:
+        _write_config(tmp, critic, dtype)
+        tensors = merged_state_dict(critic, dtype)
+        save_sharded({**tensors, **{k: v.astype(dtype) for k, v in score.items()}}, tmp)
+        return {"dtype": np.dtype(dtype).name, "value_head": "score"}
+
+    return publish(path, version, "critic", write)
+
+
+__all__ = ["publish", "read_version", "export_peft", "export_base", "export_merged", "export_critic",
+           "value_head_tensors", "peft_state", "merged_state_dict", "base_state_dict"]

@@ -422,3 +422,12 @@ class Compiled:
     def model(self) -> nnx.Module:
         """The current policy as a module (parameters and frozen base merged)."""
         return nnx.merge(self.graphdef, self.state.params, self.state.frozen)
+
+    def critic(self) -> tuple[nnx.Module, Any] | None:
+        """PPO's critic: its body as a module (the critic's adapter on the policy's frozen base,
+        or its own model) and its value head ``{"kernel": [D], "bias": []}``; None without."""
+        critic = self.state.critic
+        if critic is None:
+            return None
+        frozen = self.state.frozen if critic.frozen is None else critic.frozen
+        return nnx.merge(self.critic_graphdef, critic.params["body"], frozen), critic.params["head"]

@@ -249,6 +249,18 @@ class Hosts:
         return nnx.merge(compiled.graphdef, multihost.to_host(compiled.state.params),
                          multihost.to_host(compiled.state.frozen))
 
+    def critic(self, compiled: Compiled) -> tuple[nnx.Module, Any] | None:
+        """PPO's critic (body module, value head) as ``Compiled.critic``: one process its own;
+        several a host copy (every process takes part)."""
+        if not self.multi or compiled.state.critic is None:
+            return compiled.critic()
+        critic = compiled.state.critic
+        host = dataclasses.replace(compiled, state=compiled.state.replace(
+            frozen=multihost.to_host(compiled.state.frozen), critic=critic.replace(
+                params=multihost.to_host(critic.params),
+                frozen=None if critic.frozen is None else multihost.to_host(critic.frozen))))
+        return host.critic()
+
     def on_primary(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on process 0; its result (or its error, raised) on every process."""
         if not self.multi:

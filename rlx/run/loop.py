@@ -37,18 +37,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import grain
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from rlx.config import RunConfig
 from rlx.data.chat import PromptFormat
 from rlx.data.sources import Example
 from rlx.io.checkpoint import Checkpointer
+from rlx.io.export import export_critic, export_merged, export_peft
 from rlx.io.metrics import MetricsLogger, TextSample
 from rlx.learner.step import Compiled
 from rlx.models.tokenizer import Tokenizer
@@ -379,6 +382,28 @@ class Run:
         if len(evals) >= 2:
             lines.append(f"change: {100 * (evals[-1][1] - evals[0][1]):+.1f} points")
         return "\n".join(lines)
+
+    def export(self, path: str) -> dict[str, str]:
+        """The trained policy and PPO's critic, each in its own folder (``rlx.io.export``),
+        published atomically with the step as version: ``<path>/policy`` (LoRA mode the adapter
+        as a PEFT folder on ``model.path``, full mode a HF folder) and, with a critic,
+        ``<path>/critic`` (``export_critic``: its adapter and value head apart from the policy's).
+        Every process takes part; process 0 writes. Returns the folders by name."""
+        policy, critic = self.hosts.learner_model(self.compiled), self.hosts.critic(self.compiled)
+        return self.hosts.on_primary(self._export, path, policy, critic)
+
+    def _export(self, path: str, policy: nnx.Module, critic) -> dict[str, str]:
+        cfg, version = self.cfg, str(self.step_count)
+        lora = cfg.lora if cfg.train.mode == "lora" else None
+        out = {"policy": os.path.join(path, "policy")}
+        if lora is not None:
+            export_peft(policy, lora, out["policy"], version, base_model_name_or_path=cfg.model.path)
+        else:
+            export_merged(policy, out["policy"], version)
+        if critic is not None:
+            out["critic"] = export_critic(*critic, os.path.join(path, "critic"), version, lora=lora,
+                                          base_model_name_or_path=cfg.model.path)
+        return out
 
     def close(self) -> None:
         """Finish pending work (checkpoint writes, a prefetched generation), stop the engine's

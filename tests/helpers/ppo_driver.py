@@ -1,7 +1,7 @@
 """PPO with a learned critic on the tiny config, in a process of its own on one CPU device.
 
 Run as ``python -m tests.helpers.ppo_driver OUTPUT_DIR``; the run's records land in
-``OUTPUT_DIR/tiny/metrics.jsonl``. The task (``tests/run/test_ppo.py`` says why) has a delayed
+``OUTPUT_DIR/tiny/metrics.jsonl``, its export (``Run.export``) in ``OUTPUT_DIR/export``. The task (``tests/run/test_ppo.py`` says why) has a delayed
 reward, paid at the end of each 4-token completion: half for the share of completion tokens that
 start a word (the policy's choices), half for prompts naming "gold" (no choice changes it).
 """
@@ -48,6 +48,7 @@ def main(out: str) -> None:
                 progress=False)
     try:
         run.train()
+        run.export(os.path.join(out, "export"))  # the policy and the critic, apart
     finally:
         run.close()
 

@@ -23,7 +23,7 @@ from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
+def run_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ppo"))
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -31,7 +31,12 @@ def records(tmp_path_factory):
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     with open(os.path.join(out, "tiny", "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return out, [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def records(run_dir):
+    return run_dir[1]
 
 
 def test_ppo_raises_the_held_out_reward(records):
@@ -55,3 +60,19 @@ def test_every_update_is_reported(records):
     assert max(late[f"learner/update_{i}/approx_kl"] for i in range(1, 8)) > 0  # then it moves
     assert all(np.isfinite(r["critic/value_loss"]) and np.isfinite(r["critic/returns_mean"])
                for r in steps)
+
+
+def test_the_critic_is_exported_apart_from_the_policy(run_dir):
+    # full mode: the policy as a HF folder, the critic as its own HF folder with the value head
+    # (HF's score layer) that a later run can start from (config.critic.path)
+    from rlx.io.export import read_version
+    from rlx.learner.critic import read_value_head
+
+    export = os.path.join(run_dir[0], "export")
+    assert read_version(os.path.join(export, "policy")) == "20"
+    critic = os.path.join(export, "critic")
+    with open(os.path.join(critic, "rlx_export.json")) as f:
+        assert json.load(f)["kind"] == "critic"
+    kernel, bias = read_value_head(critic)
+    assert kernel.shape == (64,) and np.abs(kernel).max() > 0  # trained from its zero start
+    assert bias is not None and np.isfinite(bias)
