@@ -67,6 +67,7 @@ def markdown(table: dict[str, dict[str, float]]) -> str:
 
 def main(argv: list[str]) -> int:
     from rlx.bench.quant_decode import DECODE_ROWS
+    from rlx.bench.quant_decode import MODELS as DECODE_MODELS
 
     parser = argparse.ArgumentParser(prog="python -m rlx.bench quant", description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of dense,moe")
     parser.add_argument("--decode", action="store_true",
                         help="also measure decode tokens/s per format (rlx.bench.quant_decode)")
-    parser.add_argument("--decode-model", default="smollm2", choices=("smollm2", "tiny"))
+    parser.add_argument("--decode-model", default="smollm2", choices=DECODE_MODELS)
     parser.add_argument("--decode-formats", default=",".join(DECODE_ROWS),
                         help=f"comma-separated subset of {','.join(DECODE_ROWS)}")
     parser.add_argument("--decode-shape", default="8,32,32", help="batch,prompt,new tokens")

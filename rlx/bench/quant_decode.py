@@ -1,7 +1,8 @@
 """Decode tokens/s of rlx's built-in engine per frozen-base format (``python -m rlx.bench quant --decode``).
 
 Every format is one side of the harness (its own worker, interleaved rounds, medians): SmolLM2-135M
-(or the tiny model) with its decoder-layer linears in that format, the embedding / tied output
+(or the tiny model, or ``llama8b-wide`` for accelerators: Llama-3-8B's widths, 8 random layers,
+bf16, its "f32" row then bf16) with its decoder-layer linears in that format, the embedding / tied output
 projection kept f32 as servers do, generating exactly ``new`` greedy tokens for ``batch`` prompts.
 The SmolLM2 "GGUF Q4_1" row uses the file's own blocks; other GGUF rows quantize the f32 weights
 with the ``gguf`` package (as the error table does). Quantized bases trade memory for dequantization
@@ -17,6 +18,31 @@ import time
 from rlx.bench.harness import Side, interleave, markdown_table
 
 DECODE_ROWS = ("f32", "int8 channel", "int4 g64 sym", "nf4 g64", "fp8 channel", "GGUF Q8_0", "GGUF Q4_1")
+# An accelerator-sized model: Llama-3-8B's widths and vocabulary, random, bf16, few layers (each
+# layer reads the same bytes per token, so the per-format ratios do not depend on the depth)
+LLAMA8B_WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_hidden_layers": 8, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+                "tie_word_embeddings": False}
+MODELS = ("smollm2", "tiny", "llama8b-wide")
+
+
+def _llama8b_wide(label: str):
+    """``LLAMA8B_WIDE`` in bf16 with its decoder linears in ``label``'s format ("f32": bf16)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rlx.bench.formats import ROWS
+    from rlx.models import Precision, Transformer, from_hf_config
+    from rlx.quant import quantize_model
+
+    bf16 = Precision(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    m = Transformer(from_hf_config(LLAMA8B_WIDE), bf16, rngs=nnx.Rngs(0))
+    spec = None if label == "f32" else dict(ROWS)[label]
+    if isinstance(spec, str):
+        raise SystemExit(f"--decode-model llama8b-wide: {label} is a GGUF row; pick rlx's formats")
+    return m if spec is None else quantize_model(m, spec)
 
 
 def _model(model: str, label: str, hf_config: dict | None):
@@ -24,6 +50,8 @@ def _model(model: str, label: str, hf_config: dict | None):
     from rlx.bench.workloads import load_model
     from rlx.quant import quantize_model
 
+    if model == "llama8b-wide":
+        return _llama8b_wide(label)
     if model == "smollm2" and label == "GGUF Q4_1":
         return load_model(model, "q4_1")[0]
     m = load_model(model, "f32", hf_config=hf_config)[0]
@@ -63,7 +91,8 @@ def decode_table(model: str = "smollm2", batch: int = 8, prompt: int = 32, new: 
     """(markdown table, figures) of decode tokens/s per format, relative to f32."""
     from rlx.bench.workloads import Workload, prompt_ids, smollm2_config
 
-    w = Workload(model, batch, prompt, new)
+    # llama8b-wide takes the same prompts: SmolLM2's plain ids are plain ids of Llama-3 too
+    w = Workload("smollm2" if model == "llama8b-wide" else model, batch, prompt, new)
     hf_config = smollm2_config() if model == "tiny" else None
     sides = [Side(label, "rlx.bench.quant_decode:decode_side",
                   dict(model=model, label=label, prompts=prompt_ids(w), new=new, hf_config=hf_config))
