@@ -62,16 +62,18 @@ PLANS = sorted(n for n, c in CONFIGS.items() if "plan" in c)
 RUNS = sorted(n for n in CONFIGS if n not in PLANS)
 
 
-def _ci(name: str, slow: str):
-    """``name`` as a parameter, marked slow when it is ``slow`` (each config still runs one
+def _ci(name: str, *slow: str):
+    """``name`` as a parameter, marked slow when it is one of ``slow`` (each config still runs one
     shrunken step in CI: qwen25_1p5b_math_int8 on the SGLang server, qwen25_7b_math_fp8 with the
-    built-in engine)."""
-    return pytest.param(name, marks=pytest.mark.slow) if name == slow else name
+    built-in engine; deepseek_v3_fp8's multi-head latent attention and fp8 block base run in
+    kimi_k2's and qwen25_7b_math_fp8's)."""
+    return pytest.param(name, marks=pytest.mark.slow) if name in slow else name
 SGLANG_RUNS = sorted(n for n in RUNS if CONFIGS[n].get("rollout", {}).get("engine") == "sglang")
 
 
 def test_configs_are_discovered():
-    assert len(CONFIG_FILES) >= 7 and "tiny" in RUNS and "kimi_k2_plan" in PLANS
+    assert len(CONFIG_FILES) >= 7 and "tiny" in RUNS
+    assert {"kimi_k2", "deepseek_v3_fp8", "glm45_air"} <= set(RUNS)
     assert {"qwen25_1p5b_math_int8", "qwen25_7b_math_fp8"} <= set(SGLANG_RUNS)
 
 
@@ -82,6 +84,26 @@ def test_plan_config_runs_the_planner(name, capsys):
     assert main(["--config", os.path.join(ROOT, "configs", f"{name}.py")]) == 0
     out = capsys.readouterr().out
     assert "train peak" in out and "verdict" in out
+
+
+# the 1T-class recipes on one node of 8 devices: (config, GB per device, the train step fits)
+NODE_PLANS = [("kimi_k2", 80, False), ("kimi_k2", 141, True), ("deepseek_v3_fp8", 80, False),
+              ("deepseek_v3_fp8", 141, True), ("glm45_air", 80, True)]
+
+
+@pytest.mark.parametrize("name,hbm,fits", NODE_PLANS)
+def test_recipe_is_planned_as_its_run(name, hbm, fits, capsys):
+    """``python -m rlx.plan`` on a run config plans the run it describes (its architecture from
+    ``rlx.models.presets``, one update's rows from data/rollout/train)."""
+    from rlx.plan import main
+    from rlx.plan.planner import load_config_file, plan, spec_from_config
+
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    spec = spec_from_config(load_config_file(path))
+    assert spec.mode == "lora" and spec.mesh.num_devices == 8
+    assert (plan(spec, hbm).train_peak <= hbm * 1e9 * 0.92) == fits
+    assert main(["--config", path, "--hbm-gb", str(hbm)]) in (0, 1)
+    assert "train peak" in capsys.readouterr().out
 
 
 # --- shrunken copies ----------------------------------------------------------------------------
@@ -208,7 +230,7 @@ def served_policy_matches_the_learner(run) -> None:
     assert sorted(os.listdir(serving)) == ["adapter-2", "base", "sglang-0.log"]  # old ones deleted
 
 
-@pytest.mark.parametrize("name", [_ci(n, "qwen25_1p5b_math_int8") for n in RUNS])
+@pytest.mark.parametrize("name", [_ci(n, "qwen25_1p5b_math_int8", "deepseek_v3_fp8") for n in RUNS])
 def test_config_runs_one_shrunken_step(name, tmp_path, stand_in):
     """The config as written (the built-in engine where it names SGLang)."""
     one_step(shrunken(name, tmp_path, stand_in, **{"rollout.engine": "jax"}))

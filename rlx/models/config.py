@@ -61,7 +61,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         moe=_moe_from_hf(hf, kind, layers),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list) else eos,
         hidden_act=hf.get("hidden_act", "silu"),
         mla=mla,
     )

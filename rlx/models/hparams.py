@@ -177,7 +177,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
+    eos_token_id: int | tuple[int, ...] | None = None  # several (GLM-4.5) as a tuple: hashable
     hidden_act: str = "silu"
     mla: MLAConfig | None = None  # multi-head latent attention instead of GQA
 

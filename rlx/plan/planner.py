@@ -11,8 +11,10 @@ Everything is computed from abstract shapes (``jax.eval_shape``); no weights are
 models can also be compiled (``--compiled``) and XLA's memory analysis is printed beside.
 
 The config file's ``get_config()`` supplies ``model.hf_config`` (a transformers ``config.json``
-dict; or ``model.path`` to a folder holding one), ``mesh.*``, ``quant.*``, ``lora.*`` and a
-``plan`` section with the remaining ``PlanSpec`` fields (mode, dtypes, rows, seq_len, ...).
+dict; or ``model.path`` to a folder holding one, or naming an ``rlx.models.presets`` entry),
+``mesh.*``, ``quant.*``, ``lora.*`` and a ``plan`` section with the remaining ``PlanSpec`` fields
+(mode, dtypes, rows, seq_len, ...). A run config (no ``plan`` section) is planned as the run it
+describes (``run_plan_fields``); ``--hbm-gb`` and ``--devices`` then name the machine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from rlx.learner.state import MODES
 from rlx.mesh import MESH_AXES, MeshShape
 from rlx.models import from_hf_config
+from rlx.models.presets import PRESETS, find_preset, preset_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
 from rlx.plan.spec import PlanSpec
 from rlx.quant import LoraConfig, QuantConfig
@@ -137,15 +140,40 @@ def _section(cfg: Any, name: str) -> dict[str, Any]:
 
 
 def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
+    """``model.hf_config``, the ``config.json`` of the folder ``model.path``, or the architecture
+    preset that path names (``rlx.models.presets``; no download)."""
     if model.get("hf_config"):
         return dict(model["hf_config"])
     path = model.get("path", "")
-    cfg_json = os.path.join(path, "config.json") if path else ""
-    if not cfg_json or not os.path.exists(cfg_json):
-        raise ValueError("the planner needs config.model.hf_config (a config.json dict) or "
-                         "config.model.path pointing at a folder with config.json")
-    with open(cfg_json) as f:
-        return json.load(f)
+    cfg_json = os.path.join(os.path.expanduser(path), "config.json") if path else ""
+    if cfg_json and os.path.exists(cfg_json):
+        with open(cfg_json) as f:
+            return json.load(f)
+    preset = find_preset(path) if path else None
+    if preset is None:
+        raise ValueError("the planner needs config.model.hf_config (a config.json dict), "
+                         "config.model.path pointing at a folder with config.json, or a path "
+                         f"naming one of the presets {sorted(PRESETS)}")
+    return preset_config(preset)
+
+
+def run_plan_fields(cfg: Any) -> dict[str, Any]:
+    """``PlanSpec`` fields of a run config (one without a ``plan`` section): one optimizer
+    update's rows (``prompts_per_step x group_size / minibatches``) of ``max_prompt_tokens +
+    max_new_tokens`` tokens, the train section's mode, micro-batches, log-prob chunk and remat,
+    and the built-in engine decoding the whole batch at once (KV cache in the compute dtype).
+    Fields the run config leaves out keep ``PlanSpec``'s defaults."""
+    data, rollout, train = (_section(cfg, k) for k in ("data", "rollout", "train"))
+    out = {k: train[k] for k in ("mode", "micro_batches", "logprob_chunk", "remat") if k in train}
+    if "prompts_per_step" in data and "group_size" in rollout:
+        out["rollout_rows"] = int(data["prompts_per_step"]) * int(rollout["group_size"])
+        out["rows"] = out["rollout_rows"] // int(train.get("minibatches", 1))
+    if "max_prompt_tokens" in data and "max_new_tokens" in rollout:
+        out["seq_len"] = out["rollout_len"] = (int(data["max_prompt_tokens"])
+                                               + int(rollout["max_new_tokens"]))
+    if "dtype" in _section(cfg, "model"):
+        out["kv_dtype"] = _section(cfg, "model")["dtype"]
+    return out
 
 
 def spec_from_config(cfg: Any) -> PlanSpec:
@@ -156,6 +184,8 @@ def spec_from_config(cfg: Any) -> PlanSpec:
         lora["targets"] = tuple(lora["targets"])
     fields = {f.name for f in dataclasses.fields(PlanSpec)}
     extra = {k: v for k, v in _section(cfg, "plan").items() if k in fields}
+    if not _section(cfg, "plan"):  # a run config: the plan of the run it describes
+        extra = run_plan_fields(cfg)
     unknown = set(_section(cfg, "plan")) - fields - {"hbm_gb", "devices_per_node"}
     if unknown:
         raise ValueError(f"unknown key config.plan.{sorted(unknown)[0]}; known: {sorted(fields)}")
