@@ -30,7 +30,8 @@ from rlx.models import from_hf
 from rlx.models.config import from_hf_config
 from rlx.models.presets import preset_config
 from rlx.models.safetensors_io import SafetensorsFolder
-from rlx.quant import LoraConfig, QuantConfig, QuantWeight, apply_lora, load_quantized, quantize_model
+from rlx.quant import (LoraConfig, QuantConfig, QuantWeight, apply_lora, load_quantized,
+                       quantize_model)
 from rlx.quant.config import GQA_TARGETS, MLA_TARGETS, TARGET_MODULES
 from rlx.quant.lora import lora_targets, target_counts
 from rlx.rollout.sglang_policy import lora_server_args
