@@ -310,8 +310,8 @@ def _sigmoid_moe_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "topk_group": m.topk_group, "norm_topk_prob": m.norm_topk_prob,
         "first_k_dense_replace": first_dense,
     }
-    if cfg.model_type == "deepseek_v3":
-        out.update({k: v[0] for k, v in _SIGMOID_CHOICES.items()})
+    if cfg.model_type == "deepseek_v3":  # moe_layer_freq: SGLang's DeepseekV2 model reads it
+        out.update({k: v[0] for k, v in _SIGMOID_CHOICES.items()}, moe_layer_freq=1)
     return out
 
 
