@@ -1,7 +1,8 @@
 """Per-device memory of a ``PlanSpec``: exact state sizes, an analytic step model, and XLA's own.
 
 * ``state_bytes``: frozen base, trainable params and AdamW moments per device, from the abstract
-  model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size).
+  model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size), and
+  PPO's critic with its AdamW moments when the spec has one.
 * ``step_bytes``: the train step's transient memory per device (gradients, saved activations,
   log-prob chunks, the batch) from a layer-by-layer count of what the backward pass keeps (see
   ``_layer_features`` and ``COEFFS``), and the built-in engine's KV cache.
@@ -103,8 +104,12 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     key = repr(spec.replace(mesh=MeshShape()))
     for trainable, shape, dtype, axes, times in _abstract_leaves(key, spec):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
+    # PPO's critic (rlx.learner.critic): a copy of the trainable variables, sharded alike, and
+    # the replicated f32 value head (kernel [D] and bias)
+    critic = total[True] + 4 * (spec.model.hidden_size + 1) if spec.critic else 0
     return {"frozen": total[False], "trainable": total[True],
-            "optimizer": 2 * total[True]}  # AdamW: mu and nu in the parameter dtype
+            "optimizer": 2 * total[True],  # AdamW: mu and nu in the parameter dtype
+            "critic": critic, "critic_optimizer": 2 * critic}
 
 
 def _abstract_batch(spec: PlanSpec, mesh) -> TrainBatch:

@@ -1,11 +1,12 @@
 """Memory planner: ``python -m rlx.plan --config configs/X.py [--mesh data=1,fsdp=8]
 [--hbm-gb 192 --devices 8] [--mode full|lora] [--compiled]``.
 
-Prints bytes per device for the frozen base, trainable params, gradients, AdamW state,
-activations (with the remat choice), log-prob chunks, the batch and the built-in engine's KV
-cache; whether the peak of the train step and of sampling fits the device memory; and, when it
-does not, which knob to turn (remat, micro-batches, chunk size, rollout shape) or how many nodes
-of ``--devices`` devices the run needs (FSDP over more devices).
+Prints bytes per device for the frozen base, trainable params, gradients, AdamW state, PPO's
+critic and its AdamW state (``critic.enabled``), activations (with the remat choice), log-prob
+chunks, the batch and the built-in engine's KV cache; whether the peak of the train step and of
+sampling fits the device memory; and, when it does not, which knob to turn (remat, micro-batches,
+chunk size, rollout shape) or how many nodes of ``--devices`` devices the run needs (FSDP over
+more devices).
 
 Everything is computed from abstract shapes (``jax.eval_shape``); no weights are read. Small
 models can also be compiled (``--compiled``) and XLA's memory analysis is printed beside.
@@ -38,9 +39,10 @@ from rlx.quant import LoraConfig, QuantConfig
 
 GB = 1e9
 RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmentation
-TRAIN_KEYS = ("frozen", "trainable", "optimizer", "grads", "activations", "logprob_chunks",
-              "batch")
-SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "kv_cache", "decode_temp")
+TRAIN_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "grads",
+              "activations", "logprob_chunks", "batch")
+SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "kv_cache",
+               "decode_temp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +121,8 @@ def format_plan(p: Plan, compiled: dict[str, int] | None = None, devices_per_nod
              f"micro_batches={s.micro_batches}",
              "per device (GB)"]
     for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS):
+        if key.startswith("critic") and not s.critic:
+            continue
         lines.append(f"  {key:15s} {p.bytes[key] / GB:10.3f}")
     lines.append(f"  {'train peak':15s} {p.train_peak / GB:10.3f}")
     lines.append(f"  {'sample peak':15s} {p.sample_peak / GB:10.3f}")
@@ -192,6 +196,8 @@ def spec_from_config(cfg: Any) -> PlanSpec:
     for key in ("dtype", "param_dtype", "moe_impl"):
         if key in model and key not in extra:
             extra[key] = model[key]
+    if "critic" not in extra:  # PPO's critic, as the run would build it
+        extra["critic"] = bool(_section(cfg, "critic").get("enabled", False))
     mesh = MeshShape(**{a: int(_section(cfg, "mesh").get(a, 1)) for a in MESH_AXES})
     return PlanSpec(model=from_hf_config(_hf_config(model)), quant=QuantConfig(**quant),
                     lora=LoraConfig(**lora), mesh=mesh, **extra)

@@ -2,7 +2,8 @@
 
 A spec names the architecture (``ModelConfig``), the training mode (A: every parameter trains with
 AdamW; B: a frozen, possibly quantized base with LoRA adapters), the batch the learner sees, the
-mesh, the rematerialisation choice and the built-in engine's rollout shape (its KV cache).
+mesh, the rematerialisation choice, the built-in engine's rollout shape (its KV cache) and whether
+PPO's critic lives beside the policy.
 
 ``abstract_model`` builds the model with ``nnx.eval_shape``: the same constructors, quantizer and
 adapter code as a real run, but only shapes and dtypes, so a 1T-parameter spec costs no memory.
@@ -45,6 +46,10 @@ class PlanSpec:
     rollout_rows: int = 64  # built-in engine: sequences decoded at once (global)
     rollout_len: int = 2048  # built-in engine: prompt + completion slots per sequence
     kv_dtype: str = "bfloat16"  # built-in engine: KV cache dtype
+    # PPO's learned critic (config.critic.enabled): a copy of the trainable variables (lora: a
+    # second adapter on the same base; full: a copy of the policy, an upper bound for a smaller
+    # critic.path model) plus the f32 value head, each with AdamW moments
+    critic: bool = False
 
     def __post_init__(self):
         one_of("plan.mode", self.mode, MODES)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -88,3 +89,43 @@ def test_cli_prints_categories_and_verdict(capsys):
     assert main(["--config", KIMI, "--hbm-gb", "141", "--mode", "full"]) == 1
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "112 devices = 14 nodes of 8" in out
+
+
+@pytest.mark.parametrize("name", ["dense-lora", "dense-full"])
+def test_the_critic_is_counted_as_a_run_holds_it(name):
+    """PPO's critic (``critic=True``): per-device bytes of its variables (a second adapter, or a
+    copy of the model in full mode, plus the f32 value head) and their AdamW moments equal those
+    of the ``CriticState`` a run builds, sharded like the policy on an 8-device mesh."""
+    from flax import nnx
+
+    from rlx.learner.critic import init_critic, value_head
+    from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
+    from rlx.mesh import make_mesh
+    from rlx.plan.spec import abstract_model, trainable_filter
+
+    mesh_shape = MeshShape(data=2, fsdp=2, tensor=2)
+    spec = CASES[name].replace(mesh=mesh_shape, critic=True)
+    p = plan(spec, hbm_gb=1.0)
+    without = plan(spec.replace(critic=False), hbm_gb=1.0)
+    assert without.bytes["critic"] == without.bytes["critic_optimizer"] == 0
+    assert p.train_peak - without.train_peak == p.bytes["critic"] + p.bytes["critic_optimizer"]
+
+    mesh = make_mesh(mesh_shape, jax.devices()[:8])
+    _, params, frozen = nnx.split(abstract_model(spec), trainable_filter(spec), ...)
+    optimizer = make_optimizer(OptimizerConfig())
+    critic = jax.eval_shape(lambda body: init_critic(
+        body, value_head(spec.model.hidden_size), optimizer), params)
+    zero = jax.ShapeDtypeStruct((), jax.numpy.int32)
+    state = TrainState(step=zero, skipped=zero, params=params, frozen=frozen,
+                       opt_state=jax.eval_shape(optimizer.init, params),
+                       rng=jax.eval_shape(lambda: jax.random.key(0)), critic=critic)
+    shardings = state_shardings(state, optimizer, mesh).critic
+
+    def per_device(tree, tree_shardings) -> int:
+        leaves = jax.tree.leaves(tree)
+        placed = jax.tree.leaves(tree_shardings, is_leaf=lambda x: hasattr(x, "shard_shape"))
+        return sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+                   for x, s in zip(leaves, placed, strict=True))
+
+    assert p.bytes["critic"] == per_device(critic.params, shardings.params)
+    assert abs(p.bytes["critic_optimizer"] - per_device(critic.opt_state, shardings.opt_state)) <= 64
