@@ -192,12 +192,27 @@ def read_hf_config(path: str) -> ModelConfig:
         return from_hf_config(json.load(f))
 
 
+def check_float_checkpoint(path: str) -> None:
+    """Refuse a folder whose ``config.json`` names a ``quantization_config`` (FP8 blocks as
+    DeepSeek-V3 ships, compressed-tensors int4, ...): its weight tensors are not the float values,
+    and reading them as such would give a wrong model without an error."""
+    with open(os.path.join(path, "config.json")) as f:
+        qc = json.load(f).get("quantization_config")
+    if qc:
+        raise CheckpointError(
+            f"{path} holds a quantized checkpoint (quantization_config quant_method="
+            f"{qc.get('quant_method')!r}); float loading would misread its weights: load it with "
+            "rlx.quant.load_quantized, or point model.path at a float (bf16) copy")
+
+
 def from_hf(
     path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
     rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged",
 ) -> Transformer:
-    """Load a local HF folder (config.json + safetensors, sharded or not) into a sharded model."""
+    """Load a local HF folder (config.json + safetensors, sharded or not) into a sharded model;
+    a quantized checkpoint is refused (``check_float_checkpoint``)."""
     cfg = read_hf_config(path)
+    check_float_checkpoint(path)
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
     return load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
 
@@ -254,4 +269,5 @@ def param_bytes_per_device(model: Transformer) -> dict[str, int]:
 
 
 __all__ = ["from_hf", "to_hf", "load_model", "param_map", "hf_state_dict", "read_hf_config",
+           "check_float_checkpoint",
            "param_bytes_per_device", "CheckpointError"]

@@ -15,7 +15,7 @@ from rlx.errors import ConfigError, one_of
 from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import DTYPES, Precision, Transformer
-from rlx.models.hf import load_model, read_hf_config
+from rlx.models.hf import check_float_checkpoint, load_model, read_hf_config
 from rlx.models.hub import parse_hub_id, resolve_hub
 from rlx.models.moe import MOE_IMPLS, CorrectionBias
 from rlx.models.safetensors_io import SafetensorsFolder
@@ -150,6 +150,7 @@ def load_gguf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRA
 def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN_RULES,
             moe_impl="ragged") -> LoadedModel:
     cfg = read_hf_config(path)
+    check_float_checkpoint(path)
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
     model = load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
     has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))

@@ -174,6 +174,19 @@ def test_round_trip_bit_identical_with_an_f32_router(zoo, tmp_path, name, q):
                               np.asarray(var[...]).view(np.uint8)), path
 
 
+def test_a_quantized_checkpoint_is_not_read_as_floats(zoo, tmp_path):
+    """DeepSeek-V3's FP8 layout: float loading refuses it (its e4m3 weights without their
+    scales would be a wrong model); rlx.quant.load_quantized keeps it as it is."""
+    from rlx.models.hf import CheckpointError
+
+    q = QuantConfig(format="fp8", fp8_granularity="block128", serving="fp8")
+    out = export_base(quantize_model(from_hf(make_hf_model("deepseek_v3", zoo)), q),
+                      q, str(tmp_path / "fp8"), "v1")
+    with pytest.raises(CheckpointError, match=r"quant_method='fp8'.*rlx.quant.load_quantized"):
+        from_hf(out)
+    assert load_quantized(out)[1].fp8_granularity == "block128"
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2", "glm4_moe"])
 def test_merged_export_loads_in_transformers(zoo, tmp_path, family):
     import torch
