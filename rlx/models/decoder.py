@@ -16,7 +16,8 @@ positions counted over real tokens only, so left padding is exact. Packed batche
 The same module serves the learner and the built-in sampler; ``hidden_states`` and ``logits`` are
 exposed separately so the learner can compute log-probs chunk by chunk without [B, T, V] logits.
 ``decode`` runs the same modules over a ``KVCache`` (``rlx.models.kv_cache``) for incremental
-generation; only the attention's key/value source differs.
+generation; only the attention's key/value source differs (GQA: cached per-head keys and values;
+MLA: cached latents, with ``kv_b_proj`` absorbed into a decode step's products, ``rlx.models.mla``).
 
 ``adapter`` (default True) on every call enables the LoRA adapters attached by ``rlx.quant.apply_lora``;
 ``adapter=False`` gives the frozen base, i.e. the reference policy, from the same weights and the same

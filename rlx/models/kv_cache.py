@@ -1,20 +1,31 @@
 """Key/value cache for incremental decoding with the learner's own ``Transformer``.
 
-``KVCache`` holds, per layer, the rotated keys ``[B, KV, D, S]`` and the values ``[B, KV, S, D]``
-of every slot written so far, plus the position and segment id of every slot ``[B, S]`` (segment
-0 = empty or padding, never attended to). Both are KV-head major: attention reads each head's slots
-contiguously, with no transposed copy of the whole cache per decode step. Keys are held with the
-slots minor so that a decode step's query-key product runs along the slots like its
-probability-value product, which XLA:CPU computes faster than the same product over ``[S, D]``
-keys; a prefill's is the same either way (rlx/bench/README.md, "Rollout", gives the figures). All
-rows write at the same slot ``index``; rows differ only in their positions, so left-padded prompts
-of different lengths decode exactly: a row's padding slots carry segment 0 and its tokens carry
-their own positions (rotary embedding and causality use positions, not slots).
+``KVCache`` holds, per layer, two buffers, ``keys`` (slots minor: the slot axis last) and
+``values`` (slots major: the slot axis second to last), plus the position and segment id of every
+slot ``[B, S]`` (segment 0 = empty or padding, never attended to):
+
+* a GQA layer: the rotated keys ``[B, KV, D, S]`` and the values ``[B, KV, S, D]``, KV-head major,
+  so attention reads each head's slots contiguously, with no transposed copy of the whole cache per
+  decode step. Keys are held with the slots minor so that a decode step's query-key product runs
+  along the slots like its probability-value product, which XLA:CPU computes faster than the same
+  product over ``[S, D]`` keys; a prefill's is the same either way (rlx/bench/README.md,
+  "Rollout", gives the figures).
+* a multi-head latent attention layer (``rlx.models.mla``): what DeepSeek's inference caches, the
+  rotated key shared by all heads ``[B, R, S]`` (``qk_rope_head_dim`` wide) as its ``keys`` and the
+  normalised latent ``[B, S, C]`` (``kv_lora_rank`` wide) as its ``values``: ``C + R`` numbers per
+  token and layer instead of every head's key and value. There is no head axis. A decode step
+  reads the latent twice, as the values (``probs @ latent``) and, with ``kv_b_proj``'s key block
+  folded into the query, as the keys (``q_latent @ latent^T``); slots major serves the first
+  product as a value cache is served, and XLA:CPU ran the pair no slower than over ``[B, C, S]``.
+
+All rows write at the same slot ``index``; rows differ only in their positions, so left-padded
+prompts of different lengths decode exactly: a row's padding slots carry segment 0 and its tokens
+carry their own positions (rotary embedding and causality use positions, not slots).
 
 ``Transformer.decode(ids [B, T], positions, segment_ids, cache)`` runs the same ``Attention``,
 ``Block`` and MLP/MoE modules as the training forward pass; the only difference is that keys and
-values are written into the cache at ``index .. index + T`` and queries attend to the whole cache
-under the usual position/segment mask (``rlx.models.layers.attention_mask``).
+values (or latents) are written into the cache at ``index .. index + T`` and queries attend to the
+whole cache under the usual position/segment mask (``rlx.models.layers.attention_mask``).
 """
 
 from __future__ import annotations
@@ -32,8 +43,8 @@ from rlx.models.mixed import is_low_precision
 class KVCache:
     """Keys/values per layer and per-slot positions/segments; a pytree (a ``while_loop`` carry)."""
 
-    keys: tuple[Float[Array, "b kv d s"], ...]  # slots minor
-    values: tuple[Float[Array, "b kv s d"], ...]
+    keys: tuple[Float[Array, "b ... s"], ...]  # slots minor: GQA [b, kv, d, s], MLA [b, r, s]
+    values: tuple[Float[Array, "b ... s d"], ...]  # slots major: GQA [b, kv, s, d], MLA [b, s, c]
     positions: Int[Array, "b s"]  # position of the token held in each slot
     segment_ids: Int[Array, "b s"]  # 0: empty slot or padding
     index: Int[Array, ""]  # next slot to write, shared by all rows
@@ -41,12 +52,12 @@ class KVCache:
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
         """An empty cache of ``length`` slots for ``batch`` rows of a decode in compute ``dtype``;
-        keys/values in ``cache_dtype(dtype)`` (f32 for a 16-bit float on a CPU). Keys are
-        ``head_dim`` wide, values ``value_head_dim`` (they differ for MLA, whose keys and values
-        this cache holds expanded per head)."""
-        kv, dk, dv, dtype = cfg.num_kv_heads, cfg.head_dim, cfg.value_head_dim, cache_dtype(dtype)
-        keys = tuple(jnp.zeros((batch, kv, dk, length), dtype) for _ in range(cfg.num_layers))
-        values = tuple(jnp.zeros((batch, kv, length, dv), dtype) for _ in range(cfg.num_layers))
+        buffers in ``cache_dtype(dtype)`` (f32 for a 16-bit float on a CPU), shaped by
+        ``layer_shapes``."""
+        dtype = cache_dtype(dtype)
+        key_shape, value_shape = layer_shapes(cfg, batch, length)
+        keys = tuple(jnp.zeros(key_shape, dtype) for _ in range(cfg.num_layers))
+        values = tuple(jnp.zeros(value_shape, dtype) for _ in range(cfg.num_layers))
         slots = jnp.zeros((batch, length), jnp.int32)
         return cls(keys, values, slots, slots, jnp.zeros((), jnp.int32))
 
@@ -67,10 +78,15 @@ class KVCache:
         extra = length - self.length
         if extra < 0:
             raise ValueError(f"cannot grow a cache of {self.length} slots to {length}")
-        keys, values = ((0, 0), (0, 0), (0, 0), (0, extra)), ((0, 0), (0, 0), (0, extra), (0, 0))
+
+        def pad(x, slot_axis: int):  # zeros after the last slot
+            widths = [(0, 0)] * x.ndim
+            widths[slot_axis] = (0, extra)
+            return jnp.pad(x, widths)
+
         slots = ((0, 0), (0, extra))
-        return self.replace(keys=tuple(jnp.pad(k, keys) for k in self.keys),
-                            values=tuple(jnp.pad(v, values) for v in self.values),
+        return self.replace(keys=tuple(pad(k, -1) for k in self.keys),
+                            values=tuple(pad(v, -2) for v in self.values),
                             positions=jnp.pad(self.positions, slots),
                             segment_ids=jnp.pad(self.segment_ids, slots))
 
@@ -98,10 +114,22 @@ def cache_dtype(dtype, platform: str | None = None) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if on_cpu and is_low_precision(dtype) else jnp.dtype(dtype)
 
 
-def write_slots(cache: Float[Array, "b kv _ _"], new: Float[Array, "b t kv d"],
-                index: Int[Array, ""], *, keys: bool) -> Float[Array, "b kv _ _"]:
-    """Store ``new`` (in the projections' ``[b, t, kv, d]`` layout) at slots ``index .. index + t``
-    of one layer's keys (``keys=True``: ``[b, kv, d, s]``) or values (``[b, kv, s, d]``)."""
-    order = (0, 2, 3, 1) if keys else (0, 2, 1, 3)  # [b, kv, d, t] or [b, kv, t, d]
-    new = jnp.transpose(new, order).astype(cache.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=3 if keys else 2)
+def layer_shapes(cfg: ModelConfig, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of one layer's (keys, values) buffers: GQA ``[b, kv, head_dim, s]`` and ``[b, kv, s,
+    value_head_dim]``; MLA (``cfg.mla``) the shared rotary key ``[b, qk_rope_head_dim, s]`` and
+    the latent ``[b, s, kv_lora_rank]``."""
+    if cfg.mla is not None:
+        return (batch, cfg.mla.qk_rope_head_dim, length), (batch, length, cfg.mla.kv_lora_rank)
+    kv = cfg.num_kv_heads
+    return (batch, kv, cfg.head_dim, length), (batch, kv, length, cfg.value_head_dim)
+
+
+def write_slots(cache: Float[Array, "b ..."], new: Float[Array, "b t ..."],
+                index: Int[Array, ""], *, keys: bool) -> Float[Array, "b ..."]:
+    """Store ``new`` (in the projections' layout, tokens on axis 1: GQA ``[b, t, kv, d]``, MLA
+    ``[b, t, r]`` / ``[b, t, c]``) at slots ``index .. index + t`` of one layer's keys
+    (``keys=True``: slots last, ``[b, kv, d, s]`` / ``[b, r, s]``) or values (slots second to
+    last, ``[b, kv, s, d]`` / ``[b, s, c]``)."""
+    axis = cache.ndim - 1 if keys else cache.ndim - 2
+    new = jnp.moveaxis(new, 1, axis).astype(cache.dtype)  # [b, kv, d, t], [b, kv, t, d], ...
+    return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis=axis)

@@ -15,25 +15,35 @@ interleaved pairs ``(x0, x1), (x2, x3), ...``. Rotating them is the same as de-i
 de-interleaved order, as in transformers' ``apply_rotary_pos_emb_interleave``, and their product
 does not depend on the order.
 
-This module is the training / full-sequence path, and ``decode`` over the per-head ``KVCache``
-(keys and values expanded per head, not absorbed). Departure from the paper's inference form:
-nothing is absorbed here. The seams for a latent cache are ``latent_kv`` (what such a cache
-holds per token: the normalised latent and the rotated shared key) and ``queries``, with
-``expand_kv`` the one place ``kv_b_proj`` turns latents into per-head keys and values; an
-absorbed decode multiplies ``q_nope`` by ``kv_b_proj``'s key block and the attention output by
-its value block instead (see ``kv_b_blocks``).
+Decoding caches the latent (``rlx.models.kv_cache``): per token and layer the ``kv_lora_rank``
+latent and the ``qk_rope_head_dim`` shared key that ``latent_kv`` returns, not every head's key and
+value (at DeepSeek-V3's shape 512 + 64 = 576 numbers instead of 128 heads' 192-wide keys and
+128-wide values, 40,960). A decode step (one new token
+per row) absorbs ``kv_b_proj`` as DeepSeek's inference does (the paper's section 2.1.2): the
+query's position-free part times ``kv_b_proj``'s key block is a query over the latent, so the
+scores are ``(q_nope W_k) latent^T + q_rope k_rope^T`` and the output ``((probs latent) W_v)``,
+with no per-head key or value ever formed (``absorbed``). A call with several new tokens (a
+prefill, a teacher-forced score) is compute-bound and runs the training path's order instead:
+it expands the cached latents into per-head keys and values (``expanded``). Both write the
+latent. A LoRA adapter on ``kv_b_proj`` is folded into the absorbed blocks (``kv_b_blocks``); a
+W8A8 activation quantizer on it quantizes the cached latents per token as the ``Linear`` does,
+except with an adapter as well (whose input is not quantized), where decode steps expand.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import (Linear, RMSNorm, attention_mask, causal_attention, gqa_attention,
-                               rotate, weight_value)
+                               quantize_activations, rotate, weight_value)
+
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # a masked score (as rlx.models.layers)
 
 
 class MLAttention(nnx.Module):
@@ -104,15 +114,30 @@ class MLAttention(nnx.Module):
         k_rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, s, h, m.qk_rope_head_dim))
         return jnp.concatenate([k_nope, k_rope], axis=-1), values
 
-    def kv_b_blocks(self, dtype) -> tuple[Float[Array, "c h n"], Float[Array, "c h v"]]:
-        """``kv_b_proj``'s base kernel split per head into its key block ``[kv_lora_rank, h,
-        qk_nope_head_dim]`` and value block ``[kv_lora_rank, h, v_head_dim]`` (the matrices an
-        absorbed decode folds into the query and the output; a LoRA adapter on ``kv_b_proj`` is
-        not included)."""
-        m = self.mla
-        w = weight_value(self.kv_b_proj.kernel, dtype).reshape(
-            m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+    def kv_b_blocks(self, dtype, adapter: bool = True
+                    ) -> tuple[Float[Array, "c h n"], Float[Array, "c h v"]]:
+        """``kv_b_proj``'s kernel split per head into its key block ``[kv_lora_rank, h,
+        qk_nope_head_dim]`` and value block ``[kv_lora_rank, h, v_head_dim]``: the matrices an
+        absorbed decode folds into the query and the output. A quantized kernel is dequantized, an
+        ``[out, in]`` engine copy read back as ``[in, out]``, and with ``adapter`` an attached
+        LoRA adapter's ``scaling * A B`` is added (in f32, rounded once): the adapter is linear,
+        so its delta is its output for the identity (dropout is off in the eval-mode decode)."""
+        m, lin = self.mla, self.kv_b_proj
+        lora = adapter and lin.lora is not None
+        w = weight_value(lin.kernel, jnp.float32 if lora else dtype)
+        w = w.T if lin.kernel_layout == "out_in" else w  # [c, h * (n + v)]
+        if lora:
+            eye = jnp.eye(m.kv_lora_rank, dtype=lin.dtype)
+            w = (w + lin.lora(eye, jnp.float32).astype(jnp.float32)).astype(dtype)
+        w = w.reshape(m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
         return w[..., :m.qk_nope_head_dim], w[..., m.qk_nope_head_dim:]
+
+    def absorbable(self, adapter: bool = True) -> bool:
+        """Whether ``absorbed`` computes exactly what ``kv_b_proj`` would: not when a W8A8
+        activation quantizer feeds its base a quantized latent while an active adapter sees the
+        latent as it is."""
+        lin = self.kv_b_proj
+        return lin.act_quant == "none" or not (adapter and lin.lora is not None)
 
     def _qkv(self, x, angles, adapter: bool):
         q_nope, q_rope = self.queries(x, angles, adapter)
@@ -129,11 +154,48 @@ class MLAttention(nnx.Module):
         return self._out(causal_attention(q, k, v, mask, scale=self.scale), adapter)
 
     def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
-        """Attention of ``t`` new tokens over the per-head cache (keys ``qk_head_dim`` wide, values
-        ``v_head_dim``); returns (out, (keys, values)) like ``Attention.decode``."""
-        q, k, v = self._qkv(x, angles, adapter)
-        keys = write_slots(kv[0], k, cache.index, keys=True)  # [b, h, qk, s]
-        values = write_slots(kv[1], v, cache.index, keys=False)  # [b, h, s, v]
+        """Attention of ``t`` new tokens over the latent cache; ``kv`` = this layer's (shared
+        rotary keys ``[b, r, s]``, latents ``[b, s, c]``), both written at ``cache.index``.
+        One token per row (a decode step) is ``absorbed``, more are ``expanded``; returns (out,
+        the layer's new (keys, latents)) like ``Attention.decode``."""
+        latent, k_rope = self.latent_kv(x, angles, adapter)  # [b, t, c], [b, t, 1, r]
+        rope_keys = write_slots(kv[0], k_rope[:, :, 0], cache.index, keys=True)  # [b, r, s]
+        latents = write_slots(kv[1], latent, cache.index, keys=False)  # [b, s, c]
         mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
-        out = gqa_attention(q, keys, values, mask, kv_major=True, scale=self.scale)
-        return self._out(out, adapter), (keys, values)
+        q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
+        absorb = x.shape[1] == 1 and self.absorbable(adapter)
+        attend = self.absorbed if absorb else self.expanded
+        out = attend(q_nope, q_rope, rope_keys, latents, mask, adapter)  # [b, t, h, v]
+        return self._out(out, adapter), (rope_keys, latents)
+
+    def expanded(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
+                 rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],
+                 mask: Bool[Array, "b t s"], adapter: bool = True) -> Float[Array, "b t h v"]:
+        """Attention over the cached latents expanded into per-head keys and values
+        (``expand_kv``), as the training forward pass computes it."""
+        k_rope = jnp.swapaxes(rope_keys, 1, 2)[:, :, None, :]  # [b, s, 1, r]
+        keys, values = self.expand_kv(latents, k_rope, adapter)  # [b, s, h, qk], [b, s, h, v]
+        q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)  # [b, t, h, qk]
+        return gqa_attention(q, keys, values, mask, scale=self.scale)
+
+    def absorbed(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
+                 rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],
+                 mask: Bool[Array, "b t s"], adapter: bool = True) -> Float[Array, "b t h v"]:
+        """``expanded``'s attention with ``kv_b_proj`` absorbed (``kv_b_blocks``): scores
+        ``(q_nope W_k) . latent + q_rope . k_rope``, output ``(probs . latent) W_v``; scores and
+        softmax in f32. The ``t`` tokens' heads are one ``[t * h]`` query axis, so each product
+        is one batched matrix product per row over the whole cache."""
+        b, t, h, _ = q_nope.shape
+        dtype = q_nope.dtype
+        w_k, w_v = self.kv_b_blocks(dtype, adapter)  # [c, h, n], [c, h, v]
+        lat = quantize_activations(latents.astype(dtype), self.kv_b_proj.act_quant)  # [b, s, c]
+        q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_k).reshape(b, t * h, -1)  # [b, th, c]
+        q_rot = q_rope.astype(dtype).reshape(b, t * h, -1)  # [b, th, r]
+        f32 = dict(preferred_element_type=jnp.float32)
+        scores = (jnp.einsum("bqc,bsc->bqs", q_lat, lat, **f32)
+                  + jnp.einsum("bqr,brs->bqs", q_rot, rope_keys.astype(dtype), **f32))
+        scores = scores.reshape(b, t, h, -1) * self.scale  # [b, t, h, s]
+        scores = jnp.where(mask[:, :, None, :], scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, t * h, -1)
+        out_lat = jnp.einsum("bqs,bsc->bqc", probs, lat).reshape(b, t, h, -1)  # [b, t, h, c]
+        return jnp.einsum("bthc,chv->bthv", out_lat, w_v)

@@ -34,6 +34,7 @@ from rlx.learner.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import FORWARDS, StepConfig, make_train_step
 from rlx.mesh import MESH_AXES, TRAIN_RULES, MeshShape, logical_to_spec, make_mesh
+from rlx.models import ModelConfig
 from rlx.models.layers import causal_blocks
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
 from rlx.types import BATCH_FIELDS, TrainBatch
@@ -178,7 +179,7 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     rows = math.ceil(spec.micro_rows / spec.batch_shards)
     n, t = rows * spec.seq_len, m.tensor
     f = {"resid": a * n * c.hidden_size,
-         "qkv": a * n * _div((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, t),
+         "qkv": a * n * _qkv_width(c, t),
          "scores": 4 * rows * _div(c.num_heads, t) * sum(
              (e - b) * e for b, e in causal_blocks(spec.seq_len)),  # the blocks' query-key pairs
          "mlp": 0.0, "moe_d": 0.0, "moe_f": 0.0, "router": 0.0, "lora": 0.0}
@@ -195,6 +196,18 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     if spec.mode == "lora":
         f["lora"] = f["mlp"]  # batched expert adapters measured no extra beyond moe_f
     return f
+
+
+def _qkv_width(c: ModelConfig, tensor: int) -> float:
+    """Per-token width (per device) of one layer's attention projections' outputs: GQA's q, k
+    and v; MLA's query (and its low-rank bottleneck), the latent and shared rotary key
+    (``kv_a_proj_with_mqa``, not split over heads) and ``kv_b_proj``'s per-head keys and values."""
+    m, h = c.mla, c.num_heads
+    if m is None:
+        return _div((h + 2 * c.num_kv_heads) * c.head_dim, tensor)
+    width = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+    return width + _div(h * m.qk_head_dim, tensor) + _div(
+        h * (m.qk_nope_head_dim + m.v_head_dim), tensor)
 
 
 def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
@@ -216,13 +229,25 @@ def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
     return total
 
 
+def kv_cache_per_token(c: ModelConfig) -> int:
+    """Numbers the built-in engine caches per token and layer (``rlx.models.kv_cache``), before
+    tensor sharding: GQA every KV head's key and value, MLA the latent and the shared rotary key
+    (DeepSeek-V3: 512 + 64 = 576)."""
+    if c.mla is not None:
+        return c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
+    return c.num_kv_heads * (c.head_dim + c.value_head_dim)
+
+
 def kv_cache_bytes(spec: PlanSpec) -> int:
-    """Built-in engine: keys + values of every layer and per-slot positions / segment ids."""
+    """Built-in engine: every layer's cache buffers (GQA keys and values split over the tensor
+    axis with their KV heads; MLA's latent cache has no head axis and is whole on every device),
+    per-slot positions / segment ids and the shared write index."""
     c, m = spec.model, spec.mesh
     rows = math.ceil(spec.rollout_rows / spec.batch_shards)
     slots = rows * spec.rollout_len
-    kv = _div(c.num_kv_heads, m.tensor) * c.head_dim
-    return int(2 * c.num_layers * slots * kv * _BYTES[spec.kv_dtype] + 2 * slots * 4)
+    per_token = (kv_cache_per_token(c) if c.mla is not None
+                 else _div(c.num_kv_heads, m.tensor) * (c.head_dim + c.value_head_dim))
+    return int(c.num_layers * slots * per_token * _BYTES[spec.kv_dtype] + 2 * slots * 4 + 4)
 
 
 def step_bytes(spec: PlanSpec, trainable: int) -> dict[str, int]:

@@ -9,7 +9,9 @@ dtypes nothing is recompiled. Weights are copied by default, so that the learner
 buffers to its next step while the engine still samples from the previous version. On XLA:CPU the
 copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a decode step's
 products there (``weight_layout``, ``rlx.rollout.decode_layout``); updates in the learner's layout
-are transposed on arrival.
+are transposed on arrival. For multi-head latent attention models (DeepSeek-V3, Kimi-K2) the cache
+holds each token's latent and shared rotary key, sharded over the batch only (``cache_sharding``),
+and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``).
 
 Requests are expanded to ``n`` rows per prompt, sorted by prompt length and cut into device batches
 of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, prompt width and
@@ -46,6 +48,7 @@ from rlx.learner.heap import CompiledPerShape
 from rlx.learner.state import variable_shardings
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
                       round_up)
+from rlx.models.hparams import ModelConfig
 from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
 from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, sequence_logprobs
@@ -84,6 +87,16 @@ def _eval_split(model: nnx.Module, layout: str) -> tuple[nnx.GraphDef, nnx.State
     copy.eval()
     transposed = to_out_in(copy) if layout == "out_in" else frozenset()
     return (*nnx.split(copy), transposed)
+
+
+def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int) -> NamedSharding:
+    """Sharding of every layer's KV-cache buffers (``rlx.models.kv_cache``): GQA keys ``[b, kv,
+    d, s]`` and values ``[b, kv, s, d]`` over the batch and the KV heads; MLA's shared rotary keys
+    ``[b, r, s]`` and latents ``[b, s, c]`` have no head axis and split over the batch only."""
+    if cfg.mla is not None:
+        return named_sharding(mesh, ("batch", None, None), rules, (dp, 1, 1))
+    return named_sharding(mesh, ("batch", "kv_heads", None, None), rules,
+                          (dp, cfg.num_kv_heads, 1, 1))
 
 
 def uid_hash(uid) -> int:
@@ -213,10 +226,7 @@ class JaxEngine:
     def _generate_fn(self, spec: SamplerSpec, new_tokens: int):
         kv = rows = None
         if self.mesh is not None:
-            cfg = self._config
-            dp = self._data_parallel()
-            kv = named_sharding(self.mesh, ("batch", "kv_heads", None, None), self.rules,
-                                (dp, cfg.num_kv_heads, 1, 1))  # keys [b, kv, d, s], values [b, kv, s, d]
+            kv = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
             rows = batch_sharding(self.mesh, 2, self.rules)
         static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows)
         if static not in self._fns:
