@@ -1,7 +1,10 @@
 """DeepSeek-V3 / Kimi-K2 / GLM-4.5 specifics beyond the logits parity of test_hf_parity.
 
-- The per-head KV-cache decode of MLA and partial-rotary GQA equals the full forward pass
-  (<= 1e-5, the same f32 math in another order).
+- Cached decode equals the full forward pass (<= 1e-5, the same f32 math in another order): GQA
+  with partial rotary, and MLA over its latent cache, whose decode steps absorb ``kv_b_proj``
+  into the query and output products, also with a LoRA adapter on ``kv_b_proj`` (folded into the
+  absorbed blocks) and a quantized ``kv_b_proj`` (dequantized for the fold); the absorbed and the
+  expanded attention agree on the same cache (<= 1e-5), in the engine's ``[out, in]`` layout too.
 - YaRN frequencies and temperatures equal transformers' own functions (<= 1e-6 relative: both
   evaluate the same f32 formula; the temperatures are Python floats, <= 1e-12).
 - The router's correction bias is a frozen buffer in both training modes.
@@ -27,6 +30,8 @@ from rlx.models.kv_cache import KVCache
 from rlx.models.layers import rope_inv_freq
 from rlx.models.loading import ShrinkSection, shrunk
 from rlx.models.moe import CorrectionBias
+from rlx.quant import LoRA, LoraConfig, quantize_array
+from rlx.rollout.decode_layout import to_out_in
 from tests.helpers.hf_zoo import FAMILIES, hf_config, make_hf_model
 
 ARCHITECTURE = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}  # by model_type
@@ -42,15 +47,15 @@ def zoo(tmp_path_factory):
     return str(tmp_path_factory.mktemp("zoo"))
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2_lite", "glm4_moe"])
-def test_decode_equals_forward(zoo, family):
-    """Left-padded prompts of 7 and 4 tokens, prefilled together, then 4 decode steps."""
-    model = from_hf(make_hf_model(family, zoo))
+def _decode_vs_forward(model, adapter: bool = True) -> float:
+    """Max |logit difference| between the full forward pass and a cached decode of left-padded
+    prompts of 11 and 8 tokens: the first 7 slots prefilled together, then 4 one-token steps."""
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 97, (2, 11)))
     mask = jnp.asarray(np.array([[1] * 11, [0] * 3 + [1] * 8]))
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    full = jax.jit(lambda m, x, a: m(x, attention_mask=a))(model, ids, mask)
-    step = jax.jit(lambda m, x, p, s, c: (lambda h, c: (m.logits(h), c))(*m.decode(x, p, s, c)))
+    full = jax.jit(lambda m, x, a: m(x, attention_mask=a, adapter=adapter))(model, ids, mask)
+    step = jax.jit(lambda m, x, p, s, c: (lambda h, c: (m.logits(h, adapter), c))(
+        *m.decode(x, p, s, c, adapter)))
     cache = KVCache.zeros(model.config, 2, 11, jnp.float32)
     logits, cache = step(model, ids[:, :7], positions[:, :7], mask[:, :7], cache)
     outs = [logits]
@@ -59,7 +64,63 @@ def test_decode_equals_forward(zoo, family):
         outs.append(logits)
     decoded = np.concatenate([np.asarray(o) for o in outs], axis=1)
     real = np.asarray(mask).astype(bool)
-    assert np.abs(decoded[real] - np.asarray(full)[real]).max() <= 1e-5
+    return float(np.abs(decoded[real] - np.asarray(full)[real]).max())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2_lite", "glm4_moe"])
+def test_decode_equals_forward(zoo, family):
+    assert _decode_vs_forward(from_hf(make_hf_model(family, zoo))) <= 1e-5
+
+
+def _kv_b_adapters(model, scale: float = 0.3) -> None:
+    """A rank-3 LoRA adapter with a random (non-zero) B on every layer's ``kv_b_proj``."""
+    for i, layer in enumerate(model.layers):
+        lin = layer.self_attn.kv_b_proj
+        d_in, d_out = lin.kernel.shape
+        lin.lora = LoRA(d_in, d_out, LoraConfig(rank=3, alpha=5.0), lin.axes, dtype=lin.dtype,
+                        rngs=nnx.Rngs(i))
+        b = lin.lora.lora_b
+        b.set_value(scale * jax.random.normal(jax.random.key(i), b.shape, b.dtype))
+
+
+def _absorbed_vs_expanded(attn, adapter: bool) -> tuple[float, np.ndarray]:
+    """(max |absorbed - expanded|, expanded) of one layer's attention of 3 queries over a random
+    9-slot latent cache whose last 2 slots are empty."""
+    m, h = attn.mla, attn.num_heads
+    keys = jax.random.split(jax.random.key(7), 4)
+    q_nope = jax.random.normal(keys[0], (2, 3, h, m.qk_nope_head_dim))
+    q_rope = jax.random.normal(keys[1], (2, 3, h, m.qk_rope_head_dim))
+    rope_keys = jax.random.normal(keys[2], (2, m.qk_rope_head_dim, 9))
+    latents = jax.random.normal(keys[3], (2, 9, m.kv_lora_rank))
+    mask = jnp.broadcast_to(jnp.arange(9) < 7, (2, 3, 9))
+    ref = attn.expanded(q_nope, q_rope, rope_keys, latents, mask, adapter)
+    out = attn.absorbed(q_nope, q_rope, rope_keys, latents, mask, adapter)
+    return float(jnp.abs(out - ref).max()), np.asarray(ref)
+
+
+def test_absorbed_decode_folds_a_kv_b_adapter_and_a_quantized_kernel(zoo):
+    """LoRA on ``kv_b_proj`` (rlx.quant.LoRA attached directly: ``apply_lora`` names GQA's
+    projections) and an int8 ``kv_b_proj`` in the first layer: decode steps (absorbed) equal the
+    forward pass (expanded); absorbed == expanded on each layer, adapter on and off, in the
+    learner's and in the engine's ``[out, in]`` layout, and under a W8A8 activation quantizer."""
+    model = from_hf(make_hf_model("deepseek_v3", zoo))
+    _kv_b_adapters(model)
+    lin = model.layers[0].self_attn.kv_b_proj
+    lin.kernel = quantize_array(lin.kernel[...], "int8", axes=lin.axes)
+    assert _decode_vs_forward(model) <= 1e-5
+    for layout in ("in_out", "out_in"):
+        if layout == "out_in":
+            to_out_in(model)  # float kernels [out, in]; the int8 one keeps its layout
+            assert model.layers[1].self_attn.kv_b_proj.kernel_layout == "out_in"
+        for i, layer in enumerate(model.layers):
+            (on, with_lora), (off, base) = (_absorbed_vs_expanded(layer.self_attn, a)
+                                            for a in (True, False))
+            assert on <= 1e-5 and off <= 1e-5, (layout, i, on, off)
+            assert np.abs(with_lora - base).max() > 1e-2  # the adapter changes the attention
+    attn = model.layers[1].self_attn
+    attn.kv_b_proj.act_quant = "int8_token"  # the absorbed path quantizes the latents per token
+    assert not attn.absorbable(True) and attn.absorbable(False)
+    assert _absorbed_vs_expanded(attn, False)[0] <= 1e-5
 
 
 YARN_CASES = {  # (model type, rope dict as checkpoints write it); the width is the class's own
