@@ -308,10 +308,16 @@ def load_file(
         reader, unit = read_jsonl, "line"
     else:
         raise DataError(f"{path}: unknown file type (expected .jsonl or .parquet)")
-    examples = [
-        record_to_example(record, fields, name, f"{path}: {unit} {number}")
-        for number, record in reader(path)
-    ]
+    examples, first = [], {}
+    for number, record in reader(path):
+        example = record_to_example(record, fields, name, f"{path}: {unit} {number}")
+        if example.uid in first:
+            how = ("the same uid field" if fields.uid_field else
+                   "the same prompt and answer; give each record a uid field (FieldMap.uid_field)")
+            raise DataError(f"{path}: {unit} {number} has the uid {example.uid!r} more than once "
+                            f"(first at {unit} {first[example.uid]}: {how}, or remove the repeat)")
+        first[example.uid] = number
+        examples.append(example)
     if not examples:
         raise DataError(f"{path}: no records")
     return select_split(name, examples, split, eval_fraction)

@@ -175,6 +175,14 @@ def test_repeated_chat_is_a_duplicate_uid(tmp_path):
         load_file(path, "all", fields=FieldMap(prompt_field=None, messages_field="chat"))
 
 
+def test_a_repeated_record_names_the_file_and_both_lines(tmp_path):
+    path = jsonl(tmp_path, GOOD + '{"prompt": "2+2?", "answer": "4"}\n' + GOOD)
+    with pytest.raises(DataError) as e:
+        load_file(path, "all")
+    assert str(path) in str(e.value) and "line 3 has the uid" in str(e.value)
+    assert "first at line 1" in str(e.value) and "uid field" in str(e.value)
+
+
 def test_duplicate_uids_in_parquet(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
