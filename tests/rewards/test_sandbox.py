@@ -58,7 +58,7 @@ def test_strongest_level_is_detected_and_recorded():
     with Sandbox(LIMITS) as sb:
         assert sb.isolation is level
         assert sb.run("print(1)").isolation is level
-    if os.path.exists("/usr/bin/bwrap") and os.geteuid() == 0:
+    if os.access("/usr/bin/bwrap", os.X_OK) and os.geteuid() == 0:
         assert level is Isolation.BWRAP  # root + bubblewrap installed: must not silently degrade
 
 
