@@ -84,6 +84,9 @@ def _req(hf: dict[str, Any], key: str, where: str = "") -> Any:
     return hf[key]
 
 
+_OUTPUT_BIASED = ("llama", "qwen3", "qwen3_moe")  # HF: o_proj bias = attention_bias
+
+
 def _refuse_unless(field: str, value: Any, supported, arch: str = "") -> None:
     """Refuse ``value`` of config.json ``field`` unless it is one of ``supported``."""
     if value not in supported:
@@ -95,6 +98,8 @@ def _refuse_unless(field: str, value: Any, supported, arch: str = "") -> None:
 def _check_choices(hf: dict[str, Any], arch: str, kind: str) -> None:
     """Options with alternatives rlx does not implement (checked before anything else is read)."""
     _refuse_unless("hidden_act", hf.get("hidden_act", "silu"), ACTIVATIONS)
+    if kind in _OUTPUT_BIASED:  # their attention_bias also biases o_proj, which rlx's GQA lacks
+        _refuse_unless("attention_bias", bool(hf.get("attention_bias", False)), (False,), arch)
     if kind in SIGMOID_ROUTED:
         for field, supported in _SIGMOID_CHOICES.items():
             _refuse_unless(field, hf.get(field, supported[0]), supported, arch)

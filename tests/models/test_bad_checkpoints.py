@@ -83,6 +83,8 @@ BAD_OPTIONS = [  # (family, config.json edit, what the error names: the field an
     ("glm4_moe", {"hidden_act": "gelu"}, r"hidden_act='gelu'.*\['silu', 'swish'\]"),
     ("glm4_moe", {"n_group": 3}, r"n_group=3 must divide n_routed_experts=8"),
     ("qwen2", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5.*Glm4MoeForCausalLM"),
+    # Llama / Qwen3 attention_bias also biases o_proj (transformers), which rlx's GQA has not
+    ("llama", {"attention_bias": True}, r"attention_bias=True.*LlamaForCausalLM.*\[False\]"),
 ]
 
 
