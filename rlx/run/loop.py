@@ -174,7 +174,7 @@ class Run:
     def queue(self) -> RolloutQueue:
         """Rollouts in flight and the engine's worker (``rlx.run.rollouts``)."""
         if self._queue is None:
-            self._queue = RolloutQueue(self.engine, self.hosts, self.cfg.train.max_staleness,
+            self._queue = RolloutQueue(lambda: self.engine, self.hosts, self.cfg.train.max_staleness,
                                        self.cfg.rollout.partial)
         return self._queue
 

@@ -137,7 +137,7 @@ class _InFlight:
 class RolloutQueue:
     """The batches in flight and the engine's worker (see the module docstring)."""
 
-    engine: RolloutEngine | None
+    source: Callable[[], RolloutEngine | None]  # the run's engine when a job is queued
     hosts: Hosts
     depth: int  # train.max_staleness
     partial: bool  # rollout.partial
@@ -145,6 +145,11 @@ class RolloutQueue:
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     _jobs: list = dataclasses.field(default_factory=list)  # queued, not yet waited for
     _synced: concurrent.futures.Future | None = None  # the last weight sync queued
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The run's engine now (a run may be handed another one between steps)."""
+        return self.source()
 
     def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
         if self._pool is None:

@@ -123,6 +123,7 @@ def _step(h: Harness) -> None:
     """One step; the learner's batch must be exactly the requested rollouts of this version."""
     version, updates = h.run.step_count, len(h.learner_rows)
     h.run.step()
+    h.run.queue.wait()  # the weight sync queued after the update has reached the servers
     prompts, n, rollouts = h.recorder.calls[-1]
     keys = sorted((r.prompt_uid, r.sample_index) for r in rollouts)
     assert keys == sorted((p.uid, j) for p in prompts for j in range(n))  # none lost or doubled
