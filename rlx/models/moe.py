@@ -26,10 +26,14 @@ may carry a batched per-expert LoRA adapter (``gate_lora`` / ``up_lora`` / ``dow
 implementations give the same numbers:
 
 - ``ragged``: tokens sorted by expert, ``jax.lax.ragged_dot`` over contiguous groups (k x tokens
-  rows, no wasted FLOPs). Best on one device and with the expert axis unsharded.
+  rows, no wasted FLOPs on backends with a native grouped product; jax lowers it on XLA:CPU as a
+  masked product over every group). With the experts split over an ``expert`` mesh axis
+  (``expert_parallel(model, mesh, rules)``, which the learner's train state and the built-in
+  engine apply), the layer dispatches tokens to the devices that hold their experts and back
+  (``rlx.models.moe_dispatch``: dropless ``all_to_all``, grouped ``ragged_dot`` per device).
 - ``dense``: every expert on every token, combined with a zero-padded gate matrix. E/k times the
-  FLOPs, but a plain einsum whose expert dimension GSPMD shards over the ``expert`` mesh axis
-  (an all-reduce combines the experts). Used when experts are sharded.
+  FLOPs, a plain einsum whose expert dimension GSPMD shards over the ``expert`` mesh axis (an
+  all-reduce combines the experts); kept as the reference and for comparison.
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
+from rlx.mesh import LogicalRules
 from rlx.models.hparams import MoEConfig
 from rlx.models.layers import Linear, param, quantize_activations, weight_value
+from rlx.models.moe_dispatch import ExpertParallel, dispatch
 
 MOE_IMPLS = ("ragged", "dense")  # the two implementations above (config.model.moe_impl)
 
@@ -85,19 +92,29 @@ class Experts(nnx.Module):
             y = y + lora.ragged(x, group_sizes).astype(y.dtype)
         return y
 
+    def num_local_experts(self) -> int:
+        """Experts this module holds: all ``E``, or a device's share inside a ``shard_map``."""
+        w = self.gate_proj
+        return (w[...] if isinstance(w, nnx.Variable) else jax.tree.leaves(nnx.state(w))[0]).shape[0]
+
+    def grouped(self, xs: Float[Array, "m d"], group_sizes: Int[Array, " e"], adapter: bool = True
+                ) -> Float[Array, "m d"]:
+        """The experts on rows sorted by expert, ``group_sizes[e]`` rows for expert ``e`` (rows past
+        their sum belong to no expert)."""
+        wg, wu, wd = self.weights()
+        h = swiglu(self._ragged(xs, wg, self.gate_lora, group_sizes, adapter),
+                   self._ragged(xs, wu, self.up_lora, group_sizes, adapter))
+        return self._ragged(h, wd, self.down_lora, group_sizes, adapter)
+
     def ragged(self, x: Float[Array, "n d"], idx: Int[Array, "n k"], gates: Float[Array, "n k"],
                adapter: bool = True):
         """Sort (token, slot) pairs by expert and run grouped matmuls."""
         n, k = idx.shape
-        wg, wu, wd = self.weights()
         flat = idx.reshape(-1)  # [n*k]
         order = jnp.argsort(flat, stable=True)
         token = order // k
-        group_sizes = jnp.bincount(flat, length=wg.shape[0]).astype(jnp.int32)
-        xs = x[token]  # [n*k, d]
-        h = swiglu(self._ragged(xs, wg, self.gate_lora, group_sizes, adapter),
-                   self._ragged(xs, wu, self.up_lora, group_sizes, adapter))
-        y = self._ragged(h, wd, self.down_lora, group_sizes, adapter)  # [n*k, d]
+        group_sizes = jnp.bincount(flat, length=self.num_local_experts()).astype(jnp.int32)
+        y = self.grouped(x[token], group_sizes, adapter)  # [n*k, d]
         y = y * gates.reshape(-1)[order][:, None].astype(y.dtype)
         return jnp.zeros_like(x).at[token].add(y)
 
@@ -174,6 +191,7 @@ class SparseMoE(nnx.Module):
             param(rngs, (d, 1), param_dtype, ("embed", None)) if m.shared_expert_gate else None
         )
         self.routing, self.dtype, self.impl = m, dtype, impl
+        self.expert_parallel = None  # an ExpertParallel: set by expert_parallel() on a mesh
 
     def route(self, x: Float[Array, "n d"]) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
         """The experts of each token and their gates (in the compute dtype)."""
@@ -193,11 +211,27 @@ class SparseMoE(nnx.Module):
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         idx, gates = self.route(flat)
-        run = self.experts.ragged if self.impl == "ragged" else self.experts.dense
-        out = run(flat, idx, gates, adapter)
+        if self.impl == "dense":
+            out = self.experts.dense(flat, idx, gates, adapter)
+        elif self.expert_parallel is not None:
+            out, _ = dispatch(self.experts, self.expert_parallel, flat, idx, gates, adapter)
+        else:
+            out = self.experts.ragged(flat, idx, gates, adapter)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat, adapter)
             if self.shared_gate is not None:
                 shared = jax.nn.sigmoid(flat @ self.shared_gate[...].astype(self.dtype)) * shared
             out = out + shared
         return out.reshape(b, t, d)
+
+
+def expert_parallel(model: nnx.Module, mesh: Mesh | None, rules: LogicalRules,
+                    capacity_factor: float | None = None) -> nnx.Module:
+    """Make every ``ragged`` MoE layer of ``model`` dispatch tokens to experts split over
+    ``mesh``'s expert axis (``rlx.models.moe_dispatch``), or run them whole where the expert axis
+    is 1 or ``mesh`` is None; in place, returns ``model``."""
+    ep = None if mesh is None else ExpertParallel.of(mesh, rules, capacity_factor)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, SparseMoE):
+            node.expert_parallel = ep
+    return model
