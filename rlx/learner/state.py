@@ -27,6 +27,7 @@ from jaxtyping import Array, Int, Key
 
 from rlx.errors import one_of
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
+from rlx.models.moe import expert_parallel
 
 SCHEDULES = ("cosine", "constant")
 # config.train.mode -> the variables that train: "lora" a frozen base with LoRA adapters (the
@@ -172,8 +173,11 @@ def create_train_state(
     rules: LogicalRules = TRAIN_RULES,
     seed: int = 0,
 ) -> tuple[nnx.GraphDef, TrainState]:
-    """Split `model` into (graphdef, TrainState) and place the state on `mesh`."""
+    """Split `model` into (graphdef, TrainState) and place the state on `mesh`; the graphdef's MoE
+    layers dispatch tokens to experts split over the mesh (``rlx.models.moe.expert_parallel``;
+    ``model`` itself is left as it is)."""
     graphdef, params, frozen = nnx.split(model, trainable, ...)
+    graphdef = nnx.graphdef(expert_parallel(nnx.merge(graphdef, params, frozen), mesh, rules))
     if not jax.tree.leaves(params):
         raise ValueError(f"the trainable filter {trainable!r} selects no variable of the model")
     bad = [x.dtype for x in jax.tree.leaves(params) if not jnp.issubdtype(x.dtype, jnp.floating)]
