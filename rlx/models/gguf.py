@@ -8,14 +8,15 @@ tokenizer and the chat template.
 Tensors stay in the memory-mapped file until asked for: `checkpoint.tensors[name]` dequantizes one
 tensor (with the `gguf` package's own block decoders) each time it is read, and
 `checkpoint.raw(name)` returns the quantized blocks as they are stored (uint8, one row of blocks per
-output row), for code that keeps a Q4_0/Q4_1/Q8_0 base instead of dequantizing it.
+output row), for code that keeps a quantized base as its blocks instead of dequantizing it.
 
 llama.cpp's converter permutes the rows of q_proj and k_proj of llama-architecture models (it
 interleaves the two rotary halves of each head). We undo that permutation on the rows of the stored
 blocks, so both `raw` and the dequantized tensors are in HF order and equal what transformers loads
 from the same file. Qwen2/Qwen3 files are stored unpermuted.
 
-Supported: architectures llama, qwen2, qwen3; tensor types F32, F16, BF16, Q8_0, Q4_0, Q4_1.
+Supported: architectures llama, qwen2, qwen3; tensor types `SUPPORTED_TYPES` (floats, Q4_0 .. Q8_0
+and the K-quants Q2_K .. Q6_K).
 Everything else raises `GGUFError`, as do llama3-style rope scaling and missing tensors.
 
 Malformed files. Before the `gguf` package parses a file we walk its header ourselves and check
@@ -41,7 +42,10 @@ from rlx.models.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFTensors", "RawTensor", "SUPPORTED_TYPES", "read_gguf"]
 
-SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# the float types, and the block types rlx also keeps as blocks (rlx.quant.gguf_blocks.KEPT):
+# Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the K-quants that llama.cpp's _S / _M / _L mixes use
+SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 tensors kept block-for-block and dequantized inside the jitted graph.
+"""GGUF tensors kept block-for-block and dequantized inside the jitted graph.
 
 A GGUF file is itself a deployment format, so the base is not requantized: the uint8 blocks from
 ``read_gguf(...).raw(name)`` (one row of blocks per output row, rows already in HF order) go to
-device unchanged. Each block covers 32 consecutive inputs of one row (llama.cpp ``ggml-quants``):
+device unchanged. Each block covers 32 (K-quants: 256) consecutive inputs of one row (llama.cpp
+``ggml-quants``); the legacy 4- and 8-bit types:
 
 - Q8_0, 34 bytes: f16 ``d``, 32 x int8 ``q``:          ``y = q * d``
 - Q4_0, 18 bytes: f16 ``d``, 16 bytes of nibbles:      ``y = (nibble - 8) * d``
@@ -11,7 +12,9 @@ device unchanged. Each block covers 32 consecutive inputs of one row (llama.cpp 
 Nibble ``j`` of byte ``i`` (low ``j = 0``, high ``j = 1``) is element ``16 j + i`` of the block.
 Arithmetic is f32 as in ``gguf.quants.dequantize``; the Q4_1 product and sum are computed as two
 rounded operations (the reduce-precision barrier keeps XLA from fusing them into one FMA, which
-would change the last bit). qwix has no notion of these block formats, hence this module.
+would change the last bit). Q5_0 / Q5_1 and the K-quants Q2_K .. Q6_K (the types llama.cpp's
+``_S`` / ``_M`` / ``_L`` mixes are made of) decode in ``rlx.quant.gguf_kquants``. qwix has no
+notion of these block formats, hence these modules.
 """
 
 from __future__ import annotations
@@ -21,15 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array
 
+from rlx.quant.gguf_kquants import DECODERS, f16, rounded
 from rlx.quant.tensors import QuantWeight
-
-BLOCK = 32
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-
-
-def _f16(b: Array) -> Array:
-    """``[..., 2]`` little-endian bytes -> f32 ``[..., 1]``."""
-    return jax.lax.bitcast_convert_type(b, jnp.float16).astype(jnp.float32)[..., None]
 
 
 def _nibbles(qs: Array) -> Array:
@@ -37,19 +33,28 @@ def _nibbles(qs: Array) -> Array:
     return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(jnp.float32)
 
 
+def _q8_0(b: Array) -> Array:
+    return jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) * f16(b[..., 0:2])
+
+
+def _q4_0(b: Array) -> Array:
+    return f16(b[..., 0:2]) * (_nibbles(b[..., 2:]) - 8.0)
+
+
+def _q4_1(b: Array) -> Array:
+    return rounded(f16(b[..., 0:2]) * _nibbles(b[..., 4:])) + f16(b[..., 2:4])
+
+
+# type -> (elements per block, bytes per block, decoder of [..., nb, bytes] -> [..., nb, elements])
+KEPT = {"Q8_0": (32, 34, _q8_0), "Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), **DECODERS}
+BLOCK_BYTES = {t: nbytes for t, (_, nbytes, _) in KEPT.items()}  # the GGUF types kept as blocks
+
+
 def dequantize_blocks(blocks: Array, qtype: str) -> Array:
-    """uint8 ``[..., R, nblocks * block_bytes]`` -> f32 ``[..., R, nblocks * 32]``."""
-    nbytes = BLOCK_BYTES[qtype]
+    """uint8 ``[..., R, nblocks * block_bytes]`` -> f32 ``[..., R, nblocks * block_elements]``."""
+    _, nbytes, decode = KEPT[qtype]
     b = blocks.reshape(*blocks.shape[:-1], blocks.shape[-1] // nbytes, nbytes)  # [..., R, nb, bytes]
-    d = _f16(b[..., 0:2])
-    if qtype == "Q8_0":
-        y = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32) * d
-    elif qtype == "Q4_0":
-        y = d * (_nibbles(b[..., 2:]) - 8.0)
-    else:
-        prod = jax.lax.reduce_precision(d * _nibbles(b[..., 4:]), exponent_bits=8, mantissa_bits=23)
-        y = jax.lax.optimization_barrier(prod) + _f16(b[..., 2:4])
-    return y.reshape(*blocks.shape[:-1], -1)
+    return decode(b).reshape(*blocks.shape[:-1], -1)
 
 
 class GGUFTensor(nnx.Module):

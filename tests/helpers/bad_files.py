@@ -31,6 +31,16 @@ def _vocabulary() -> tuple[list[str], list[str], list[int]]:
 VOCAB = len(_vocabulary()[0])
 
 
+def _blocks_of(value: np.ndarray, qt: gguf.GGMLQuantizationType, rng) -> np.ndarray:
+    """``value`` quantized to ``qt``, or random blocks of ``qt`` where gguf cannot quantize to it."""
+    try:
+        return gguf.quants.quantize(value, qt)
+    except NotImplementedError:
+        block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+        return rng.integers(0, 256, size=(value.shape[0], value.shape[1] // block * nbytes),
+                            dtype=np.uint8)
+
+
 def write_tiny_gguf(path: str | os.PathLike, linear_type: str | None = None) -> None:
     """A tiny complete llama GGUF at `path` (about 60 KB); `linear_type` (e.g. "Q5_0") stores
     every attention and MLP weight in that GGUF type instead of the default mix."""
@@ -67,7 +77,7 @@ def write_tiny_gguf(path: str | os.PathLike, linear_type: str | None = None) -> 
         value = rng.standard_normal(shape).astype(np.float32)
         if linear_type and len(shape) == 2 and name.startswith("blk."):
             qt = gguf.GGMLQuantizationType[linear_type]
-            writer.add_tensor(name, gguf.quants.quantize(value, qt), raw_dtype=qt)
+            writer.add_tensor(name, _blocks_of(value, qt, rng), raw_dtype=qt)
         elif "ffn_up" in name:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)

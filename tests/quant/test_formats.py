@@ -9,7 +9,7 @@ import pytest
 
 from rlx.models.layers import quantize_activations
 from rlx.quant import QuantConfig, QuantConfigError, quantize_array
-from rlx.quant.gguf_blocks import dequantize_blocks
+from rlx.quant.gguf_blocks import KEPT, dequantize_blocks
 from rlx.quant.tensors import pack_nibbles, unpack_nibbles
 
 
@@ -58,6 +58,19 @@ def test_gguf_blocks_exactly_as_llama_cpp(qtype):
     ref = gguf.quants.dequantize(blocks, t)
     out = jax.jit(dequantize_blocks, static_argnums=1)(jnp.asarray(blocks), qtype)
     assert np.array_equal(np.asarray(out), ref)
+
+
+@pytest.mark.parametrize("qtype", sorted(KEPT))
+def test_every_kept_gguf_block_type_decodes_bit_for_bit_as_gguf_does(qtype):
+    """Random bytes are valid blocks of every type (f16 fields included: the few non-finite ones
+    must come out where the reference puts them)."""
+    elements, nbytes, _ = KEPT[qtype]
+    blocks = np.random.RandomState(1).randint(0, 256, size=(7, 3 * nbytes)).astype(np.uint8)
+    ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])
+    out = np.asarray(jax.jit(dequantize_blocks, static_argnums=1)(jnp.asarray(blocks), qtype))
+    assert out.shape == ref.shape == (7, 3 * elements)
+    assert np.isfinite(ref).mean() > 0.5
+    assert np.array_equal(out, ref, equal_nan=True)
 
 
 def test_mismatched_serving_format_is_refused():

@@ -159,10 +159,10 @@ def test_gguf_base_needs_a_gguf_file_with_real_block_weights(tmp_path):
                                           r"rlx does not keep as blocks"):
         _check(**{"model.path": str(floats), "quant.format": "gguf", "model.shrink.enabled": False,
                   "mesh.data": 1, "mesh.fsdp": 8})
-    other = tmp_path / "q5.gguf"  # a type rlx cannot read at all: the reader names it
-    write_tiny_gguf(other, linear_type="Q5_0")
-    with pytest.raises(ValueError, match=r"q5.gguf: tensor 'blk.0.attn_q.weight' .* has unsupported "
-                                         r"type Q5_0; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+    other = tmp_path / "iq4.gguf"  # a type rlx cannot read at all: the reader names it
+    write_tiny_gguf(other, linear_type="IQ4_NL")
+    with pytest.raises(ValueError, match=r"iq4.gguf: tensor 'blk.0.attn_q.weight' .* has unsupported "
+                                         r"type IQ4_NL; supported: F32, F16, BF16, Q8_0, .*Q6_K"):
         _check(**{"model.path": str(other), "model.shrink.enabled": False, "mesh.data": 1,
                   "mesh.fsdp": 8})
     ok = tmp_path / "q8.gguf"
