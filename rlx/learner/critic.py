@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from rlx.errors import ConfigError
-from rlx.learner.heap import CompiledPerShape
+from rlx.learner.heap import CompiledPerShape, UpdatePerShape
 from rlx.learner.losses import value_loss
 from rlx.learner.state import CriticState, TrainState, state_shardings
 from rlx.learner.step import ApplyFn, model_forward, predicted, split_micro
@@ -182,7 +182,8 @@ def make_critic_step(graphdef: nnx.GraphDef, state: TrainState, mesh: Mesh,
                      micro_batches: int = 1, rules: LogicalRules = TRAIN_RULES,
                      apply_fn: ApplyFn = model_forward
                      ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, CriticMetrics]]:
-    """Compile one critic update ``(state, batch) -> (state, metrics)`` (the state donated).
+    """Compile one critic update ``(state, batch) -> (state, metrics)`` (the state donated but its
+    frozen part).
     ``graphdef`` is the critic body's (the policy's own in LoRA mode); ``optimizer`` the
     policy's (it fixes the shardings of the policy's optimizer state)."""
     _check(state)
@@ -190,8 +191,8 @@ def make_critic_step(graphdef: nnx.GraphDef, state: TrainState, mesh: Mesh,
     replicated = NamedSharding(mesh, PartitionSpec())
     step = functools.partial(_critic_step, graphdef=graphdef, clip=value_clip, micro=micro_batches,
                              apply_fn=apply_fn, row_sharding=batch_sharding(mesh, 1, rules))
-    return CompiledPerShape(jax.jit(step, in_shardings=(shardings, batch_sharding(mesh, 2, rules)),
-                                    out_shardings=(shardings, replicated), donate_argnums=(0,)))
+    return UpdatePerShape(step, in_shardings=(shardings, batch_sharding(mesh, 2, rules)),
+                          out_shardings=(shardings, replicated))
 
 
 def make_value_step(graphdef: nnx.GraphDef, state: TrainState, mesh: Mesh,

@@ -29,10 +29,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from rlx.learner.batching import pad_rollouts
-from rlx.learner.heap import CompiledPerShape
+from rlx.learner.heap import UpdatePerShape
 from rlx.learner.losses import DPOMetrics, dpo_loss
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
-from rlx.learner.step import ApplyFn, StepConfig, for_mesh, model_forward, predicted, sequence_logprobs
+from rlx.learner.step import (ApplyFn, StepConfig, for_mesh, model_forward, predicted,
+                              sequence_logprobs)
 from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
 from rlx.types import Rollout, TrainBatch
 
@@ -125,7 +126,8 @@ def make_dpo_step(graphdef: nnx.GraphDef, state: TrainState, mesh: Mesh, cfg: St
                   optimizer_cfg: OptimizerConfig, *, beta: float, label_smoothing: float = 0.0,
                   rules: LogicalRules = TRAIN_RULES, apply_fn: ApplyFn = model_forward
                   ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, PreferenceMetrics]]:
-    """Compile one DPO update ``(state, batch) -> (state, metrics)`` (the state donated)."""
+    """Compile one DPO update ``(state, batch) -> (state, metrics)`` (the state donated but its
+    frozen part)."""
     cfg = for_mesh(cfg, mesh)
     optimizer = make_optimizer(optimizer_cfg)
     shardings = state_shardings(state, optimizer, mesh, rules)
@@ -133,8 +135,8 @@ def make_dpo_step(graphdef: nnx.GraphDef, state: TrainState, mesh: Mesh, cfg: St
     step = functools.partial(_dpo_step, graphdef=graphdef, cfg=cfg, beta=beta,
                              smoothing=label_smoothing, optimizer=optimizer, apply_fn=apply_fn,
                              row_sharding=batch_sharding(mesh, 1, rules))
-    return CompiledPerShape(jax.jit(step, in_shardings=(shardings, batch_sharding(mesh, 2, rules)),
-                                    out_shardings=(shardings, replicated), donate_argnums=(0,)))
+    return UpdatePerShape(step, in_shardings=(shardings, batch_sharding(mesh, 2, rules)),
+                          out_shardings=(shardings, replicated))
 
 
 __all__ = ["ALGORITHMS", "PreferenceMetrics", "make_dpo_step", "pair_batch"]

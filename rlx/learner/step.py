@@ -34,12 +34,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
-from rlx.learner.heap import CompiledPerShape
+from rlx.learner.heap import CompiledPerShape, UpdatePerShape
 from rlx.learner.logprobs import LMHead, Projection, token_logprobs
 from rlx.learner.losses import LossConfig, LossMetrics, policy_loss, sequence_count
-from rlx.learner.state import (
-    OptimizerConfig, TrainState, make_optimizer, make_schedule, state_shardings, variable_shardings,
-)
+from rlx.learner.state import (OptimizerConfig, TrainState, make_optimizer, make_schedule,
+                               state_shardings, variable_shardings)
 from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
 from rlx.models.layers import PROJECTION, weight_value
 from rlx.models.mixed import is_low_precision
@@ -342,8 +341,9 @@ def make_train_step(
     apply_fn: ApplyFn = model_forward,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, StepMetrics]]:
     """Compile `(state, batch) -> (state, metrics)`; `state` (concrete or abstract) fixes the
-    shardings. The state argument is donated: do not reuse it after the call. One program per
-    batch shape, compiled ahead of its first run (`rlx.learner.heap.CompiledPerShape`)."""
+    shardings. The state argument is donated, except its frozen part (``UpdatePerShape``): do not
+    reuse it after the call; its frozen arrays live on in the new state. One program per batch
+    shape, compiled ahead of its first run (`rlx.learner.heap.CompiledPerShape`)."""
     cfg = for_mesh(cfg, mesh)
     optimizer = make_optimizer(optimizer_cfg)
     shardings = state_shardings(state, optimizer, mesh, rules)
@@ -353,9 +353,9 @@ def make_train_step(
         _train_step, graphdef=graphdef, cfg=cfg, optimizer=optimizer,
         schedule=make_schedule(optimizer_cfg), apply_fn=apply_fn,
         row_sharding=batch_sharding(mesh, 1, rules))
-    return CompiledPerShape(jax.jit(step, in_shardings=(shardings, rows),
-                                    out_shardings=(shardings, replicated), donate_argnums=(0,),
-                                    compiler_options=compiler_options(mesh, apply_fn)))
+    return UpdatePerShape(step, in_shardings=(shardings, rows),
+                          out_shardings=(shardings, replicated),
+                          compiler_options=compiler_options(mesh, apply_fn))
 
 
 def compiler_options(mesh: Mesh, apply_fn: ApplyFn) -> dict[str, str] | None:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.learner.heap import CompiledPerShape, release_free_heap
+from rlx.learner.heap import CompiledPerShape, UpdatePerShape, release_free_heap
 
 
 def _rss_mb() -> float:
@@ -44,3 +44,36 @@ def test_compiled_per_shape_compiles_once_per_signature_and_donates():
     step(jnp.zeros(()), np.zeros((7,), np.int32))  # another dtype: another program
     assert step.compilations() == 4
     assert "add" in step.lower(jnp.zeros(()), np.zeros((7,), np.float32)).as_text()
+
+
+def test_an_update_donates_the_state_but_not_its_frozen_part():
+    """The frozen part goes in undonated and comes back as the very same arrays (not a copy);
+    everything else is donated. A plain jit deletes a donated pass-through and copies an
+    undonated one, so neither keeps the caller's frozen arrays alive and single."""
+    from flax import struct
+
+    @struct.dataclass
+    class State:
+        params: jax.Array
+        frozen: dict
+
+    def step(state, x):
+        return state.replace(params=state.params + x * state.frozen["w"]), x.sum()
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = State(params=one, frozen={"w": one})  # shaped like the state, as the steps pass
+    update = UpdatePerShape(step, in_shardings=(shardings, one), out_shardings=(shardings, one))
+    state = State(params=jnp.zeros((3,)), frozen={"w": jnp.arange(3.0)})
+    w = state.frozen["w"]
+    for _ in range(2):
+        new, total = update(state, jnp.ones((3,)))
+        assert state.params.is_deleted() and not w.is_deleted()
+        assert new.frozen["w"] is w and float(total) == 3
+        state = new
+    np.testing.assert_array_equal(state.params, 2 * np.arange(3.0))
+    assert update.compilations() == 1 and "multiply" in update.lower(state, jnp.ones((3,))).as_text()
+
+    plain = jax.jit(step, donate_argnums=(0,))
+    state = State(params=jnp.zeros((3,)), frozen={"w": jnp.arange(3.0)})
+    new, _ = plain(state, jnp.ones((3,)))
+    assert state.frozen["w"].is_deleted()  # why UpdatePerShape keeps the frozen part apart
