@@ -130,8 +130,18 @@ def _expected_hf_shape(src: ParamSource, shape: tuple[int, ...]) -> tuple[int, .
     return tuple(reversed(shape if src.layout == "T" else shape[1:]))
 
 
+FLOAT_STORAGE = ("F64", "F32", "F16", "BF16")  # safetensors dtypes a float parameter is read from
+
+
+def _where(tensors, name: str) -> str:
+    """``file: `` of tensor ``name`` where the mapping knows it (safetensors folders), else ''."""
+    return f"{tensors.file_of(name)}: " if hasattr(tensors, "file_of") else ""
+
+
 def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], shapes: dict[str, tuple]) -> None:
-    """Every needed HF tensor exists with the right shape; errors name the tensor and the fix."""
+    """Every needed HF tensor exists with the right shape and a float dtype; errors name the
+    file, the tensor and the fix. A float parameter is never read from integer or fp8 storage:
+    those are quantized values, which without their scales would be a wrong model."""
     for path, src in param_map(cfg).items():
         if path not in shapes:
             continue
@@ -144,37 +154,50 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], shapes: d
             got = tuple(tensors.shape(name) if hasattr(tensors, "shape") else tensors[name].shape)
             if got != want:
                 raise CheckpointError(
-                    f"tensor {name!r} has shape {got}, but config.json implies {want}; "
-                    "the weights and config.json disagree")
+                    f"{_where(tensors, name)}tensor {name!r} has shape {got}, but config.json "
+                    f"implies {want}; the weights and config.json disagree")
+            kind = tensors.dtype_name(name) if hasattr(tensors, "dtype_name") else "F32"
+            if kind not in FLOAT_STORAGE:
+                raise CheckpointError(
+                    f"{_where(tensors, name)}tensor {name!r} is stored as {kind}: quantized values, "
+                    f"which float loading would misread as weights (rlx parameter {path!r}); load "
+                    "the checkpoint with config.quant.format='shipped' (rlx.quant.load_quantized)")
+
+
+def read_order(paths, sources: dict[str, ParamSource], tensors) -> list[str]:
+    """``paths`` in the order their first tensor lies in the files (each file read once, front
+    to back), where the mapping knows positions; else as given."""
+    if not hasattr(tensors, "position"):
+        return list(paths)
+    return sorted(paths, key=lambda p: tensors.position(sources[p].hf_names[0]))
 
 
 def load_model(
     cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *, precision: Precision = Precision(),
     mesh: Mesh | None = None, rules: LogicalRules = TRAIN_RULES, skip: frozenset[str] = frozenset(),
 ) -> Transformer:
-    """Build a ``Transformer`` whose parameters are read slice-wise from ``tensors`` (HF names).
+    """Build a ``Transformer`` whose parameters are read slice-wise from ``tensors`` (HF names),
+    one parameter at a time in file order, each device reading only its own slice.
 
     Parameters whose rlx path is in ``skip`` are left abstract (``jax.ShapeDtypeStruct``) for the
     caller to replace, e.g. by a frozen quantized tensor (``rlx.quant``)."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     sources = param_map(cfg)
-    flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(state)}
-    check_tensors(cfg, tensors, {p: tuple(v.shape) for p, v in flat.items() if p in sources and p not in skip})
-    loaded = []
-    for key, var in nnx.to_flat_state(state):
-        path = "/".join(map(str, key))
-        if path in skip:
-            loaded.append((key, var))
-            continue
+    flat = {"/".join(map(str, k)): (k, v) for k, v in nnx.to_flat_state(state)}
+    check_tensors(cfg, tensors, {p: tuple(v.shape) for p, (_, v) in flat.items()
+                                 if p in sources and p not in skip})
+    loaded = {p: var for p, (_, var) in flat.items() if p in skip}
+    for path in read_order([p for p in flat if p not in skip], sources, tensors):
+        var = flat[path][1]
         sharding = _sharding(mesh, var, rules)
         src = sources[path]
         dtype = var.dtype
         arr = jax.make_array_from_callback(
             tuple(var.shape), sharding,
             lambda idx, src=src, dtype=dtype: _read_slice(tensors, src, idx).astype(dtype))
-        loaded.append((key, var.replace(arr)))
-    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+        loaded[path] = var.replace(arr)
+    return nnx.merge(graphdef, nnx.from_flat_state([(k, loaded[p]) for p, (k, _) in flat.items()]))
 
 
 def _sharding(mesh: Mesh | None, var, rules: LogicalRules):
@@ -258,10 +281,11 @@ def to_hf(model: Transformer, path: str, dtype=np.float32, tokenizer=None,
         tokenizer.save(path)
 
 
-def param_bytes_per_device(model: Transformer) -> dict[str, int]:
-    """Bytes of parameters held by each device (from the arrays' actual shards)."""
+def param_bytes_per_device(model: Transformer, kinds=nnx.Param) -> dict[str, int]:
+    """Bytes of parameters (the variables ``kinds`` selects) held by each device (from the
+    arrays' actual shards)."""
     out: dict[str, int] = {}
-    for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    for leaf in jax.tree.leaves(nnx.state(model, kinds)):
         for shard in leaf.addressable_shards:
             key = str(shard.device)
             out[key] = out.get(key, 0) + shard.data.nbytes

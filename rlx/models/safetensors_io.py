@@ -74,23 +74,39 @@ class SafetensorsFolder(Mapping[str, np.ndarray]):
                     continue
                 _check_entry(file, name, info, size - start)
                 self._where[name] = (file, info, start)
-        self._maps: dict[str, np.memmap] = {}
 
     def __getitem__(self, name: str) -> np.ndarray:
+        """A read-only view of tensor ``name`` mapped from its file. Each call maps just that
+        tensor, and the mapping goes when the view does: a loader that copies the slice it needs
+        and drops the view keeps none of the file resident (nothing counts toward its RSS)."""
         if name not in self._where:
             raise KeyError(name)
         file, info, start = self._where[name]
-        if file not in self._maps:
-            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
         lo, hi = info["data_offsets"]
-        buf = self._maps[file][start + lo : start + hi]
-        return buf.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+        dtype = np.dtype(DTYPES[info["dtype"]])
+        if hi == lo:
+            return np.zeros(info["shape"], dtype)
+        return np.memmap(file, dtype=dtype, mode="r", offset=start + lo, shape=tuple(info["shape"]))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name][1]["shape"])
 
     def dtype_name(self, name: str) -> str:
         return self._where[name][1]["dtype"]
+
+    def file_of(self, name: str) -> str:
+        """The file that holds tensor ``name``."""
+        return self._where[name][0]
+
+    def position(self, name: str) -> tuple[str, int]:
+        """(file, byte offset) of tensor ``name``: reading in this order reads each file once,
+        front to back."""
+        file, info, start = self._where[name]
+        return file, start + info["data_offsets"][0]
+
+    def nbytes(self, name: str) -> int:
+        lo, hi = self._where[name][1]["data_offsets"]
+        return hi - lo
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -3,7 +3,9 @@
 - ``QuantConfig`` / ``LoraConfig`` (``rlx.quant.config``): base format, serving format (which fixes the
   learner's activation quantization), adapter rank / alpha / dropout / targets.
 - ``quantize_model`` turns a float model's linears (incl. MoE experts) into frozen ``QTensor``s;
-  ``load_quantized`` / ``load_gguf_quantized`` keep already-quantized checkpoints as they are.
+  ``load_quantized`` / ``load_gguf_quantized`` keep already-quantized checkpoints as they are;
+  ``load_base`` is a run's base: ``format="shipped"`` the checkpoint's own representation
+  (``rlx.quant.shipped``), int8 / int4 / fp8 / nf4 a float checkpoint quantized while it is read.
 - ``apply_lora`` attaches ``nnx.LoRAParam`` adapters; ``model(ids, adapter=False)`` is the reference.
 - ``state_bytes`` reports frozen and trainable bytes. Export lives in ``rlx.io.export``.
 
@@ -12,11 +14,12 @@ May import ``rlx.models`` and the foundation (``rlx.types``, ``rlx.errors``, ``r
 
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
 from rlx.quant.gguf_blocks import GGUFTensor
-from rlx.quant.loading import load_gguf_quantized, load_quantized
+from rlx.quant.loading import load_base, load_gguf_quantized, load_quantized, resolve_quant
 from rlx.quant.lora import LoRA, apply_lora
 from rlx.quant.quantize import quantize_model, state_bytes
 from rlx.quant.tensors import QTensor, QuantWeight, quantize_array
 
-__all__ = ["LoraConfig", "QuantConfig", "QuantConfigError", "GGUFTensor", "load_gguf_quantized",
+__all__ = ["LoraConfig", "QuantConfig", "QuantConfigError", "GGUFTensor", "load_base",
+           "load_gguf_quantized", "resolve_quant",
            "load_quantized", "LoRA", "apply_lora", "quantize_model", "state_bytes", "QTensor",
            "QuantWeight", "quantize_array"]

@@ -14,7 +14,9 @@ import dataclasses
 from rlx.errors import ConfigError, one_of
 from rlx.models.decoder import DTYPES
 
-FORMATS = ("none", "int8", "int4", "fp8", "nf4", "gguf")
+# "shipped": the checkpoint's own representation (rlx.quant.shipped): a quantized HF folder's
+# quantization_config, a GGUF file's blocks, a float checkpoint's floats
+FORMATS = ("none", "int8", "int4", "fp8", "nf4", "gguf", "shipped")
 SERVING_FORMATS = ("hf", "w8a8_int8", "fp8", "compressed-tensors", "gguf")
 # LoRA targets: short name -> the projection it adapts (the rlx attribute, which is also the HF
 # module name; the one list that apply_lora, the PEFT export, the config checks and SGLang's
@@ -39,6 +41,7 @@ _COMPATIBLE = {
     "fp8": ("hf", "fp8", "compressed-tensors"),
     "nf4": ("hf",),
     "gguf": ("hf", "gguf"),
+    "shipped": ("hf",),  # the checkpoint's own serving layout is used (rlx.quant.shipped)
 }
 
 
@@ -68,6 +71,8 @@ class QuantConfig:
         one_of("modules", self.modules, QUANT_MODULES)
         one_of("fp8_granularity", self.fp8_granularity, ("channel", "block128"))
         one_of("scale_dtype", self.scale_dtype, ("float32", "bfloat16", "float16"))
+        if self.format == "shipped":
+            self._check_shipped()
         if self.group_size < 2 or self.group_size % 2:
             raise QuantConfigError(f"group_size={self.group_size} must be an even number >= 2")
         if not self.symmetric and self.format != "int4":
@@ -88,6 +93,18 @@ class QuantConfig:
                 f"modules='experts' keeps attention and dense MLPs float (written as a "
                 f"compressed-tensors ignore list): it needs serving 'hf' or 'compressed-tensors' "
                 f"and a format rlx quantizes, not format={self.format!r} serving={self.serving!r}")
+
+    def _check_shipped(self) -> None:
+        """``format="shipped"`` takes everything else from the checkpoint: the other fields stay
+        at their defaults (a value set there would do nothing)."""
+        default = QuantConfig()
+        set_ = [f.name for f in dataclasses.fields(self)
+                if f.name != "format" and getattr(self, f.name) != getattr(default, f.name)]
+        if set_:
+            raise QuantConfigError(
+                f"format='shipped' keeps the checkpoint's own representation, which fixes "
+                f"{', '.join(set_)} (its serving layout included); leave "
+                f"{'them' if len(set_) > 1 else 'it'} unset")
 
     @property
     def activation_mode(self) -> str:

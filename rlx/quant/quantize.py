@@ -57,6 +57,9 @@ def quantize_model(model: Transformer, cfg: QuantConfig, *, mesh: Mesh | None = 
     if cfg.format == "gguf":
         raise QuantConfigError("format='gguf' keeps a GGUF file's blocks; load it with "
                                "rlx.quant.load_gguf_quantized instead of quantizing float weights")
+    if cfg.format == "shipped":
+        raise QuantConfigError("format='shipped' is the checkpoint's own representation: load it "
+                               "with rlx.quant.load_base, or resolve it (rlx.quant.resolve_quant)")
     for lin in linears(model) if cfg.modules == "all" else ():
         _quantize_linear(lin, cfg)
     for layer in model.layers:

@@ -163,8 +163,20 @@ def _storage_axes(axes, transposed: bool):
 def quantize_array(w: Array, fmt: str, *, group_size: int = 64, symmetric: bool = True,
                    fp8_granularity: str = "channel", scale_dtype: str = "float32",
                    axes=None, transposed: bool = False) -> QTensor:
-    """Quantize a float matrix (logical layout; ``transposed`` for ``[vocab, d]`` embeddings)."""
+    """Quantize a float matrix (logical layout; ``transposed`` for ``[vocab, d]`` embeddings).
+
+    A concrete stack of matrices (``[E, K, N]`` experts) is quantized one matrix at a time: the
+    values of each matrix then do not depend on how many others are quantized with it (XLA may
+    round a scale differently in a batched program), so a loader quantizing each expert as it
+    reads it (``rlx.quant.loading.quantize_streamed``) gives the very same base."""
     shape = tuple(w.shape)
+    if len(shape) == 3 and not isinstance(w, jax.core.Tracer):
+        kw = dict(group_size=group_size, symmetric=symmetric, fp8_granularity=fp8_granularity,
+                  scale_dtype=scale_dtype, transposed=transposed)
+        parts = [quantize_array(w[e], fmt, **kw) for e in range(shape[0])]
+        leaves = {k: jnp.stack([p.leaves()[k] for p in parts]) for k in parts[0].leaves()}
+        return QTensor(fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
+                       parts[0].block, _storage_axes(axes, transposed), transposed)
     x = jnp.asarray(w, jnp.float32)
     x = jnp.swapaxes(x, -1, -2) if transposed else x  # [..., K, N]
     k, n = x.shape[-2:]

@@ -36,7 +36,7 @@ from rlx.models import load_from_section
 from rlx.models.decoder import Transformer
 from rlx.models.loading import ShrinkSection, resolve_path
 from rlx.models.tokenizer import Tokenizer
-from rlx.quant import apply_lora, load_gguf_quantized, quantize_model
+from rlx.quant import apply_lora, load_base
 from rlx.quant.peft_import import (abstract_lora_model, check_peft_adapter, load_peft_adapter,
                                    read_peft_adapter)
 from rlx.rewards import RewardFn, get_reward
@@ -134,17 +134,13 @@ def _logged(output_dir: str) -> list[dict]:
 def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | None]:
     """Mode "lora": the base in its serving representation + adapters (``lora.init_from``: those
     of a PEFT folder, checked against the base's shapes before any weight is read); "full": the
-    float model."""
+    float model. The base streams in (``rlx.quant.load_base``): a shipped quantized checkpoint as
+    stored, a float one quantized tensor by tensor, never whole in float."""
     warm = cfg.lora.init_from if cfg.train.mode == "lora" else ""
     if warm:
         check_peft_adapter(read_peft_adapter(warm), abstract_lora_model(
             read_architecture(cfg)[0], cfg.model.precision, cfg.lora))
-    if cfg.quant.format == "gguf":
-        loaded = load_gguf_quantized(resolve_path(cfg.model.path), mesh=mesh,
-                                     moe_impl=cfg.model.moe_impl)
-    else:
-        loaded = load_from_section(cfg.model, mesh, seed=cfg.seed)
-        quantize_model(loaded.model, cfg.quant, mesh=mesh)
+    loaded, _ = load_base(cfg.model, cfg.quant, mesh, seed=cfg.seed)
     model = loaded.model
     if cfg.train.mode == "lora":
         apply_lora(model, cfg.lora, nnx.Rngs(cfg.seed), mesh=mesh)

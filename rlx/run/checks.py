@@ -12,7 +12,9 @@ what is wrong and the values that would work:
   otherwise every update would pad with empty rows;
 - LoRA targets that adapt no module of this model (e.g. MLP targets on a MoE whose experts are
   excluded by ``lora.experts=False`` and that has no dense or shared MLP);
-- a base format the model cannot take: ``quant.format='gguf'`` needs a GGUF file holding
+- a base format the checkpoint cannot take: a quantized HF folder (``quantization_config``) needs
+  ``quant.format='shipped'``, whose layout must be one rlx reads (``rlx.quant.shipped``, refused
+  naming the method); ``quant.format='gguf'`` needs a GGUF file holding
   Q4_0/Q4_1/Q8_0 linear weights (and real weights, not ``model.shrink``), int4/nf4 group sizes must
   divide every layer's input size; what SGLang cannot serve (``rlx.rollout.sglang_policy.
   check_servable``: LoRA on MoE experts only over a float or fp8 base, ...).
@@ -33,6 +35,7 @@ from rlx.mesh import batch_axes, batch_shards
 from rlx.models.config import ModelConfig, from_hf_config
 from rlx.models.loading import resolve_path
 from rlx.quant.config import LORA_TARGETS, MLP_TARGETS
+from rlx.quant.loading import resolve_quant
 from rlx.quant.lora import target_counts
 from rlx.rollout.sglang_policy import check_servable
 from rlx.run.engines import serving
@@ -169,19 +172,54 @@ def check_critic(cfg: RunConfig, arch: ModelConfig) -> None:
 
 
 def check_base_format(cfg: RunConfig, arch: ModelConfig, gguf_types: dict[str, str]) -> None:
+    """The base format fits the checkpoint: a quantized HF folder needs ``quant.format="shipped"``
+    (its values are not floats), a shipped layout rlx cannot honour is refused naming its method
+    (``rlx.quant.shipped.layout``), a GGUF base needs a GGUF file, group sizes divide the widths,
+    and SGLang can serve the result."""
     q = cfg.quant
+    if cfg.model.resolved_format == "hf" and not cfg.model.shrink.enabled:
+        _check_quantized_folder(cfg)
+    if q.format == "shipped":
+        if cfg.model.shrink.enabled and cfg.model.resolved_format == "gguf":
+            raise ConfigError("config.quant.format='shipped' on a GGUF file keeps its blocks, but "
+                              "config.model.shrink.enabled=True builds random weights; disable "
+                              "shrink or use quant.format='int8'/'int4'")
+        resolved = resolve_quant(q, cfg.model)
+        if cfg.rollout.engine == "sglang" and not resolved.exact:
+            lay = resolved.layout
+            raise ConfigError(
+                f"config.quant.format='shipped': SGLang cannot be handed this checkpoint's "
+                f"{lay.method} layout ({lay.bits}-bit {lay.strategy}"
+                f"{'' if lay.symmetric else ', asymmetric'}) as rlx holds it; use "
+                "rollout.engine='jax' (the built-in engine samples from the same arrays)")
+        q = resolved.quant
     if q.format == "gguf":
         _check_gguf_base(cfg, gguf_types)
-    if q.format in ("int4", "nf4"):
+    if q.format in ("int4", "nf4") and cfg.quant.format != "shipped":
         _check_group_size(q.group_size, arch, q.modules)
     if cfg.rollout.engine == "sglang":
         check_servable(serving(cfg), arch, jax.process_count())
 
 
+def _check_quantized_folder(cfg: RunConfig) -> None:
+    """A HF folder whose config.json carries a ``quantization_config`` holds quantized values:
+    only ``quant.format="shipped"`` reads them (float loading would misread them as weights;
+    rlx never dequantizes a base to re-quantize it)."""
+    from rlx.quant.shipped import read_quantization_config
+
+    qc = read_quantization_config(resolve_path(cfg.model.path))
+    if qc and cfg.quant.format != "shipped":
+        raise ConfigError(
+            f"config.model.path={cfg.model.path!r} holds a quantized checkpoint (quantization_config "
+            f"quant_method={qc.get('quant_method')!r}); config.quant.format={cfg.quant.format!r} "
+            "would read its quantized values as float weights: set config.quant.format='shipped' "
+            "(train.mode='lora') to keep them as they are, or point model.path at a float copy")
+
+
 def _check_gguf_base(cfg: RunConfig, gguf_types: dict[str, str]) -> None:
     from rlx.quant.gguf_blocks import BLOCK_BYTES
 
-    if cfg.model.resolved_format != "gguf":
+    if cfg.model.resolved_format != "gguf":  # (shipped resolves to gguf only for a GGUF file)
         raise ConfigError(f"config.quant.format='gguf' keeps a GGUF file's blocks, but config.model."
                           f"path={cfg.model.path!r} is not a .gguf file; use quant.format='int8'/"
                           "'int4'/'nf4'/'fp8' to quantize HF weights, or point model.path at a GGUF file")

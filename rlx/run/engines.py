@@ -11,14 +11,17 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig
 from rlx.learner.step import Compiled
 from rlx.models.tokenizer import Tokenizer
+from rlx.quant.loading import resolve_quant
 from rlx.rollout.jax_engine import JaxEngine
 from rlx.rollout.sglang_policy import Serving, SGLangPolicy
 from rlx.types import RolloutEngine
 
 
 def serving(cfg: RunConfig) -> Serving:
-    """What SGLang serves for this run (``rollout.engine="sglang"``)."""
-    return Serving(sglang=cfg.rollout.sglang, model=cfg.model, quant=cfg.quant,
+    """What SGLang serves for this run (``rollout.engine="sglang"``); ``quant.format="shipped"``
+    serves the checkpoint's own layout (``rlx.quant.resolve_quant``)."""
+    return Serving(sglang=cfg.rollout.sglang, model=cfg.model,
+                   quant=resolve_quant(cfg.quant, cfg.model).quant,
                    lora=cfg.lora if cfg.train.mode == "lora" else None, output_dir=cfg.output_dir)
 
 
