@@ -15,7 +15,8 @@ interleaves the two rotary halves of each head). We undo that permutation on the
 blocks, so both `raw` and the dequantized tensors are in HF order and equal what transformers loads
 from the same file. Qwen2/Qwen3 files are stored unpermuted.
 
-Supported: architectures llama, qwen2, qwen3; tensor types `SUPPORTED_TYPES` (floats, Q4_0 .. Q8_0
+Supported: architectures llama, qwen2, qwen3, qwen2moe, qwen3moe (each expert of a 3-D `ffn_*_exps`
+tensor is `model.layers.{i}.mlp.experts.{e}.*_proj.weight`, a view of its slice); tensor types `SUPPORTED_TYPES` (floats, Q4_0 .. Q8_0
 and the K-quants Q2_K .. Q6_K).
 Everything else raises `GGUFError`, as do llama3-style rope scaling and missing tensors.
 
@@ -58,6 +59,8 @@ class _Arch:
     qkv_bias: bool  # q/k/v projections carry biases
     qk_norm: bool  # per-head RMSNorm on q and k
     extra_config: tuple[tuple[str, Any], ...] = ()
+    moe: bool = False  # routed experts in every layer (3-D ffn_*_exps tensors)
+    shared_expert: bool = False  # Qwen2-MoE's gated shared expert (ffn_*_shexp)
 
 
 _ARCHS: dict[str, _Arch] = {
@@ -67,6 +70,15 @@ _ARCHS: dict[str, _Arch] = {
                    (("use_sliding_window", False), ("max_window_layers", 0))),
     "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", False, False, True,
                    (("attention_bias", False), ("use_sliding_window", False), ("max_window_layers", 0))),
+    # llama.cpp renormalizes the top-k gates of qwen3moe (as Qwen3-MoE's config.json says), not of
+    # qwen2moe
+    "qwen2moe": _Arch("qwen2_moe", "Qwen2MoeForCausalLM", False, True, False,
+                      (("use_sliding_window", False), ("max_window_layers", 0), ("decoder_sparse_step", 1),
+                       ("mlp_only_layers", ()), ("norm_topk_prob", False)), moe=True, shared_expert=True),
+    "qwen3moe": _Arch("qwen3_moe", "Qwen3MoeForCausalLM", False, False, True,
+                      (("attention_bias", False), ("use_sliding_window", False), ("max_window_layers", 0),
+                       ("decoder_sparse_step", 1), ("mlp_only_layers", ()), ("norm_topk_prob", True)),
+                      moe=True),
 }
 
 # GGUF per-layer tensor name (after `blk.{i}.`) -> HF name (after `model.layers.{i}.`).
@@ -83,6 +95,12 @@ _LAYER_NAMES: dict[str, str] = {
 }
 _BIAS_NAMES = {f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}
 _QK_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+_DENSE_MLP = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
+_SHARED_NAMES = {"ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                 "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                 "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                 "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +124,12 @@ class RawTensor:
 class GGUFTensors(Mapping[str, np.ndarray]):
     """HF name -> float32 array, dequantized from the memory-mapped file on every access."""
 
-    def __init__(self, stored: Mapping[str, Any], names: Mapping[str, str], heads: Mapping[str, int]) -> None:
+    def __init__(self, stored: Mapping[str, Any], names: Mapping[str, str], heads: Mapping[str, int],
+                 experts: Mapping[str, int] | None = None) -> None:
         self._stored = stored  # GGUF name -> gguf.ReaderTensor
         self._names = dict(names)  # HF name -> GGUF name
         self._heads = dict(heads)  # HF name -> head count whose rope permutation to undo
+        self._experts = dict(experts or {})  # HF name -> its expert's index in a 3-D GGUF tensor
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.raw(name).dequantize()
@@ -122,7 +142,10 @@ class GGUFTensors(Mapping[str, np.ndarray]):
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The HF shape of `name`, without reading its data."""
-        return tuple(int(d) for d in reversed(self._stored[self._names[name]].shape.tolist()))
+        shape = _shape(self._stored[self._names[name]])
+        if name in self._experts:
+            return shape[1:]
+        return (1, *shape) if name.endswith("shared_expert_gate.weight") else shape  # GGUF: [d]
 
     def gguf_name(self, name: str) -> str:
         """The GGUF name the HF tensor `name` is stored under."""
@@ -134,7 +157,11 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         tensor = self._stored[self._names[name]]
         shape = self.shape(name)
         data = np.asarray(tensor.data)
-        blocks = data.view(np.uint8).reshape(*shape[:-1], -1)
+        if name in self._experts:  # one expert of a 3-D [experts, rows, cols] tensor
+            whole = data.view(np.uint8).reshape(_shape(tensor)[0], *shape[:-1], -1)
+            blocks = whole[self._experts[name]]
+        else:
+            blocks = data.view(np.uint8).reshape(*shape[:-1], -1)
         if name in self._heads:
             blocks = _unpermute_rows(blocks, self._heads[name])
         return RawTensor(tensor.tensor_type.name, blocks, shape)
@@ -179,7 +206,7 @@ def _read(path: str, reader: gguf.GGUFReader) -> GGUFCheckpoint:
     stored = {tensor.name: tensor for tensor in reader.tensors}
     _reject_rope_scaling(arch_name, meta, stored)
     config = _hf_config(arch_name, arch, meta, stored)
-    names = _tensor_names(arch, config["num_hidden_layers"], tied=config["tie_word_embeddings"])
+    names, experts = _tensor_names(arch, config)
     _check_tensors(names, stored, _expected_shapes(config, arch))
     heads: dict[str, int] = {}
     if arch.permute_qk:
@@ -199,7 +226,7 @@ def _read(path: str, reader: gguf.GGUFReader) -> GGUFCheckpoint:
         path=path,
         architecture=arch_name,
         hf_config=config,
-        tensors=GGUFTensors(stored, names, heads),
+        tensors=GGUFTensors(stored, names, heads, experts),
         tensor_types={hf: stored[gg].tensor_type.name for hf, gg in names.items()},
         tokenizer=tokenizer,
         chat_template=chat_template,
@@ -256,7 +283,7 @@ def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Map
         "model_type": arch.model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": get("feed_forward_length"),
+        "intermediate_size": get("feed_forward_length", meta.get(f"{arch_name}.expert_feed_forward_length")),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
@@ -272,6 +299,11 @@ def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Map
         "use_cache": True,
         **dict(arch.extra_config),
     }
+    if arch.moe:
+        config |= {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
+                   "moe_intermediate_size": get("expert_feed_forward_length")}
+    if arch.shared_expert:
+        config["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id"), ("unknown_token_id", "unk_token_id")):
         if (value := meta.get(f"tokenizer.ggml.{key}")) is not None:
@@ -281,21 +313,31 @@ def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Map
     return config
 
 
-def _tensor_names(arch: _Arch, n_layers: int, tied: bool) -> dict[str, str]:
-    """HF name -> GGUF name of every tensor the model needs, in HF state-dict order."""
+def _tensor_names(arch: _Arch, config: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, int]]:
+    """HF name -> GGUF name of every tensor the model needs, in HF state-dict order; and HF name ->
+    expert index for the experts' slices of the 3-D ``ffn_*_exps`` tensors."""
     per_layer = dict(_LAYER_NAMES)
     if arch.qkv_bias:
         per_layer.update(_BIAS_NAMES)
     if arch.qk_norm:
         per_layer.update(_QK_NORM_NAMES)
-    names = {"model.embed_tokens.weight": "token_embd.weight"}
-    for layer in range(n_layers):
+    if arch.moe:
+        per_layer = {g: h for g, h in per_layer.items() if g not in _DENSE_MLP}
+        per_layer["ffn_gate_inp.weight"] = "mlp.gate.weight"
+    if arch.shared_expert:
+        per_layer.update(_SHARED_NAMES)
+    names, experts = {"model.embed_tokens.weight": "token_embd.weight"}, {}
+    for layer in range(config["num_hidden_layers"]):
         for gguf_name, hf_name in per_layer.items():
             names[f"model.layers.{layer}.{hf_name}"] = f"blk.{layer}.{gguf_name}"
+        for gguf_name, proj in _EXPERTS.items() if arch.moe else ():
+            for e in range(config["num_experts"]):
+                hf_name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                names[hf_name], experts[hf_name] = f"blk.{layer}.{gguf_name}", e
     names["model.norm.weight"] = "output_norm.weight"
-    if not tied:
+    if not config["tie_word_embeddings"]:
         names["lm_head.weight"] = "output.weight"
-    return names
+    return names, experts
 
 
 def _expected_shapes(config: Mapping[str, Any], arch: _Arch) -> dict[str, tuple[int, ...]]:
@@ -311,7 +353,36 @@ def _expected_shapes(config: Mapping[str, Any], arch: _Arch) -> dict[str, tuple[
         "down_proj.weight": (hidden, inter),
         "q_proj.bias": (q_rows,), "k_proj.bias": (kv_rows,), "v_proj.bias": (kv_rows,),
         "q_norm.weight": (config["head_dim"],), "k_norm.weight": (config["head_dim"],),
+        **_moe_shapes(config),
     }
+
+
+def _moe_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The router's, the whole 3-D experts' and the shared expert's stored shapes (GGUF keeps the
+    shared expert's gate as a vector)."""
+    if "num_experts" not in config:
+        return {}
+    e, f, d = config["num_experts"], config["moe_intermediate_size"], config["hidden_size"]
+    out = {"gate.weight": (e, d), "experts.gate_proj.weight": (e, f, d),
+           "experts.up_proj.weight": (e, f, d), "experts.down_proj.weight": (e, d, f)}
+    if (s := config.get("shared_expert_intermediate_size")) is not None:
+        out |= {"shared_expert.gate_proj.weight": (s, d), "shared_expert.up_proj.weight": (s, d),
+                "shared_expert.down_proj.weight": (d, s), "shared_expert_gate.weight": (d,)}
+    return out
+
+
+def _shape_key(hf_name: str) -> str:
+    """The key of ``_expected_shapes`` for ``hf_name``."""
+    suffix = ".".join(hf_name.split(".")[-2:])
+    for part in ("experts", "shared_expert"):
+        if f".{part}." in hf_name:
+            return f"{part}.{suffix}"
+    return suffix
+
+
+def _shape(tensor) -> tuple[int, ...]:
+    """A GGUF tensor's shape in row-major (HF) order."""
+    return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
 def _check_tensors(
@@ -328,12 +399,11 @@ def _check_tensors(
                 f"tensor {gguf_name!r} ({hf_name}) has unsupported type {qtype}; "
                 f"supported: {', '.join(SUPPORTED_TYPES)}"
             )
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        suffix = ".".join(hf_name.split(".")[-2:])
-        if shapes[suffix] != shape:
+        shape, key = _shape(tensor), _shape_key(hf_name)
+        if shapes[key] != shape:
             raise GGUFError(
                 f"tensor {gguf_name!r} ({hf_name}) has shape {list(shape)}, "
-                f"but the metadata implies {list(shapes[suffix])}"
+                f"but the metadata implies {list(shapes[key])}"
             )
 
 
