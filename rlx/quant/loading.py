@@ -16,21 +16,27 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
+from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import Precision, Transformer
-from rlx.models.hf import load_model, param_map
-from rlx.models.loading import LoadedModel
-from rlx.models.safetensors_io import SafetensorsFolder
-from rlx.quant.config import QuantConfig
+from rlx.models.hf import (ParamSource, check_float_checkpoint, check_tensors, load_model,
+                           param_map, read_hf_config, read_order)
+from rlx.models.loading import LoadedModel, ModelSection, load_from_section, resolve_path
+from rlx.models.moe import SparseMoE
+from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
+from rlx.models.tokenizer import Tokenizer
+from rlx.quant.config import QuantConfig, QuantConfigError
 from rlx.quant.gguf_blocks import BLOCK_BYTES, GGUFTensor
-from rlx.quant.serving import config_from_hf, from_serving, is_quantized
-from rlx.quant.tensors import QTensor, QuantWeight
+from rlx.quant.quantize import linears, quantize_model
+from rlx.quant.shipped import (Shipped, check_quantized, file_position, layout, quantized_params,
+                               read_qtensor, scale_dtype_of, shipped)
+from rlx.quant.tensors import QTensor, QuantWeight, quantize_array
 
 
 def node_at(model: nnx.Module, path: str):
@@ -83,21 +89,33 @@ def _gguf_tensor(ckpt, src, ax) -> GGUFTensor:
     return GGUFTensor(raws[0].qtype, shape, jnp.asarray(blocks), storage, kernel=src.layout != "copy")
 
 
-def _block(q: QuantConfig, k: int) -> tuple[int, int]:
-    if q.format in ("int4", "nf4"):
-        return (q.group_size, 1)
-    if q.format == "fp8" and q.fp8_granularity == "block128":
-        return (128, 128)
-    return (k, 1)
-
-
-def _read_qtensor(tensors, src, q: QuantConfig, shape, axes) -> QTensor:
-    names = [n[: -len(".weight")] for n in src.hf_names]
-    parts = [from_serving(tensors, n, q) for n in names]
-    leaves = {k: np.stack([p[k] for p in parts]) if src.layout == "stack_T" else parts[0][k] for k in parts[0]}
-    k = shape[-2]
-    return QTensor(q.format, shape, jnp.asarray(leaves["values"]), jnp.asarray(leaves["scale"]),
-                   jnp.asarray(leaves["zero"]) if "zero" in leaves else None, _block(q, k), axes)
+def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
+                 rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged") -> tuple[LoadedModel, Shipped]:
+    """A HF folder with its quantized linears kept as the file stores them (``rlx.quant.shipped``):
+    headers checked first, then every parameter read in file order, each device its slice."""
+    with open(os.path.join(path, "config.json")) as f:
+        hf_cfg = json.load(f)
+    cfg = from_hf_config(hf_cfg)
+    qc = hf_cfg.get("quantization_config")
+    if not qc:
+        raise CheckpointError(f"{path}: config.json has no quantization_config; load it as a float "
+                              "checkpoint (config.quant.format='none' or a format to quantize to)")
+    lay = layout(qc)
+    precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
+    tensors = SafetensorsFolder(path)
+    quantized = quantized_params(cfg, lay)
+    shapes = _abstract_shapes(cfg, precision)
+    check_quantized(tensors, quantized, shapes, lay)  # headers (and weight_shape) only
+    model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules,
+                       skip=frozenset(quantized))
+    axes = _abstract_axes(cfg, precision)
+    for p in sorted(quantized, key=lambda p: file_position(tensors, quantized[p])):
+        src = quantized[p]
+        set_node(model, p, read_qtensor(tensors, src, shapes[p], axes[p], lay, mesh, rules))
+        node_at(model, p.rpartition("/")[0]).act_quant = lay.act
+    info = shipped(path, cfg, scale_dtype_of(tensors, quantized, lay))
+    has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
+    return LoadedModel(model, Tokenizer.from_dir(path) if has_tok else None, path, "hf"), info
 
 
 def load_quantized(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *,
@@ -107,24 +125,186 @@ def load_quantized(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *,
     if os.path.isfile(path) and path.endswith(".gguf"):
         return load_gguf_quantized(path, dtype, mesh, rules=rules, moe_impl=moe_impl), \
             QuantConfig(format="gguf", serving="gguf")
-    with open(os.path.join(path, "config.json")) as f:
-        hf_cfg = json.load(f)
-    q = config_from_hf(hf_cfg.get("quantization_config"))
-    cfg = from_hf_config(hf_cfg)
-    precision = Precision(dtype=dtype, param_dtype=dtype, moe_impl=moe_impl)
-    tensors = SafetensorsFolder(path)
-    quantized = {p: s for p, s in param_map(cfg).items() if s.layout in ("T", "stack_T")
-                 and is_quantized(tensors, s.hf_names[0][: -len(".weight")])}
-    model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules, skip=frozenset(quantized))
-    axes = _abstract_axes(cfg, precision)
-    shapes = {"/".join(map(str, k)): v.shape for k, v in nnx.to_flat_state(nnx.state(model))}
-    for p, src in quantized.items():
-        set_node(model, p, _read_qtensor(tensors, src, q, tuple(shapes[p]), axes[p]))
-        owner = node_at(model, p.rpartition("/")[0])
-        owner.act_quant = q.activation_mode
-    if mesh is not None:
-        shard_variables(model, QuantWeight, mesh, rules)
-    return LoadedModel(model, None, path, "hf"), q
+    loaded, info = load_shipped(path, dtype, mesh, rules=rules, moe_impl=moe_impl)
+    return loaded, info.quant
 
 
-__all__ = ["load_gguf_quantized", "load_quantized", "node_at", "set_node"]
+# --- float checkpoints quantized while they are read --------------------------------------------
+def quantized_paths(abstract: Transformer, q: QuantConfig) -> dict[str, bool]:
+    """rlx parameter path -> transposed, for every parameter ``quantize_model(model, q)`` would
+    quantize (the same selection, read off the abstract model)."""
+    where = {id(node): "/".join(map(str, p)) for p, node in nnx.iter_graph(abstract)}
+    out = {}
+    for lin in linears(abstract) if q.modules == "all" else ():
+        out[f"{where[id(lin)]}/kernel"] = False
+    for i, layer in enumerate(abstract.layers):
+        if isinstance(layer.mlp, SparseMoE):
+            out.update({f"layers/{i}/mlp/experts/{m}": False for m in ("gate_proj", "up_proj", "down_proj")})
+    if q.quantize_lm_head and abstract.lm_head is not None:
+        out["lm_head/kernel"] = False
+    if q.quantize_embed:
+        out["embed"] = True
+    return out
+
+
+def _hf_rows(tensors, src: ParamSource, name: str, lo: int, hi: int, dtype) -> np.ndarray:
+    """Rows ``lo:hi`` of HF tensor ``name`` in the rlx parameter's logical orientation, cast to
+    the parameter dtype as the float loader stores it (``[in, rows]`` for a kernel, ``[rows, d]``
+    for an embedding)."""
+    rows = np.asarray(tensors[name][lo:hi]).astype(dtype)
+    return rows if src.layout == "copy" else rows.T
+
+
+def quantize_streamed(tensors, src: ParamSource, var, q: QuantConfig, transposed: bool, mesh,
+                      rules) -> QTensor:
+    """One float parameter quantized as it is read: for each matrix this process needs (a stacked
+    parameter: only its devices' experts), the rows (outputs) its devices hold, widened to whole
+    scale blocks, are read, cast to the parameter dtype and quantized (``quantize_array``: the
+    values ``quantize_model`` gives); the leaves are placed slice by slice. The host holds one
+    matrix's rows in float at a time."""
+    shape, axes = tuple(var.shape), var.get_metadata().get("logical_axes")
+    kw = dict(group_size=q.group_size, symmetric=q.symmetric, fp8_granularity=q.fp8_granularity,
+              scale_dtype=q.scale_dtype, axes=axes, transposed=transposed)
+    abstract = nnx.eval_shape(lambda: quantize_array(jnp.zeros(shape, var.dtype), q.format, **kw))
+    leaves = {k: getattr(abstract, k) for k in ("values", "scale", "zero")
+              if getattr(abstract, k) is not None}
+    stacked = src.layout == "stack_T"
+    n = shape[-2] if transposed else shape[-1]
+    bn = abstract.block[1]
+    shardings = {k: (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                     else named_sharding(mesh, abstract_axes(v), rules, v.shape))
+                 for k, v in leaves.items()}
+    experts, lo, hi = set(), n, 0
+    for k, v in leaves.items():
+        per_col = 1 if v.shape[-1] == n else bn
+        for idx in shardings[k].addressable_devices_indices_map(v.shape).values():
+            if stacked:
+                experts.update(range(*idx[0].indices(v.shape[0])))
+            c0, c1 = _bounds(idx[-1], v.shape[-1])
+            lo, hi = min(lo, c0 * per_col), max(hi, min(n, c1 * per_col))
+    lo, hi = lo // bn * bn, min(n, -(-hi // bn) * bn)
+    parts = {}
+    for e in sorted(experts) if stacked else [None]:
+        x = _hf_rows(tensors, src, src.hf_names[0 if e is None else e], lo, hi, var.dtype)
+        qt = quantize_array(x, q.format, **kw)
+        parts[e] = {k: np.asarray(a) for k, a in qt.leaves().items()}
+    offsets = {k: lo if v.shape[-1] == n else lo // bn for k, v in leaves.items()}
+
+    def cut(part, k, idx):
+        c0, c1 = _bounds(idx[-1], leaves[k].shape[-1])
+        return part[k][(*idx[len(idx) - 2:-1], slice(c0 - offsets[k], c1 - offsets[k]))]
+
+    arrays = {}
+    for k, v in leaves.items():
+        if stacked:
+            def cb(idx, k=k):
+                return np.stack([cut(parts[e], k, idx) for e in range(*idx[0].indices(v.shape[0]))])
+        else:
+            def cb(idx, k=k):
+                return cut(parts[None], k, idx)
+        arrays[k] = jax.make_array_from_callback(tuple(v.shape), shardings[k], cb)
+    return QTensor(q.format, shape, arrays["values"], arrays["scale"], arrays.get("zero"),
+                   abstract.block, abstract_axes(abstract.values), transposed)
+
+
+def abstract_axes(var):
+    return None if var is None else var.get_metadata().get("logical_axes")
+
+
+def _bounds(s: slice, size: int) -> tuple[int, int]:
+    lo, hi, _ = s.indices(size)
+    return lo, hi
+
+
+def load_quantizing(cfg, tensors, q: QuantConfig, *, precision: Precision, mesh: Mesh | None = None,
+                    rules: LogicalRules = TRAIN_RULES) -> Transformer:
+    """A float checkpoint read into a model whose base is ``q`` (``format`` int8 / int4 / fp8 /
+    nf4), each linear quantized tensor by tensor while it is read; the float model never exists
+    whole. Equal, value for value, to ``quantize_model(load_model(...), q)``."""
+    if q.format in ("none", "gguf", "shipped"):
+        raise QuantConfigError(f"load_quantizing quantizes to int8 / int4 / fp8 / nf4, not {q.format!r}")
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    which = quantized_paths(abstract, q)
+    sources = param_map(cfg)
+    check_tensors(cfg, tensors, {p: tuple(node_at(abstract, p).shape) for p in which})
+    model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules, skip=frozenset(which))
+    for p in read_order(which, sources, tensors):
+        var = _variable(abstract, p)
+        set_node(model, p, quantize_streamed(tensors, sources[p], var, q, which[p], mesh, rules))
+        if p != "embed":
+            node_at(model, p.rpartition("/")[0]).act_quant = q.activation_mode
+    return model
+
+
+def _variable(model, path: str) -> nnx.Variable:
+    parent, _, last = path.rpartition("/")
+    owner = node_at(model, parent) if parent else model
+    return getattr(owner, last)
+
+
+def _abstract_shapes(cfg, precision) -> dict[str, tuple]:
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    return {"/".join(map(str, k)): tuple(v.shape) for k, v in nnx.to_flat_state(nnx.state(abstract))}
+
+
+# --- the base of a run ------------------------------------------------------------------------
+def resolve_quant(q: QuantConfig, section: ModelSection) -> Shipped:
+    """What ``q`` means for the checkpoint ``section`` names: ``format="shipped"`` becomes the
+    checkpoint's own representation (``rlx.quant.shipped.shipped``; reads config.json or the GGUF
+    header only); any other format is itself (``exact``)."""
+    if q.format != "shipped":
+        return Shipped(q, True)
+    path = resolve_path(section.path)
+    if section.resolved_format == "gguf":
+        from rlx.models.gguf import read_gguf
+
+        types = read_gguf(path).tensor_types
+        blocks = any(t in BLOCK_BYTES for n, t in types.items() if n.endswith("_proj.weight"))
+        return Shipped(QuantConfig(format="gguf", serving="gguf") if blocks else QuantConfig(), True)
+    return shipped(path, read_hf_config(path))
+
+
+def load_base(section: ModelSection, q: QuantConfig, mesh: Mesh | None = None, *,
+              rules: LogicalRules = TRAIN_RULES, seed: int = 0) -> tuple[LoadedModel, QuantConfig]:
+    """The model of a run (``config.model``) with its base in representation ``q``
+    (``config.quant``): ``"none"`` float; ``"shipped"`` the checkpoint's own (quantized HF folders
+    as stored, GGUF blocks as stored, float checkpoints float); ``"gguf"`` a GGUF file's blocks;
+    int8 / int4 / fp8 / nf4 a float checkpoint quantized tensor by tensor while it is read
+    (``model.shrink``: random weights, then quantized). Returns the resolved ``QuantConfig``."""
+    resolved = resolve_quant(q, section).quant
+    p = section.precision
+    if section.shrink.enabled:
+        if resolved.format == "gguf":
+            raise QuantConfigError("a GGUF base kept as blocks needs the file's weights, not "
+                                   "config.model.shrink")
+        loaded = load_from_section(section, mesh, rules, seed)
+        return LoadedModel(quantize_model(loaded.model, resolved, mesh=mesh, rules=rules),
+                           loaded.tokenizer, loaded.source, loaded.format), resolved
+    path = resolve_path(section.path)
+    kw = dict(mesh=mesh, rules=rules, moe_impl=p.moe_impl)
+    if resolved.format == "gguf":
+        return load_gguf_quantized(path, **kw), resolved
+    if resolved.format == "none":
+        return load_from_section(section, mesh, rules, seed), resolved
+    if q.format == "shipped":
+        loaded, _ = load_shipped(path, p.dtype, param_dtype=p.param_dtype, **kw)
+        return loaded, resolved
+    precision = Precision(dtype=p.dtype, param_dtype=p.param_dtype, moe_impl=p.moe_impl)
+    if section.resolved_format == "gguf":
+        from rlx.models.gguf import read_gguf
+
+        ckpt = read_gguf(path)
+        cfg, tensors, tokenizer = from_hf_config(ckpt.hf_config), ckpt.tensors, ckpt.tokenizer
+        fmt = "gguf"
+    else:
+        cfg = read_hf_config(path)
+        check_float_checkpoint(path)
+        tensors = SafetensorsFolder(path)
+        has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
+        tokenizer, fmt = Tokenizer.from_dir(path) if has_tok else None, "hf"
+    model = load_quantizing(cfg, tensors, resolved, precision=precision, mesh=mesh, rules=rules)
+    return LoadedModel(model, tokenizer, path, fmt), resolved
+
+
+__all__ = ["load_base", "load_gguf_quantized", "load_quantized", "load_quantizing", "load_shipped",
+           "node_at", "quantized_paths", "resolve_quant", "set_node"]
