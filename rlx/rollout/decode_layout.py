@@ -3,9 +3,11 @@
 A decode step multiplies few rows (one token per sequence) by every projection. XLA:CPU runs that
 product faster with the weight stored ``[out, in]`` and the activations transposed around it
 (``rlx.models.mixed.matmul_out_in``; ``python -m rlx.bench products`` measures both layouts).
-The engine keeps its own copy of the weights anyway (the learner may donate its buffers), so it
-stores that copy's float ``Linear`` kernels transposed and, for a head tied to the embedding
-(already ``[vocab, d]``), multiplies it the same way. The learner's model is never changed.
+Where the engine keeps its own copy of a weight anyway (the learner donates its trainable
+variables each update), it stores that copy's float ``Linear`` kernels transposed and, for a head
+tied to the embedding (already ``[vocab, d]``), multiplies it the same way. Kernels it shares with
+the learner (LoRA mode's frozen base) keep the learner's ``[in, out]``: one copy of the base
+outweighs a faster product on one backend. The learner's model is never changed.
 
 Quantized kernels (``QTensor``, GGUF blocks) keep their layout: they dequantize ``[in, out]``.
 Layer math is unchanged; only the order of the f32 sums inside a product differs, so log-probs
@@ -42,13 +44,14 @@ def _transposed(kernel: nnx.Variable) -> nnx.Variable:
     return kernel.replace(kernel[...].T, **meta)
 
 
-def to_out_in(model: nnx.Module) -> frozenset[tuple]:
-    """Transpose ``model``'s float ``Linear`` kernels in place (``kernel_layout="out_in"``) and
-    let a tied f32 head use the same product; returns the paths of the transposed kernels."""
+def to_out_in(model: nnx.Module, keep: frozenset[tuple] = frozenset()) -> frozenset[tuple]:
+    """Transpose ``model``'s float ``Linear`` kernels in place (``kernel_layout="out_in"``), except
+    those at ``keep`` paths, and let a tied f32 head use the same product; returns the paths of the
+    transposed kernels."""
     paths = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear) and node.kernel_layout == "in_out" and isinstance(
-                node.kernel, nnx.Variable):
+                node.kernel, nnx.Variable) and tuple(path) + ("kernel",) not in keep:
             node.kernel = _transposed(node.kernel)
             node.kernel_layout = "out_in"
             paths.append(tuple(path) + ("kernel",))

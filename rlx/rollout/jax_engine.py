@@ -6,10 +6,15 @@ on the very weights the learner trains: full mode full parameters, or LoRA mode'
 ``update_weights(weights, version)`` takes a new model, or an ``nnx.State`` holding some of its
 variables (e.g. only the ``nnx.LoRAParam`` adapters in LoRA mode), in memory; with unchanged shapes and
 dtypes nothing is recompiled. Weights are copied by default, so that the learner may donate its
-buffers to its next step while the engine still samples from the previous version. On XLA:CPU the
-copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a decode step's
-products there (``weight_layout``, ``rlx.rollout.decode_layout``); updates in the learner's layout
-are transposed on arrival. For multi-head latent attention models (DeepSeek-V3, Kimi-K2) the cache
+buffers to its next step while the engine still samples from the previous version. Variables that
+match ``shared`` (an nnx filter; a run passes its frozen part, which no update donates:
+``rlx.learner.heap.UpdatePerShape``) are never copied: the engine samples from the very arrays the
+caller holds, on their own shardings, so LoRA mode's frozen base exists once and each update copies
+only the adapters (full mode: every parameter, as each update donates them). On XLA:CPU the
+engine's own copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a
+decode step's products there (``weight_layout``, ``rlx.rollout.decode_layout``); updates in the
+learner's layout are transposed on arrival. Shared kernels keep the learner's layout: a transposed
+copy of them would be the second copy of the base that sharing avoids. For multi-head latent attention models (DeepSeek-V3, Kimi-K2) the cache
 holds each token's latent and shared rotary key, sharded over the batch only (``cache_sharding``),
 and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``).
 
@@ -78,15 +83,17 @@ def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def _eval_split(model: nnx.Module, layout: str) -> tuple[nnx.GraphDef, nnx.State, frozenset]:
+def _eval_split(model: nnx.Module, layout: str, shared
+                ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset]:
     """Split a copy of ``model`` in eval mode (LoRA dropout off) and in the engine's weight
-    ``layout`` (``rlx.rollout.decode_layout``), leaving ``model`` untouched; also the paths of the
-    kernels held transposed."""
+    ``layout`` (``rlx.rollout.decode_layout``; ``shared`` variables keep theirs), leaving ``model``
+    untouched; also the paths of the kernels held transposed and of the ``shared`` variables."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
-    transposed = to_out_in(copy) if layout == "out_in" else frozenset()
-    return (*nnx.split(copy), transposed)
+    keep = frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(copy, shared)))
+    transposed = to_out_in(copy, keep) if layout == "out_in" else frozenset()
+    return (*nnx.split(copy), transposed, keep)
 
 
 def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int) -> NamedSharding:
@@ -161,8 +168,10 @@ class JaxEngine:
     def __init__(self, model: nnx.Module, *, tokenizer=None, mesh: Mesh | None = None,
                  rules: LogicalRules = SAMPLE_RULES, buckets: Buckets = Buckets(),
                  weight_version: int = 0, seed: int = 0, adapter: bool = True,
-                 copy_weights: bool = True, score_chunk: int = 256, weight_layout: str = "auto"):
+                 copy_weights: bool = True, score_chunk: int = 256, weight_layout: str = "auto",
+                 shared=nnx.filterlib.Nothing()):
         self.tokenizer, self.mesh, self.rules, self.buckets = tokenizer, mesh, rules, buckets
+        self.shared = shared  # nnx filter: variables held as the caller's arrays, never copied
         self.weight_layout = resolve_layout(weight_layout)
         self.adapter, self.copy_weights, self.score_chunk = adapter, copy_weights, score_chunk
         self.weight_version = int(weight_version)
@@ -175,14 +184,14 @@ class JaxEngine:
     def update_weights(self, weights: nnx.Module | nnx.State, version: int) -> None:
         """Install a new model, or new values for some of its variables, as policy ``version``."""
         if isinstance(weights, nnx.Module):
-            graphdef, state, self._transposed = _eval_split(weights, self.weight_layout)
+            graphdef, state, self._transposed, self._shared = _eval_split(
+                weights, self.weight_layout, self.shared)
             self._config = weights.config
+            targets = self._targets(state)
+            self._state = self._place(state, targets, fresh=self._transposed)
             if graphdef != self._graphdef:
                 self._fns.clear()
-                self._graphdef = graphdef
-                self._state_shardings = (None if self.mesh is None
-                                         else variable_shardings(state, self.mesh, self.rules))
-            self._state = self._place(state, fresh=self._transposed)
+                self._graphdef, self._state_shardings = graphdef, targets
         else:
             self._check_open()
             known = {p for p, _ in nnx.to_flat_state(self._state)}
@@ -191,20 +200,34 @@ class JaxEngine:
                 raise ValueError(f"update_weights: the engine's model has no variable at "
                                  f"{['/'.join(map(str, p)) for p in unknown[:5]]}")
             weights = transpose_update(weights, self._transposed)
-            self._state = nnx.merge_state(self._state, self._place(weights, fresh=self._transposed))
+            placed = self._place(weights, self._targets(weights), fresh=self._transposed)
+            self._state = nnx.merge_state(self._state, placed)
         self.weight_version = int(version)
 
-    def _place(self, state: nnx.State, fresh=frozenset()) -> nnx.State:
-        """Own copy of ``state`` on the engine's shardings (sampling rules over the mesh).
+    def _held(self, path: tuple, variable: nnx.Variable) -> bool:
+        """Whether a ``shared`` variable is held as it is: a device array already."""
+        return tuple(path) in self._shared and isinstance(variable.get_value(), jax.Array)
 
-        Leaves at ``fresh`` paths (kernels just transposed into new buffers) are the engine's
-        already and are not copied a second time."""
+    def _targets(self, state: nnx.State) -> nnx.State | None:
+        """The engine's sharding of each variable (None without a mesh): the sampling rules'
+        (``self.rules``), a held shared array its own."""
+        if self.mesh is None:
+            return None
+        rule = nnx.to_flat_state(variable_shardings(state, self.mesh, self.rules))
+        return nnx.from_flat_state([
+            (p, v.get_value().sharding if self._held(p, v) else s)
+            for (p, v), (_, s) in zip(nnx.to_flat_state(state), rule)])
+
+    def _place(self, state: nnx.State, targets: nnx.State | None, fresh=frozenset()) -> nnx.State:
+        """The engine's own copy of ``state`` on ``targets`` (no mesh: the default device).
+
+        Held shared arrays (``_held``) and leaves at ``fresh`` paths (kernels just transposed into
+        new buffers, the engine's already) are not copied."""
         flat = nnx.to_flat_state(state)
-        own = [not self.copy_weights or tuple(p) in fresh for p, _ in flat]
-        if self.mesh is not None:
-            shardings = variable_shardings(state, self.mesh, self.rules)
+        own = [not self.copy_weights or tuple(p) in fresh or self._held(p, v) for p, v in flat]
+        if targets is not None:
             alias = nnx.from_flat_state([(p, v.replace(a)) for (p, v), a in zip(flat, own)])
-            return jax.device_put(state, shardings, may_alias=alias)
+            return jax.device_put(state, targets, may_alias=alias)
         copy = lambda v: jax.tree.map(lambda x: jnp.array(x, copy=True), v)  # noqa: E731
         return nnx.from_flat_state([(p, v if a else copy(v)) for (p, v), a in zip(flat, own)])
 

@@ -6,9 +6,11 @@ The names are ``rlx.rollout.config.ENGINES``; ``ENGINE_BUILDERS`` holds one cons
 
 from __future__ import annotations
 
+from flax import nnx
 from jax.sharding import Mesh
 
 from rlx.config import RunConfig
+from rlx.learner.state import MODES
 from rlx.learner.step import Compiled
 from rlx.models.tokenizer import Tokenizer
 from rlx.quant.loading import resolve_quant
@@ -30,8 +32,11 @@ def _sglang_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mes
 
 
 def _jax_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mesh: Mesh):
+    """The built-in engine on the learner's own frozen arrays (no update donates them): LoRA mode
+    holds its base once; only the trainable variables are the engine's own copy."""
     return JaxEngine(compiled.model(), tokenizer=tokenizer, mesh=mesh, seed=cfg.seed,
-                     weight_layout=cfg.rollout.weight_layout)
+                     weight_layout=cfg.rollout.weight_layout,
+                     shared=nnx.Not(MODES[cfg.train.mode]))
 
 
 # config.rollout.engine -> constructor; the names are rlx.rollout.config.ENGINES

@@ -154,7 +154,8 @@ def test_the_engine_copies_each_learner_weight_once(zoo):
     engine = JaxEngine(model, weight_layout="out_in")
     learner = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     update = dict(nnx.to_flat_state(transpose_update(nnx.state(model, nnx.Param), engine._transposed)))
-    placed = engine._place(nnx.from_flat_state(list(update.items())), fresh=engine._transposed)
+    placed = engine._place(nnx.from_flat_state(list(update.items())), None,
+                           fresh=engine._transposed)
     assert engine._transposed and set(update) - engine._transposed
     for path, var in nnx.to_flat_state(placed):
         held = var[...]
@@ -163,6 +164,34 @@ def test_the_engine_copies_each_learner_weight_once(zoo):
         else:
             assert held.unsafe_buffer_pointer() != learner[path][...].unsafe_buffer_pointer(), path
         np.testing.assert_array_equal(held, update[path][...])
+
+
+@pytest.mark.parametrize("fmt", ["none", "int4"])
+def test_shared_variables_are_the_callers_arrays(zoo, fmt):
+    """LoRA mode's frozen base is read in place (``shared``): the engine holds the caller's very
+    arrays, float kernels in the learner's layout even where the engine's own copy would be
+    transposed; only the adapters are copied, and an adapter update replaces only them."""
+    q = QuantConfig(format=fmt, group_size=8)
+    model = quantized_lora_model(zoo, "llama", q, LoraConfig(rank=3, alpha=5.0))
+    engine = JaxEngine(model, weight_layout="out_in", shared=nnx.Not(nnx.LoRAParam))
+    frozen = dict(nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.LoRAParam))))
+    adapters = dict(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)))
+    held = dict(nnx.to_flat_state(engine._state))
+    assert set(held) == set(frozen) | set(adapters) and not engine._transposed
+    assert all(held[p][...] is v[...] for p, v in frozen.items())
+    for path, var in adapters.items():
+        assert held[path][...].unsafe_buffer_pointer() != var[...].unsafe_buffer_pointer()
+        np.testing.assert_array_equal(held[path][...], var[...])
+    sampling = SamplingParams(max_new_tokens=8, n=2, seed=4)
+    rollouts = engine.generate(_prompts(), sampling)
+    assert _max_diff(_step_logprobs(model, rollouts), [r.sampler_logp for r in rollouts]) <= TOL
+    randomize_lora_b(model, seed=7)
+    engine.update_weights(nnx.state(model, nnx.LoRAParam), version=1)
+    after = dict(nnx.to_flat_state(engine._state))
+    assert all(after[p][...] is v[...] for p, v in frozen.items())
+    tuned = engine.generate(_prompts(), sampling)
+    assert engine.compilations() == 1
+    assert _max_diff(_step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
 
 
 def test_every_weight_layout_of_the_config_is_an_engine_layout():
