@@ -16,7 +16,9 @@ decode step's products there (``weight_layout``, ``rlx.rollout.decode_layout``);
 learner's layout are transposed on arrival. Shared kernels keep the learner's layout: a transposed
 copy of them would be the second copy of the base that sharing avoids. For multi-head latent attention models (DeepSeek-V3, Kimi-K2) the cache
 holds each token's latent and shared rotary key, sharded over the batch only (``cache_sharding``),
-and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``).
+and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``). With the experts of an MoE model split
+over the mesh's ``expert`` axis, prefill and decode steps dispatch each token to its experts'
+devices, as the learner does (``rlx.models.moe_dispatch``, dropless).
 
 Requests are expanded to ``n`` rows per prompt, sorted by prompt length and cut into device batches
 of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, prompt width and
@@ -54,6 +56,7 @@ from rlx.learner.state import variable_shardings
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
                       round_up)
 from rlx.models.hparams import ModelConfig
+from rlx.models.moe import expert_parallel
 from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
 from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, sequence_logprobs
@@ -83,14 +86,18 @@ def _pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def _eval_split(model: nnx.Module, layout: str, shared
+def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None,
+                rules: LogicalRules = SAMPLE_RULES
                 ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset]:
-    """Split a copy of ``model`` in eval mode (LoRA dropout off) and in the engine's weight
-    ``layout`` (``rlx.rollout.decode_layout``; ``shared`` variables keep theirs), leaving ``model``
-    untouched; also the paths of the kernels held transposed and of the ``shared`` variables."""
+    """Split a copy of ``model`` in eval mode (LoRA dropout off), its MoE layers dispatching
+    tokens to experts split over ``mesh`` (``rlx.models.moe.expert_parallel``), and in the
+    engine's weight ``layout`` (``rlx.rollout.decode_layout``; ``shared`` variables keep theirs),
+    leaving ``model`` untouched; also the paths of the kernels held transposed and of the
+    ``shared`` variables."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
+    expert_parallel(copy, mesh, rules)
     keep = frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(copy, shared)))
     transposed = to_out_in(copy, keep) if layout == "out_in" else frozenset()
     return (*nnx.split(copy), transposed, keep)
@@ -185,7 +192,7 @@ class JaxEngine:
         """Install a new model, or new values for some of its variables, as policy ``version``."""
         if isinstance(weights, nnx.Module):
             graphdef, state, self._transposed, self._shared = _eval_split(
-                weights, self.weight_layout, self.shared)
+                weights, self.weight_layout, self.shared, self.mesh, self.rules)
             self._config = weights.config
             targets = self._targets(state)
             self._state = self._place(state, targets, fresh=self._transposed)
