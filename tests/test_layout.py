@@ -29,7 +29,7 @@ ALLOWED = {
     "rlx.config": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
     "rlx.run": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
                              "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
-    "rlx.plan": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner"},
+    "rlx.plan": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout"},
     "rlx.launch": FOUNDATION | {"rlx.config", "rlx.run", "rlx.io", "rlx.rollout"},
     "rlx.eval": FOUNDATION | {"rlx.config", "rlx.run"},
     "rlx": {"rlx.run"},  # rlx/__init__.py: build

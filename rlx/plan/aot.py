@@ -1,0 +1,360 @@
+"""XLA:TPU's own memory figures beside the plan: ``python -m rlx.plan --config configs/X.py
+--aot TOPOLOGY [--mesh ...] [--mode full|lora] [--layers N] [--steps train,sample]``.
+
+Compiles, on any host (libtpu from PyPI, no TPU attached), rlx's real train step
+(``rlx.learner.step.make_train_step``, via ``rlx.plan.memory.compiled_bytes``) and the built-in
+engine's generate step (``rlx.rollout.jax_sampling.generate_batch``: prefill and the decode
+loops over the KV cache, jitted with the engine's sampling shardings) for a TPU topology
+(``jax.experimental.topologies``; e.g. ``tpu7x:2x2x2``), on abstract inputs: the model is built
+with ``nnx.eval_shape`` (quantized base leaves as ``QTensor`` shapes, LoRA adapters, optax
+state), so a 1T-parameter model costs no host memory. Prints XLA's ``memory_analysis()`` per
+device beside the planner's figures for the same spec. XLA:TPU refuses, at compile time, a
+program whose buffers exceed a device's HBM; that refusal (with the bytes it needed) is the
+verdict "does not fit".
+
+Devices: a TPU7x (Ironwood) chip has two TensorCores, each its own JAX device with half of the
+chip's 192 GiB HBM (``DEVICE_HBM_GIB``); XLA:TPU itself allows 94.74 GiB of a core's 96 GiB.
+A config whose mesh has fewer devices than the topology is scaled to it (``scale_to``): the
+expert axis first (where the experts divide), else FSDP; micro-batches keep the rows each
+device sees per piece.
+
+The train step's transient memory on TPU has its own calibration (``TPU_COEFFS``, fitted
+against XLA:TPU's buffer assignment); ``rlx.plan.memory.COEFFS`` stays the XLA:CPU one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rlx.learner.state import MODES, variable_shardings
+from rlx.mesh import SAMPLE_RULES, batch_sharding, batch_shards, compiling_for, make_mesh
+from rlx.plan.memory import compiled_bytes, step_features
+from rlx.plan.planner import (GB, Plan, format_plan, load_config_file, parse_mesh, plan,
+                              spec_from_config)
+from rlx.plan.spec import PlanSpec, abstract_model
+from rlx.rollout.jax_engine import Buckets, cache_sharding
+from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch
+
+GIB = 2 ** 30
+# HBM per chip (GiB) by TPU generation, from Google Cloud's TPU pages (TPU7x: "HBM capacity per
+# chip 192 GiB", two TensorCores per chip; v5p 95; v6e 32; v5e 16; v4 32). A device is a chip,
+# or a TensorCore where the topology lists several per chip (TPU7x: 2).
+CHIP_HBM_GIB = {"tpu7x": 192, "v5p": 95, "v6e": 32, "v5e": 16, "v5litepod": 16, "v4": 32}
+# The train step's transient memory on XLA:TPU per feature of rlx.plan.memory.step_features
+# (the XLA:CPU table is rlx.plan.memory.COEFFS).
+TPU_COEFFS = {"resid": 3.6, "qkv": 1.5, "scores": 2.95, "mlp": 6.0, "moe_d": 0.83, "moe_f": 6.45,
+              "router": 0.0, "logits": 2.14, "grads": 1.21, "embed": 7.5, "lora": 1.9,
+              "ckpt": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A TPU topology's devices, how many of them share a chip, and each one's HBM."""
+
+    name: str
+    devices: tuple
+    per_chip: int  # devices (TensorCores) per chip
+
+    @property
+    def chips(self) -> int:
+        return len(self.devices) // self.per_chip
+
+    @property
+    def device_hbm_gib(self) -> float:
+        gen = self.name.split(":")[0].lower()
+        if gen not in CHIP_HBM_GIB:
+            raise ValueError(f"no HBM size known for TPU generation {gen!r} "
+                             f"(rlx.plan.aot.CHIP_HBM_GIB has {sorted(CHIP_HBM_GIB)})")
+        return CHIP_HBM_GIB[gen] / self.per_chip
+
+
+def topology(name: str) -> Topology:
+    """The devices of TPU topology ``name`` (``tpu7x:2x2x2``), compiled for without a TPU."""
+    from jax.experimental import topologies
+
+    # libtpu guards a host's TPU chips with a lock file, one process at a time; describing a
+    # topology to compile for touches no chip, so several such processes may run at once
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    except Exception as e:  # noqa: BLE001 - missing plugin or unknown name: say which
+        raise ValueError(f"cannot describe TPU topology {name!r} ({type(e).__name__}: {e}); "
+                         "compiling for TPU needs the libtpu package (pip install libtpu); "
+                         "names look like tpu7x:2x2x2, v5p:2x2x1, v6e:2x4") from e
+    chips = {tuple(d.coords) for d in desc.devices}
+    return Topology(name, tuple(desc.devices), len(desc.devices) // len(chips))
+
+
+def scale_to(spec: PlanSpec, devices: int) -> PlanSpec:
+    """``spec`` on ``devices`` devices: the mesh grown along ``expert`` (where the experts still
+    divide) or ``fsdp``, micro-batches lowered so each device's rows per piece stay the same."""
+    m = spec.mesh
+    if m.num_devices == devices:
+        return spec
+    if devices % m.num_devices:
+        raise ValueError(f"the mesh {m} ({m.num_devices} devices) does not divide the "
+                         f"topology's {devices} devices; pass --mesh")
+    k = devices // m.num_devices
+    moe = spec.model.moe
+    if m.expert > 1 and moe is not None and moe.num_experts % (m.expert * k) == 0:
+        mesh = dataclasses.replace(m, expert=m.expert * k)
+    else:
+        mesh = dataclasses.replace(m, fsdp=m.fsdp * k)
+    per_device = max(1, spec.micro_rows // batch_shards(m))
+    micro = max(1, spec.rows // (per_device * batch_shards(mesh)))
+    while spec.rows % micro:
+        micro -= 1
+    return spec.replace(mesh=mesh, micro_batches=micro)
+
+
+def with_layers(spec: PlanSpec, layers: int) -> PlanSpec:
+    """``spec`` with its first ``layers`` decoder layers (the same kinds, in order)."""
+    c = spec.model
+    if not 1 <= layers <= c.num_layers:
+        raise ValueError(f"--layers {layers} must be in [1, {c.num_layers}]")
+    moe = c.moe
+    if moe is not None:
+        moe = dataclasses.replace(moe, sparse_layers=tuple(
+            i for i in range(layers) if c.is_sparse_layer(i)))
+    return spec.replace(model=dataclasses.replace(c, num_layers=layers, moe=moe))
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaMemory:
+    """One compiled program's ``memory_analysis()`` per device (bytes), or XLA:TPU's refusal."""
+
+    argument: int = 0
+    output: int = 0
+    alias: int = 0
+    temp: int = 0
+    seconds: float = 0.0  # compile time
+    refused: str = ""  # XLA's out-of-memory message when the program does not fit
+    needed: int = 0  # the bytes that message names
+
+    @property
+    def total(self) -> int:
+        return self.needed if self.refused else (self.argument + self.output - self.alias
+                                                 + self.temp)
+
+
+_OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([GMK])\)")
+
+
+def measure(compile_fn) -> XlaMemory:
+    """Run ``compile_fn()`` (-> a ``memory_analysis()``, or ``compiled_bytes``' dict) for TPU
+    (``compiling_for``) and time it; XLA:TPU's refusal to exceed HBM becomes a record."""
+    start = time.perf_counter()
+    try:
+        with compiling_for("tpu"):
+            stats = compile_fn()
+    except Exception as e:  # noqa: BLE001 - only XLA:TPU's compile-time HBM refusal is kept
+        text = str(e)
+        found = _OOM.search(text)
+        if "CompileTimeHbmOom" not in text or found is None:
+            raise
+        unit = {"G": 2 ** 30, "M": 2 ** 20, "K": 2 ** 10}[found.group(2)]
+        return XlaMemory(seconds=time.perf_counter() - start, needed=int(
+            float(found.group(1)) * unit), refused=text.splitlines()[0][:300])
+    if not isinstance(stats, dict):
+        stats = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
+                 "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes}
+    return XlaMemory(stats["argument"], stats["output"], stats["alias"], stats["temp"],
+                     time.perf_counter() - start)
+
+
+def compile_train(spec: PlanSpec, topo: Topology) -> XlaMemory:
+    """XLA:TPU's memory analysis of the real train step of ``spec`` on ``topo``."""
+    return measure(lambda: compiled_bytes(spec, topo.devices))
+
+
+def _abstract(tree, shardings):
+    """``tree``'s leaves as ShapeDtypeStructs on ``shardings`` (a prefix tree: one per variable)."""
+    def one(sharding, sub):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            sub)
+
+    return jax.tree.map(one, shardings, tree)
+
+
+def generate_shapes(spec: PlanSpec) -> tuple[int, int, int]:
+    """(rows, prompt width, new-token buffer) of the engine's bucket for ``spec``'s rollouts:
+    ``rollout_len`` split as a quarter prompt, three quarters completion (the 1T recipes: 512 +
+    1536), each rounded up as ``rlx.rollout.jax_engine.Buckets`` rounds them."""
+    b, dp = Buckets(max_rows=spec.rollout_rows), batch_shards(spec.mesh, SAMPLE_RULES)
+    prompt = spec.rollout_len // 4
+    return b.rows(spec.rollout_rows, dp), b.prompt(prompt), b.new_tokens(spec.rollout_len - prompt)
+
+
+def _generate_lowered(spec: PlanSpec, mesh):
+    """The engine's generate function for ``spec``, lowered on abstract arguments: every row its
+    own prompt, sampled at temperature with log-probs (the training rollouts)."""
+    model = abstract_model(spec)
+    model.eval()
+    graphdef, state = nnx.split(model)
+    shardings = variable_shardings(state, mesh, SAMPLE_RULES)
+    rows, prompt, new = generate_shapes(spec)
+    kv = cache_sharding(mesh, spec.model, SAMPLE_RULES, batch_shards(mesh, SAMPLE_RULES))
+    static = GenerateStatic(graphdef, SamplerSpec(), new, True, kv,
+                            batch_sharding(mesh, 2, SAMPLE_RULES))
+    row1, row2 = (batch_sharding(mesh, n, SAMPLE_RULES) for n in (1, 2))
+    rep = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct((rows, prompt), jnp.int32, sharding=row2)]
+    args += [jax.ShapeDtypeStruct((rows,), dt, sharding=row1)
+             for dt in (jnp.int32, jnp.int32, jnp.uint32, jnp.int32)]
+    args += [jax.ShapeDtypeStruct((), dt, sharding=rep)
+             for dt in (jnp.int32, jnp.float32, jnp.float32, jnp.int32)]
+    args.append(jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep))  # stop ids
+    fn = jax.jit(functools.partial(generate_batch, static=static),
+                 in_shardings=(shardings, *(a.sharding for a in args)),
+                 out_shardings=(row2, row2, row1, row1))
+    return fn.lower(_abstract(state, shardings), *args)
+
+
+def compile_sample(spec: PlanSpec, topo: Topology) -> XlaMemory:
+    """XLA:TPU's memory analysis of the built-in engine's generate step of ``spec`` on ``topo``."""
+    return measure(lambda: _generate_lowered(spec, make_mesh(spec.mesh, list(topo.devices)))
+                   .compile().memory_analysis())
+
+
+def gathered_rows(spec: PlanSpec) -> int:
+    """How many devices' rows each device's activations hold on TPU: with routed experts split
+    over the ``expert`` axis and the einsum path (``moe_impl="dense"``), XLA's sharding
+    propagation gives every device the whole micro-batch (the expert-sharded weights meet
+    tokens split over that same axis); otherwise 1."""
+    moe = spec.model.moe is not None and spec.moe_impl == "dense" and spec.mesh.expert > 1
+    return spec.batch_shards if moe else 1
+
+
+def tpu_plan(spec: PlanSpec, topo: Topology) -> Plan:
+    """The planner's figures for ``spec`` on ``topo``: exact state, the train step's transient
+    memory from ``TPU_COEFFS`` (activations of ``gathered_rows``), each device's HBM."""
+    p = plan(spec, topo.device_hbm_gib * GIB / GB)
+    f = step_features(spec, p.bytes["trainable"])
+    g = gathered_rows(spec)
+    acts = g * sum(TPU_COEFFS[k] * v for k, v in f.items() if k not in ("grads", "logits"))
+    return dataclasses.replace(p, bytes={**p.bytes, "grads": int(TPU_COEFFS["grads"] * f["grads"]),
+                                         "activations": int(acts),
+                                         "logprob_chunks": int(TPU_COEFFS["logits"] * f["logits"])})
+
+
+def _row(name: str, planned: float | None, xla: XlaMemory | int | None, note: str = "") -> str:
+    cell = lambda x: f"{x / GB:10.3f}" if x is not None else f"{'-':>10s}"  # noqa: E731
+    return f"  {name:22s}{cell(planned)}{cell(xla)}  {note}"
+
+
+def format_aot(p: Plan, topo: Topology, train: XlaMemory | None, sample: XlaMemory | None) -> str:
+    """The plan's categories beside XLA:TPU's per-device figures for both programs."""
+    b = p.bytes
+    lines = [f"XLA:TPU    {topo.name}: {len(topo.devices)} devices = {topo.chips} chips x "
+             f"{topo.per_chip}, {topo.device_hbm_gib:g} GiB HBM per device "
+             f"({topo.device_hbm_gib * topo.per_chip:g} GiB per chip)",
+             f"  {'per device (GB)':22s}{'planner':>10s}{'XLA:TPU':>10s}"]
+    for name, xla in (("train step", train), ("sample step", sample)):
+        if xla is None:
+            continue
+        lines.append(f"  {name} (compiled in {xla.seconds:.0f} s)")
+        if xla.refused:
+            lines.append(f"    refused: {xla.refused}")
+        state = b["frozen"] + b["trainable"] + (b["optimizer"] + b["batch"] if name[0] == "t"
+                                                  else 0)
+        temp = (b["grads"] + b["activations"] + b["logprob_chunks"] if name[0] == "t"
+                else b["kv_cache"] + b["decode_temp"])
+        lines.append(_row("arguments (state)", state, None if xla.refused else xla.argument))
+        lines.append(_row("temporaries", temp, None if xla.refused else xla.temp))
+        lines.append(_row("outputs - aliased", None, None if xla.refused else
+                          xla.output - xla.alias))
+        lines.append(_row("program total", state + temp, xla.total,
+                          "needed, > HBM" if xla.refused else ""))
+    return "\n".join(lines)
+
+
+def _args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlx.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="configs/*.py file with get_config()")
+    p.add_argument("--aot", required=True, help="TPU topology, e.g. tpu7x:2x2x2 (8 chips)")
+    p.add_argument("--mesh", default="", help="the mesh over the topology's devices, e.g. "
+                   "expert=16 (default: the config's, scaled to the topology)")
+    p.add_argument("--mode", choices=tuple(MODES), default=None, help="override the mode")
+    p.add_argument("--layers", type=int, default=0, help="compile only the first N decoder "
+                   "layers (0: all)")
+    p.add_argument("--steps", default="train,sample", help="programs to compile")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Plan, compile for the topology, print both; exit 0 when every program fits."""
+    args = _args(argv)
+    try:
+        topo = topology(args.aot)
+        spec = spec_from_config(load_config_file(args.config))
+        if args.mode:
+            spec = spec.replace(mode=args.mode)
+        spec = (spec.replace(mesh=parse_mesh(args.mesh)) if args.mesh
+                else scale_to(spec, len(topo.devices)))
+        if args.layers:
+            spec = with_layers(spec, args.layers)
+    except (ValueError, TypeError) as e:
+        print(f"rlx.plan: {e}", file=sys.stderr)
+        return 2
+    steps = set(args.steps.split(","))
+    train = compile_train(spec, topo) if "train" in steps else None
+    sample = compile_sample(spec, topo) if "sample" in steps else None
+    p = tpu_plan(spec, topo)
+    print(format_plan(p, None, topo.chips * topo.per_chip))
+    print(format_aot(p, topo, train, sample))
+    return 0 if all(x is None or not x.refused for x in (train, sample)) else 1
+
+
+def calibration_specs() -> list[PlanSpec]:
+    """The sweep ``TPU_COEFFS`` was fitted on: one device, bf16 compute, dense and MoE (einsum
+    experts), both modes, remat none and per layer; shapes other than the tests'."""
+    from rlx.models import ModelConfig, MoEConfig
+    from rlx.quant import LoraConfig, QuantConfig
+    out = []
+    for i, (width, layers, seq, rows) in enumerate(
+            [(256, 2, 256, 4), (384, 3, 512, 4), (256, 3, 512, 8), (512, 2, 256, 8)]):
+        dense = ModelConfig(architecture="LlamaForCausalLM", vocab_size=4096 * (1 + i % 2),
+                            hidden_size=width, intermediate_size=3 * width, num_layers=layers,
+                            num_heads=width // 64, num_kv_heads=2, head_dim=64)
+        moe = dataclasses.replace(dense, architecture="Qwen3MoeForCausalLM", moe=MoEConfig(
+            8 * (1 + i % 2), 2, width, True, sparse_layers=tuple(range(1, layers))))
+        for model in (dense, moe):
+            for mode, remat in (("full", "none"), ("lora", "layer")) if i % 2 else (
+                    ("lora", "none"), ("full", "layer")):
+                out.append(PlanSpec(model=model, mode=mode, remat=remat, rows=rows,
+                                    seq_len=seq, logprob_chunk=seq, moe_impl="dense",
+                                    quant=QuantConfig("int8" if i % 2 else "int4",
+                                                      group_size=64),
+                                    lora=LoraConfig(rank=8)))
+    return out
+
+
+def calibrate(topology_name: str = "tpu7x:2x2x1") -> dict[str, float]:
+    """Fit ``TPU_COEFFS`` (non-negative least squares on relative error) to XLA:TPU's transient
+    bytes (everything but the arguments) of ``calibration_specs`` on one device of the topology."""
+    import numpy as np
+    from scipy.optimize import nnls
+    topo = topology(topology_name)
+    one = Topology(topo.name, topo.devices[:1], 1)
+    keys, rows, targets = sorted(TPU_COEFFS), [], []
+    for spec in calibration_specs():
+        xla = compile_train(spec, one)
+        p = plan(spec, 1.0)
+        f = step_features(spec, p.bytes["trainable"])
+        target = xla.total - xla.argument
+        rows.append([f.get(k, 0.0) / target for k in keys])
+        targets.append(1.0)
+        print(spec.model.architecture, spec.mode, spec.remat, target, flush=True)
+    coeffs, _ = nnls(np.asarray(rows), np.asarray(targets))
+    return dict(zip(keys, (round(float(c), 3) for c in coeffs)))

@@ -1,0 +1,77 @@
+"""Ahead-of-time compilation for a TPU topology on this CPU host (``rlx.plan.aot``): rlx's train
+step and the built-in engine's generate step of a tiny MoE model (int4 experts + LoRA, bf16)
+compile for 4 TPU7x chips, and XLA:TPU's memory analysis agrees with the planner's figures.
+
+Needs the libtpu package (the ``test`` extra); skipped without it. The programs trace the TPU
+branches of rlx (``rlx.mesh.compiling_for``: bf16 KV cache, grouped quantized products for a
+decode step's few rows), which the CPU tests never reach.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rlx.mesh import MeshShape, compiling_for, target_platform
+from rlx.models import ModelConfig, MoEConfig
+from rlx.models.kv_cache import cache_dtype
+from rlx.plan.aot import compile_sample, compile_train, generate_shapes, measure, topology, tpu_plan
+from rlx.plan.spec import PlanSpec
+from rlx.quant import LoraConfig, QuantConfig
+
+# widths multiples of 128: XLA:TPU pads arrays to (8, 128) tiles, which the planner does not count
+MOE = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=2048, hidden_size=256,
+                  intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                  qk_norm=True, moe=MoEConfig(8, 2, 128, True, sparse_layers=(1,)))
+SPEC = PlanSpec(model=MOE, mode="lora", moe_impl="dense", rows=8, seq_len=256, logprob_chunk=256,
+                quant=QuantConfig("int4", group_size=64), lora=LoraConfig(rank=8),
+                mesh=MeshShape(data=2, expert=4), rollout_rows=8, rollout_len=128)
+
+
+@pytest.fixture(scope="module")
+def topo():
+    pytest.importorskip("libtpu", reason="compiling for TPU needs the libtpu package "
+                                         "(pip install libtpu; in the test extra)")
+    return topology("tpu7x:2x2x1")
+
+
+def test_traced_code_takes_the_target_platforms_branches():
+    """Inside ``compiling_for("tpu")`` a bf16 decode caches bf16 (XLA:CPU's branch: f32)."""
+    assert cache_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    with compiling_for("tpu"):
+        assert target_platform() == "tpu" and cache_dtype(jnp.bfloat16) == jnp.bfloat16
+    assert target_platform() == jax.default_backend()
+
+
+def test_topology_counts_tensorcores(topo):
+    """tpu7x:2x2x1 is 4 Ironwood chips of two TensorCores each, 96 GiB HBM per TensorCore."""
+    assert (len(topo.devices), topo.chips, topo.per_chip, topo.device_hbm_gib) == (8, 4, 2, 96)
+
+
+def test_train_and_generate_compile_and_match_the_plan(topo):
+    """Both programs compile for TPU; XLA:TPU's arguments are the planned state within 10%
+    (small arrays pad to (8, 128) tiles, which the plan does not count), and the generate step
+    holds at least its bf16 KV cache."""
+    p = tpu_plan(SPEC, topo)
+    train = compile_train(SPEC, topo)
+    state = sum(p.bytes[k] for k in ("frozen", "trainable", "optimizer", "batch"))
+    assert not train.refused and abs(train.argument - state) <= 0.10 * train.argument
+    sample = compile_sample(SPEC, topo)
+    assert not sample.refused
+    assert abs(sample.argument - (p.bytes["frozen"] + p.bytes["trainable"])) <= (
+        0.10 * sample.argument)
+    rows, prompt, new = generate_shapes(SPEC)
+    cache = MOE.num_layers * rows * (prompt + new) * 2 * 2 * 64 * 2 // 8  # bf16 keys, values
+    assert sample.temp >= cache, (sample, cache)
+
+
+def test_a_program_over_hbm_is_refused_with_its_size(topo):
+    """XLA:TPU refuses at compile time what does not fit a device; the record keeps the bytes."""
+    mesh = Mesh(np.asarray(topo.devices[:1]), ("x",))
+    x = jax.ShapeDtypeStruct((60 * 2 ** 30 // 4,), jnp.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec()))
+    out = measure(lambda: jax.jit(lambda a: a * 2).lower(x).compile().memory_analysis())
+    assert out.refused and 119 * 2 ** 30 <= out.needed <= 121 * 2 ** 30  # argument + output
