@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora = ml_collections.ConfigDict()
     c.lora.rank = 4  # adapter rank
     c.lora.alpha = 8.0  # adapter scale numerator (scale = alpha / rank)
+    c.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")  # MLA models: q/q_a/q_b, kv_a, kv_b
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # data-parallel replicas (product of the four sizes = device count)

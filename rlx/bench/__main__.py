@@ -34,6 +34,9 @@ BENCHMARKS = {
     "products": Benchmark(
         "rlx.bench.products", "bare matrix products of a decode step: XLA vs PyTorch"
     ),
+    "bigload": Benchmark(
+        "rlx.bench.bigload", "write a DeepSeek-shaped FP8 checkpoint, load it shipped: GB/s, peak RSS"
+    ),
     "moe": Benchmark(
         "rlx.bench.moe", "one MoE layer fwd+bwd on 8 CPU devices: dense path vs token dispatch"
     ),

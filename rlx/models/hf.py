@@ -12,6 +12,7 @@ transformers 5.x ``save_pretrained`` writes). Besides the ``nnx.Param`` leaves, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Mapping
@@ -113,17 +114,6 @@ def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
     return out
 
 
-def _read_slice(tensors: Mapping[str, np.ndarray], src: ParamSource, index: tuple) -> np.ndarray:
-    """The ``index`` slice (in rlx layout) of one parameter, read from HF tensors."""
-    if src.layout == "copy":
-        return np.asarray(tensors[src.hf_names[0]][index])
-    if src.layout == "T":
-        return np.asarray(tensors[src.hf_names[0]][tuple(reversed(index))]).T
-    e_idx, rest = index[0], index[1:]
-    names = src.hf_names[e_idx]
-    return np.stack([np.asarray(tensors[n][tuple(reversed(rest))]).T for n in names])
-
-
 def _expected_hf_shape(src: ParamSource, shape: tuple[int, ...]) -> tuple[int, ...]:
     if src.layout == "copy":
         return shape
@@ -175,13 +165,16 @@ def read_order(paths, sources: dict[str, ParamSource], tensors) -> list[str]:
 def load_model(
     cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *, precision: Precision = Precision(),
     mesh: Mesh | None = None, rules: LogicalRules = TRAIN_RULES, skip: frozenset[str] = frozenset(),
+    abstract: Transformer | None = None,
 ) -> Transformer:
     """Build a ``Transformer`` whose parameters are read slice-wise from ``tensors`` (HF names),
     one parameter at a time in file order, each device reading only its own slice.
 
     Parameters whose rlx path is in ``skip`` are left abstract (``jax.ShapeDtypeStruct``) for the
-    caller to replace, e.g. by a frozen quantized tensor (``rlx.quant``)."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    caller to replace, e.g. by a frozen quantized tensor (``rlx.quant``); ``abstract``: the
+    model's ``nnx.eval_shape`` when the caller has it already (tracing it is not free)."""
+    if abstract is None:
+        abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     sources = param_map(cfg)
     flat = {"/".join(map(str, k)): (k, v) for k, v in nnx.to_flat_state(state)}
@@ -191,13 +184,64 @@ def load_model(
     for path in read_order([p for p in flat if p not in skip], sources, tensors):
         var = flat[path][1]
         sharding = _sharding(mesh, var, rules)
-        src = sources[path]
-        dtype = var.dtype
-        arr = jax.make_array_from_callback(
-            tuple(var.shape), sharding,
-            lambda idx, src=src, dtype=dtype: _read_slice(tensors, src, idx).astype(dtype))
-        loaded[path] = var.replace(arr)
+        loaded[path] = var.replace(place(tuple(var.shape), var.dtype, sharding, tensors, sources[path]))
     return nnx.merge(graphdef, nnx.from_flat_state([(k, loaded[p]) for p, (k, _) in flat.items()]))
+
+
+def place(shape: tuple, dtype, sharding, tensors, src: ParamSource) -> jax.Array:
+    """One parameter of rlx ``shape`` / ``dtype`` placed with ``sharding``: each device copies its
+    slice of the HF tensor(s) as stored (no host-side transpose or cast), and the device turns it
+    into rlx's layout and dtype (``to_layout``)."""
+    if src.layout == "copy":
+        return jax.make_array_from_callback(
+            shape, sharding, lambda idx: read_stored(tensors, src.hf_names[0], idx).astype(dtype))
+    hf_shape = shape[:-2] + (shape[-1], shape[-2])
+    raw = jax.make_array_from_callback(hf_shape, swapped(sharding, hf_shape),
+                                       lambda idx: _read_stored(tensors, src, idx))
+    return to_layout(jnp.dtype(dtype), sharding)(raw)
+
+
+def swapped(sharding, shape: tuple):
+    """``sharding`` with its last two dimensions swapped, for an array of ``shape`` (a dimension
+    its mesh axes do not divide stays whole)."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    spec = spec[:-2] + (spec[-1], spec[-2])
+    mesh = sharding.mesh
+    keep = []
+    for dim, part in zip(shape, spec):
+        names = (part,) if isinstance(part, str) else tuple(part or ())
+        keep.append(part if dim % int(np.prod([mesh.shape[n] for n in names])) == 0 else None)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*keep))
+
+
+@functools.lru_cache(maxsize=None)
+def to_layout(dtype, sharding, fn=None):
+    """A jitted ``[..., n, k] -> [..., k, n]`` in ``dtype`` placed with ``sharding`` (``fn``: a
+    transform of its own instead, with the same output placement)."""
+    return jax.jit(fn or (lambda x: jnp.swapaxes(x, -1, -2).astype(dtype)), out_shardings=sharding)
+
+
+def _read_stored(tensors, src: ParamSource, index: tuple) -> np.ndarray:
+    """The ``index`` slice (HF layout, stored dtype) of a "T" / "stack_T" parameter's tensor(s)."""
+    if src.layout == "T":
+        return read_stored(tensors, src.hf_names[0], index)
+    names = src.hf_names[index[0]]
+    first = read_stored(tensors, names[0], index[1:])
+    out = np.empty((len(names),) + first.shape, first.dtype)
+    out[0] = first
+    for i, n in enumerate(names[1:], 1):
+        out[i] = read_stored(tensors, n, index[1:])
+    return out
+
+
+def read_stored(tensors, name: str, index: tuple) -> np.ndarray:
+    """A host copy of ``tensors[name][index]`` (``SafetensorsFolder.read``: one read call for a
+    run of whole rows)."""
+    if isinstance(tensors, SafetensorsFolder):
+        return tensors.read(name, index)
+    return np.array(tensors[name][index])
 
 
 def _sharding(mesh: Mesh | None, var, rules: LogicalRules):

@@ -88,6 +88,35 @@ class SafetensorsFolder(Mapping[str, np.ndarray]):
             return np.zeros(info["shape"], dtype)
         return np.memmap(file, dtype=dtype, mode="r", offset=start + lo, shape=tuple(info["shape"]))
 
+    def read(self, name: str, index: tuple = ()) -> np.ndarray:
+        """A copy of ``self[name][index]``. Rows ``a:b`` of whole trailing dimensions (what a
+        device holds when only the leading axis is split) are one contiguous byte range, read
+        with one ``pread`` into the array (no page-by-page faults of a mapping); other slices are
+        copied out of the mapped tensor."""
+        file, info, start = self._where[name]
+        shape = tuple(info["shape"])
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        whole = all(isinstance(s, slice) and s.indices(d) == (0, d, 1)
+                    for s, d in zip(index[1:], shape[1:]))
+        if not shape or not whole or not isinstance(index[0], slice) or index[0].step not in (None, 1):
+            return np.array(self[name][index])
+        lo, hi, _ = index[0].indices(shape[0])
+        dtype = np.dtype(DTYPES[info["dtype"]])
+        row = dtype.itemsize * math.prod(shape[1:])
+        out = np.empty((max(hi - lo, 0),) + shape[1:], dtype)
+        if out.nbytes:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                view, offset = memoryview(out.reshape(-1).view(np.uint8)), start + info["data_offsets"][0] + lo * row
+                while len(view):
+                    got = os.preadv(fd, [view], offset)
+                    if not got:
+                        raise CheckpointError(f"{file}: tensor {name!r} ends early (file truncated?)")
+                    view, offset = view[got:], offset + got
+            finally:
+                os.close(fd)
+        return out
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name][1]["shape"])
 

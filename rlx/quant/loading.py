@@ -104,11 +104,13 @@ def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, para
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
     tensors = SafetensorsFolder(path)
     quantized = quantized_params(cfg, lay)
-    shapes = _abstract_shapes(cfg, precision)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    flat = [("/".join(map(str, k)), v) for k, v in nnx.to_flat_state(nnx.state(abstract))]
+    shapes = {p: tuple(v.shape) for p, v in flat}
+    axes = {p: v.get_metadata().get("logical_axes") for p, v in flat}
     check_quantized(tensors, quantized, shapes, lay)  # headers (and weight_shape) only
     model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules,
-                       skip=frozenset(quantized))
-    axes = _abstract_axes(cfg, precision)
+                       skip=frozenset(quantized), abstract=abstract)
     for p in sorted(quantized, key=lambda p: file_position(tensors, quantized[p])):
         src = quantized[p]
         set_node(model, p, read_qtensor(tensors, src, shapes[p], axes[p], lay, mesh, rules))
@@ -227,7 +229,8 @@ def load_quantizing(cfg, tensors, q: QuantConfig, *, precision: Precision, mesh:
     which = quantized_paths(abstract, q)
     sources = param_map(cfg)
     check_tensors(cfg, tensors, {p: tuple(node_at(abstract, p).shape) for p in which})
-    model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules, skip=frozenset(which))
+    model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules, skip=frozenset(which),
+                       abstract=abstract)
     for p in read_order(which, sources, tensors):
         var = _variable(abstract, p)
         set_node(model, p, quantize_streamed(tensors, sources[p], var, q, which[p], mesh, rules))
@@ -240,11 +243,6 @@ def _variable(model, path: str) -> nnx.Variable:
     parent, _, last = path.rpartition("/")
     owner = node_at(model, parent) if parent else model
     return getattr(owner, last)
-
-
-def _abstract_shapes(cfg, precision) -> dict[str, tuple]:
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
-    return {"/".join(map(str, k)): tuple(v.shape) for k, v in nnx.to_flat_state(nnx.state(abstract))}
 
 
 # --- the base of a run ------------------------------------------------------------------------

@@ -38,16 +38,18 @@ the copy, so the host holds at most the arrays being built plus one tensor's sli
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from rlx.mesh import named_sharding
-from rlx.models.hf import ParamSource
+from rlx.models.hf import ParamSource, read_stored, swapped, to_layout
 from rlx.models.safetensors_io import CheckpointError
 from rlx.quant.config import QuantConfig, QuantConfigError
 from rlx.quant.tensors import QTensor
@@ -362,56 +364,55 @@ def _check_linear(tensors, m: str, n: int, k: int, lay: Layout) -> None:
              "the zero points of its asymmetric values are needed")
 
 
-# --- reading: one storage leaf slice at a time --------------------------------------------------
-def _bounds(s: slice, size: int) -> tuple[int, int]:
-    lo, hi, _ = s.indices(size)
-    return lo, hi
+# --- reading: each device copies its slice as stored, the device lays it out ---------------------
+def _stored(tensors, names: list[str], stacked: bool, tensor_scale: bool):
+    """Callback: the ``index`` slice of the tensors ``names`` as stored (HF orientation)."""
+    def one(name, index):
+        if tensor_scale:
+            return np.array(tensors[name]).reshape(1, 1)[index]
+        return read_stored(tensors, name, index)
+
+    def read(index):
+        if not stacked:
+            return one(names[0], index)
+        chosen = names[index[0]]
+        first = one(chosen[0], index[1:])
+        out = np.empty((len(chosen),) + first.shape, first.dtype)
+        out[0] = first
+        for i, n in enumerate(chosen[1:], 1):
+            out[i] = one(n, index[1:])
+        return out
+    return read
 
 
-def _unpack(words: np.ndarray, bits: int) -> np.ndarray:
-    """int32 ``[r, w]`` -> the unsigned values ``[r, w * 32/bits]`` (lowest bits first)."""
+@functools.lru_cache(maxsize=None)
+def _unpack_values(bits: int, k: int):
+    """``[..., n, words]`` int32 -> rlx's values ``[..., K', n]`` (int4: nibble pairs along K)."""
     per = 32 // bits
-    shifts = (np.arange(per, dtype=np.uint32) * bits)
-    u = (np.ascontiguousarray(words).view(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    return u.reshape(words.shape[0], -1).astype(np.uint8)
+
+    def f(words):
+        shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+        u = (jax.lax.bitcast_convert_type(words, jnp.uint32)[..., None] >> shifts) & ((1 << bits) - 1)
+        u = u.reshape(*words.shape[:-1], -1)[..., :k]
+        u = jnp.swapaxes(u, -1, -2).astype(jnp.uint8)  # [..., k, n]
+        if bits == 4:
+            return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
+        return (u.astype(jnp.int16) - 128).astype(jnp.int8)
+    return f
 
 
-class _Matrix:
-    """Slices of one quantized linear's storage leaves, read from its file tensors."""
+@functools.lru_cache(maxsize=None)
+def _unpack_zero(bits: int, n: int):
+    """``[..., ceil(n*bits/32), groups]`` int32 -> signed zero points ``[..., groups, n]``."""
+    per = 32 // bits
 
-    def __init__(self, tensors, module: str, n: int, k: int, lay: Layout):
-        self.t, self.m, self.n, self.k, self.lay = tensors, module, n, k, lay
-
-    def values(self, ks: slice, ns: slice) -> np.ndarray:
-        lay, k = self.lay, self.k
-        n0, n1 = _bounds(ns, self.n)
-        if lay.kind != "packed":
-            return np.ascontiguousarray(self.t[f"{self.m}.weight"][n0:n1, ks].T)
-        k0, k1 = _bounds(ks, k // 2 if lay.bits == 4 else k)
-        if lay.bits == 4:
-            k0, k1 = 2 * k0, 2 * k1
-        per = 32 // lay.bits
-        w0, w1 = k0 // per, -(-k1 // per)
-        words = self.t[f"{self.m}.weight_packed"][n0:n1, w0:w1]
-        u = _unpack(words, lay.bits)[:, k0 - w0 * per:k1 - w0 * per].T  # [k, n]
-        if lay.bits == 8:
-            return np.ascontiguousarray((u.astype(np.int16) - 128).astype(np.int8))
-        return np.ascontiguousarray(u[0::2] | (u[1::2] << 4))
-
-    def scale(self, ks: slice, ns: slice) -> np.ndarray:
-        s = self.t[f"{self.m}.{self.lay.scale_key}"]
-        if self.lay.strategy == "tensor":
-            return np.array(s).reshape(1, 1)
-        return np.ascontiguousarray(s[ns, ks].T)
-
-    def zero(self, gs: slice, ns: slice) -> np.ndarray:
-        bits = self.lay.bits
-        per = 32 // bits
-        n0, n1 = _bounds(ns, self.n)
-        r0, r1 = n0 // per, -(-n1 // per)
-        words = self.t[f"{self.m}.weight_zero_point"][r0:r1, gs]  # [rows/per, g]
-        u = _unpack(np.ascontiguousarray(words.T), bits)[:, n0 - r0 * per:n1 - r0 * per]  # [g, n]
-        return (u.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
+    def f(words):
+        w = jnp.swapaxes(words, -1, -2)
+        shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+        u = (jax.lax.bitcast_convert_type(w, jnp.uint32)[..., None] >> shifts) & ((1 << bits) - 1)
+        u = u.reshape(*w.shape[:-1], -1)[..., :n]
+        return (u.astype(jnp.int16) - (1 << (bits - 1))).astype(jnp.int8)
+    return f
 
 
 def _storage_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]:
@@ -423,25 +424,38 @@ def _storage_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple
     return out
 
 
+def _stored_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]:
+    """The file's shapes of each leaf's tensor (HF orientation, per matrix)."""
+    per = 32 // lay.bits
+    scale = lay.scale_shape(n, k)
+    out = {"values": lead + ((n, -(-k // per)) if lay.kind == "packed" else (n, k)),
+           "scale": lead + scale}
+    if lay.kind == "packed" and not lay.symmetric:
+        out["zero"] = lead + (-(-n // per), scale[1])
+    return out
+
+
 def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mesh, rules) -> QTensor:
-    """The ``QTensor`` of one quantized parameter (a kernel or stacked experts of rlx ``shape``),
-    each device's slices read from the file."""
+    """The ``QTensor`` of one quantized parameter (a kernel or stacked experts of rlx ``shape``):
+    each device copies its slice of the file's tensors as stored, and the device lays them out
+    (transposes; unpacks int32 words) into rlx's storage, one parameter at a time."""
     n, k = _hf_shape(src, shape)
     stacked = src.layout == "stack_T"
-    mats = [_Matrix(tensors, _module(name), n, k, lay) for name in src.hf_names]
-    lead = (len(mats),) if stacked else ()
+    modules = [_module(name) for name in src.hf_names]
+    lead = (len(modules),) if stacked else ()
+    stored = _stored_shapes(lay, lead, n, k)
+    suffix = {"values": "weight_packed" if lay.kind == "packed" else "weight",
+              "scale": lay.scale_key, "zero": "weight_zero_point"}
     leaves = {}
     for leaf, leaf_shape in _storage_shapes(lay, lead, n, k).items():
-        read = getattr(_Matrix, leaf)
-        if stacked:
-            def cb(idx, read=read):
-                return np.stack([read(mats[e], *idx[1:]) for e in range(*idx[0].indices(len(mats)))])
-        else:
-            def cb(idx, read=read):
-                return read(mats[0], *idx)
         sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
                     else named_sharding(mesh, axes, rules, leaf_shape))
-        leaves[leaf] = jax.make_array_from_callback(leaf_shape, sharding, cb)
+        names = [f"{m}.{suffix[leaf]}" for m in modules]
+        read = _stored(tensors, names, stacked, leaf == "scale" and lay.strategy == "tensor")
+        raw = jax.make_array_from_callback(stored[leaf], swapped(sharding, stored[leaf]), read)
+        fn = (_unpack_values(lay.bits, k) if leaf == "values" and lay.kind == "packed" else
+              _unpack_zero(lay.bits, n) if leaf == "zero" else None)
+        leaves[leaf] = to_layout(raw.dtype, sharding, fn)(raw)
     return QTensor(lay.fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
                    lay.block(k, n), axes)
 

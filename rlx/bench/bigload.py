@@ -1,0 +1,191 @@
+"""``python -m rlx.bench bigload``: write a random DeepSeek-V3-architecture checkpoint in FP8
+128x128 blocks as DeepSeek ships it, load it as a mode-B base (``quant.format="shipped"``) and
+report its bytes on disk, the load time, GB/s and the peak RSS of the loading process.
+
+The checkpoint has DeepSeek-V2-Lite's shape (multi-head latent attention with kv_lora 512 and
+plain queries, 64 experts of 1408 with 6 active, 2 shared, the first layer dense, vocabulary
+102,400) with as many layers as ``--params`` allows; below 2B parameters the widths are scaled
+down (hidden 1024, 32 experts of 512, vocabulary 32,768) so small sizes still have several layers.
+It is written tensor by tensor (fp8 values are random bytes, never NaN; scales, norms and
+embeddings random), so writing needs no more memory than one tensor.
+
+The load is ``python -m rlx.launch --config configs/tiny.py --config.model.path=DIR
+--config.quant.format=shipped --dry_run`` (bf16 float parameters, one device) in a child process
+under ``/usr/bin/time -v``: its maximum resident set size is the peak of the whole process
+(interpreter and JAX included), the load seconds are the loader's own (``loaded in``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+import ml_dtypes
+import numpy as np
+
+LITE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+            num_attention_heads=16, kv_lora_rank=512, n_routed_experts=64, num_experts_per_tok=6,
+            n_shared_experts=2, vocab_size=102400)
+SMALL = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+             num_attention_heads=8, kv_lora_rank=256, n_routed_experts=32, num_experts_per_tok=4,
+             n_shared_experts=2, vocab_size=32768)
+
+
+def hf_config(params: float) -> dict:
+    """A DeepSeek-V2-Lite-shaped ``config.json`` (FP8 blocks) of about ``params`` parameters."""
+    w = dict(LITE if params >= 2e9 else SMALL)
+    h, e, m = w["hidden_size"], w["n_routed_experts"], w["moe_intermediate_size"]
+    heads, c = w["num_attention_heads"], w["kv_lora_rank"]
+    attn = h * heads * 192 + h * (c + 64) + c * heads * 256 + heads * 128 * h
+    moe = attn + 3 * h * m * (e + w["n_shared_experts"]) + h * e
+    dense = attn + 3 * h * w["intermediate_size"]
+    embed = 2 * w["vocab_size"] * h
+    layers = max(2, 1 + round((params - embed - dense) / moe))
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **w,
+            "num_hidden_layers": layers, "num_key_value_heads": heads, "q_lora_rank": None,
+            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_group": 1,
+            "topk_group": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+            "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False,
+            "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                    "dynamic", "weight_block_size": [128, 128]}}
+
+
+def tensor_plan(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(HF name, safetensors dtype, shape) of every tensor, in model order: linears as e4m3
+    ``weight`` + f32 ``weight_scale_inv``, the rest bf16 (the router's correction bias f32)."""
+    from flax import nnx
+
+    from rlx.models.config import from_hf_config
+    from rlx.models.decoder import Precision, Transformer
+    from rlx.models.hf import param_map
+    from rlx.quant.shipped import candidates
+
+    cfg = from_hf_config(config)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, Precision(), rngs=nnx.Rngs(0)))
+    shapes = {"/".join(map(str, k)): tuple(v.shape) for k, v in nnx.to_flat_state(nnx.state(abstract))}
+    quantized = candidates(cfg)
+    out = []
+    for path, src in param_map(cfg).items():
+        shape = shapes[path]
+        hf = shape if src.layout == "copy" else tuple(reversed(shape[-2:]))
+        for name in src.hf_names:
+            if path in quantized:
+                m = name[: -len(".weight")]
+                out.append((name, "F8_E4M3", hf))
+                out.append((f"{m}.weight_scale_inv", "F32", (-(-hf[0] // 128), -(-hf[1] // 128))))
+            else:
+                out.append((name, "F32" if "correction_bias" in name else "BF16", hf))
+    return out
+
+
+_SIZES = {"F8_E4M3": 1, "F32": 4, "BF16": 2}
+
+
+def _values(dtype: str, shape: tuple, rng: np.random.Generator) -> bytes:
+    n = int(np.prod(shape))
+    if dtype == "F8_E4M3":  # random e4m3 bytes below 0x7f (0x7f / 0xff are NaN)
+        return rng.integers(0, 0x7F, n, dtype=np.uint8).__or__(
+            rng.integers(0, 2, n, dtype=np.uint8) << 7).tobytes()
+    if dtype == "F32":
+        return rng.uniform(1e-5, 2e-4, n).astype(np.float32).tobytes()
+    return (0.02 * rng.standard_normal(n, dtype=np.float32)).astype(ml_dtypes.bfloat16).tobytes()
+
+
+def write_checkpoint(folder: str, params: float, shard_bytes: int = 4 << 30, seed: int = 0) -> int:
+    """Write the checkpoint into ``folder`` (config.json, shards, index); returns bytes on disk."""
+    os.makedirs(folder, exist_ok=True)
+    config = hf_config(params)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    plan = tensor_plan(config)
+    shards, used = [[]], 0
+    for t in plan:
+        size = _SIZES[t[1]] * int(np.prod(t[2]))
+        if used and used + size > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(t)
+        used += size
+    rng = np.random.default_rng(seed)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        header, offset = {}, 0
+        for name, dtype, shape in shard:
+            n = _SIZES[dtype] * int(np.prod(shape))
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        head = json.dumps(header).encode()
+        head += b" " * (-len(head) % 8)
+        with open(os.path.join(folder, file), "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head)
+            for name, dtype, shape in shard:
+                f.write(_values(dtype, shape, rng))
+                weight_map[name] = file
+        total += os.path.getsize(os.path.join(folder, file))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total
+
+
+def measure_load(folder: str, extra: list[str] = ()) -> dict:
+    """Dry-run load of ``folder`` as a shipped base in a child process; its peak RSS and load time."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "rlx.launch", f"--config={os.path.join(root, 'configs', 'tiny.py')}",
+           f"--config.model.path={folder}", "--config.model.shrink.enabled=False",
+           "--config.model.param_dtype=bfloat16", "--config.quant.format=shipped",
+           "--config.quant.serving=hf", "--config.lora.targets=('q', 'kv_a', 'kv_b', 'o')",
+           "--dry_run", *extra]
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    env.pop("XLA_FLAGS", None)
+    start = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env,
+                          cwd=root)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        raise RuntimeError(f"load failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+    rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
+    seconds = float(re.search(r"loaded in ([\d.]+) s", proc.stdout).group(1))
+    return {"peak_rss": rss, "load_s": seconds, "process_s": wall, "summary": proc.stdout.strip()}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlx.bench bigload", description=__doc__.split("\n")[0])
+    p.add_argument("--params", type=float, default=3e8, help="parameters of the checkpoint")
+    p.add_argument("--dir", default="", help="where to write it (default: a temporary folder)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    p.add_argument("--json", default="", help="write the figures to this file")
+    args = p.parse_args(argv)
+    folder = args.dir or tempfile.mkdtemp(prefix="rlx-bigload-")
+    try:
+        start = time.perf_counter()
+        disk = write_checkpoint(folder, args.params)
+        written = time.perf_counter() - start
+        fig = measure_load(folder)
+        config = hf_config(args.params)
+        fig.update(disk_bytes=disk, write_s=written, layers=config["num_hidden_layers"],
+                   gb_per_s=disk / fig["load_s"] / 1e9, rss_over_disk=fig["peak_rss"] / disk)
+        print(fig.pop("summary"))
+        print(f"checkpoint {disk / 1e9:.2f} GB on disk ({config['num_hidden_layers']} layers, FP8 "
+              f"128x128 blocks), written in {written:.1f} s")
+        print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s; peak RSS "
+              f"{fig['peak_rss'] / 1e9:.2f} GB = {fig['rss_over_disk']:.2f}x the bytes on disk")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(fig, f, indent=2)
+    finally:
+        if not args.keep and not args.dir:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)
+    return 0
