@@ -233,5 +233,9 @@ def expert_parallel(model: nnx.Module, mesh: Mesh | None, rules: LogicalRules,
     ep = None if mesh is None else ExpertParallel.of(mesh, rules, capacity_factor)
     for _, node in nnx.iter_graph(model):
         if isinstance(node, SparseMoE):
+            if ep is not None and node.routing.num_experts % ep.experts_split:
+                raise ValueError(f"mesh axis {ep.expert_axis!r} of size {ep.experts_split} does "
+                                 f"not divide the layer's {node.routing.num_experts} experts; "
+                                 "choose config.mesh.expert among the divisors")
             node.expert_parallel = ep
     return model

@@ -125,3 +125,12 @@ def test_capacity_factor_drops_and_counts_pairs():
     assert int(dropped) == int((~kept).sum()) > 0
     ref = layer.experts.ragged(x, idx, jnp.where(jnp.asarray(kept), gates, 0))
     assert np.abs(np.asarray(out) - np.asarray(ref)).max() <= 1e-5
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
+    mesh = make_mesh(MeshShape(expert=8))
+    with pytest.raises(ValueError, match="does not divide the layer's 4 experts"):
+        expert_parallel(SparseMoE(D, MoEConfig(num_experts=4, top_k=2, intermediate_size=F,
+                                               norm_topk_prob=True),
+                                  dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)),
+                        mesh, TRAIN_RULES)
