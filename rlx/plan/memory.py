@@ -2,7 +2,11 @@
 
 * ``state_bytes``: frozen base, trainable params and AdamW moments per device, from the abstract
   model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size), and
-  PPO's critic with its AdamW moments when the spec has one.
+  PPO's critic with its AdamW moments when the spec has one. Also the built-in engine's weights:
+  it samples from the learner's own frozen arrays (``rlx.rollout.jax_engine``, ``shared``), so
+  its only copy is of the trainable variables (LoRA mode the adapters, full mode every
+  parameter), under ``SAMPLE_RULES`` (whole along ``fsdp``); and the load transient, the
+  checkpoint's largest tensor (``load_tensor_bytes``).
 * ``step_bytes``: the train step's transient memory per device (gradients, saved activations,
   log-prob chunks, the batch) from a layer-by-layer count of what the backward pass keeps (see
   ``_layer_features`` and ``COEFFS``), and the built-in engine's KV cache.
@@ -33,7 +37,8 @@ from jax.sharding import NamedSharding
 from rlx.learner.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import FORWARDS, StepConfig, make_train_step
-from rlx.mesh import MESH_AXES, TRAIN_RULES, MeshShape, logical_to_spec, make_mesh
+from rlx.mesh import (MESH_AXES, SAMPLE_RULES, TRAIN_RULES, LogicalRules, MeshShape,
+                      logical_to_spec, make_mesh)
 from rlx.models import ModelConfig
 from rlx.models.layers import causal_blocks
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
@@ -49,13 +54,13 @@ class _Sizes:
         self.shape = dict(zip(MESH_AXES, spec.mesh.sizes))
 
 
-def _shard_elems(shape, axes, sizes: _Sizes) -> int:
+def _shard_elems(shape, axes, sizes: _Sizes, rules: LogicalRules = TRAIN_RULES) -> int:
     """Elements of one device's shard of an array with logical ``axes`` (ceil where uneven)."""
     if not shape:
         return 1
     if axes is None or len(axes) != len(shape):
         return math.prod(shape)
-    spec = tuple(logical_to_spec(axes, TRAIN_RULES, sizes))
+    spec = tuple(logical_to_spec(axes, rules, sizes))
     spec += (None,) * (len(shape) - len(spec))
     n = 1
     for dim, part in zip(shape, spec):
@@ -101,16 +106,36 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     Layers of one kind have identical shapes, so one layer of each kind is built abstractly and
     counted as many times as the model has such layers (a 61-layer 1T model builds in seconds).
     """
-    sizes, total = _Sizes(spec), {True: 0, False: 0}
+    sizes, total, engine = _Sizes(spec), {True: 0, False: 0}, 0
     key = repr(spec.replace(mesh=MeshShape()))
     for trainable, shape, dtype, axes, times in _abstract_leaves(key, spec):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
+        if trainable:  # the engine's own copy; the frozen base it shares with the learner
+            engine += times * _shard_elems(shape, axes, sizes, SAMPLE_RULES) * np.dtype(
+                dtype).itemsize
     # PPO's critic (rlx.learner.critic): a copy of the trainable variables, sharded alike, and
     # the replicated f32 value head (kernel [D] and bias)
     critic = total[True] + 4 * (spec.model.hidden_size + 1) if spec.critic else 0
     return {"frozen": total[False], "trainable": total[True],
             "optimizer": 2 * total[True],  # AdamW: mu and nu in the parameter dtype
-            "critic": critic, "critic_optimizer": 2 * critic}
+            "critic": critic, "critic_optimizer": 2 * critic, "engine": engine,
+            "load_tensor": load_tensor_bytes(spec)}
+
+
+def load_tensor_bytes(spec: PlanSpec) -> int:
+    """The load transient: the checkpoint's largest single tensor, whole, as it is read (a float
+    checkpoint's ``param_dtype``; one expert's matrix where the model stacks experts). Loading
+    streams tensor by tensor (``rlx.quant.loading``), so a device holds the base built so far
+    plus at most this one tensor on its way in. Counted from the float model: a shipped
+    quantized checkpoint reads its quantized tensors in fewer bytes, and its largest is the
+    float embedding or head (DeepSeek-V3, Kimi-K2)."""
+    full = spec.replace(mode="full", mesh=MeshShape())
+    experts = spec.model.moe.num_experts if spec.model.moe is not None else 1
+    largest = 0
+    for _, shape, dtype, axes, _ in _abstract_leaves(repr(full), full):
+        per = experts if axes is not None and "expert" in axes else 1
+        largest = max(largest, math.prod(shape) // per * np.dtype(dtype).itemsize)
+    return largest
 
 
 def _abstract_batch(spec: PlanSpec, mesh) -> TrainBatch:

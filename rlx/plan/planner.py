@@ -3,10 +3,10 @@
 
 Prints bytes per device for the frozen base, trainable params, gradients, AdamW state, PPO's
 critic and its AdamW state (``critic.enabled``), activations (with the remat choice), log-prob
-chunks, the batch and the built-in engine's KV cache; whether the peak of the train step and of
-sampling fits the device memory; and, when it does not, which knob to turn (remat, micro-batches,
-chunk size, rollout shape) or how many nodes of ``--devices`` devices the run needs (FSDP over
-more devices).
+chunks, the batch, the built-in engine's own weights (it shares the frozen base) and KV cache, and
+the load transient; whether the peaks of the train step, of sampling and of loading fit the
+device memory; and, when they do not, which knob to turn (remat, micro-batches, chunk size,
+rollout shape) or how many nodes of ``--devices`` devices the run needs (FSDP over more devices).
 
 Everything is computed from abstract shapes (``jax.eval_shape``); no weights are read. Small
 models can also be compiled (``--compiled``) and XLA's memory analysis is printed beside.
@@ -39,10 +39,14 @@ from rlx.quant import LoraConfig, QuantConfig
 
 GB = 1e9
 RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmentation
-TRAIN_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "grads",
+# the built-in engine's own weights ("engine": the trainable variables; it shares the frozen base)
+# live through the whole run: one-step-off sampling reads them while the learner updates
+TRAIN_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "engine", "grads",
               "activations", "logprob_chunks", "batch")
-SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "kv_cache",
-               "decode_temp")
+SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "engine",
+               "kv_cache", "decode_temp")
+# building the run: the base streamed in tensor by tensor, adapters attached, one tensor in flight
+LOAD_KEYS = ("frozen", "trainable", "load_tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +66,12 @@ class Plan:
         return sum(self.bytes[k] for k in SAMPLE_KEYS)
 
     @property
+    def load_peak(self) -> int:
+        return sum(self.bytes[k] for k in LOAD_KEYS)
+
+    @property
     def peak(self) -> int:
-        return max(self.train_peak, self.sample_peak)
+        return max(self.train_peak, self.sample_peak, self.load_peak)
 
     @property
     def fits(self) -> bool:
@@ -120,12 +128,13 @@ def format_plan(p: Plan, compiled: dict[str, int] | None = None, devices_per_nod
              + f" ({m.num_devices} devices), remat={s.remat}, rows={s.rows}x{s.seq_len}, "
              f"micro_batches={s.micro_batches}",
              "per device (GB)"]
-    for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS):
+    for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS + LOAD_KEYS):
         if key.startswith("critic") and not s.critic:
             continue
         lines.append(f"  {key:15s} {p.bytes[key] / GB:10.3f}")
     lines.append(f"  {'train peak':15s} {p.train_peak / GB:10.3f}")
     lines.append(f"  {'sample peak':15s} {p.sample_peak / GB:10.3f}")
+    lines.append(f"  {'load peak':15s} {p.load_peak / GB:10.3f}")
     if compiled:
         lines.append(f"  {'XLA compiled':15s} {compiled['total'] / GB:10.3f}  (train step: "
                      f"arguments {compiled['argument'] / GB:.3f}, temp {compiled['temp'] / GB:.3f})")
