@@ -95,7 +95,8 @@ class Experts(nnx.Module):
     def num_local_experts(self) -> int:
         """Experts this module holds: all ``E``, or a device's share inside a ``shard_map``."""
         w = self.gate_proj
-        return (w[...] if isinstance(w, nnx.Variable) else jax.tree.leaves(nnx.state(w))[0]).shape[0]
+        leaf = w[...] if isinstance(w, nnx.Variable) else jax.tree.leaves(nnx.state(w))[0]
+        return leaf.shape[0]
 
     def grouped(self, xs: Float[Array, "m d"], group_sizes: Int[Array, " e"], adapter: bool = True
                 ) -> Float[Array, "m d"]:
@@ -233,9 +234,10 @@ def expert_parallel(model: nnx.Module, mesh: Mesh | None, rules: LogicalRules,
     ep = None if mesh is None else ExpertParallel.of(mesh, rules, capacity_factor)
     for _, node in nnx.iter_graph(model):
         if isinstance(node, SparseMoE):
-            if ep is not None and node.routing.num_experts % ep.experts_split:
+            e = node.routing.num_experts
+            if ep is not None and node.impl == "ragged" and e % ep.experts_split:
                 raise ValueError(f"mesh axis {ep.expert_axis!r} of size {ep.experts_split} does "
-                                 f"not divide the layer's {node.routing.num_experts} experts; "
+                                 f"not divide the layer's {e} experts; "
                                  "choose config.mesh.expert among the divisors")
             node.expert_parallel = ep
     return model

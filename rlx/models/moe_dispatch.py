@@ -18,9 +18,12 @@ Capacity. ``jax.lax.ragged_all_to_all`` would send exactly the rows routed, but 
 implement it (jax 0.10.2: "HLO opcode ragged-all-to-all is not supported by XLA:CPU"), so the
 exchange is a fixed-size ``all_to_all`` with ``C`` rows per (source, destination) pair:
 
-- ``capacity_factor=None`` (the model's setting): **dropless**. ``C`` is the worst case, ``n_loc *
-  min(k, E / P)`` (a token's k experts are distinct, so at most ``min(k, E / P)`` of them live on one
-  device): every pair is computed and the result equals the one-device ``Experts.ragged`` path.
+- ``capacity_factor=None`` (the model's setting): **dropless**. ``C`` is the worst case,
+  ``n_loc * min(k, E / P)`` (a token's k experts are distinct, so at most ``min(k, E / P)`` of
+  them live on one device): every pair is computed and the result equals the one-device
+  ``Experts.ragged`` path. Dropless is what RL needs by default: which pairs a capacity drops
+  depends on the batch's make-up, which differs between the engine's decode steps and the
+  learner's batches, so drops would add sampler/learner mismatch.
   The price is buffer rows: ``P * C`` per device against ``n_loc * k`` routed pairs, i.e.
   ``P * min(k, E / P) / k`` times the routed rows in the exchange and in the grouped products (at
   most the dense path's ``E / k``, equal to it when ``k >= E / P``).

@@ -43,9 +43,10 @@ def test_engine_logprobs_equal_the_learners_on_an_expert_mesh(tmp_path, shape):
 
     graphdef, state = create_train_state(model, optax.sgd(0.1), mesh, trainable=nnx.LoRAParam)
     assert all(_dispatching(graphdef, state.params, state.frozen))
-    step = make_logprob_step(graphdef, state.params, state.frozen, mesh, StepConfig(logprob_chunk=64))
-    batch = pad_rollouts(rollouts, np.zeros(len(rollouts)))
-    logp = np.asarray(jax.device_get(step(state.params, state.frozen, shard_batch(batch, mesh)).logp))
+    step = make_logprob_step(graphdef, state.params, state.frozen, mesh,
+                             StepConfig(logprob_chunk=64))
+    batch = shard_batch(pad_rollouts(rollouts, np.zeros(len(rollouts))), mesh)
+    logp = np.asarray(jax.device_get(step(state.params, state.frozen, batch).logp))
     for i, r in enumerate(rollouts):
         learner = logp[i, len(r.prompt_ids):r.length]
         assert np.abs(learner - r.sampler_logp).max() <= TOL
