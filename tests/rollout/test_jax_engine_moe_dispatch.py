@@ -28,8 +28,9 @@ def _dispatching(graphdef: nnx.GraphDef, *states) -> list[bool]:
             if isinstance(node, SparseMoE)]
 
 
-@pytest.mark.parametrize("shape", [MeshShape(fsdp=2, expert=4), MeshShape(expert=8)],
-                         ids=["expert4-fsdp2", "expert8"])
+@pytest.mark.parametrize("shape", [
+    pytest.param(MeshShape(fsdp=2, expert=4), id="expert4-fsdp2"),
+    pytest.param(MeshShape(expert=8), id="expert8", marks=pytest.mark.slow)])
 def test_engine_logprobs_equal_the_learners_on_an_expert_mesh(tmp_path, shape):
     model = quantized_lora_model(str(tmp_path), "qwen3_moe", lora=LoraConfig(rank=3, alpha=5.0,
                                                                             experts=True))
