@@ -288,6 +288,8 @@ def _args(argv) -> argparse.Namespace:
     p.add_argument("--mode", choices=tuple(MODES), default=None, help="override the mode")
     p.add_argument("--layers", type=int, default=0, help="compile only the first N decoder "
                    "layers (0: all)")
+    p.add_argument("--rows", type=int, default=0, help="sequences per update (0: the config's)")
+    p.add_argument("--micro-batches", type=int, default=0, help="0: the config's, scaled")
     p.add_argument("--steps", default="train,sample", help="programs to compile")
     return p.parse_args(argv)
 
@@ -304,6 +306,9 @@ def main(argv=None) -> int:
                 else scale_to(spec, len(topo.devices)))
         if args.layers:
             spec = with_layers(spec, args.layers)
+        if args.rows or args.micro_batches:
+            spec = spec.replace(rows=args.rows or spec.rows,
+                                micro_batches=args.micro_batches or spec.micro_batches)
     except (ValueError, TypeError) as e:
         print(f"rlx.plan: {e}", file=sys.stderr)
         return 2
