@@ -89,7 +89,7 @@ def _np(x) -> np.ndarray:
 PEFT_REMAPS_MLP_NAMES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
 
 
-def _dense_adapters(model: Transformer) -> dict[str, LoRA]:
+def dense_adapters(model: Transformer) -> dict[str, LoRA]:
     """HF module name -> adapter of every adapted ``Linear``, named by ``param_map`` (so
     'layers/1/mlp/shared_expert/up_proj' is DeepSeek's 'model.layers.1.mlp.shared_experts.up_proj')."""
     sources, out = param_map(model.config), {}
@@ -131,7 +131,7 @@ def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     """(PEFT-named adapter tensors, the shape facts ``adapter_config.json`` needs)."""
     tensors, modules, params, fused_rank = {}, set(), set(), 0
     remapped = model.config.model_type in PEFT_REMAPS_MLP_NAMES
-    for name, lo in _dense_adapters(model).items():
+    for name, lo in dense_adapters(model).items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = _np(lo.lora_a[...]).T.copy()
         tensors[f"base_model.model.{name}.lora_B.weight"] = _np(lo.lora_b[...]).T.copy()
         leaf = name.rsplit(".", 1)[1]
@@ -323,4 +323,4 @@ def export_critic(critic: Transformer, head: dict, path: str, version: str,
 
 
 __all__ = ["publish", "read_version", "export_peft", "export_base", "export_merged", "export_critic",
-           "value_head_tensors", "peft_state", "merged_state_dict", "base_state_dict"]
+           "value_head_tensors", "peft_state", "merged_state_dict", "base_state_dict", "dense_adapters"]

@@ -151,6 +151,15 @@ class GGUFTensors(Mapping[str, np.ndarray]):
         """The GGUF name the HF tensor `name` is stored under."""
         return self._names[name]
 
+    def stored_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """``rows`` in HF order of `name`'s output rows, put in the file's order (llama.cpp's rope
+        permutation of q/k; other tensors as they are): what a tensor patching `name` stores."""
+        if name not in self._heads:
+            return rows
+        heads = self._heads[name]
+        grouped = rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(rows.shape)
+
     def raw(self, name: str) -> RawTensor:
         """The stored blocks of `name`, rows un-permuted to HF order (a read-only view of the file
         unless un-permuting made a copy)."""
