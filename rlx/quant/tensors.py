@@ -33,6 +33,7 @@ import qwix
 from flax import nnx
 from jaxtyping import Array
 
+from rlx.mesh import target_platform
 from rlx.models.mixed import mixed_einsum
 from rlx.quant.config import QuantConfigError
 
@@ -41,7 +42,8 @@ _NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098
                  0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                  0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
 # QTensor.product runs grouped scales inside the product for up to GROUPED_ROWS rows on these
-# backends (XLA:CPU's batched dot takes no bf16 x bf16 -> f32, see rlx.models.mixed)
+# platforms (rlx.mesh.target_platform; XLA:CPU's batched dot takes no bf16 x bf16 -> f32, see
+# rlx.models.mixed)
 GROUPED_ROWS = 32
 GROUPED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 _SCALE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -127,7 +129,7 @@ class QTensor(nnx.Module):
         groups = -(-k // bk)
         if self.transposed or len(self.shape) != 2 or self.fmt == "nf4" or (
                 groups > 1 and (rows > GROUPED_ROWS or k % bk
-                                 or jax.default_backend() not in GROUPED_BACKENDS)):
+                                 or target_platform() not in GROUPED_BACKENDS)):
             return None
         q = (self.decode() if self.fmt == "int4" else self.values[...]).astype(dtype)
         xr = x.reshape(rows, groups, k // groups).astype(dtype)  # one group: bk may exceed K

@@ -19,9 +19,9 @@ elsewhere, where XLA's layout assignment already picks the product's kernel).
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
+from rlx.mesh import target_platform
 from rlx.models.decoder import Transformer
 from rlx.models.layers import Linear
 from rlx.models.mixed import is_low_precision
@@ -30,11 +30,12 @@ LAYOUTS = ("auto", "out_in", "in_out")
 
 
 def resolve_layout(layout: str) -> str:
-    """``auto`` -> ``out_in`` on the CPU backend, ``in_out`` elsewhere; checks the name."""
+    """``auto`` -> ``out_in`` on the CPU platform (``rlx.mesh.target_platform``), ``in_out``
+    elsewhere; checks the name."""
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout {layout!r} is not one of {LAYOUTS}")
     if layout == "auto":
-        return "out_in" if jax.default_backend() == "cpu" else "in_out"
+        return "out_in" if target_platform() == "cpu" else "in_out"
     return layout
 
 

@@ -21,6 +21,7 @@ from rlx.models.kv_cache import cache_dtype
 from rlx.plan.aot import compile_sample, compile_train, generate_shapes, measure, topology, tpu_plan
 from rlx.plan.spec import PlanSpec
 from rlx.quant import LoraConfig, QuantConfig
+from rlx.quant.tensors import quantize_array
 
 # widths multiples of 128: XLA:TPU pads arrays to (8, 128) tiles, which the planner does not count
 MOE = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=2048, hidden_size=256,
@@ -39,10 +40,15 @@ def topo():
 
 
 def test_traced_code_takes_the_target_platforms_branches():
-    """Inside ``compiling_for("tpu")`` a bf16 decode caches bf16 (XLA:CPU's branch: f32)."""
+    """Inside ``compiling_for("tpu")`` a bf16 decode caches bf16 (XLA:CPU's branch: f32) and a
+    decode step's few rows multiply int4 groups inside the product (XLA:CPU: dequantize first)."""
+    q = quantize_array(jnp.ones((128, 64)), "int4", group_size=32)
+    x = jnp.ones((4, 128))
     assert cache_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    assert q.product(x, jnp.float32, jnp.float32) is None
     with compiling_for("tpu"):
         assert target_platform() == "tpu" and cache_dtype(jnp.bfloat16) == jnp.bfloat16
+        assert q.product(x, jnp.float32, jnp.float32) is not None
     assert target_platform() == jax.default_backend()
 
 
