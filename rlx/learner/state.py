@@ -188,9 +188,12 @@ def create_train_state(
     abstract = jax.eval_shape(lambda p, f: _fresh_state(p, f, optimizer, seed), params, frozen)
     shardings = state_shardings(abstract, optimizer, mesh, rules)
     params = jax.device_put(params, shardings.params)
-    frozen = jax.device_put(frozen, shardings.frozen)
-    init = jax.jit(lambda p, f: _fresh_state(p, f, optimizer, seed), out_shardings=shardings)
-    return graphdef, init(params, frozen)
+    frozen = jax.device_put(frozen, shardings.frozen)  # the model's own arrays where placed so
+    # the frozen part stays out of the jit: an output passing an input through is a new buffer,
+    # a second copy of the base while the first is alive
+    init = jax.jit(lambda p: _fresh_state(p, None, optimizer, seed),
+                   out_shardings=shardings.replace(frozen=None))
+    return graphdef, init(params).replace(frozen=frozen)
 
 
 def _fresh_state(params, frozen, optimizer, seed) -> TrainState:
