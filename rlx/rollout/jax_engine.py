@@ -14,9 +14,10 @@ only the adapters (full mode: every parameter, as each update donates them). On 
 engine's own copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a
 decode step's products there (``weight_layout``, ``rlx.rollout.decode_layout``); updates in the
 learner's layout are transposed on arrival. Shared kernels keep the learner's layout: a transposed
-copy of them would be the second copy of the base that sharing avoids. For multi-head latent attention models (DeepSeek-V3, Kimi-K2) the cache
-holds each token's latent and shared rotary key, sharded over the batch only (``cache_sharding``),
-and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``). With the experts of an MoE model split
+copy of them would be the second copy of the base that sharing avoids. For multi-head latent
+attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and shared rotary key,
+sharded over the batch only (``cache_sharding``), and decode steps absorb ``kv_b_proj``
+(``rlx.models.mla``). With the experts of an MoE model split
 over the mesh's ``expert`` axis, prefill and decode steps dispatch each token to its experts'
 devices, as the learner does (``rlx.models.moe_dispatch``, dropless).
 
