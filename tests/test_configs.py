@@ -63,10 +63,11 @@ RUNS = sorted(n for n in CONFIGS if n not in PLANS)
 
 
 def _ci(name: str, *slow: str):
-    """``name`` as a parameter, marked slow when it is one of ``slow`` (each config still runs one
-    shrunken step in CI: qwen25_1p5b_math_int8 on the SGLang server, qwen25_7b_math_fp8 with the
-    built-in engine; deepseek_v3_fp8's multi-head latent attention and fp8 block base run in
-    kimi_k2's and qwen25_7b_math_fp8's)."""
+    """``name`` as a parameter, marked slow when it is one of ``slow`` (the SGLang recipes run
+    their shrunken step in CI with the built-in engine, their server side in tests/rollout's SGLang
+    tests; deepseek_v3_fp8's multi-head latent attention and fp8 block base run in
+    kimi_k2's and qwen25_7b_math_fp8's; glm45_air's architecture in tests/models/test_deepseek_glm.py
+    and its MoE LoRA run in qwen3_30b_a3b_int4's; ppo_quickstart's PPO in tests/run/test_ppo.py)."""
     return pytest.param(name, marks=pytest.mark.slow) if name in slow else name
 SGLANG_RUNS = sorted(n for n in RUNS if CONFIGS[n].get("rollout", {}).get("engine") == "sglang")
 
@@ -231,7 +232,8 @@ def served_policy_matches_the_learner(run) -> None:
     assert sorted(os.listdir(serving)) == ["adapter-2", "base", "sglang-0.log"]  # old ones deleted
 
 
-@pytest.mark.parametrize("name", [_ci(n, "qwen25_1p5b_math_int8", "deepseek_v3_fp8") for n in RUNS])
+@pytest.mark.parametrize("name", [_ci(n, "deepseek_v3_fp8", "glm45_air", "ppo_quickstart")
+                                  for n in RUNS])
 def test_config_runs_one_shrunken_step(name, tmp_path, stand_in):
     """The config as written (the built-in engine where it names SGLang)."""
     one_step(shrunken(name, tmp_path, stand_in, **{"rollout.engine": "jax"}))
@@ -239,7 +241,8 @@ def test_config_runs_one_shrunken_step(name, tmp_path, stand_in):
 
 @pytest.mark.sglang
 @pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")
-@pytest.mark.parametrize("name", [_ci(n, "qwen25_7b_math_fp8") for n in SGLANG_RUNS])
+@pytest.mark.parametrize("name", [_ci(n, "qwen25_7b_math_fp8", "qwen25_1p5b_math_int8")
+                                  for n in SGLANG_RUNS])
 def test_sglang_config_runs_one_shrunken_step_on_a_real_server(name, tmp_path, stand_in):
     cfg = shrunken(name, tmp_path, stand_in)
     lora = cfg["train"].get("mode", "lora") == "lora"

@@ -15,6 +15,7 @@ TINY = ["--model", "tiny", "--prompts", "2", "--group", "2", "--new", "4", "--mi
         "--repeats", "1", "--warmup", "0", "--parallel-setup", "--sides", "rlx-f32,trl"]
 
 
+@pytest.mark.slow  # kept out of CI's 30 minutes; `python -m pytest -m slow` runs it
 def test_e2e_bench_tiny(tmp_path, tmp_path_factory, capsys):
     path = tmp_path / "e2e.json"
     work = tmp_path_factory.getbasetemp() / "rl-bench-models"  # shared with the learner test

@@ -1,9 +1,12 @@
 """``python -m rlx.bench quant`` prints a markdown table whose numbers order as quantization predicts."""
 
+import pytest
+
 from rlx.bench.__main__ import main as bench_main
 from rlx.bench.quant import ROWS
 
 
+@pytest.mark.slow  # kept out of CI's 30 minutes; `python -m pytest -m slow` runs it
 def test_quant_bench_table(capsys):
     assert bench_main(["quant", "--tokens", "16", "--models", "dense"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

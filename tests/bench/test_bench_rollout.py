@@ -32,6 +32,7 @@ def _check_runs(record, labels, modes=("greedy", "sampled"), batch=2):
     assert all(r["tokens_per_s"] > 0 and r["setup_s"] > 0 for r in record["rows"])
 
 
+@pytest.mark.slow  # kept out of CI's 30 minutes; `python -m pytest -m slow` runs it
 def test_rollout_rlx_bases_and_hf_with_sglang_missing(tmp_path, capsys):
     out, [record] = _run(tmp_path, capsys, "--warmup", "0", "--parallel-setup", "--lora-rank", "4",
                          "--sglang-python", str(tmp_path / "no-such-python"))

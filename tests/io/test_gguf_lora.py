@@ -114,6 +114,7 @@ def _llama_cpp(base: str, prompts, lora: str, out: str) -> tuple[list[list[int]]
     return tokens, [np.load(f"{out}{i}.npy") for i in range(len(prompts))]
 
 
+@pytest.mark.slow  # kept out of CI's 30 minutes; `python -m pytest -m slow` runs it
 def test_llama_cpp_with_the_adapter_computes_rlx_logits_and_tokens(adapted, tmp_path):
     """On the SmolLM2 weights in f32 (the Q4_1 file dequantized by llama.cpp's own quantizer, so
     llama.cpp multiplies in f32 too): logits within 1e-3 (measured 1.1e-4, as without the adapter)

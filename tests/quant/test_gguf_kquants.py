@@ -101,6 +101,7 @@ def test_every_k_quant_and_5_bit_type_runs_as_blocks_like_transformers(tmp_path)
         collections.Counter({"Q6_K": 3})  # two layers' v_proj and the embedding
 
 
+@pytest.mark.slow  # kept out of CI's 30 minutes; `python -m pytest -m slow` runs it
 def test_llama_cpp_q4_k_m_smollm2_runs_as_blocks_like_transformers(tmp_path):
     missing = LLAMA_CPP.unavailable()
     if missing:

@@ -31,7 +31,9 @@ def _held(run) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("fmt,mesh", [
-    ("int8", {"mesh.data": 8}), ("int4", {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2})])
+    ("int8", {"mesh.data": 8}),
+    pytest.param("int4", {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+                 marks=pytest.mark.slow)])  # CI time
 def test_the_built_run_holds_its_base_once(tmp_path, fmt, mesh):
     before = jax.live_arrays()  # kept alive: no array made by build reuses one of their ids
     run = build(run_config("tiny", tmp_path, **{"quant.format": fmt, "train.steps": 1, **mesh}),

@@ -120,6 +120,7 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
     _assert_identical(uninterrupted, out)
 
 
+@pytest.mark.slow  # kept out of CI's 30 minutes; `python -m pytest -m slow` runs it
 def test_a_ppo_run_resumes_bit_identical_with_its_critic(tmp_path):
     # PPO's critic (a second LoRA adapter and a value head on the same frozen base) and its
     # optimizer state are in the checkpoint; the resumed run's critic, values and advantages
