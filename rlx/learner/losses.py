@@ -321,6 +321,14 @@ def _on_mask(x, mask: PerToken):
     return None if x is None else jnp.where(mask > 0, jnp.asarray(x, jnp.float32), 0.0)
 
 
+def _check_terms(cfg: LossConfig, ref_logp, entropy) -> None:
+    """The loss terms ``cfg`` asks for have their inputs."""
+    if cfg.kl_coef > 0 and cfg.kl_as == "loss" and ref_logp is None:
+        raise ValueError("LossConfig.kl_coef > 0 with kl_as='loss' needs ref_logp")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError("LossConfig.entropy_coef > 0 needs the per-token entropy")
+
+
 def policy_loss(
     logp: PerToken,
     old_logp: PerToken,
@@ -340,10 +348,7 @@ def policy_loss(
     mask = _f32(loss_mask)
     logp, old_logp, advantages = (_on_mask(x, mask) for x in (logp, old_logp, advantages))
     ref_logp, sampler_logp, entropy = (_on_mask(x, mask) for x in (ref_logp, sampler_logp, entropy))
-    if cfg.kl_coef > 0 and cfg.kl_as == "loss" and ref_logp is None:
-        raise ValueError("LossConfig.kl_coef > 0 with kl_as='loss' needs ref_logp")
-    if cfg.entropy_coef > 0 and entropy is None:
-        raise ValueError("LossConfig.entropy_coef > 0 needs the per-token entropy")
+    _check_terms(cfg, ref_logp, entropy)
     agg = lambda x: aggregate(  # noqa: E731
         x, mask, cfg.resolved_aggregation, cfg.norm_length, segment_ids)
 

@@ -53,7 +53,7 @@ def _fields(b: Array, shifts: tuple[int, ...], mask: int, width: int) -> Array:
 
 def _bits32(b: Array) -> Array:
     """4 bytes (a little-endian u32) -> its 32 bits, bit ``j`` at position ``j``."""
-    return _fields(b, tuple(range(8)), 1, 1).reshape(*b.shape[:-1], 4, 8).reshape(*b.shape[:-1], 32)
+    return _fields(b, tuple(range(8)), 1, 1)  # byte i's bit j lands at 8 * i + j
 
 
 def _q5(b: Array) -> Array:
