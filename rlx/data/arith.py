@@ -11,6 +11,8 @@ take duplicate-free eval sets.
 rlx's own arithmetic generators ("arith:<kind>"):
 - `add2`: a + b with a, b in 1..99;
 - `mul`: a * b with a in 10..99, b in 2..9;
+- `mul3x2`: a * b with a in 100..999, b in 10..99 (beyond a small model's mental arithmetic: the
+  tool-use quickstart's task);
 - `basic`: 2 or 3 terms in 1..99 joined by +, - or * (usual precedence), e.g.
   "Calculate 12 - 7 * 3." -> "-9" (the shape of reasoning-gym's `basic_arithmetic` with 2-3
   terms of 1-2 digits, without its parentheses and divisions).
@@ -127,6 +129,11 @@ def _mul(rng: random.Random) -> Problem:
     return Problem(f"What is {a} * {b}?", str(a * b))
 
 
+def _mul3x2(rng: random.Random) -> Problem:
+    a, b = rng.randint(100, 999), rng.randint(10, 99)
+    return Problem(f"What is {a} * {b}?", str(a * b))
+
+
 def _basic(rng: random.Random) -> Problem:
     terms = [rng.randint(1, 99) for _ in range(rng.choice((2, 3)))]
     ops = [rng.choice("+-*") for _ in terms[1:]]
@@ -138,6 +145,7 @@ def _basic(rng: random.Random) -> Problem:
 ARITH_KINDS: dict[str, Callable[[random.Random], Problem]] = {
     "add2": _add2,
     "mul": _mul,
+    "mul3x2": _mul3x2,
     "basic": _basic,
 }
 
