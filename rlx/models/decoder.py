@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -40,6 +41,7 @@ from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, 
                               mixed_einsum)
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
+from rlx.models.stack import is_stacked, scan
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # float dtypes by config name
 
@@ -155,9 +157,31 @@ class Transformer(nnx.Module):
         """Final-norm hidden states ``[B, T, D]``."""
         positions, segment_ids = resolve_positions(input_ids, positions, segment_ids, attention_mask)
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
+        return self.norm(self.run_layers(x, positions, segment_ids, angles, adapter))
+
+    def run_layers(self, x: Float[Array, "b t d"], positions, segment_ids, angles,
+                   adapter: bool = True, remat: bool = False, policy=None) -> Float[Array, "b t d"]:
+        """Every layer over ``x`` (no final norm): a Python loop over ``layers``, or a scan over
+        each of ``stacks`` (``rlx.models.stack``). ``remat``: each layer a ``jax.checkpoint``
+        with checkpoint ``policy`` (``config.train.remat``)."""
+        def call(layer, x, _):
+            return layer(x, positions, segment_ids, angles, adapter), None
+
+        if is_stacked(self):
+            for stack in self.stacks:
+                x, _ = scan(stack, x, None, call, policy, remat)
+            return x
         for layer in self.layers:
-            x = layer(x, positions, segment_ids, angles, adapter)
-        return self.norm(x)
+            if not remat:
+                x = layer(x, positions, segment_ids, angles, adapter)
+                continue
+            graphdef, state = nnx.split(layer)
+
+            def layer_fn(state, x, graphdef=graphdef):
+                return call(nnx.merge(graphdef, state), x, None)[0]
+
+            x = jax.checkpoint(layer_fn, policy=policy)(state, x)
+        return x
 
     def decode(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"], segment_ids: Int[Array, "b t"],
@@ -170,9 +194,14 @@ class Transformer(nnx.Module):
         """
         cache = cache.record(positions, segment_ids)
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
+
+        def call(layer, x, kv):
+            return layer.decode(x, positions, segment_ids, angles, kv, cache, adapter)
+
         keys, values = [], []
-        for layer, k, v in zip(self.layers, cache.keys, cache.values):
-            x, (k, v) = layer.decode(x, positions, segment_ids, angles, (k, v), cache, adapter)
+        layers = self.stacks if is_stacked(self) else self.layers
+        for layer, k, v in zip(layers, cache.keys, cache.values):  # a stack: its layers' buffers
+            x, (k, v) = scan(layer, x, (k, v), call) if is_stacked(self) else call(layer, x, (k, v))
             keys.append(k)
             values.append(v)
         return self.norm(x), cache.advance(keys, values, input_ids.shape[1])

@@ -18,6 +18,10 @@ slot ``[B, S]`` (segment 0 = empty or padding, never attended to):
   folded into the query, as the keys (``q_latent @ latent^T``); slots major serves the first
   product as a value cache is served, and XLA:CPU ran the pair no slower than over ``[B, C, S]``.
 
+A scanned model (``rlx.models.stack``) keeps one buffer per stack of layers, ``[n, b, ...]`` with
+the stack's layer axis first (``stacks`` records the counts), which its decode scans over with
+the layer's variables.
+
 All rows write at the same slot ``index``; rows differ only in their positions, so left-padded
 prompts of different lengths decode exactly: a row's padding slots carry segment 0 and its tokens
 carry their own positions (rotary embedding and causality use positions, not slots).
@@ -29,6 +33,8 @@ whole cache under the usual position/segment mask (``rlx.models.layers.attention
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,23 +50,28 @@ from rlx.models.mixed import is_low_precision
 class KVCache:
     """Keys/values per layer and per-slot positions/segments; a pytree (a ``while_loop`` carry)."""
 
-    keys: tuple[Float[Array, "b ... s"], ...]  # slots minor: GQA [b, kv, d, s], MLA [b, r, s]
-    values: tuple[Float[Array, "b ... s d"], ...]  # slots major: GQA [b, kv, s, d], MLA [b, s, c]
+    keys: tuple[Float[Array, "... s"], ...]  # slots minor: GQA [b, kv, d, s], MLA [b, r, s]
+    values: tuple[Float[Array, "... s d"], ...]  # slots major: GQA [b, kv, s, d], MLA [b, s, c]
     positions: Int[Array, "b s"]  # position of the token held in each slot
     segment_ids: Int[Array, "b s"]  # 0: empty slot or padding
     index: Int[Array, ""]  # next slot to write, shared by all rows
+    # layers per buffer: None, one buffer per layer; else one [n, ...] buffer per stack of n layers
+    stacks: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype) -> "KVCache":
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype,
+              stacks: tuple[int, ...] | None = None) -> "KVCache":
         """An empty cache of ``length`` slots for ``batch`` rows of a decode in compute ``dtype``;
         buffers in ``cache_dtype(dtype)`` (f32 for a 16-bit float on a CPU), shaped by
-        ``layer_shapes``."""
+        ``layer_shapes``; with ``stacks`` (a scanned model's layers per stack,
+        ``rlx.models.stack.layer_counts``) each stack's buffers stacked on a leading axis."""
         dtype = cache_dtype(dtype)
         key_shape, value_shape = layer_shapes(cfg, batch, length)
-        keys = tuple(jnp.zeros(key_shape, dtype) for _ in range(cfg.num_layers))
-        values = tuple(jnp.zeros(value_shape, dtype) for _ in range(cfg.num_layers))
+        lead = [()] * cfg.num_layers if stacks is None else [(n,) for n in stacks]
+        keys = tuple(jnp.zeros(n + key_shape, dtype) for n in lead)
+        values = tuple(jnp.zeros(n + value_shape, dtype) for n in lead)
         slots = jnp.zeros((batch, length), jnp.int32)
-        return cls(keys, values, slots, slots, jnp.zeros((), jnp.int32))
+        return cls(keys, values, slots, slots, jnp.zeros((), jnp.int32), stacks)
 
     @property
     def length(self) -> int:
@@ -93,8 +104,9 @@ class KVCache:
 
     def take_rows(self, rows: Int[Array, " n"]) -> "KVCache":
         """The cache of rows ``rows`` (repeats allowed: samples of one prompt share its prefill)."""
-        take = lambda x: jnp.take(x, rows, axis=0)  # noqa: E731
-        return self.replace(keys=tuple(map(take, self.keys)), values=tuple(map(take, self.values)),
+        take = lambda x, axis=0: jnp.take(x, rows, axis=axis)  # noqa: E731
+        layer = functools.partial(take, axis=0 if self.stacks is None else 1)
+        return self.replace(keys=tuple(map(layer, self.keys)), values=tuple(map(layer, self.values)),
                             positions=take(self.positions), segment_ids=take(self.segment_ids))
 
     def advance(self, keys, values, steps: int) -> "KVCache":

@@ -1,0 +1,168 @@
+"""Scanned decoder layers: runs of same-structure layers stacked on a leading ``layers`` axis.
+
+``stack_layers(model)`` turns a ``Transformer``'s per-layer ``Block`` list into ``LayerStack``
+modules, one per run of consecutive layers whose structure is the same (``layer_runs``): every
+variable of the run (float, quantized, LoRA, router buffer) becomes one array with the layer
+axis first, its logical axes prefixed by ``"layers"`` (no mesh axis: each device holds all the
+layers of its own slices). The forward pass, the remat forward and the cached decode then run
+each stack with ``jax.lax.scan`` over that axis (``scan``): XLA compiles one layer body per
+stack, so the program and its compile time no longer grow with depth.
+
+Layers whose structure differs cannot share a stack: DeepSeek-V3 / Kimi-K2 / GLM-4.5 put dense
+MLPs in the first ``first_k_dense_replace`` layers and MoE after them, which gives two stacks, a
+dense prefix and the MoE rest (a model with sparse layers interleaved gets one stack per run).
+
+Stacking happens after a model is loaded, quantized and given its adapters, and
+``unstack_layers`` undoes it, so every file format keeps its per-layer tensors: a checkpoint
+on disk is the same with and without ``config.model.scan_layers``. The math per layer is that of
+the unrolled loop; only XLA's fusion across layer boundaries differs (f32 logits and gradients
+agree to rounding, ``tests/models/test_scan_layers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYERS = "layers"  # logical name of the stacked axis (no mesh axis in any rules table)
+
+
+class LayerStack(nnx.Module):
+    """``count`` decoder layers from layer ``first`` on, as one ``block`` whose variables carry
+    the layer axis first."""
+
+    def __init__(self, block: nnx.Module, first: int, count: int):
+        self.block, self.first, self.count = block, first, count
+
+
+def layer_runs(kinds: list) -> tuple[tuple[int, int], ...]:
+    """(first layer, count) of each run of consecutive equal entries of ``kinds``."""
+    runs: list[list[int]] = []
+    for i, kind in enumerate(kinds):
+        if runs and kinds[runs[-1][0]] == kind:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return tuple((first, count) for first, count in runs)
+
+
+def is_stacked(model: nnx.Module) -> bool:
+    return getattr(model, "stacks", None) is not None
+
+
+def _stack_values(values: list) -> jax.Array:
+    """``jnp.stack(values)`` placed like its inputs with the new axis whole."""
+    sharding = getattr(values[0], "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = jax.sharding.PartitionSpec(None, *sharding.spec)
+        out = jax.sharding.NamedSharding(sharding.mesh, spec)
+        return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)(*values)
+    return jnp.stack(values)
+
+
+def _with_axes(var: nnx.Variable, value, lead: bool) -> nnx.Variable:
+    """``var`` holding ``value``, its logical axes with the layer axis added (``lead``) or removed."""
+    axes = var.get_metadata().get("logical_axes")
+    if axes is None:
+        return var.replace(value)
+    return var.replace(value, logical_axes=(LAYERS,) + tuple(axes) if lead else tuple(axes)[1:])
+
+
+def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
+    """One block of ``blocks``' common structure whose variables stack theirs on a leading axis."""
+    splits = [nnx.split(b) for b in blocks]
+    graphdef = splits[0][0]
+    if any(g != graphdef for g, _ in splits[1:]):
+        raise ValueError("cannot stack layers of different structure")
+    flats = [nnx.to_flat_state(s) for _, s in splits]
+    for path, var in flats[0]:
+        if isinstance(var, nnx.RngState):
+            raise ValueError(
+                f"cannot scan layers holding random state ({'/'.join(map(str, path))}: LoRA "
+                "dropout); set config.lora.dropout=0 or config.model.scan_layers=False")
+    out = []
+    for i, (path, var) in enumerate(flats[0]):
+        value = _stack_values([flat[i][1][...] for flat in flats])
+        out.append((path, _with_axes(var, value, lead=True)))
+    return nnx.merge(graphdef, nnx.from_flat_state(out))
+
+
+def unstack_block(block: nnx.Module, count: int) -> list[nnx.Module]:
+    """The ``count`` per-layer blocks of a stacked ``block`` (copies of their slices)."""
+    graphdef, state = nnx.split(block)
+    flat = nnx.to_flat_state(state)
+    return [nnx.merge(graphdef, nnx.from_flat_state(
+        [(p, _with_axes(v, v[...][i], lead=False)) for p, v in flat])) for i in range(count)]
+
+
+def stack_layers(model: nnx.Module) -> nnx.Module:
+    """``model`` (a ``Transformer``) with its ``layers`` replaced, in place, by ``stacks``:
+    one ``LayerStack`` per run of same-structure layers. Returns ``model``."""
+    if is_stacked(model):
+        return model
+    layers = list(model.layers)
+    kinds = [nnx.split(b)[0] for b in layers]
+    stacks = [LayerStack(stack_blocks(layers[f:f + n]), f, n) for f, n in layer_runs(kinds)]
+    del model.layers
+    model.stacks = nnx.List(stacks)
+    return model
+
+
+def unstack_layers(model: nnx.Module) -> nnx.Module:
+    """The inverse of ``stack_layers``, in place: per-layer ``layers`` again. Returns ``model``."""
+    if not is_stacked(model):
+        return model
+    blocks = [b for s in model.stacks for b in unstack_block(s.block, s.count)]
+    del model.stacks
+    model.layers = nnx.List(blocks)
+    return model
+
+
+def unrolled(model: nnx.Module) -> nnx.Module:
+    """``model`` itself when its layers are not stacked, else an unstacked copy (the file
+    writers' view: per-layer paths ``layers/{i}/...``; the copy costs the layers' memory once)."""
+    if not is_stacked(model):
+        return model
+    return unstack_layers(nnx.merge(*nnx.split(model)))
+
+
+def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = False):
+    """``jax.lax.scan`` of ``fn(block, carry, x) -> (carry, y)`` over the layers of ``stack``:
+    ``block`` is one layer (its variables sliced, their logical axes those of an unstacked
+    layer), ``x`` that layer's slice of ``xs``. ``remat``: each layer is a ``jax.checkpoint``
+    (with checkpoint ``policy``), as ``rlx.learner.step.remat_forward`` does unrolled."""
+    graphdef, state = nnx.split(stack.block)
+    flat = nnx.to_flat_state(state)
+    values = [v[...] for _, v in flat]
+
+    def body(carry, inputs):
+        layer_values, x = inputs
+        layer = nnx.from_flat_state([(p, _with_axes(v, value, lead=False))
+                                     for (p, v), value in zip(flat, layer_values)])
+        return fn(nnx.merge(graphdef, layer), carry, x)
+
+    if remat:
+        body = jax.checkpoint(body, policy=policy)
+    return jax.lax.scan(body, carry, (values, xs))
+
+
+def layer_counts(model: nnx.Module) -> tuple[int, ...] | None:
+    """Layers per stack of a stacked model, None for an unrolled one (``KVCache.zeros``)."""
+    return tuple(s.count for s in model.stacks) if is_stacked(model) else None
+
+
+def scan_default(num_layers: int) -> bool:
+    """Whether ``config.model.scan_layers`` defaults to on for a model of ``num_layers``:
+    from ``SCAN_FROM_LAYERS`` layers on, where the unrolled program's size starts to dominate
+    compile time (``python -m rlx.bench compile``)."""
+    return num_layers >= SCAN_FROM_LAYERS
+
+
+SCAN_FROM_LAYERS = 16
+
+__all__ = ["LAYERS", "LayerStack", "layer_runs", "is_stacked", "stack_blocks", "unstack_block",
+           "stack_layers", "unstack_layers", "unrolled", "scan", "layer_counts", "scan_default",
+           "SCAN_FROM_LAYERS"]
