@@ -38,6 +38,8 @@ implementations give the same numbers:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -137,26 +139,52 @@ class Experts(nnx.Module):
         return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
+class Routed(NamedTuple):
+    """A MoE layer's output, the experts each token went to (``[b, t, k]``) and the number of
+    (token, expert) pairs a dispatch capacity dropped (0 when dropless)."""
+
+    out: Array
+    experts: Int[Array, "b t k"]
+    dropped: Int[Array, ""]
+
+
 class CorrectionBias(nnx.Variable):
     """A router's per-expert selection bias (``e_score_correction_bias``), f32: a frozen buffer,
     deliberately not an ``nnx.Param`` (nor an ``nnx.LoRAParam``), so it is never trained nor
     differentiated; loaded from and saved to HF checkpoints with the parameters."""
 
 
-def softmax_topk(logits: Float[Array, "n e"], k: int, norm: bool
+def softmax_topk(logits: Float[Array, "n e"], k: int, norm: bool,
+                 replay: Int[Array, "n k"] | None = None
                  ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
-    """Experts and gates of the softmax router (f32)."""
+    """Experts and gates of the softmax router (f32); ``replay`` fixes the experts (routing
+    replay) and the gates are the router's probabilities of those experts."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    gates, idx = jax.lax.top_k(probs, k)  # [n, k]
+    if replay is None:
+        gates, idx = jax.lax.top_k(probs, k)  # [n, k]
+    else:
+        idx, gates = replay, jnp.take_along_axis(probs, replay, axis=1)
     if norm:
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
     return idx, gates
 
 
-def sigmoid_group_topk(logits: Float[Array, "n e"], bias: Float[Array, " e"] | None, m: MoEConfig
+def sigmoid_group_topk(logits: Float[Array, "n e"], bias: Float[Array, " e"] | None, m: MoEConfig,
+                       replay: Int[Array, "n k"] | None = None
                        ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
-    """Experts and gates of the sigmoid router with group-limited top-k (f32; see the module doc)."""
+    """Experts and gates of the sigmoid router with group-limited top-k (f32; see the module doc);
+    ``replay`` fixes the experts (routing replay), the gates are their uncorrected scores."""
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))  # [n, e]
+    idx = _group_topk(scores, bias, m) if replay is None else replay
+    gates = jnp.take_along_axis(scores, idx, axis=1)
+    if m.norm_topk_prob:
+        gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+    return idx, gates
+
+
+def _group_topk(scores: Float[Array, "n e"], bias: Float[Array, " e"] | None, m: MoEConfig
+                ) -> Int[Array, "n k"]:
+    """The experts the sigmoid router chooses: by ``scores + bias``, within the best groups."""
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
     if m.topk_group < m.n_group:  # keep the topk_group best groups, by their best two experts
         n, e = choice.shape
@@ -166,11 +194,7 @@ def sigmoid_group_topk(logits: Float[Array, "n e"], bias: Float[Array, " e"] | N
         keep = jnp.sum(jax.nn.one_hot(best, m.n_group, dtype=jnp.int32), axis=1) > 0  # [n, groups]
         keep = jnp.repeat(keep, e // m.n_group, axis=1)  # [n, e]
         choice = jnp.where(keep, choice, -jnp.inf)
-    _, idx = jax.lax.top_k(choice, m.top_k)  # [n, k]
-    gates = jnp.take_along_axis(scores, idx, axis=1)
-    if m.norm_topk_prob:
-        gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
-    return idx, gates
+    return jax.lax.top_k(choice, m.top_k)[1]  # [n, k]
 
 
 class SparseMoE(nnx.Module):
@@ -194,28 +218,38 @@ class SparseMoE(nnx.Module):
         self.routing, self.dtype, self.impl = m, dtype, impl
         self.expert_parallel = None  # an ExpertParallel: set by expert_parallel() on a mesh
 
-    def route(self, x: Float[Array, "n d"]) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
-        """The experts of each token and their gates (in the compute dtype)."""
+    def route(self, x: Float[Array, "n d"], replay: Int[Array, "n k"] | None = None
+              ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
+        """The experts of each token and their gates (in the compute dtype). ``replay`` (routing
+        replay) fixes the experts; the gates are still computed from this router's logits over
+        them, so a trainable router keeps its gradient."""
         m = self.routing
         if m.router == "softmax":
             logits = x @ self.router[...].astype(self.dtype)  # [n, e]
-            idx, gates = softmax_topk(logits, m.top_k, m.norm_topk_prob)
+            idx, gates = softmax_topk(logits, m.top_k, m.norm_topk_prob, replay)
         else:
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [n, e]
             bias = None if self.correction_bias is None else self.correction_bias[...]
-            idx, gates = sigmoid_group_topk(logits, bias, m)
+            idx, gates = sigmoid_group_topk(logits, bias, m, replay)
         if m.routed_scaling_factor != 1.0:
             gates = gates * m.routed_scaling_factor
         return idx, gates.astype(self.dtype)
 
     def __call__(self, x: Float[Array, "b t d"], adapter: bool = True) -> Float[Array, "b t d"]:
+        return self.routed(x, adapter).out
+
+    def routed(self, x: Float[Array, "b t d"], adapter: bool = True,
+               replay: Int[Array, "b t k"] | None = None) -> "Routed":
+        """The layer's output with the experts it chose per token (``replay``, when given) and
+        the (token, expert) pairs a dispatch capacity dropped."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
-        idx, gates = self.route(flat)
+        idx, gates = self.route(flat, None if replay is None else replay.reshape(b * t, -1))
+        dropped = jnp.zeros((), jnp.int32)
         if self.impl == "dense":
             out = self.experts.dense(flat, idx, gates, adapter)
         elif self.expert_parallel is not None:
-            out, _ = dispatch(self.experts, self.expert_parallel, flat, idx, gates, adapter)
+            out, dropped = dispatch(self.experts, self.expert_parallel, flat, idx, gates, adapter)
         else:
             out = self.experts.ragged(flat, idx, gates, adapter)
         if self.shared_expert is not None:
@@ -223,7 +257,7 @@ class SparseMoE(nnx.Module):
             if self.shared_gate is not None:
                 shared = jax.nn.sigmoid(flat @ self.shared_gate[...].astype(self.dtype)) * shared
             out = out + shared
-        return out.reshape(b, t, d)
+        return Routed(out.reshape(b, t, d), idx.reshape(b, t, -1).astype(jnp.int32), dropped)
 
 
 def expert_parallel(model: nnx.Module, mesh: Mesh | None, rules: LogicalRules,

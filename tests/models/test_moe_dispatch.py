@@ -12,50 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlx.mesh import TRAIN_RULES, MeshShape, batch_sharding, make_mesh, shard_variables
+from rlx.mesh import TRAIN_RULES, MeshShape, batch_sharding, make_mesh
 from rlx.models.hparams import MoEConfig
-from rlx.models.moe import CorrectionBias, SparseMoE, expert_parallel
+from rlx.models.moe import SparseMoE, expert_parallel
 from rlx.models.moe_dispatch import ExpertParallel, dispatch
-from rlx.quant import LoraConfig
-from rlx.quant.lora import LoRA
-from rlx.quant.tensors import QuantWeight, quantize_array
+from tests.helpers.moe import SIGMOID, SOFTMAX, D, F, make_layer, on_mesh
 
-D, F = 16, 8
 MESHES = {"expert8": MeshShape(expert=8), "expert4-fsdp2": MeshShape(fsdp=2, expert=4)}
-SOFTMAX = MoEConfig(num_experts=8, top_k=2, intermediate_size=F, norm_topk_prob=False,
-                    shared_intermediate_size=12, shared_expert_gate=True)
-SIGMOID = MoEConfig(num_experts=16, top_k=3, intermediate_size=F, norm_topk_prob=True,
-                    shared_intermediate_size=8, router="sigmoid", correction_bias=True, n_group=4,
-                    topk_group=2, routed_scaling_factor=1.5)
-
-
-def make_layer(m: MoEConfig, fmt: str, seed: int = 0) -> SparseMoE:
-    """A layer with random weights; ``fmt`` int8/int4: quantized experts with random LoRA."""
-    rngs = nnx.Rngs(seed)
-    layer = SparseMoE(D, m, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
-    layer.router.set_value(layer.router[...] * 50)  # spread the router's choices
-    if layer.correction_bias is not None:
-        layer.correction_bias.set_value(jax.random.normal(rngs.params(), (m.num_experts,)) * 0.1)
-    if fmt == "float":
-        return layer
-    ex, axes = layer.experts, {"gate": ("embed", "expert_mlp"), "up": ("embed", "expert_mlp"),
-                               "down": ("expert_mlp", "embed")}
-    for t in ("gate", "up", "down"):
-        var = getattr(ex, f"{t}_proj")
-        setattr(ex, f"{t}_proj", quantize_array(var[...] * 20, fmt, group_size=8,
-                                               axes=var.get_metadata()["logical_axes"]))
-        e, d_in, d_out = var.shape
-        lora = LoRA(d_in, d_out, LoraConfig(rank=3, alpha=5.0), axes[t], dtype=jnp.float32,
-                    rngs=rngs, experts=e)
-        lora.lora_b.set_value(0.3 * jax.random.normal(rngs.params(), lora.lora_b.shape))
-        setattr(ex, f"{t}_lora", lora)
-    return layer
-
-
-def on_mesh(layer: SparseMoE, mesh) -> SparseMoE:
-    for kind in (nnx.Param, nnx.LoRAParam, QuantWeight, CorrectionBias):
-        shard_variables(layer, kind, mesh, TRAIN_RULES)
-    return expert_parallel(layer, mesh, TRAIN_RULES)
 
 
 def value_and_grads(layer: SparseMoE, x, wrt):
