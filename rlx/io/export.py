@@ -43,6 +43,7 @@ from rlx.models.decoder import Transformer
 from rlx.models.hf import param_map, put_hf_layout
 from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import save_sharded
+from rlx.models.stack import unrolled
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
 from rlx.quant.loading import node_at
 from rlx.quant.lora import LoRA
@@ -129,6 +130,7 @@ def _expert_tensors(lg, lu, ld, prefix: str, nested: bool) -> dict[str, np.ndarr
 
 def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     """(PEFT-named adapter tensors, the shape facts ``adapter_config.json`` needs)."""
+    model = unrolled(model, nnx.LoRAParam)  # scanned layers: per-layer adapters, base abstract
     tensors, modules, params, fused_rank = {}, set(), set(), 0
     remapped = model.config.model_type in PEFT_REMAPS_MLP_NAMES
     for name, lo in dense_adapters(model).items():
@@ -220,7 +222,7 @@ def _delta(model: Transformer, path: str) -> np.ndarray | None:
 
 def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named float tensors of base (dequantized) + merged adapters."""
-    out: dict[str, np.ndarray] = {}
+    model, out = unrolled(model), {}
     for path, src in param_map(model.config).items():
         node = node_at(model, path)
         value = _value(node, np.float32)
@@ -252,7 +254,7 @@ def export_merged(model: Transformer, path: str, version: str, dtype=np.float32)
 
 def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named tensors of the frozen base in ``q.serving``'s layout (adapters left out)."""
-    out: dict[str, np.ndarray] = {}
+    model, out = unrolled(model, nnx.Not(nnx.LoRAParam)), {}
     for path, src in param_map(model.config).items():
         node = node_at(model, path)
         if isinstance(node, nnx.Variable) or q.serving == "hf" or src.layout == "copy":

@@ -23,10 +23,12 @@ import os
 import gguf
 import jax
 import numpy as np
+from flax import nnx
 
 from rlx.io.export import dense_adapters, publish
 from rlx.models.decoder import Transformer
 from rlx.models.gguf import GGUFCheckpoint, read_gguf
+from rlx.models.stack import unrolled
 from rlx.quant.config import QuantConfigError
 
 FILE = "adapter.gguf"
@@ -38,6 +40,7 @@ def _np(x) -> np.ndarray:
 
 def gguf_lora_tensors(model: Transformer, base: GGUFCheckpoint) -> tuple[dict[str, np.ndarray], float]:
     """(GGUF-named ``lora_a`` / ``lora_b`` tensors, ``adapter.lora.alpha``) of ``model``'s adapters."""
+    model = unrolled(model, nnx.LoRAParam)  # scanned layers: per-layer adapters, base abstract
     if any(getattr(layer.mlp, "experts", None) is not None and
            any(lo is not None for lo in (layer.mlp.experts.gate_lora, layer.mlp.experts.up_lora,
                                          layer.mlp.experts.down_lora)) for layer in model.layers):

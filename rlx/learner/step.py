@@ -91,14 +91,8 @@ def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True, po
     ``Linear``, so the backward pass recomputes attention, norms, rotary embedding and the SwiGLU
     product but no projection; MoE experts are recomputed whole)."""
     x, angles = model.embed_tokens(batch.input_ids), model.rope_angles(batch.positions)
-    for layer in model.layers:
-        graphdef, state = nnx.split(layer)
-
-        def layer_fn(state, x, positions, segment_ids, angles, graphdef=graphdef):
-            return nnx.merge(graphdef, state)(x, positions, segment_ids, angles, adapter)
-
-        x = jax.checkpoint(layer_fn, policy=policy)(state, x, batch.positions, batch.segment_ids,
-                                                    angles)
+    x = model.run_layers(x, batch.positions, batch.segment_ids, angles, adapter, remat=True,
+                         policy=policy)  # scanned layers: the scan's body is the checkpoint
     return model.norm(x), logprob_head(model, adapter)
 
 

@@ -28,6 +28,7 @@ from rlx.models.config import ModelConfig, from_hf_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder, save_sharded
+from rlx.models.stack import unrolled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +294,7 @@ def hf_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
     per expert; LoRA adapters and quantized weights are left to ``rlx.io.export``)."""
     out: dict[str, np.ndarray] = {}
     sources = param_map(model.config)
+    model = unrolled(model, CHECKPOINTED)  # scanned layers: per-layer tensors
     for key, var in nnx.to_flat_state(nnx.state(model, CHECKPOINTED)):
         path = "/".join(map(str, key))
         src = sources[path]

@@ -19,9 +19,11 @@ from rlx.models.hf import check_float_checkpoint, load_model, read_hf_config
 from rlx.models.hub import parse_hub_id, resolve_hub
 from rlx.models.moe import MOE_IMPLS, CorrectionBias
 from rlx.models.safetensors_io import SafetensorsFolder
+from rlx.models.stack import scan_default
 from rlx.models.tokenizer import Tokenizer
 
 FORMATS = ("auto", "hf", "gguf")  # config.model.format; "auto": by the path's extension
+SCAN_MODES = ("auto", "on", "off")  # config.model.scan_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,10 @@ class ModelSection:
     param_dtype: str = "float32"  # storage dtype of full-precision parameters
     moe_impl: str = "ragged"  # "ragged" (sorted grouped matmul) | "dense" (all experts, einsum)
     shrink: ShrinkSection = ShrinkSection()  # random shrunken copy instead of the weights
+    # decoder layers stacked and run with lax.scan (rlx.models.stack): one compiled layer body
+    # instead of one per layer. "auto": on for models of SCAN_FROM_LAYERS (16) layers or more;
+    # "on"; "off" (a Python loop over the layers). Files on disk are the same either way
+    scan_layers: str = "auto"
 
     def __post_init__(self):
         """``gguf_file`` is joined onto ``path`` (and cleared), so every reader of ``path`` sees
@@ -76,6 +82,11 @@ class ModelSection:
         one_of("config.model.dtype", self.dtype, DTYPES)
         one_of("config.model.param_dtype", self.param_dtype, DTYPES)
         one_of("config.model.moe_impl", self.moe_impl, MOE_IMPLS)
+        one_of("config.model.scan_layers", self.scan_layers, SCAN_MODES)
+
+    def scans(self, num_layers: int) -> bool:
+        """Whether a model of ``num_layers`` layers runs them scanned (``scan_layers``)."""
+        return self.scan_layers == "on" or (self.scan_layers == "auto" and scan_default(num_layers))
 
     @property
     def resolved_format(self) -> str:

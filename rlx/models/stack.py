@@ -90,12 +90,20 @@ def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
     return nnx.merge(graphdef, nnx.from_flat_state(out))
 
 
+def _layer(value, i: int):
+    """Layer ``i`` of a stacked value (of an abstract one, its shape)."""
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape[1:], value.dtype)
+    return value[i]
+
+
 def unstack_block(block: nnx.Module, count: int) -> list[nnx.Module]:
     """The ``count`` per-layer blocks of a stacked ``block`` (copies of their slices)."""
     graphdef, state = nnx.split(block)
     flat = nnx.to_flat_state(state)
     return [nnx.merge(graphdef, nnx.from_flat_state(
-        [(p, _with_axes(v, v[...][i], lead=False)) for p, v in flat])) for i in range(count)]
+        [(p, _with_axes(v, _layer(v.get_value(), i), lead=False)) for p, v in flat]))
+        for i in range(count)]
 
 
 def stack_layers(model: nnx.Module) -> nnx.Module:
@@ -121,12 +129,18 @@ def unstack_layers(model: nnx.Module) -> nnx.Module:
     return model
 
 
-def unrolled(model: nnx.Module) -> nnx.Module:
-    """``model`` itself when its layers are not stacked, else an unstacked copy (the file
-    writers' view: per-layer paths ``layers/{i}/...``; the copy costs the layers' memory once)."""
+def unrolled(model: nnx.Module, only=...) -> nnx.Module:
+    """``model`` itself when its layers are not stacked, else an unstacked copy: the file
+    writers' view, with per-layer paths ``layers/{i}/...``. The copy holds the variables the
+    filter ``only`` selects (by default all; they cost their memory once more) and leaves the
+    others abstract (``jax.ShapeDtypeStruct``: shapes only, e.g. the base beside the adapters a
+    PEFT export writes)."""
     if not is_stacked(model):
         return model
-    return unstack_layers(nnx.merge(*nnx.split(model)))
+    graphdef, kept, rest = nnx.split(model, only, ...)
+    rest = nnx.from_flat_state([(p, v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype)))
+                                for p, v in nnx.to_flat_state(rest)])
+    return unstack_layers(nnx.merge(graphdef, kept, rest))
 
 
 def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = False):

@@ -19,6 +19,7 @@ elsewhere, where XLA's layout assignment already picks the product's kernel).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from rlx.mesh import target_platform
@@ -40,9 +41,10 @@ def resolve_layout(layout: str) -> str:
 
 
 def _transposed(kernel: nnx.Variable) -> nnx.Variable:
+    """The kernel with its last two axes swapped (a scanned model's layer axis stays first)."""
     axes = kernel.get_metadata().get("logical_axes")
-    meta = {"logical_axes": tuple(reversed(axes))} if axes is not None else {}
-    return kernel.replace(kernel[...].T, **meta)
+    meta = {"logical_axes": tuple(axes[:-2]) + (axes[-1], axes[-2])} if axes is not None else {}
+    return kernel.replace(jnp.swapaxes(kernel[...], -1, -2), **meta)
 
 
 def to_out_in(model: nnx.Module, keep: frozenset[tuple] = frozenset()) -> frozenset[tuple]:

@@ -29,11 +29,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int, UInt32
 
 from rlx.learner.logprobs import token_logprobs
 from rlx.models.kv_cache import KVCache
+from rlx.models.stack import layer_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +183,8 @@ def row_keys(seed: Int[Array, ""], uid_hash: UInt32[Array, " b"], sample_index: 
 def _constrain(cache: KVCache, kv: NamedSharding | None, rows: NamedSharding | None) -> KVCache:
     if kv is None:
         return cache
+    if cache.stacks is not None:  # a scanned model's buffers: the layer axis first, whole
+        kv = NamedSharding(kv.mesh, PartitionSpec(None, *kv.spec))
     put = jax.lax.with_sharding_constraint
     return cache.replace(keys=tuple(put(k, kv) for k in cache.keys),
                          values=tuple(put(v, kv) for v in cache.values),
@@ -203,7 +206,7 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static)
     With fewer prompts than rows (``n`` samples of each prompt) each prompt is prefilled once and
     its cache rows are copied to its samples: a GRPO group of 8 prefills 1 row, not 8."""
     u, p = prompt_ids.shape
-    cache = KVCache.zeros(model.config, u, length, model.precision.dtype)
+    cache = KVCache.zeros(model.config, u, length, model.precision.dtype, layer_counts(model))
     cache = _constrain(cache, static.kv_sharding, static.row_sharding)
     positions, segments = left_padded(prompt_lens, p)  # [u, p] each
     h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
@@ -307,7 +310,7 @@ def sequence_logprobs(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array,
     """
     model = nnx.merge(graphdef, state)
     b, t = ids.shape
-    cache = KVCache.zeros(model.config, b, t, model.precision.dtype)
+    cache = KVCache.zeros(model.config, b, t, model.precision.dtype, layer_counts(model))
     positions, segments = left_padded(lens, t)
     h, _ = model.decode(ids, positions, segments, cache, adapter)
     project = functools.partial(model.logits, adapter=adapter)
