@@ -1,0 +1,74 @@
+"""The built-in engine over a scanned model (``rlx.models.stack``): its stacked KV cache samples
+what the learner's log-prob step scores on the same stacked model (<= 1e-5 f32, as
+tests/rollout/test_jax_engine.py), in full mode (llama) and in LoRA mode on DeepSeek-V3 (an int8
+base with LoRA on attention, dense MLP and experts; MLA's latent cache; a dense-prefix stack and
+a MoE stack), and on a sharded mesh (data x tensor) the same tokens as on one device."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlx.learner.batching import pad_rollouts, shard_batch
+from rlx.learner.step import StepConfig, make_logprob_step
+from rlx.mesh import MeshShape, make_mesh
+from rlx.models import from_hf
+from rlx.models.stack import layer_counts, stack_layers
+from rlx.quant import QuantConfig
+from rlx.rollout.jax_engine import JaxEngine
+from rlx.types import Prompt, SamplingParams
+from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.quant import quantized_lora_model
+
+TOL = 1e-5
+SAMPLING = SamplingParams(max_new_tokens=6, n=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("zoo"))
+
+
+def _prompts():
+    rs = np.random.RandomState(0)
+    return [Prompt(f"p{i}", tuple(int(t) for t in rs.randint(0, 97, n)))
+            for i, n in enumerate((3, 7))]
+
+
+def _learner(model, rollouts) -> list[np.ndarray]:
+    mesh = make_mesh(MeshShape(), devices=jax.devices()[:1])
+    trainable = nnx.LoRAParam if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)) else nnx.Param
+    graphdef, params, frozen = nnx.split(model, trainable, ...)
+    step = make_logprob_step(graphdef, params, frozen, mesh, StepConfig(logprob_chunk=64))
+    logp = np.asarray(step(params, frozen, shard_batch(pad_rollouts(
+        rollouts, np.zeros(len(rollouts))), mesh)).logp)
+    return [logp[i, len(r.prompt_ids):r.length] for i, r in enumerate(rollouts)]
+
+
+def _parity(model) -> float:
+    rollouts = JaxEngine(model).generate(_prompts(), SAMPLING)
+    learner = _learner(model, rollouts)
+    return max(float(np.abs(a - r.sampler_logp).max()) for a, r in zip(learner, rollouts))
+
+
+def test_full_mode_llama(zoo):
+    model = stack_layers(from_hf(make_hf_model("llama", zoo)))
+    assert layer_counts(model) == (2,)
+    assert _parity(model) <= TOL
+
+
+def test_lora_mode_deepseek_v3(zoo):
+    model = stack_layers(quantized_lora_model(zoo, "deepseek_v3", QuantConfig(format="int8")))
+    assert layer_counts(model) == (1, 1)
+    assert _parity(model) <= TOL
+
+
+def test_sharded_mesh_gives_the_same_tokens(zoo):
+    path = make_hf_model("llama", zoo)
+    single = JaxEngine(stack_layers(from_hf(path))).generate(_prompts(), SAMPLING)
+    mesh = make_mesh(MeshShape(data=2, tensor=2), devices=jax.devices()[:4])
+    sharded = JaxEngine(stack_layers(from_hf(path, mesh=mesh)), mesh=mesh).generate(
+        _prompts(), SAMPLING)
+    for a, b in zip(single, sharded):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
