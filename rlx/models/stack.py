@@ -163,6 +163,48 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
     return jax.lax.scan(body, carry, (values, xs))
 
 
+def per_layer_tree(tree):
+    """``tree`` (params, an optimizer state: any pytree of ``nnx.State``, dicts, tuples) with each
+    stacked ``stacks`` entry replaced by the unrolled model's ``layers`` entries, layer ``i`` the
+    ``i``-th slice: the paths and shapes a checkpoint of the unrolled model holds."""
+    if isinstance(tree, (nnx.State, dict)):
+        items = {k: per_layer_tree(v) for k, v in tree.items() if k != "stacks"}
+        if "stacks" in tree:
+            stacks = [tree["stacks"][k]["block"] for k in sorted(tree["stacks"].keys())]
+            layers = [jax.tree.map(lambda x, i=i: x[i], s) for s in stacks
+                      for i in range(jax.tree.leaves(s)[0].shape[0])]
+            items["layers"] = type(tree)({i: per_layer_tree(b) for i, b in enumerate(layers)})
+        return type(tree)(items)
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return type(tree)(*map(per_layer_tree, tree))
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map(per_layer_tree, tree))
+    return tree
+
+
+def stacked_tree(tree, like):
+    """The inverse of ``per_layer_tree``: ``tree`` (per-layer) in the structure of ``like`` (the
+    stacked tree it came from), each stack's layers stacked again on ``like``'s shardings."""
+    if isinstance(like, (nnx.State, dict)):
+        items = {k: stacked_tree(tree[k], v) for k, v in like.items() if k != "stacks"}
+        if "stacks" in like:
+            first, stacks = 0, {}
+            for k in sorted(like["stacks"].keys()):
+                block = like["stacks"][k]["block"]
+                n = jax.tree.leaves(block)[0].shape[0]
+                layers = [stacked_tree(tree["layers"][i], block) for i in range(first, first + n)]
+                stacks[k] = type(like["stacks"][k])(
+                    {"block": jax.tree.map(lambda *xs: _stack_values(list(xs)), *layers)})
+                first += n
+            items["stacks"] = type(like["stacks"])(stacks)
+        return type(like)(items)
+    if isinstance(like, tuple) and hasattr(like, "_fields"):
+        return type(like)(*(stacked_tree(t, l) for t, l in zip(tree, like)))
+    if isinstance(like, (tuple, list)):
+        return type(like)(stacked_tree(t, l) for t, l in zip(tree, like))
+    return tree
+
+
 def layer_counts(model: nnx.Module) -> tuple[int, ...] | None:
     """Layers per stack of a stacked model, None for an unrolled one (``KVCache.zeros``)."""
     return tuple(s.count for s in model.stacks) if is_stacked(model) else None
@@ -178,5 +220,5 @@ def scan_default(num_layers: int) -> bool:
 SCAN_FROM_LAYERS = 16
 
 __all__ = ["LAYERS", "LayerStack", "layer_runs", "is_stacked", "stack_blocks", "unstack_block",
-           "stack_layers", "unstack_layers", "unrolled", "scan", "layer_counts", "scan_default",
-           "SCAN_FROM_LAYERS"]
+           "stack_layers", "unstack_layers", "unrolled", "scan", "layer_counts", "per_layer_tree",
+           "stacked_tree", "scan_default", "SCAN_FROM_LAYERS"]

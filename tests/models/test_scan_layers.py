@@ -19,8 +19,8 @@ from flax import nnx
 from rlx.models import Transformer, from_hf_config
 from rlx.models.hparams import SUPPORTED_ARCHITECTURES
 from rlx.models.kv_cache import KVCache
-from rlx.models.stack import (is_stacked, layer_counts, layer_runs, stack_layers, unrolled,
-                              unstack_layers)
+from rlx.models.stack import (is_stacked, layer_counts, layer_runs, per_layer_tree, stack_layers,
+                              stacked_tree, unrolled, unstack_layers)
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from tests.helpers.hf_zoo import hf_config
 
@@ -156,3 +156,27 @@ def test_unstack_gives_back_every_variable():
     for p, v in ref:
         assert got[p].get_metadata().get("logical_axes") == v.get_metadata().get("logical_axes")
         np.testing.assert_array_equal(np.asarray(got[p][...]), np.asarray(v[...]))
+
+
+def test_checkpoint_trees_hold_the_unrolled_paths():
+    """Params and AdamW state of a stacked model, mapped per layer (what a checkpoint writes),
+    have the unrolled model's paths and values, and map back to the stacked trees exactly."""
+    import optax
+
+    model = _model("deepseek_v3", layers=3)
+    stacked = stack_layers(_copy(model))
+    opt = optax.adamw(1e-3)
+    params, ref_params = nnx.state(stacked, nnx.Param), nnx.state(model, nnx.Param)
+    tree, ref = {"params": params, "opt": opt.init(params)}, {"params": ref_params,
+                                                             "opt": opt.init(ref_params)}
+    flat = lambda t: {jax.tree_util.keystr(p): np.asarray(x)  # noqa: E731
+                      for p, x in jax.tree_util.tree_leaves_with_path(t)}
+    per_layer = per_layer_tree(tree)
+    got, want = flat(per_layer), flat(ref)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    back = flat(stacked_tree(per_layer, tree))
+    assert back.keys() == flat(tree).keys()
+    for k, v in flat(tree).items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
