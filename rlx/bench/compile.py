@@ -9,13 +9,14 @@ the HLO size of the lowered program. One measurement per cell, each in a fresh t
 holds a program across cells: the models differ in depth or in form).
 
 The architecture is a preset's (``--preset``, default Qwen2.5-1.5B's) shrunk to ``--hidden``
-wide (``rlx.models.loading.shrunk``); a preset with MoE layers after dense ones (DeepSeek-V3,
+wide (``rlx.models.loading.shrunk``) with a ``--vocab`` vocabulary; a preset with MoE layers after dense ones (DeepSeek-V3,
 Kimi-K2) gives two stacks when scanned. The batch is ``--batch`` rows of ``--seq`` tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 
@@ -33,6 +34,7 @@ def _model(args, layers: int, scanned: bool):
                             num_kv_heads=max(1, args.heads // 2), head_dim=args.hidden // args.heads,
                             num_experts=8, moe_intermediate_size=args.hidden // 2)
     cfg = shrunk(from_hf_config(preset_config(args.preset)), section)
+    cfg = dataclasses.replace(cfg, vocab_size=args.vocab)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     return stack_layers(model) if scanned else model
 
@@ -80,6 +82,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--preset", default="Qwen/Qwen2.5-1.5B-Instruct", help="rlx.models.presets name")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary (the preset's is replaced)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--remat", default="layer", help="config.train.remat")

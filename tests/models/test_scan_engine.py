@@ -2,7 +2,9 @@
 what the learner's log-prob step scores on the same stacked model (<= 1e-5 f32, as
 tests/rollout/test_jax_engine.py), in full mode (llama) and in LoRA mode on DeepSeek-V3 (an int8
 base with LoRA on attention, dense MLP and experts; MLA's latent cache; a dense-prefix stack and
-a MoE stack), and on a sharded mesh (data x tensor) the same tokens as on one device."""
+a MoE stack), and on a sharded mesh (data x tensor) the same tokens as on one device.
+The longer variants are marked ``slow`` (``python -m pytest -m slow``).
+"""
 
 import jax
 import numpy as np
@@ -57,12 +59,14 @@ def test_full_mode_llama(zoo):
     assert _parity(model) <= TOL
 
 
+@pytest.mark.slow
 def test_lora_mode_deepseek_v3(zoo):
     model = stack_layers(quantized_lora_model(zoo, "deepseek_v3", QuantConfig(format="int8")))
     assert layer_counts(model) == (1, 1)
     assert _parity(model) <= TOL
 
 
+@pytest.mark.slow
 def test_sharded_mesh_gives_the_same_tokens(zoo):
     path = make_hf_model("llama", zoo)
     single = JaxEngine(stack_layers(from_hf(path))).generate(_prompts(), SAMPLING)

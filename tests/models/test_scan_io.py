@@ -1,7 +1,9 @@
 """Scanned layers leave every file format as it is: a stacked model (``rlx.models.stack``) gives
 transformers' logits (the oracle; 1e-4, as tests/models/test_hf_parity.py) and writes exactly
 the tensors the unrolled model writes: the HF state dict, the PEFT adapter (dense and per-expert
-LoRA) and the quantized base in its serving layout."""
+LoRA) and the quantized base in its serving layout.
+The longer variants are marked ``slow`` (``python -m pytest -m slow``).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,7 @@ def _same(a: dict, b: dict) -> None:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_stacked_matches_transformers_and_writes_the_same_tensors(zoo, family):
     path = make_hf_model(family, zoo)
     ids = np.random.RandomState(0).randint(0, 97, (2, 9))
@@ -38,6 +40,7 @@ def test_stacked_matches_transformers_and_writes_the_same_tensors(zoo, family):
     _same(hf_state_dict(stacked), hf_state_dict(model))
 
 
+@pytest.mark.slow
 def test_peft_and_quantized_base_exports_are_the_same(zoo):
     """int8 base, LoRA on attention, dense MLPs and experts (DeepSeek-V3: two stacks)."""
     def build():
