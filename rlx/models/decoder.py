@@ -27,6 +27,7 @@ jitted function (pass it as a static argument). Without adapters the flag change
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,25 @@ from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, 
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
 from rlx.models.stack import is_stacked, scan
+
+class Routes(NamedTuple):
+    """The MoE routing of a forward pass: the experts each token went to in every MoE layer, in
+    layer order (``[b, t, layers, k]``; None for a model without MoE layers), and the (token,
+    expert) pairs a dispatch capacity dropped, summed over layers."""
+
+    experts: Int[Array, "b t l k"] | None
+    dropped: Int[Array, ""]
+
+
+def _layer_call(call, layer, x, rep, remat: bool, policy):
+    """``call(layer, x, rep)`` for one unrolled layer; ``remat``: as a ``jax.checkpoint`` of the
+    layer's variables and input (with checkpoint ``policy``)."""
+    if not remat:
+        return call(layer, x, rep)
+    graphdef, state = nnx.split(layer)
+    return jax.checkpoint(lambda st, x, rep: call(nnx.merge(graphdef, st), x, rep),
+                          policy=policy)(state, x, rep)
+
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}  # float dtypes by config name
 
@@ -124,15 +144,33 @@ class Block(nnx.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
+        return self.routed(x, positions, segment_ids, angles, adapter)[0]
+
+    def routed(self, x, positions, segment_ids, angles, adapter: bool = True, replay=None):
+        """``(x, experts, dropped)``: the layer's output and, for a MoE layer, the experts each
+        token went to (``replay``: these, ``[b, t, k]``) and the pairs a capacity dropped."""
         x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, angles, adapter)
-        return x + self.mlp(self.post_attention_layernorm(x), adapter)
+        return self._mlp(x, adapter, replay)
+
+    def _mlp(self, x, adapter: bool, replay):
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, SparseMoE):
+            r = self.mlp.routed(h, adapter, replay)
+            return x + r.out, r.experts, r.dropped
+        return x + self.mlp(h, adapter), None, None
 
     def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
         """``__call__`` with cached attention; returns (x, this layer's updated (keys, values))."""
+        x, _, _, kv = self.decode_routed(x, positions, segment_ids, angles, kv, cache, adapter)
+        return x, kv
+
+    def decode_routed(self, x, positions, segment_ids, angles, kv, cache: KVCache,
+                      adapter: bool = True):
+        """``decode`` that also returns the MoE routing (``routed``): ``(x, experts, dropped,
+        kv)``."""
         a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, angles, kv,
                                       cache, adapter)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x), adapter), kv
+        return (*self._mlp(x + a, adapter, None), kv)
 
 
 class Transformer(nnx.Module):
@@ -160,28 +198,47 @@ class Transformer(nnx.Module):
         return self.norm(self.run_layers(x, positions, segment_ids, angles, adapter))
 
     def run_layers(self, x: Float[Array, "b t d"], positions, segment_ids, angles,
-                   adapter: bool = True, remat: bool = False, policy=None) -> Float[Array, "b t d"]:
+                   adapter: bool = True, remat: bool = False, policy=None,
+                   replay: Int[Array, "b t l k"] | None = None) -> Float[Array, "b t d"]:
         """Every layer over ``x`` (no final norm): a Python loop over ``layers``, or a scan over
         each of ``stacks`` (``rlx.models.stack``). ``remat``: each layer a ``jax.checkpoint``
-        with checkpoint ``policy`` (``config.train.remat``)."""
-        def call(layer, x, _):
-            return layer(x, positions, segment_ids, angles, adapter), None
+        with checkpoint ``policy`` (``config.train.remat``). ``replay``: the experts of every
+        token in every MoE layer (routing replay; ``routed_layers``)."""
+        return self.routed_layers(x, positions, segment_ids, angles, adapter, remat, policy,
+                                  replay)[0]
 
+    def routed_layers(self, x: Float[Array, "b t d"], positions, segment_ids, angles,
+                      adapter: bool = True, remat: bool = False, policy=None,
+                      replay: Int[Array, "b t l k"] | None = None
+                      ) -> tuple[Float[Array, "b t d"], Routes]:
+        """``run_layers`` and the MoE routing it took: the experts of every token in each MoE
+        layer, in layer order (``replay``, when given, fixes them) and the pairs dropped."""
+        def call(layer, x, rep):
+            x, experts, dropped = layer.routed(x, positions, segment_ids, angles, adapter, rep)
+            return x, (experts, dropped)
+
+        parts, dropped, j = [], jnp.zeros((), jnp.int32), 0
+        for unit, count in self._units():
+            moe = isinstance(unit.block.mlp if is_stacked(self) else unit.mlp, SparseMoE)
+            rep = None if replay is None or not moe else replay[:, :, j:j + count]
+            if is_stacked(self):
+                x, (experts, drops) = scan(unit, x, None if rep is None else jnp.moveaxis(
+                    rep, 2, 0), call, policy, remat)
+                experts = None if experts is None else jnp.moveaxis(experts, 0, 2)
+            else:
+                x, (experts, drops) = _layer_call(call, unit, x, rep, remat, policy)
+                experts = None if experts is None else experts[:, :, None]
+            if moe:
+                parts.append(experts)
+                dropped, j = dropped + jnp.sum(drops), j + count
+        return x, Routes(jnp.concatenate(parts, axis=2) if parts else None, dropped)
+
+    def _units(self):
+        """``(stack, layers)`` per stack of a stacked model, ``(layer, 1)`` per layer of an
+        unrolled one."""
         if is_stacked(self):
-            for stack in self.stacks:
-                x, _ = scan(stack, x, None, call, policy, remat)
-            return x
-        for layer in self.layers:
-            if not remat:
-                x = layer(x, positions, segment_ids, angles, adapter)
-                continue
-            graphdef, state = nnx.split(layer)
-
-            def layer_fn(state, x, graphdef=graphdef):
-                return call(nnx.merge(graphdef, state), x, None)[0]
-
-            x = jax.checkpoint(layer_fn, policy=policy)(state, x)
-        return x
+            return [(s, s.count) for s in self.stacks]
+        return [(layer, 1) for layer in self.layers]
 
     def decode(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"], segment_ids: Int[Array, "b t"],
@@ -192,19 +249,33 @@ class Transformer(nnx.Module):
         Prefill passes the (left-padded) prompts, each decode step one token per row; the modules
         and their math are those of ``hidden_states`` (see ``rlx.models.kv_cache``).
         """
+        hidden, cache, _ = self.decode_routed(input_ids, positions, segment_ids, cache, adapter)
+        return hidden, cache
+
+    def decode_routed(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
+                      segment_ids: Int[Array, "b t"], cache: KVCache, adapter: bool = True
+                      ) -> tuple[Float[Array, "b t d"], KVCache, Routes]:
+        """``decode`` and the MoE routing of the new tokens (``routed_layers``)."""
         cache = cache.record(positions, segment_ids)
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
 
         def call(layer, x, kv):
-            return layer.decode(x, positions, segment_ids, angles, kv, cache, adapter)
+            x, experts, _, kv = layer.decode_routed(x, positions, segment_ids, angles, kv, cache,
+                                                    adapter)
+            return x, (kv, experts)
 
-        keys, values = [], []
-        layers = self.stacks if is_stacked(self) else self.layers
-        for layer, k, v in zip(layers, cache.keys, cache.values):  # a stack: its layers' buffers
-            x, (k, v) = scan(layer, x, (k, v), call) if is_stacked(self) else call(layer, x, (k, v))
+        keys, values, parts = [], [], []
+        for (unit, _), k, v in zip(self._units(), cache.keys, cache.values):
+            if is_stacked(self):  # a stack: its layers' buffers
+                x, ((k, v), experts) = scan(unit, x, (k, v), call)
+            else:
+                x, ((k, v), experts) = call(unit, x, (k, v))
             keys.append(k)
             values.append(v)
-        return self.norm(x), cache.advance(keys, values, input_ids.shape[1])
+            if experts is not None:
+                parts.append(jnp.moveaxis(experts, 0, 2) if is_stacked(self) else experts[:, :, None])
+        routes = Routes(jnp.concatenate(parts, axis=2) if parts else None, jnp.zeros((), jnp.int32))
+        return self.norm(x), cache.advance(keys, values, input_ids.shape[1]), routes
 
     def rope_angles(self, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
         """The rotary cosines and sines every layer uses (``rlx.models.layers.rope_angles``), for

@@ -8,6 +8,8 @@ experts that differ from the router's choice; replaying the router's own choice 
 replays the same way (1e-5).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +17,11 @@ import pytest
 from flax import nnx
 
 from rlx.mesh import MeshShape, make_mesh
+from rlx.models import Transformer, from_hf_config
+from rlx.models.kv_cache import KVCache
+from rlx.models.moe import SparseMoE
+from rlx.models.stack import layer_counts, stack_layers
+from tests.helpers.hf_zoo import hf_config
 from tests.helpers.moe import SIGMOID, SOFTMAX, D, make_layer, on_mesh
 
 
@@ -109,3 +116,57 @@ def test_dispatch_replays_like_one_device(m):
     np.testing.assert_array_equal(got.experts, experts)
     assert int(got.dropped) == 0
     np.testing.assert_allclose(got.out, want, atol=1e-5, rtol=1e-5)
+
+
+def _deepseek(layers=4, seed=0):
+    """A tiny DeepSeek-V3 (MLA, a dense first layer, MoE after it) with a spread router."""
+    hf = hf_config("deepseek_v3")
+    cfg = from_hf_config(hf.to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]})
+    cfg = dataclasses.replace(cfg, num_layers=layers, moe=dataclasses.replace(
+        cfg.moe, sparse_layers=tuple(range(1, layers))))
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, SparseMoE):
+            node.router.set_value(node.router[...] * 50)
+    return model
+
+
+@nnx.jit
+def _model_routes(model, ids, replay):
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    segments = jnp.ones_like(ids)
+    x, routes = model.routed_layers(model.embed_tokens(ids), positions, segments,
+                                    model.rope_angles(positions), replay=replay)
+    return model.logits(model.norm(x)), routes
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
+def test_model_replays_its_recorded_routes(stacked):
+    model = _deepseek()
+    model = stack_layers(model) if stacked else model
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 97, (2, 7)))
+    logits, routes = _model_routes(model, ids, None)
+    k = model.config.moe.top_k
+    assert routes.experts.shape == (2, 7, 3, k) and int(routes.dropped) == 0
+    again, replayed = _model_routes(model, ids, routes.experts)
+    np.testing.assert_array_equal(replayed.experts, routes.experts)
+    np.testing.assert_array_equal(again, logits)
+    other = jnp.roll(routes.experts, 1, axis=-1) + 1
+    other = other % model.config.moe.num_experts
+    moved, replayed = _model_routes(model, ids, other)
+    np.testing.assert_array_equal(replayed.experts, other)
+    assert float(jnp.abs(moved - logits).max()) > 1e-3  # replayed experts are the ones used
+
+
+def test_decode_records_the_routes_of_the_forward_pass():
+    model = stack_layers(_deepseek())
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, 97, (2, 6)))
+    _, want = _model_routes(model, ids, None)
+    positions, segments = jnp.broadcast_to(jnp.arange(6), ids.shape), jnp.ones_like(ids)
+    cache = KVCache.zeros(model.config, 2, 8, jnp.float32, layer_counts(model))
+    _, cache, first = nnx.jit(lambda m, c: m.decode_routed(ids[:, :5], positions[:, :5],
+                                                           segments[:, :5], c))(model, cache)
+    _, _, last = nnx.jit(lambda m, c: m.decode_routed(ids[:, 5:], positions[:, 5:],
+                                                      segments[:, 5:], c))(model, cache)
+    got = jnp.concatenate([first.experts, last.experts], axis=1)
+    np.testing.assert_array_equal(jnp.sort(got, -1), jnp.sort(want.experts, -1))
