@@ -38,6 +38,7 @@ implementations give the same numbers:
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -222,15 +223,21 @@ class SparseMoE(nnx.Module):
               ) -> tuple[Int[Array, "n k"], Float[Array, "n k"]]:
         """The experts of each token and their gates (in the compute dtype). ``replay`` (routing
         replay) fixes the experts; the gates are still computed from this router's logits over
-        them, so a trainable router keeps its gradient."""
+        them, so a trainable router keeps its gradient. A token whose replayed row holds a -1
+        (a position the sampler never fed: padding, a completion's last token) is routed
+        freely, as without replay."""
         m = self.routing
         if m.router == "softmax":
             logits = x @ self.router[...].astype(self.dtype)  # [n, e]
-            idx, gates = softmax_topk(logits, m.top_k, m.norm_topk_prob, replay)
+            pick = functools.partial(softmax_topk, logits, m.top_k, m.norm_topk_prob)
         else:
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [n, e]
             bias = None if self.correction_bias is None else self.correction_bias[...]
-            idx, gates = sigmoid_group_topk(logits, bias, m, replay)
+            pick = functools.partial(sigmoid_group_topk, logits, bias, m)
+        if replay is not None:  # a row holding a -1 (never recorded) takes the router's choice
+            own, replay = pick()[0], replay.astype(jnp.int32)
+            replay = jnp.where(jnp.any(replay < 0, axis=-1, keepdims=True), own, replay)
+        idx, gates = pick(replay)
         if m.routed_scaling_factor != 1.0:
             gates = gates * m.routed_scaling_factor
         return idx, gates.astype(self.dtype)

@@ -170,3 +170,17 @@ def test_decode_records_the_routes_of_the_forward_pass():
                                                       segments[:, 5:], c))(model, cache)
     got = jnp.concatenate([first.experts, last.experts], axis=1)
     np.testing.assert_array_equal(jnp.sort(got, -1), jnp.sort(want.experts, -1))
+
+
+@pytest.mark.parametrize("m", [SOFTMAX, SIGMOID], ids=["softmax", "sigmoid"])
+def test_unknown_rows_route_freely(m):
+    layer, x = make_layer(m, "float"), _tokens()
+    own = _routed(layer, x, None)
+    experts = _random_experts(m)
+    unknown = jnp.zeros((2, 5), bool).at[0, 1].set(True).at[1, 4].set(True)
+    replay = jnp.where(unknown[..., None], -1, experts).at[1, 2, 0].set(-1)  # one -1 is enough
+    unknown = unknown.at[1, 2].set(True)
+    got = _routed(layer, x, replay)
+    np.testing.assert_array_equal(got.experts, jnp.where(unknown[..., None], own.experts, experts))
+    np.testing.assert_allclose(got.out.reshape(-1, D), _numpy_layer(layer, x, got.experts),
+                               atol=1e-5, rtol=1e-5)
