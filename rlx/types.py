@@ -58,9 +58,17 @@ class Rollout:
     # [C] the weight version that sampled each token (a partial rollout continued across a weight
     # sync, rlx.run.rollouts); None: every token weight_version's
     token_versions: np.ndarray | None = None
+    # [P + C, moe layers, k] int16: the experts each prompt and completion token went to in every
+    # MoE layer when the engine sampled it (routing replay, config.train.router_replay), -1 where
+    # the engine never fed the token (a completion's last one); None: not recorded
+    routes: np.ndarray | None = None
 
     def __post_init__(self):
         c = len(self.completion_ids)
+        if self.routes is not None and (self.routes.ndim != 3 or
+                                        len(self.routes) != len(self.prompt_ids) + c):
+            raise ValueError(f"Rollout.routes has shape {self.routes.shape}, expected "
+                             f"[{len(self.prompt_ids) + c}, moe layers, k] (prompt + completion)")
         if len(self.prompt_ids) < 1:
             raise ValueError("Rollout.prompt_ids must hold at least one token")
         if len(self.sampler_logp) != c:
@@ -103,23 +111,30 @@ class TrainBatch:
     # columns t whose log-prob the loss reads, ascending per row, 0 in unused slots (column 0 is
     # never predicted); None: every column. The lm-head then runs on B x K tokens, not B x T.
     logp_columns: Int[Array, "b k"] | None = None
+    # the experts of every token in every MoE layer as the sampler chose them, [B, T, moe layers,
+    # k], -1 where unknown (the router then picks; padding too); None: the learner routes freely
+    routes: Int[Array, "b t l k"] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.input_ids.shape)
 
     def validate(self) -> None:
-        """Host check: every present field is [B, T], `logp_columns` [B, K] with K <= T and
-        columns in [0, T). Raises ValueError naming the field."""
+        """Host check: every present field is [B, T], `routes` [B, T, L, k], `logp_columns`
+        [B, K] with K <= T and columns in [0, T). Raises ValueError naming the field."""
         for name in BATCH_FIELDS:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != self.shape:
                 raise ValueError(f"TrainBatch.{name} has shape {tuple(value.shape)}, expected "
                                  f"{self.shape} like input_ids")
+        b, t = self.shape
+        if self.routes is not None and (self.routes.ndim != 4 or
+                                        tuple(self.routes.shape[:2]) != (b, t)):
+            raise ValueError(f"TrainBatch.routes has shape {tuple(self.routes.shape)}, expected "
+                             f"[{b}, {t}, moe layers, k]")
         cols = self.logp_columns
         if cols is None:
             return
-        b, t = self.shape
         if cols.ndim != 2 or cols.shape[0] != b or not 1 <= cols.shape[1] <= t:
             raise ValueError(f"TrainBatch.logp_columns has shape {tuple(cols.shape)}, expected "
                              f"[{b}, K] with 1 <= K <= {t}")
@@ -130,7 +145,7 @@ class TrainBatch:
         """The rows `index` (a slice or an index array) of every field."""
         return self.replace(**{
             n: None if getattr(self, n) is None else getattr(self, n)[index]
-            for n in (*BATCH_FIELDS, "logp_columns")
+            for n in (*BATCH_FIELDS, "logp_columns", "routes")
         })
 
 
