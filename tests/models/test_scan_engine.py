@@ -2,7 +2,8 @@
 what the learner's log-prob step scores on the same stacked model (<= 1e-5 f32, as
 tests/rollout/test_jax_engine.py), in full mode (llama) and in LoRA mode on DeepSeek-V3 (an int8
 base with LoRA on attention, dense MLP and experts; MLA's latent cache; a dense-prefix stack and
-a MoE stack), and on a sharded mesh (data x tensor) the same tokens as on one device.
+a MoE stack), and on a sharded mesh (data x tensor) the same tokens as on one device; on an
+expert=4 x fsdp=2 mesh tokens are dispatched to the experts' devices from inside the scan.
 The longer variants are marked ``slow`` (``python -m pytest -m slow``).
 """
 
@@ -76,3 +77,29 @@ def test_sharded_mesh_gives_the_same_tokens(zoo):
     for a, b in zip(single, sharded):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
+
+
+@pytest.mark.slow
+def test_expert_dispatch_inside_the_scan(zoo):
+    """qwen3_moe, int4 base with per-expert LoRA, stacked, on expert=4 x fsdp=2: the engine and
+    the learner both dispatch tokens to the experts' devices from inside the layer scan, and the
+    sampler's log-probs equal the learner's."""
+    import optax
+
+    from rlx.learner.state import create_train_state
+    from rlx.models.moe import SparseMoE
+    from rlx.quant import LoraConfig
+
+    model = stack_layers(quantized_lora_model(zoo, "qwen3_moe", lora=LoraConfig(
+        rank=3, alpha=5.0, experts=True)))
+    mesh = make_mesh(MeshShape(fsdp=2, expert=4))
+    rollouts = JaxEngine(model, mesh=mesh).generate(_prompts() * 2, SAMPLING)
+    graphdef, state = create_train_state(model, optax.sgd(0.1), mesh, trainable=nnx.LoRAParam)
+    moe = [n for _, n in nnx.iter_graph(nnx.merge(graphdef, state.params, state.frozen))
+           if isinstance(n, SparseMoE)]
+    assert moe and all(n.expert_parallel is not None for n in moe)
+    step = make_logprob_step(graphdef, state.params, state.frozen, mesh, StepConfig(logprob_chunk=64))
+    logp = np.asarray(jax.device_get(step(state.params, state.frozen, shard_batch(
+        pad_rollouts(rollouts, np.zeros(len(rollouts))), mesh)).logp))
+    for i, r in enumerate(rollouts):
+        assert np.abs(logp[i, len(r.prompt_ids):r.length] - r.sampler_logp).max() <= TOL
