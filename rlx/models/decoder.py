@@ -19,6 +19,11 @@ exposed separately so the learner can compute log-probs chunk by chunk without [
 generation; only the attention's key/value source differs (GQA: cached per-head keys and values;
 MLA: cached latents, with ``kv_b_proj`` absorbed into a decode step's products, ``rlx.models.mla``).
 
+The layers are either a list (``layers``, a Python loop: one copy of the layer per layer in a
+compiled program) or, after ``rlx.models.stack.stack_layers``, ``stacks`` of same-structure layers
+whose variables carry a leading layer axis, run with ``lax.scan`` (``run_layers``; ``decode``
+scans the stacked KV cache the same way).
+
 ``adapter`` (default True) on every call enables the LoRA adapters attached by ``rlx.quant.apply_lora``;
 ``adapter=False`` gives the frozen base, i.e. the reference policy, from the same weights and the same
 jitted function (pass it as a static argument). Without adapters the flag changes nothing.
