@@ -195,12 +195,14 @@ class Transformer(nnx.Module):
     def hidden_states(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
         segment_ids: Int[Array, "b t"] | None = None, attention_mask: Int[Array, "b t"] | None = None,
-        adapter: bool = True,
+        adapter: bool = True, replay: Int[Array, "b t l k"] | None = None,
     ) -> Float[Array, "b t d"]:
-        """Final-norm hidden states ``[B, T, D]``."""
+        """Final-norm hidden states ``[B, T, D]``; ``replay``: the experts of every token in
+        every MoE layer (routing replay, ``run_layers``)."""
         positions, segment_ids = resolve_positions(input_ids, positions, segment_ids, attention_mask)
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
-        return self.norm(self.run_layers(x, positions, segment_ids, angles, adapter))
+        return self.norm(self.run_layers(x, positions, segment_ids, angles, adapter,
+                                         replay=replay))
 
     def run_layers(self, x: Float[Array, "b t d"], positions, segment_ids, angles,
                    adapter: bool = True, remat: bool = False, policy=None,
