@@ -167,18 +167,28 @@ def per_layer_tree(tree):
     """``tree`` (params, an optimizer state: any pytree of ``nnx.State``, dicts, tuples) with each
     stacked ``stacks`` entry replaced by the unrolled model's ``layers`` entries, layer ``i`` the
     ``i``-th slice: the paths and shapes a checkpoint of the unrolled model holds."""
+    out = _per_layer(tree)
+    left = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out)
+            if "'stacks'" in jax.tree_util.keystr(p)]
+    if left:
+        raise TypeError(f"per_layer_tree cannot reach the stacked layers at {left[0]} (inside a "
+                        "container it does not know); add the container to rlx.models.stack")
+    return out
+
+
+def _per_layer(tree):
     if isinstance(tree, (nnx.State, dict)):
-        items = {k: per_layer_tree(v) for k, v in tree.items() if k != "stacks"}
+        items = {k: _per_layer(v) for k, v in tree.items() if k != "stacks"}
         if "stacks" in tree:
             stacks = [tree["stacks"][k]["block"] for k in sorted(tree["stacks"].keys())]
             layers = [jax.tree.map(lambda x, i=i: x[i], s) for s in stacks
                       for i in range(jax.tree.leaves(s)[0].shape[0])]
-            items["layers"] = type(tree)({i: per_layer_tree(b) for i, b in enumerate(layers)})
+            items["layers"] = type(tree)({i: _per_layer(b) for i, b in enumerate(layers)})
         return type(tree)(items)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*map(per_layer_tree, tree))
+        return type(tree)(*map(_per_layer, tree))
     if isinstance(tree, (tuple, list)):
-        return type(tree)(map(per_layer_tree, tree))
+        return type(tree)(map(_per_layer, tree))
     return tree
 
 
