@@ -24,6 +24,8 @@ from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import Example, get_source
+from rlx.envs.runner import EnvRunner, make_runner
+from rlx.errors import ConfigError
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
 from rlx.learner.critic import (init_critic, make_critic_step, make_value_step, read_value_head,
                                 value_head)
@@ -35,6 +37,7 @@ from rlx.mesh import make_mesh
 from rlx.models import load_from_section
 from rlx.models.decoder import Transformer
 from rlx.models.loading import ShrinkSection, resolve_path
+from rlx.models.stack import stack_layers
 from rlx.models.tokenizer import Tokenizer
 from rlx.quant import apply_lora, load_base
 from rlx.quant.peft_import import (abstract_lora_model, check_peft_adapter, load_peft_adapter,
@@ -83,10 +86,12 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     if start:
         hosts.sync_weights(engine, compiled, start)
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
+    reward = make_reward(cfg)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=eval_examples(cfg), prompt_format=prompt_format(cfg),
-               reward=make_reward(cfg), logger=make_logger(cfg, start, progress),
-               step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts)
+               reward=reward, logger=make_logger(cfg, start, progress),
+               step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
+               env=make_env_runner(cfg, reward, tokenizer))
 
 
 def prompt_format(cfg: RunConfig) -> PromptFormat:
@@ -113,6 +118,19 @@ def make_reward(cfg: RunConfig) -> RewardFn:
     """The reward ``train.reward`` names (the math reward with ``train.math_extractors``)."""
     kw = {"extractors": cfg.train.math_extractors} if cfg.train.reward == "math" else {}
     return get_reward(cfg.train.reward, **kw)
+
+
+def make_env_runner(cfg: RunConfig, reward: RewardFn, tokenizer: Tokenizer) -> EnvRunner | None:
+    """``env.kind="tools"``: the tool-use episodes' runner (``rlx.envs.runner``) offering
+    ``env.tools``, grading final answers with the run's reward; None for single turns."""
+    if cfg.env.kind == "single":
+        return None
+    try:
+        return make_runner(cfg.env.tools, reward, tokenizer, prompt_format(cfg),
+                           max_turns=cfg.env.max_turns, max_episode_tokens=cfg.env.max_episode_tokens,
+                           format_coef=cfg.env.format_coef, demo=cfg.env.demo)
+    except ValueError as e:
+        raise ConfigError(f"config.env.tools: {e}") from None
 
 
 def make_logger(cfg: RunConfig, start: int, progress: bool = True) -> MetricsLogger:
@@ -146,6 +164,8 @@ def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | No
         apply_lora(model, cfg.lora, nnx.Rngs(cfg.seed), mesh=mesh)
     if warm:
         load_peft_adapter(model, warm)
+    if cfg.model.scans(model.config.num_layers):  # after quantization and adapters
+        stack_layers(model)  # rlx.models.stack; files on disk stay per layer
     return model, loaded.tokenizer
 
 
@@ -211,5 +231,6 @@ def attach_critic(cfg: RunConfig, graphdef: nnx.GraphDef, state: TrainState,
     return critic_graphdef, jax.device_put(state, state_shardings(state, optimizer, mesh))
 
 
-__all__ = ["attach_critic", "build", "compile_steps", "eval_examples", "load_policy", "make_logger", "make_reward",
+__all__ = ["attach_critic", "build", "compile_steps", "eval_examples", "load_policy", "make_env_runner",
+           "make_logger", "make_reward",
            "prompt_data", "prompt_format"]
