@@ -111,6 +111,11 @@ class _State:
     def key(self) -> str:
         return f"{self.example.uid}#{self.sample_index}"
 
+    @property
+    def turn_key(self) -> str:
+        """The uid of this episode's next `generate` request: "<example uid>#<sample>@<turn>"."""
+        return f"{self.key}@{len(self.turns)}"
+
 
 def run_episodes(
     engine: RolloutEngine,
@@ -136,7 +141,9 @@ def run_episodes(
             room = max(config.max_completion_tokens - len(s.ids) for s in active)
             turn_sampling = dataclasses.replace(
                 sampling, max_new_tokens=min(sampling.max_new_tokens, room), stop_token_ids=stops)
-            prompts = [Prompt(s.key, tuple(s.prompt_ids + s.ids)) for s in active]
+            # a turn's request uid names the episode and the turn: an engine seeding by uid
+            # draws fresh random numbers for every turn
+            prompts = [Prompt(s.turn_key, tuple(s.prompt_ids + s.ids)) for s in active]
             rollouts = engine.generate(prompts, turn_sampling)
             _check_rollouts(active, rollouts)
             advance = functools.partial(_advance, tokenizer=tokenizer, stops=stops,
@@ -149,8 +156,8 @@ def _check_rollouts(active: Sequence[_State], rollouts: Sequence[Rollout]) -> No
     if len(rollouts) != len(active):
         raise RuntimeError(f"engine returned {len(rollouts)} rollouts for {len(active)} prompts")
     for state, rollout in zip(active, rollouts):
-        if rollout.prompt_uid != state.key:
-            raise RuntimeError(f"rollout for {rollout.prompt_uid!r} where {state.key!r} was "
+        if rollout.prompt_uid != state.turn_key:
+            raise RuntimeError(f"rollout for {rollout.prompt_uid!r} where {state.turn_key!r} was "
                                "expected")
 
 

@@ -7,6 +7,15 @@ bad JSON, a JSON value that is not an object, a missing or non-string "name", "a
 is not an object (a JSON string holding an object is accepted, as some models write that), and
 a block opened but never closed. A missing "arguments" means no arguments. Blocks beyond
 `max_calls` are reported as errors. The parser never raises on model text.
+
+Other shapes models write are accepted too:
+- a JSON list of calls in one block (`<tool_call>[{"name": ...}, {...}]</tool_call>`, the format
+  SmolLM2 was tuned on): one item per call, in order;
+- OpenAI-style objects, `{"type": "function", "function": {"name": ..., "arguments": "<JSON
+  string>"}}`, in a block or a list;
+- without any `<tool_call>` block, a turn that is nothing but such JSON (an object with "name"
+  and "arguments", a list of them, or `{"tool_calls": [...]}`, optionally in a ```json fence).
+  Any other text is an answer, not a call.
 """
 
 from __future__ import annotations
@@ -74,12 +83,25 @@ def _json_problem(error: Exception) -> str:
 
 
 def parse_block(body: str) -> ToolCall | ToolCallError:
-    """One block's content as a call or an error."""
+    """One block's content as a call or an error (the first call of a list)."""
+    return parse_block_calls(body)[0]
+
+
+def parse_block_calls(body: str) -> list[ToolCall | ToolCallError]:
+    """One block's content as calls or errors: one object, or a non-empty list of them."""
     try:
         value = json.loads(body)
     except (ValueError, RecursionError) as e:
         problem = _json_problem(e)
-        return ToolCallError(f"tool call is not valid JSON ({problem}): {_snippet(body)}", body)
+        return [ToolCallError(f"tool call is not valid JSON ({problem}): {_snippet(body)}", body)]
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return [_call_of(v, json.dumps(v)) for v in value]
+    return [_call_of(value, body)]
+
+
+def _call_of(value: Any, body: str) -> ToolCall | ToolCallError:
+    if isinstance(value, dict) and isinstance(value.get("function"), dict):  # OpenAI style
+        value = value["function"]
     if not isinstance(value, dict):
         return ToolCallError("tool call must be a JSON object with \"name\" and \"arguments\"",
                              body)
@@ -98,7 +120,7 @@ def parse_block(body: str) -> ToolCall | ToolCallError:
 
 
 def parse_tool_calls(text: str, max_calls: int = 8) -> ParsedTurn:
-    """All tool-call blocks in `text`."""
+    """All tool-call blocks in `text` (or, without blocks, a turn that is only call JSON)."""
     items: list[ToolCall | ToolCallError] = []
     outside: list[str] = []
     position = 0
@@ -108,9 +130,37 @@ def parse_tool_calls(text: str, max_calls: int = 8) -> ParsedTurn:
         body = match.group(1)
         if not match.group(0).endswith(CLOSE):
             items.append(ToolCallError(f"unterminated {OPEN} block: {_snippet(body)}", body))
-        elif len(items) >= max_calls:
-            items.append(ToolCallError(f"more than {max_calls} tool calls in one turn", body))
         else:
-            items.append(parse_block(body))
+            items += parse_block_calls(body)
     outside.append(text[position:])
+    if not items:
+        items = _bare_calls(text)
+        outside = [] if items else outside
+    if len(items) > max_calls:
+        items[max_calls:] = [ToolCallError(f"more than {max_calls} tool calls in one turn", i.raw)
+                             for i in items[max_calls:]]
     return ParsedTurn(tuple(items), "".join(outside))
+
+
+_FENCE = re.compile(r"\A```(?:json)?\s*(.*?)\s*```\Z", re.DOTALL)
+
+
+def _bare_calls(text: str) -> list[ToolCall | ToolCallError]:
+    """The OpenAI-style fallback: the whole turn is call JSON (else no calls)."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    body = fenced.group(1) if fenced else body
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return []
+    if isinstance(value, dict) and isinstance(value.get("tool_calls"), list):
+        value = value["tool_calls"]
+    values = value if isinstance(value, list) else [value]
+    looks = lambda v: isinstance(v, dict) and (  # noqa: E731
+        "name" in v and "arguments" in v or isinstance(v.get("function"), dict))
+    if not values or not all(looks(v) for v in values):
+        return []
+    return [_call_of(v, json.dumps(v)) for v in values]

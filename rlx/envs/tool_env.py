@@ -32,6 +32,9 @@ class ToolEnvConfig:
     max_turns: int = 4  # assistant turns per episode, the final answer included
     max_calls_per_turn: int = 4  # further calls in one turn get an error response
     prompt_format: PromptFormat = PromptFormat()
+    # a worked exchange put before the task's user turn (e.g. `demonstration(tools)`): small
+    # models imitate a shown call far more readily than a described one
+    demonstration: tuple[Message, ...] = ()
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_calls_per_turn < 1:
@@ -63,6 +66,9 @@ class ToolEnv:
     def reset(self, example: Example) -> Observation:
         self._example, self._turn, self._done = example, 0, False
         messages = prompt_messages(example, self.config.prompt_format)
+        if self.config.demonstration:
+            last = max(i for i, m in enumerate(messages) if m.role == "user")
+            messages[last:last] = self.config.demonstration
         return Observation(tuple(messages), tuple(t.spec() for t in self.tools.values()))
 
     def step(self, action_text: str) -> StepResult:

@@ -170,6 +170,8 @@ class Calculator:
     """`calculator(expression)`: the value of an arithmetic expression."""
 
     name = "calculator"
+    # (question, arguments, the tool's reply): a worked call for `rlx.envs.registry.demonstration`
+    demo = ("What is 512 * 38?", {"expression": "512 * 38"}, "19456")
 
     def spec(self) -> dict[str, Any]:
         return function_spec(self.name, "Evaluate an arithmetic expression, e.g. (17*23)+5. "

@@ -86,7 +86,7 @@ class Recorder:
     def generate(self, prompts, sampling):
         rollouts = self.engine.generate(prompts, sampling)
         for rollout in rollouts:
-            self.rollouts[rollout.prompt_uid].append(rollout)
+            self.rollouts[rollout.prompt_uid.rsplit("@", 1)[0]].append(rollout)
         return rollouts
 
     def score(self, sequences):

@@ -46,7 +46,8 @@ class ScriptedEngine:
             ids = ids if stop is None else ids[:stop + 1]
             reason = "stop" if len(ids) <= sampling.max_new_tokens else "length"
             ids = ids[:sampling.max_new_tokens]
-            self.emitted.setdefault(prompt.uid, []).append(ids)
+            episode = prompt.uid.rsplit("@", 1)[0]  # run_episodes' "<uid>#<sample>@<turn>"
+            self.emitted.setdefault(episode, []).append(ids)
             logp = -(np.arange(len(ids), dtype=np.float32) + 1) / 100
             out.append(Rollout(prompt.uid, np.asarray(prompt.token_ids, np.int32),
                                np.asarray(ids, np.int32), logp, reason, self.weight_version))

@@ -1,0 +1,160 @@
+"""Tool-use episodes as the RL loop's rollouts (``config.env.kind = "tools"``).
+
+`EnvRunner.generate(engine, examples, sampling)` runs ``sampling.n`` episodes of every example
+(`rlx.envs.episode.run_episodes`: a `ToolEnv` per episode, the run's reward grading the final
+answer) and returns them as `rlx.types.Rollout`s in the order the engine protocol promises
+(example-major, `sample_index` 0..n-1), each with `completion_mask` 0 on the tool turns' tokens,
+the sampler log-probs of the policy's own tokens, and `reward` set:
+
+    reward = outcome + format_coef * valid
+
+where `outcome` is the env's score (0 for a cut or turn-limited episode) and `valid` is 1 when
+the episode called a tool and ended with an answer, every tool call in it having parsed, named a
+known tool with fitting arguments and run. The finished episodes stay with the runner until the loop scores
+their rollouts (`scores`): transcripts for the logged samples, reasons, and per-step metrics
+(tool-call rate, tool errors, turns, how episodes ended). Nothing a model writes raises: bad
+calls are error turns, cut episodes are scored 0 with their reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlx.data.chat import PromptFormat
+from rlx.data.sources import Example
+from rlx.envs.base import Env
+from rlx.envs.episode import Episode, EpisodeConfig, run_episodes
+from rlx.envs.registry import demonstration, make_tools
+from rlx.envs.tool_env import ToolEnv, ToolEnvConfig
+from rlx.models.tokenizer import Tokenizer
+from rlx.rewards import RewardFn
+from rlx.types import Rollout, RolloutEngine, SamplingParams
+
+FINISH_REASONS = ("final_answer", "turn_limit", "length")
+
+
+def valid(episode: Episode) -> bool:
+    """Used the tools well: ended with an answer after at least one call, and every tool call
+    of it parsed and ran."""
+    return episode.finish_reason == "final_answer" and tool_calls(episode) > 0 and not any(
+        t.info is not None and t.info.tool_errors for t in episode.turns)
+
+
+def tool_calls(episode: Episode) -> int:
+    """Well-formed calls that ran."""
+    return sum(t.info.tool_calls for t in episode.turns if t.info is not None)
+
+
+def transcript(episode: Episode) -> str:
+    """The task's user turn and the episode's turns, one "[role] text" block each."""
+    users = [i for i, m in enumerate(episode.messages) if m.role == "user"]
+    first = users[-1] if users else 0
+    return "\n".join(f"[{m.role}] {m.content}" for m in episode.messages[first:])
+
+
+def to_rollout(episode: Episode, reward: float, has_logprobs: bool) -> Rollout:
+    versions = [t.weight_version for t in episode.turns] or [0]
+    return Rollout(
+        prompt_uid=episode.uid, prompt_ids=episode.prompt_ids,
+        completion_ids=episode.completion_ids, sampler_logp=episode.sampler_logp,
+        finish_reason="length" if episode.finish_reason == "length" else "stop",
+        weight_version=min(versions), sample_index=episode.sample_index,
+        completion_mask=episode.loss_mask, reward=reward, has_logprobs=has_logprobs)
+
+
+@dataclasses.dataclass
+class EnvRunner:
+    """Runs episodes for the loop and keeps them until their rollouts are scored."""
+
+    make_env: Callable[[], Env]
+    tokenizer: Tokenizer
+    max_episode_tokens: int
+    format_coef: float = 0.0
+    env_workers: int = 4
+    _done: dict = dataclasses.field(default_factory=dict)  # (uid, sample) -> Episode
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def episodes(self, engine: RolloutEngine, examples: Sequence[Example],
+                 sampling: SamplingParams) -> list[Episode]:
+        config = EpisodeConfig(max_completion_tokens=self.max_episode_tokens,
+                               group_size=sampling.n, env_workers=self.env_workers)
+        return run_episodes(engine, self.make_env, examples, self.tokenizer,
+                            dataclasses.replace(sampling, n=1), config)
+
+    def reward(self, episode: Episode) -> float:
+        return float(episode.reward) + self.format_coef * valid(episode)
+
+    def generate(self, engine: RolloutEngine, examples: Sequence[Example],
+                 sampling: SamplingParams) -> list[Rollout]:
+        """``sampling.n`` episodes per example as rollouts (see the module docstring)."""
+        episodes = self.episodes(engine, examples, sampling)
+        with self._lock:
+            self._done.update({(e.uid, e.sample_index): e for e in episodes})
+        return [to_rollout(e, self.reward(e), sampling.logprobs) for e in episodes]
+
+    def scores(self, rollouts: Sequence[Rollout]) -> tuple[np.ndarray, list[str], list[str],
+                                                             dict[str, float]]:
+        """Rewards, transcripts, reasons and ``env/*`` metrics of a batch of this runner's
+        rollouts (their episodes are forgotten). A rollout whose episode another process ran
+        (multi-host) keeps its reward, with its decoded tokens as text."""
+        with self._lock:
+            found = [self._done.pop((r.prompt_uid, r.sample_index), None) for r in rollouts]
+        texts = [transcript(e) if e is not None else self.tokenizer.decode(
+            r.completion_ids.tolist(), skip_special_tokens=True) for e, r in zip(found, rollouts)]
+        reasons = [f"{e.finish_reason}: {e.reward_result.reason}" if e is not None else "episode"
+                   for e in found]
+        rewards = np.array([r.reward for r in rollouts], np.float64)
+        return rewards, texts, reasons, episode_metrics([e for e in found if e is not None])
+
+
+def episode_metrics(episodes: Sequence[Episode], prefix: str = "env") -> dict[str, float]:
+    """Tool-call rate (episodes with a call that ran), calls, tool errors and turns per episode,
+    the fraction of valid episodes and how the episodes ended."""
+    if not episodes:
+        return {}
+    count = lambda f: float(np.mean([f(e) for e in episodes]))  # noqa: E731
+    out = {
+        f"{prefix}/tool_call_rate": count(lambda e: tool_calls(e) > 0),
+        f"{prefix}/tool_calls": count(tool_calls),
+        f"{prefix}/tool_errors": count(lambda e: sum(len(t.info.tool_errors) for t in e.turns
+                                                     if t.info is not None)),
+        f"{prefix}/turns": count(lambda e: len(e.turns)),
+        f"{prefix}/valid": count(valid),
+        f"{prefix}/outcome": count(lambda e: e.reward),
+    }
+    out.update({f"{prefix}/finish_{why}": count(lambda e, w=why: e.finish_reason == w)
+                for why in FINISH_REASONS})
+    return out
+
+
+def evaluate_episodes(runner: EnvRunner, engine: RolloutEngine, examples: Sequence[Example],
+                      sampling: SamplingParams, success_threshold: float = 1.0
+                      ) -> dict[str, float]:
+    """One episode per example (``sampling``, e.g. greedy): ``eval/accuracy`` (outcome score >=
+    ``success_threshold``), ``eval/mean_reward`` and the ``eval/*`` tool metrics."""
+    episodes = runner.episodes(engine, examples, dataclasses.replace(sampling, n=1))
+    return {"eval/accuracy": float(np.mean([e.reward >= success_threshold for e in episodes])),
+            "eval/mean_reward": float(np.mean([runner.reward(e) for e in episodes])),
+            **episode_metrics(episodes, prefix="eval")}
+
+
+def make_runner(tools: Sequence[str], reward: RewardFn, tokenizer: Tokenizer,
+                prompt_format: PromptFormat, max_turns: int, max_episode_tokens: int,
+                format_coef: float = 0.0, demo: bool = False, **env: Any) -> EnvRunner:
+    """A runner of `ToolEnv` episodes offering ``tools`` (`rlx.envs.registry.make_tools`),
+    grading final answers with ``reward`` (shared by every episode); ``demo``: each episode
+    opens with a worked call of every tool that has one (`rlx.envs.registry.demonstration`)."""
+    built = make_tools(tools)
+    config = ToolEnvConfig(max_turns=max_turns, prompt_format=prompt_format,
+                           demonstration=demonstration(built) if demo else (), **env)
+    return EnvRunner(lambda: ToolEnv(built, reward, config), tokenizer, max_episode_tokens,
+                     format_coef)
+
+
+__all__ = ["EnvRunner", "episode_metrics", "evaluate_episodes", "make_runner", "to_rollout",
+           "transcript", "valid"]
