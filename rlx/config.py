@@ -134,6 +134,37 @@ class TrainSection:
                               "keep_checkpoints >= 1")
 
 
+ENV_KINDS = ("single", "tools")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSection:
+    """The rollout's shape: one completion per sample, or multi-turn tool-use episodes
+    (``rlx.envs``: the policy calls tools, their outputs come back as tool turns, the final answer
+    is graded with ``train.reward``)."""
+
+    kind: str = "single"  # "single": one completion per sample | "tools": tool-use episodes
+    max_turns: int = 4  # assistant turns per episode, the final answer included ("tools")
+    max_episode_tokens: int = 1024  # model + tool tokens after the prompt, per episode ("tools")
+    # tools offered: registered names (rlx.envs.registry.TOOLS: calculator, python) or a user
+    # function "package.module:function" (its signature is the tool's schema)
+    tools: tuple[str, ...] = ("calculator",)
+    format_coef: float = 0.0  # added to an episode's reward when it called a tool and ended with
+    # an answer, every call having parsed and run (0: outcome reward only)
+    demo: bool = False  # open each episode with a worked call of each tool that has one
+
+    def validate(self) -> None:
+        one_of("config.env.kind", self.kind, ENV_KINDS)
+        if self.max_turns < 1 or self.max_episode_tokens < 1:
+            raise ConfigError(f"config.env.max_turns={self.max_turns} and max_episode_tokens="
+                              f"{self.max_episode_tokens} must be >= 1")
+        if self.kind == "tools" and not self.tools:
+            raise ConfigError("config.env.tools is empty: name at least one tool (e.g. "
+                              "('calculator',)) or use env.kind='single'")
+        if self.format_coef < 0:
+            raise ConfigError(f"config.env.format_coef={self.format_coef} must be >= 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """The whole run. Sections mirror the keys of ``get_config()``."""
@@ -144,6 +175,7 @@ class RunConfig:
     mesh: MeshShape = MeshShape()  # device mesh sizes (rlx.mesh)
     data: DataSection = DataSection()
     rollout: RolloutSection = RolloutSection()
+    env: EnvSection = EnvSection()  # single-turn completions or tool-use episodes (rlx.envs)
     train: TrainSection = TrainSection()
     loss: LossConfig = LossConfig()  # policy loss, KL, entropy, truncated importance sampling
     critic: CriticSection = CriticSection()  # PPO's learned critic (train.advantage="gae")
@@ -203,6 +235,7 @@ class RunConfig:
         if self.rollout.partial and not self.train.max_staleness:
             raise ConfigError("config.rollout.partial=True continues generations across weight "
                               "syncs, which needs batches in flight: set train.max_staleness >= 1")
+        self._check_env()
         if self.train.algorithm == "dpo" and (self.train.mode != "lora" or self.critic.enabled):
             raise ConfigError(f"config.train.algorithm='dpo' needs train.mode='lora' (its "
                               "reference is the base with the adapter switched off) and no "
@@ -213,6 +246,16 @@ class RunConfig:
         except ValueError as e:
             raise ConfigError(f"config.{e}") from None
 
+
+    def _check_env(self) -> None:
+        if self.env.kind == "single":
+            return
+        clash = [f for f, on in (("rollout.partial", self.rollout.partial),
+                                 ("rollout.ignore_eos", self.rollout.ignore_eos),
+                                 ("train.algorithm='dpo'", self.train.algorithm == "dpo")) if on]
+        if clash:
+            raise ConfigError(f"config.env.kind={self.env.kind!r} runs whole episodes, which "
+                              f"{clash[0]} does not support; turn it off or use env.kind='single'")
 
     def _check_critic(self) -> None:
         gae, critic = self.train.advantage in TOKEN_ESTIMATORS, self.critic

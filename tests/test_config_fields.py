@@ -34,21 +34,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.config import RunConfig, TrainSection, parse_config
+from rlx.config import EnvSection, RunConfig, TrainSection, parse_config
 from rlx.errors import ConfigError
 from rlx.learner.losses import LossConfig, policy_loss
 from rlx.mesh import make_mesh
 from rlx.rollout.config import RolloutSection, SGLangSection
 from rlx.rollout.preflight import PreflightError, learner_logprobs
 from rlx.rollout.sglang_policy import client_options, launch_specs, loads_export
-from rlx.run.build import (compile_steps, eval_examples, load_policy, make_logger, make_reward,
-                           prompt_data, prompt_format)
+from rlx.run.build import (compile_steps, eval_examples, load_policy, make_env_runner, make_logger,
+                           make_reward, prompt_data, prompt_format)
 from rlx.run.checks import read_architecture
 from rlx.run.engines import ENGINE_BUILDERS, make_engine, serving
 from rlx.run.hosts import Hosts
 from rlx.run.lifecycle import open_checkpointer
 from rlx.run.loop import NonFiniteError, Run
-from rlx.types import LogProbs, Rollout, StepMetrics
+from rlx.types import LogProbs, Rollout, SamplingParams, StepMetrics
 from tests.helpers.runs import config_dict
 
 BASE = {"train.steps": 3, "data.eval_size": 2, "train.checkpoint_every": 1,
@@ -56,6 +56,7 @@ BASE = {"train.steps": 3, "data.eval_size": 2, "train.checkpoint_every": 1,
 SGLANG = {"rollout.engine": "sglang", "rollout.sglang.python": sys.executable}
 FULL = {"train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0}
 DPO = {"train.algorithm": "dpo", "data.source": "arith_pairs:add2"}
+TOOLS = {"env.kind": "tools"}
 
 # field -> (observer, new value, context); "refused": the new value must be refused
 EFFECTS = {
@@ -116,9 +117,15 @@ EFFECTS = {
     "rollout.sglang.startup_timeout_s": ("sglang", 5.0, SGLANG),
     "rollout.sglang.request_timeout_s": ("sglang", 5.0, SGLANG),
     "rollout.sglang.sync_base": ("sglang", False, {**SGLANG, "rollout.sglang.urls": ["http://h:1"]}),
+    "env.kind": ("env", "tools", {}),
+    "env.max_turns": ("env", 1, TOOLS),
+    "env.max_episode_tokens": ("env", 16, TOOLS),
+    "env.tools": ("env", ["calculator", "python"], TOOLS),
+    "env.format_coef": ("env", 0.5, TOOLS),
+    "env.demo": ("env", True, TOOLS),
 }
 SECTIONS = {"loss": LossConfig, "train": TrainSection, "rollout": RolloutSection,
-            "rollout.sglang": SGLangSection}
+            "rollout.sglang": SGLangSection, "env": EnvSection}
 
 
 def _config(tmp_path, context: dict, **change) -> RunConfig:
@@ -277,7 +284,30 @@ def _sglang(cfg: RunConfig) -> tuple:
             tuple(sorted(client_options(s).items())))
 
 
-OBSERVERS = {"loop": _loop, "learner": _learner, "loss": _loss, "engine": _engine, "sglang": _sglang}
+def _env(cfg: RunConfig) -> tuple:
+    """The episodes ``make_env_runner`` runs for two problems with a scripted policy that asks
+    the calculator for the problem's sum, then answers with the tool's reply (or nothing: the
+    single-turn run has no runner)."""
+    from tests.helpers.envs import ScriptedEngine, call
+
+    _, _, tokenizer = _policy(_shape_of(cfg))
+    runner = make_env_runner(cfg, make_reward(cfg), tokenizer)
+    if runner is None:
+        return ()
+
+    def policy(context: str) -> str:
+        replies = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context)
+        if len(replies) < 2:  # the demonstration's reply is not this problem's
+            a, b = re.findall(r"(\d+) \+ (\d+)", context)[-1]
+            return call(f"{a}+{b}")
+        return f"\\boxed{{{replies[-1]}}}"
+
+    rollouts = runner.generate(ScriptedEngine(tokenizer, policy), eval_examples(cfg),
+                               SamplingParams(max_new_tokens=64))
+    return tuple((len(r.prompt_ids), r.completion_ids.tolist(), r.reward) for r in rollouts)
+
+
+OBSERVERS = {"env": _env, "loop": _loop, "learner": _learner, "loss": _loss, "engine": _engine, "sglang": _sglang}
 
 
 def test_every_field_has_a_row():

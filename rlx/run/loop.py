@@ -50,6 +50,7 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig
 from rlx.data.chat import PromptFormat
 from rlx.data.sources import Example
+from rlx.envs.runner import EnvRunner, evaluate_episodes
 from rlx.io.checkpoint import Checkpointer
 from rlx.io.export import export_critic, export_merged, export_peft
 from rlx.io.metrics import MetricsLogger, TextSample
@@ -105,6 +106,8 @@ class Run:
     _horizon: int | None = None  # the last step `train` will take (no prefetch beyond it)
     _skipped_in_row: int = 0  # updates skipped for NaN/Inf since the last good one
     hosts: Hosts = dataclasses.field(default_factory=Hosts)  # this process's part (rlx.run.hosts)
+    env: EnvRunner | None = None  # env.kind "tools": tool-use episodes (rlx.envs.runner)
+    _env_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # this step's env/*
 
     # --- one RL step ----------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -175,7 +178,7 @@ class Run:
         """Rollouts in flight and the engine's worker (``rlx.run.rollouts``)."""
         if self._queue is None:
             self._queue = RolloutQueue(lambda: self.engine, self.hosts, self.cfg.train.max_staleness,
-                                       self.cfg.rollout.partial)
+                                       self.cfg.rollout.partial, env=self.env)
         return self._queue
 
     def _rollouts(self):
@@ -211,6 +214,9 @@ class Run:
                else {"stop_token_ids": (self.tokenizer.eos_id,)}))
 
     def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str], list[str]]:
+        if self.env is not None:  # the episodes were graded by their envs
+            rewards, texts, reasons, self._env_metrics = self.env.scores(rollouts)
+            return rewards, texts, reasons
         examples = {e.uid: e for e in batch.examples}
         own = [i for i, r in enumerate(rollouts) if r.prompt_uid in examples]  # this process's
         texts = [self.tokenizer.decode(rollouts[i].completion_ids.tolist(), skip_special_tokens=True)
@@ -248,7 +254,7 @@ class Run:
             "batch/kept_frac": len(keep) / len(rollouts),
             **staleness(rollouts, self.step_count - 1),
             "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
-            **times,
+            **self._env_metrics, **times,
         })
         return record
 
@@ -357,6 +363,10 @@ class Run:
         from rlx.data.eval import evaluate
 
         t = time.perf_counter()
+        if self.env is not None:
+            record = evaluate_episodes(self.env, self.engine, self.eval_set,
+                                       self._sampling(evaluation=True))
+            return {**record, "time/eval": time.perf_counter() - t}
         report = evaluate(self.engine, self.eval_set, self.reward, k=1,
                           sampling=self._sampling(evaluation=True), tokenizer=self.tokenizer,
                           prompt_format=self.prompt_format)
@@ -378,7 +388,13 @@ class Run:
         rewards = [r["reward/mean"] for r in self.metrics if "reward/mean" in r]
         lines = [f"steps {self.step_count}; mean reward per step: "
                  + " ".join(f"{x:.2f}" for x in rewards)]
-        lines += [f"held-out greedy accuracy at step {s}: {100 * a:.1f}%" for s, a in evals]
+        calls = {r["step"]: r["eval/tool_call_rate"] for r in self.metrics
+                 if "eval/tool_call_rate" in r}
+        lines += [f"held-out greedy accuracy at step {s}: {100 * a:.1f}%" + (
+            f" (tool-call rate {100 * calls[s]:.1f}%)" if s in calls else "") for s, a in evals]
+        if any("env/tool_call_rate" in r for r in self.metrics):
+            lines.append("tool-call rate per step: " + " ".join(
+                f"{r['env/tool_call_rate']:.2f}" for r in self.metrics if "env/tool_call_rate" in r))
         if len(evals) >= 2:
             lines.append(f"change: {100 * (evals[-1][1] - evals[0][1]):+.1f} points")
         return "\n".join(lines)

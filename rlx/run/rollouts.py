@@ -20,6 +20,12 @@ state the sync reads) waits for that sync.
 
 Every generation call is checked (``check_rollouts``): exactly ``n`` samples of every prompt, all
 made with the version the engine serves at that moment.
+
+``config.env.kind = "tools"``: a batch's generation is ``n`` whole tool-use episodes per prompt
+(``rlx.envs.runner.EnvRunner``, given the batch's examples); an episode's turns are all sampled by
+the one weight version the engine serves while the batch is generated (a weight sync waits behind
+it), so one-step-off and deeper queues work unchanged. In a multi-host ``primary`` run process 0
+runs every process's examples.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from typing import Any
 import numpy as np
 
 from rlx.data.pipeline import PromptBatch
+from rlx.data.sources import Example
+from rlx.envs.runner import EnvRunner
 from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
@@ -66,8 +74,9 @@ class _Completion:
 class _Generation:
     """One batch's generation: whole (one call), or in segments (``rollout.partial``)."""
 
-    def __init__(self, prompts: Sequence[Prompt], sampling: SamplingParams, segments: int):
-        self.prompts, self.sampling = tuple(prompts), sampling
+    def __init__(self, prompts: Sequence[Prompt], sampling: SamplingParams, segments: int,
+                 episodes: Callable[[RolloutEngine, SamplingParams], list[Rollout]] | None = None):
+        self.prompts, self.sampling, self.episodes = tuple(prompts), sampling, episodes
         self.segment = max(1, math.ceil(sampling.max_new_tokens / segments))
         self.partial = segments > 1
         self.done: list[Rollout] | None = [] if not prompts else None
@@ -86,7 +95,8 @@ class _Generation:
         try:
             if not self.partial:
                 version = engine.weight_version
-                rollouts = engine.generate(self.prompts, self.sampling)
+                rollouts = (engine.generate(self.prompts, self.sampling) if self.episodes is None
+                            else self.episodes(engine, self.sampling))
                 check_rollouts(self.prompts, self.sampling.n, rollouts, version)
                 self.done = rollouts
             else:
@@ -141,6 +151,7 @@ class RolloutQueue:
     hosts: Hosts
     depth: int  # train.max_staleness
     partial: bool  # rollout.partial
+    env: EnvRunner | None = None  # env.kind "tools": episodes instead of single completions
     _flight: collections.deque = dataclasses.field(default_factory=collections.deque)
     _pool: concurrent.futures.ThreadPoolExecutor | None = None
     _jobs: list = dataclasses.field(default_factory=list)  # queued, not yet waited for
@@ -162,9 +173,22 @@ class RolloutQueue:
         """Queue the generation of ``batch`` (for step ``step``) behind everything queued."""
         prompts = self.hosts.to_generate(batch.prompts)
         segments = self.depth + 1 if self.partial else 1
-        flight = _InFlight(batch, position, _Generation(prompts, sampling, segments), step)
+        episodes = None
+        if self.env is not None:
+            env, examples = self.env, self._examples(batch)
+            episodes = lambda engine, sampling: env.generate(engine, examples, sampling)  # noqa: E731
+        generation = _Generation(prompts, sampling, segments, episodes)
+        flight = _InFlight(batch, position, generation, step)
         self._flight.append(flight)
         self._submit(flight.generation.advance, self.engine)
+
+    def _examples(self, batch: PromptBatch) -> tuple[Example, ...]:
+        """The examples whose episodes this process runs (as ``Hosts.to_generate`` for prompts)."""
+        hosts = self.hosts
+        if not hosts.multi or hosts.rollouts == "per_host":
+            return tuple(batch.examples)
+        everyone = hosts.all_examples(batch.examples)
+        return everyone if hosts.index == 0 else ()
 
     def advance(self) -> None:
         """``rollout.partial``: one more segment of every batch in flight, with the weights the

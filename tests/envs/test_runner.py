@@ -1,0 +1,195 @@
+"""Tool-use episodes as the loop's rollouts (`rlx.envs.runner`, `config.env.kind = "tools"`).
+
+Scripted policies (tests/helpers/envs.py) drive `EnvRunner` for the bookkeeping: rollout order,
+loss masks, rewards with the format term, reasons, transcripts, metrics, and every kind of bad
+model output as a scored episode. The tiny config's real run (random 2-layer SmolLM2, int8 base +
+LoRA, built-in engine) trains one step on forced three-turn episodes: the sampler's log-probs of
+the policy's tokens equal the learner's within 1e-5 (f32) with the tool tokens in the sequence
+and out of the mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from rlx.config import parse_config
+from rlx.data.chat import PromptFormat
+from rlx.data.sources import Message, user_example
+from rlx.envs.base import Observation, StepInfo, StepResult
+from rlx.envs.runner import EnvRunner, make_runner
+from rlx.errors import ConfigError
+from rlx.rewards import RewardResult
+from rlx.types import SamplingParams
+from tests.helpers.envs import ScriptedEngine, call, solver
+from tests.helpers.runs import config_dict
+from tests.helpers.tokenizers import smollm2_tokenizer
+
+TASK = user_example("calc:1", "toy", "Compute (17*23)+5 using the calculator, then answer in "
+                    "\\boxed{}.", answer="396")
+SAMPLING = SamplingParams(max_new_tokens=96, n=2)
+
+
+def exact(completion: str, sample) -> RewardResult:
+    found = re.findall(r"\\boxed\{(.*?)\}", completion)
+    return RewardResult(float(bool(found) and found[-1] == sample["answer"]), "exact")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return smollm2_tokenizer()
+
+
+def runner(tok, **kw) -> EnvRunner:
+    args = dict(max_turns=4, max_episode_tokens=400)
+    return make_runner(("calculator",), exact, tok, PromptFormat(), **{**args, **kw})
+
+
+def test_episodes_become_ordered_masked_scored_rollouts(tok):
+    env = runner(tok, format_coef=0.25)
+    other = user_example("calc:2", "toy", TASK.prompt, answer="0")  # graded wrong
+    rollouts = env.generate(ScriptedEngine(tok, solver), [TASK, other], SAMPLING)
+    assert [(r.prompt_uid, r.sample_index) for r in rollouts] == [
+        ("calc:1", 0), ("calc:1", 1), ("calc:2", 0), ("calc:2", 1)]
+    # right answer after two good calls: 1 + 0.25; wrong answer, good calls: 0 + 0.25
+    assert [r.reward for r in rollouts] == [1.25, 1.25, 0.25, 0.25]
+    for r in rollouts:
+        assert r.finish_reason == "stop" and r.weight_version == ScriptedEngine.weight_version
+        mask = r.completion_mask.astype(bool)
+        assert 0 < mask.sum() < len(mask)  # tool turns in the sequence, out of the loss
+        assert np.all(r.sampler_logp[mask] < 0) and not r.sampler_logp[~mask].any()
+        tool_text = tok.decode(r.completion_ids[~mask].tolist())
+        assert "<tool_response>\n391\n</tool_response>" in tool_text
+    rewards, texts, reasons, metrics = env.scores(rollouts)
+    assert rewards.tolist() == [1.25, 1.25, 0.25, 0.25]
+    assert texts[0].startswith("[user] Compute") and "[tool] 391" in texts[0]
+    assert reasons[0] == "final_answer: exact"
+    assert metrics["env/tool_call_rate"] == 1.0 and metrics["env/tool_calls"] == 2.0
+    assert metrics["env/turns"] == 3.0 and metrics["env/outcome"] == 0.5
+    assert metrics["env/finish_final_answer"] == 1.0
+    assert env.scores(rollouts)[3] == {}  # each episode is handed over once
+
+
+@pytest.mark.parametrize("turn,reason,tool_text", [
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}</tool_call>',
+     "turn_limit", "not valid JSON"),
+    (call("1+1").replace("calculator", "abacus"), "turn_limit", "unknown tool 'abacus'"),
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": 7}}</tool_call>',
+     "turn_limit", "argument 'expression' must be of type string"),
+    (call("9**9**9**9"), "turn_limit", "calculator error: result too large"),
+    ("I keep thinking " * 40, "length", None),  # never ends: cut at the token budget
+])
+def test_bad_model_output_is_a_scored_episode_with_its_reason(tok, turn, reason, tool_text):
+    env = runner(tok, max_turns=2, max_episode_tokens=120)
+    (rollout,) = env.generate(ScriptedEngine(tok, lambda _: turn), [TASK],
+                              SamplingParams(max_new_tokens=64))
+    rewards, texts, reasons, metrics = env.scores([rollout])
+    assert rewards.tolist() == [0.0] and reasons[0].startswith(reason)
+    assert metrics[f"env/finish_{reason}"] == 1.0
+    if tool_text:
+        assert tool_text in texts[0] and metrics["env/tool_errors"] == 1.0
+
+
+def test_overlong_tool_output_ends_the_episode_at_the_budget(tok):
+    (rollout,) = make_runner(("tests.envs.test_runner:shout",), exact, tok, PromptFormat(),
+                             max_turns=3, max_episode_tokens=200).generate(
+        ScriptedEngine(tok, lambda _: '<tool_call>{"name": "shout", "arguments": '
+                                      '{"word": "hey"}}</tool_call>'),
+        [TASK], SamplingParams(max_new_tokens=64))
+    assert rollout.reward == 0.0 and rollout.finish_reason == "length"
+    assert len(rollout.completion_ids) <= 200
+
+
+def shout(word: str) -> str:
+    """Repeat a word, loudly."""
+    return (word.upper() + " ") * 1000
+
+
+def test_env_section_is_validated(tmp_path):
+    def parse(**dotted):
+        return parse_config(config_dict("tiny", tmp_path, **dotted))
+
+    assert parse().env.kind == "single"
+    with pytest.raises(ConfigError, match="config.env.kind"):
+        parse(**{"env.kind": "chat"})
+    with pytest.raises(ConfigError, match="config.env.tools is empty"):
+        parse(**{"env.kind": "tools", "env.tools": []})
+    with pytest.raises(ConfigError, match="rollout.partial"):
+        parse(**{"env.kind": "tools", "rollout.partial": True, "train.max_staleness": 1})
+
+
+class Chatter:
+    """An env that answers every turn with a tool message until its third turn ends the
+    episode (reward 1 for a turn that mentions "a"), whatever the model writes."""
+
+    def reset(self, example):
+        self.turn = 0
+        return Observation((Message("user", example.prompt),))
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 3:
+            result = RewardResult(float("a" in text), "has a")
+            return StepResult(Observation(()), result.score, True,
+                              StepInfo(self.turn, "final_answer", reward_result=result))
+        return StepResult(Observation((Message("tool", f"turn {self.turn} seen"),)), 0.0, False,
+                          StepInfo(self.turn, "tool_calls", tool_calls=1))
+
+
+class ShortTurns:
+    """The run's engine with every odd token id also a stop token, so that the random policy's
+    turns end (finish "stop") after a few tokens and its episodes run all three turns."""
+
+    def __init__(self, engine):
+        self.engine, self.name = engine, engine.name
+
+    @property
+    def weight_version(self):
+        return self.engine.weight_version
+
+    def generate(self, prompts, sampling):
+        stops = (*sampling.stop_token_ids, *range(1, 49152, 2))
+        return self.engine.generate(prompts, dataclasses.replace(sampling, stop_token_ids=stops))
+
+    def score(self, sequences):
+        return self.engine.score(sequences)
+
+    def update_weights(self, weights, version):
+        self.engine.update_weights(weights, version)
+
+    def close(self):
+        self.engine.close()
+
+
+def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
+    from rlx.run.build import build
+
+    cfg = config_dict("tiny", tmp_path / "run", **{
+        "env.kind": "tools", "env.max_episode_tokens": 96, "rollout.max_new_tokens": 16,
+        "train.steps": 1,
+        "data.eval_size": 0, "train.checkpoint_every": 0, "mesh.data": 8})
+    run = build(cfg, progress=False)
+    try:
+        run.env = EnvRunner(Chatter, run.tokenizer, max_episode_tokens=96)
+        run.engine = ShortTurns(run.engine)
+        seen, generate = [], run.env.generate
+
+        def recording(*args):  # keeps the rollouts the step trains on
+            seen.extend(generate(*args))
+            return seen[-len(seen):]
+
+        run.env.generate = recording
+        record = run.step()
+        assert record["env/turns"] == 3.0 and record["env/finish_final_answer"] == 1.0
+        for r in seen:
+            mask = r.completion_mask.astype(bool)
+            assert mask.sum() >= 3 and (~mask).sum() >= 2 * len(run.tokenizer.encode(
+                "turn 1 seen"))  # the policy's turns in the loss, the tool turns out of it
+        # the learner's log-probs of the sampled tokens (mask 1) vs the engine's: f32 parity
+        assert record["learner/mismatch_abs_max"] <= 1e-5, record["learner/mismatch_abs_max"]
+        assert np.isfinite(record["learner/loss"]) and record["learner/kl"] >= 0
+    finally:
+        run.close()
