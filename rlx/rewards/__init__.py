@@ -1,4 +1,5 @@
-"""Host-side rewards: math answers (math-verify), code (sandboxed execution), composition.
+"""Host-side rewards: math answers (math-verify), code (sandboxed execution), tool calls against
+BFCL-style ground truth (`rlx.rewards.bfcl`), composition.
 
 Importing this package loads only the records and the registry; the graders (sympy, the
 sandbox) are imported on first use, by `get_reward(name)` or by attribute access below.
@@ -35,6 +36,9 @@ _LAZY = {
     "OverlongConfig": "rlx.rewards.compose",
     "RewardMetrics": "rlx.rewards.compose",
     "reward_metrics": "rlx.rewards.compose",
+    "CallReward": "rlx.rewards.bfcl",
+    "grade_calls": "rlx.rewards.bfcl",
+    "parse_tool_calls": "rlx.rewards.tool_calls",
 }
 
 __all__ = [

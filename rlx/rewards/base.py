@@ -75,6 +75,7 @@ _BUILTIN: dict[str, str] = {
     "math": "rlx.rewards.math:MathReward",
     "math_format": "rlx.rewards.math:FormatReward",
     "code": "rlx.rewards.code:CodeReward",
+    "tool_call": "rlx.rewards.bfcl:CallReward",
 }
 _REGISTRY: dict[str, RewardFactory] = {}
 _LOCK = threading.Lock()
