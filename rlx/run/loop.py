@@ -49,14 +49,14 @@ from jax.sharding import Mesh
 
 from rlx.config import RunConfig
 from rlx.data.chat import PromptFormat
-from rlx.data.sources import Example
-from rlx.envs.runner import EnvRunner, evaluate_episodes
+from rlx.data.sources import Example, user_example
+from rlx.envs.runner import EnvRunner, evaluate_episodes, make_runner, transcript
 from rlx.io.checkpoint import Checkpointer
 from rlx.io.export import export_critic, export_merged, export_peft
 from rlx.io.metrics import MetricsLogger, TextSample
 from rlx.learner.step import Compiled
 from rlx.models.tokenizer import Tokenizer
-from rlx.rewards.base import RewardFn, score_batch
+from rlx.rewards.base import RewardFn, RewardResult, score_batch
 from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
 from rlx.run.learn import StepLearner
@@ -373,14 +373,30 @@ class Run:
         return {"eval/accuracy": float(report.pass_at[1]), "eval/mean_reward": report.mean_score,
                 "time/eval": time.perf_counter() - t}
 
-    def generate(self, texts: Sequence[str], **sampling: Any) -> list[str]:
-        """Chat-templated completions of user messages (for looking at samples)."""
+    def generate(self, texts: Sequence[str], tools: Sequence[str] | None = None,
+                 **sampling: Any) -> list[str]:
+        """Chat-templated completions of user messages (for looking at samples). With ``tools``
+        (names as in ``env.tools``) each message opens a tool-use episode (``env.max_turns``,
+        ``env.max_episode_tokens``; final answers not graded) and its transcript is returned."""
         base = dataclasses.replace(self._sampling(evaluation=True), **sampling)
+        if tools is not None:
+            return self._episodes(texts, tools, base)
         prompts = [Prompt(f"gen-{i}", tuple(self.tokenizer.encode_chat(
             [{"role": "user", "content": t}], add_generation_prompt=True))) for i, t in enumerate(texts)]
         self.queue.wait()
         outs = self.hosts.on_primary(lambda: self.engine.generate(prompts, base))
         return [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True) for r in outs]
+
+    def _episodes(self, texts: Sequence[str], tools: Sequence[str],
+                  sampling: SamplingParams) -> list[str]:
+        env = self.cfg.env
+        runner = make_runner(tools, lambda text, sample: RewardResult(0.0, "not graded"),
+                             self.tokenizer, PromptFormat(), max_turns=env.max_turns,
+                             max_episode_tokens=env.max_episode_tokens, demo=env.demo)
+        examples = [user_example(f"gen-{i}", "generate", t) for i, t in enumerate(texts)]
+        self.queue.wait()
+        episodes = self.hosts.on_primary(lambda: runner.episodes(self.engine, examples, sampling))
+        return [transcript(e) for e in episodes]
 
     def summary(self) -> str:
         """Held-out accuracy at the start and now, and the reward curve, as text."""

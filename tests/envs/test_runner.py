@@ -168,7 +168,7 @@ def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
     from rlx.run.build import build
 
     cfg = config_dict("tiny", tmp_path / "run", **{
-        "env.kind": "tools", "env.max_episode_tokens": 96, "rollout.max_new_tokens": 16,
+        "env.kind": "tools", "env.max_episode_tokens": 256, "rollout.max_new_tokens": 16,
         "train.steps": 1,
         "data.eval_size": 0, "train.checkpoint_every": 0, "mesh.data": 8})
     run = build(cfg, progress=False)
@@ -191,5 +191,11 @@ def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
         # the learner's log-probs of the sampled tokens (mask 1) vs the engine's: f32 parity
         assert record["learner/mismatch_abs_max"] <= 1e-5, record["learner/mismatch_abs_max"]
         assert np.isfinite(record["learner/loss"]) and record["learner/kl"] >= 0
+        # run.generate(texts, tools=...) shows whole episodes (here a scripted policy's)
+        run.engine = ScriptedEngine(run.tokenizer, solver)
+        (text,) = run.generate([TASK.prompt], tools=["calculator"], max_new_tokens=64)
+        assert text.startswith(f"[user] {TASK.prompt}\n[assistant] First 17*23.")
+        assert "[tool] 391" in text and "[tool] 396" in text
+        assert text.endswith("[assistant] The result is \\boxed{396}.")
     finally:
         run.close()
