@@ -181,6 +181,9 @@ class StepMetrics(NamedTuple):
     tokens: Scalar  # loss-mask tokens in the batch
     sequences: Scalar  # completions in the batch
     lr: Scalar  # learning rate applied this step
+    # (token, expert) pairs a MoE dispatch capacity dropped in the step's forward passes, summed
+    # over layers and micro-batches (0 when dropless: config.model.moe_capacity_factor = 0)
+    moe_dropped_pairs: Scalar
 
 
 @dataclasses.dataclass(frozen=True)

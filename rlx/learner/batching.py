@@ -21,6 +21,9 @@ every column).
 Rollouts are read by attribute: `prompt_ids`, `completion_ids`, `sampler_logp`, optionally
 `completion_mask`, a prompt uid (`uid` or `prompt_uid`, any hashable) and `weight_version`. Uids
 become int indices in first-seen order; integer-like weight versions are kept, others indexed.
+When a rollout carries `routes` (the sampler's experts, routing replay) the batch gets
+`TrainBatch.routes` `[B, T, moe layers, k]`, aligned with `input_ids`, -1 on padding, in
+unused slots and for rollouts without routes (the learner's router picks there).
 """
 
 from __future__ import annotations
@@ -37,8 +40,18 @@ from rlx.types import BATCH_FIELDS, Rollout, TrainBatch
 _FLOAT_FIELDS = ("loss_mask", "advantages", "sampler_logp", "old_logp", "ref_logp")
 
 
-def _empty(rows: int, length: int, with_old: bool, with_ref: bool) -> dict[str, np.ndarray]:
-    out = {}
+def _route_shape(rollouts) -> tuple[int, int] | None:
+    """``(moe layers, k)`` of the rollouts' recorded routes; None when none has any."""
+    shapes = {tuple(r.routes.shape[1:]) for r in rollouts if getattr(r, "routes", None) is not None}
+    if len(shapes) > 1:
+        raise ValueError(f"rollouts carry routes of different shapes {sorted(shapes)} [moe layers, "
+                         "k]; batch rollouts of one model together")
+    return shapes.pop() if shapes else None
+
+
+def _empty(rows: int, length: int, with_old: bool, with_ref: bool,
+           routes: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    out = {} if routes is None else {"routes": np.full((rows, length, *routes), -1, np.int16)}
     for name in BATCH_FIELDS:
         if (name == "old_logp" and not with_old) or (name == "ref_logp" and not with_ref) or \
                 name in ("old_values", "returns"):  # filled in on device (rlx.learner.critic)
@@ -102,6 +115,8 @@ def _place(arrays, row: int, start: int, segment: int, r: Rollout, adv: float, o
     if ref is not None:
         arrays["ref_logp"][row, done] = np.asarray(ref) * mask
     arrays["uid"][row, span], arrays["weight_version"][row, span] = tags
+    if "routes" in arrays and getattr(r, "routes", None) is not None:
+        arrays["routes"][row, span] = r.routes
     versions = getattr(r, "token_versions", None)
     if versions is not None:  # a partial rollout: each token's own version
         arrays["weight_version"][row, done] = np.asarray(versions)
@@ -171,7 +186,8 @@ def pad_rollouts(
     fitting = sorted(b for b in buckets if b >= longest)
     length = fitting[0] if fitting else round_up(longest, length_multiple)
     rows = round_up(len(rollouts), rows_multiple)
-    arrays = _empty(rows, length, old_logp is not None, ref_logp is not None)
+    arrays = _empty(rows, length, old_logp is not None, ref_logp is not None,
+                    _route_shape(rollouts))
     uids, versions = _tags(rollouts)
     for i, r in enumerate(rollouts):
         _place(arrays, i, 0, 1, r, advantages[i], _nth(old_logp, i), _nth(ref_logp, i),
@@ -210,7 +226,7 @@ def pack_rollouts(
         slots.append((i, row, used[row], segments[row]))
         used[row] += lengths[i]
     arrays = _empty(round_up(len(used), rows_multiple), row_len,
-                    old_logp is not None, ref_logp is not None)
+                    old_logp is not None, ref_logp is not None, _route_shape(rollouts))
     uids, versions = _tags(rollouts)
     for i, row, start, seg in slots:
         _place(arrays, row, start, seg, rollouts[i], advantages[i], _nth(old_logp, i),

@@ -134,7 +134,7 @@ def values(graphdef: nnx.GraphDef, state: TrainState, batch: TrainBatch,
     critic = state.critic
     params = critic.params if params is None else params
     frozen = state.frozen if critic.frozen is None else critic.frozen
-    hidden, _ = apply_fn(nnx.merge(graphdef, params["body"], frozen), batch)  # [B, T, D]
+    hidden = apply_fn(nnx.merge(graphdef, params["body"], frozen), batch)[0]  # [B, T, D]
     head = params["head"]
     v = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32), head["kernel"]) + head["bias"]
     return jnp.where(predicted(batch.segment_ids), jnp.pad(v[:, :-1], ((0, 0), (1, 0))), 0.0)

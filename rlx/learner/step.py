@@ -25,14 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from rlx.learner.heap import CompiledPerShape, UpdatePerShape
 from rlx.learner.logprobs import LMHead, Projection, token_logprobs
@@ -44,7 +44,18 @@ from rlx.models.layers import PROJECTION, weight_value
 from rlx.models.mixed import is_low_precision
 from rlx.types import LogProbs, StepMetrics, TrainBatch
 
-ApplyFn = Callable[[nnx.Module, TrainBatch], tuple[Float[Array, "b t d"], Projection]]
+
+class Forward(NamedTuple):
+    """What an ``apply_fn`` returns: final hidden states, the lm-head as ``token_logprobs`` takes
+    it, and the (token, expert) pairs a dispatch capacity dropped (``rlx.models.moe``; 0 when
+    dropless). A plain ``(hidden, project)`` pair is accepted too (nothing dropped)."""
+
+    hidden: Float[Array, "b t d"]
+    project: Projection | LMHead
+    dropped: Int[Array, ""]
+
+
+ApplyFn = Callable[[nnx.Module, TrainBatch], Forward | tuple[Float[Array, "b t d"], Projection]]
 
 
 def logprob_head(model: nnx.Module, adapter: bool = True) -> Projection | LMHead:
@@ -76,14 +87,14 @@ def logprob_head(model: nnx.Module, adapter: bool = True) -> Projection | LMHead
                   out_dtype=head.dtype)
 
 
-def model_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True):
-    """Default `apply_fn`: final hidden states and the lm-head of an rlx `Transformer`."""
-    hidden = model.hidden_states(batch.input_ids, batch.positions, batch.segment_ids,
-                                 adapter=adapter)
-    return hidden, logprob_head(model, adapter)
+def model_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True) -> Forward:
+    """Default `apply_fn`: final hidden states and the lm-head of an rlx `Transformer`, its MoE
+    layers using the sampler's experts where ``batch.routes`` holds them (routing replay)."""
+    return remat_forward(model, batch, adapter, remat=False)
 
 
-def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True, policy=None):
+def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True, policy=None,
+                  remat: bool = True) -> Forward:
     """`apply_fn` that keeps only each decoder layer's input for the backward pass and recomputes
     the rest of the layer there (``config.train.remat='layer'``): activation memory of one layer
     instead of all of them, for about one more forward pass of compute. With a checkpoint
@@ -91,9 +102,10 @@ def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True, po
     ``Linear``, so the backward pass recomputes attention, norms, rotary embedding and the SwiGLU
     product but no projection; MoE experts are recomputed whole)."""
     x, angles = model.embed_tokens(batch.input_ids), model.rope_angles(batch.positions)
-    x = model.run_layers(x, batch.positions, batch.segment_ids, angles, adapter, remat=True,
-                         policy=policy)  # scanned layers: the scan's body is the checkpoint
-    return model.norm(x), logprob_head(model, adapter)
+    x, routes = model.routed_layers(x, batch.positions, batch.segment_ids, angles, adapter,
+                                    remat=remat, policy=policy, replay=batch.routes)
+    # (scanned layers: the scan's body is the checkpoint)
+    return Forward(model.norm(x), logprob_head(model, adapter), routes.dropped)
 
 
 FORWARDS = {  # config.train.remat -> apply_fn
@@ -143,12 +155,19 @@ def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
 
     With `batch.logp_columns` only those columns are scored (0 elsewhere): the lm-head and the
     log-softmax run on the [B, K] gathered hidden states instead of all [B, T]."""
-    hidden, project = apply_fn(model, batch)  # [B, T, D]
+    return _dropping_logprobs(model, batch, cfg, apply_fn)[0]
+
+
+def _dropping_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig, apply_fn: ApplyFn
+                       ) -> tuple[LogProbs, Int[Array, ""]]:
+    """``sequence_logprobs`` and the (token, expert) pairs the forward pass dropped."""
+    hidden, project, *dropped = apply_fn(model, batch)  # [B, T, D]
+    dropped = dropped[0] if dropped else jnp.zeros((), jnp.int32)
     is_predicted = predicted(batch.segment_ids)  # [B, T]
     if batch.logp_columns is not None:
         logp, entropy = _column_logprobs(hidden, project, batch, cfg)  # [B, T] each, aligned
         keep = lambda x: None if x is None else jnp.where(is_predicted, x, 0.0)  # noqa: E731
-        return LogProbs(keep(logp), keep(entropy))
+        return LogProbs(keep(logp), keep(entropy)), dropped
     targets = jnp.roll(batch.input_ids, -1, axis=1)  # [B, T]  token t + 1, predicted at t
     logp, entropy = _token_logprobs(hidden, project, targets, cfg)  # [B, T] each
 
@@ -157,7 +176,7 @@ def sequence_logprobs(model: nnx.Module, batch: TrainBatch, cfg: StepConfig,
             return None
         return jnp.where(is_predicted, jnp.pad(x[:, :-1], ((0, 0), (1, 0))), 0.0)  # [B, T]
 
-    return LogProbs(align(logp), align(entropy))
+    return LogProbs(align(logp), align(entropy)), dropped
 
 
 def _column_logprobs(hidden, project, batch: TrainBatch, cfg: StepConfig):
@@ -210,13 +229,13 @@ def _normaliser(mask, segment_ids, cfg: LossConfig):
 def _micro_loss(params, frozen, mb: TrainBatch, total_norm, graphdef, cfg: StepConfig, apply_fn):
     """One micro-batch: its loss scaled to its share of the whole batch, and its metrics."""
     model = nnx.merge(graphdef, params, frozen)
-    lp = sequence_logprobs(model, mb, cfg, apply_fn)
+    lp, dropped = _dropping_logprobs(model, mb, cfg, apply_fn)
     old = jax.lax.stop_gradient(lp.logp) if mb.old_logp is None else mb.old_logp
     loss, metrics = policy_loss(lp.logp, old, mb.advantages, mb.loss_mask, cfg.loss,
                                 ref_logp=mb.ref_logp, sampler_logp=mb.sampler_logp,
                                 entropy=lp.entropy, segment_ids=mb.segment_ids)
     scale = _normaliser(mb.loss_mask, mb.segment_ids, cfg.loss) / jnp.maximum(total_norm, 1.0)
-    return loss * scale, (metrics, scale, jnp.sum(mb.loss_mask))
+    return loss * scale, (metrics, scale, jnp.sum(mb.loss_mask), dropped)
 
 
 _MAX_FIELDS = ("ratio_max", "tis_weight_max", "mismatch_abs_max")
@@ -273,7 +292,8 @@ def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
                   row_sharding: NamedSharding | None = None):
     """Gradient of the whole-batch loss wrt `params`, accumulated over micro-batches.
 
-    Returns (grads, loss, LossMetrics, tokens, sequences). Pure; jit it (the train step does).
+    Returns (grads, loss, LossMetrics, tokens, sequences, dropped (token, expert) pairs). Pure;
+    jit it (the train step does).
     """
     mask = batch.loss_mask * predicted(batch.segment_ids)  # [B, T]  no loss without a prediction
     batch = batch.replace(loss_mask=mask)
@@ -281,20 +301,21 @@ def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
     grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
     def body(carry, mb):
-        grads, loss, acc = carry
-        (mb_loss, (metrics, scale, tokens)), mb_grads = grad_fn(
+        grads, loss, acc, drops = carry
+        (mb_loss, (metrics, scale, tokens, dropped)), mb_grads = grad_fn(
             params, frozen, mb, total_norm, graphdef, cfg, apply_fn)
         grads = jax.tree.map(jnp.add, grads, mb_grads)
-        return (grads, loss + mb_loss, _combine(acc, metrics, scale, tokens)), None
+        return (grads, loss + mb_loss, _combine(acc, metrics, scale, tokens), drops + dropped), None
 
     zero = jnp.zeros((), jnp.float32)
     acc = LossMetrics(**{n: jnp.inf if n in _MIN_FIELDS else -jnp.inf if n in _MAX_FIELDS
                          else zero for n in LossMetrics._fields})
-    init = (jax.tree.map(jnp.zeros_like, params), zero, acc)
+    init = (jax.tree.map(jnp.zeros_like, params), zero, acc, jnp.zeros((), jnp.int32))
     micro = split_micro(batch, cfg.micro_batches, row_sharding)
-    (grads, loss, acc), _ = jax.lax.scan(body, init, micro)
+    (grads, loss, acc, dropped), _ = jax.lax.scan(body, init, micro)
     tokens = jnp.sum(mask)
-    return grads, loss, _finish(acc, tokens), tokens, sequence_count(mask, batch.segment_ids)
+    return (grads, loss, _finish(acc, tokens), tokens, sequence_count(mask, batch.segment_ids),
+            dropped)
 
 
 def _where_tree(ok, new, old):
@@ -303,7 +324,7 @@ def _where_tree(ok, new, old):
 
 def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, cfg: StepConfig,
                 optimizer: optax.GradientTransformation, schedule, apply_fn, row_sharding):
-    grads, loss, lm, tokens, seqs = compute_grads(
+    grads, loss, lm, tokens, seqs, dropped = compute_grads(
         state.params, state.frozen, batch, graphdef=graphdef, cfg=cfg, apply_fn=apply_fn,
         row_sharding=row_sharding)
     grad_norm = optax.global_norm(grads)
@@ -320,7 +341,8 @@ def _train_step(state: TrainState, batch: TrainBatch, *, graphdef, cfg: StepConf
     )
     metrics = StepMetrics(
         loss=loss, **lm._asdict(), grad_norm=grad_norm, skipped=(~ok).astype(jnp.float32),
-        tokens=tokens, sequences=seqs, lr=jnp.where(ok, lr, 0.0).astype(jnp.float32))
+        tokens=tokens, sequences=seqs, lr=jnp.where(ok, lr, 0.0).astype(jnp.float32),
+        moe_dropped_pairs=dropped.astype(jnp.float32))
     return new_state, metrics
 
 

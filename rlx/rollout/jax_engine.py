@@ -19,7 +19,10 @@ attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and 
 sharded over the batch only (``cache_sharding``), and decode steps absorb ``kv_b_proj``
 (``rlx.models.mla``). With the experts of an MoE model split
 over the mesh's ``expert`` axis, prefill and decode steps dispatch each token to its experts'
-devices, as the learner does (``rlx.models.moe_dispatch``, dropless).
+devices, as the learner does (``rlx.models.moe_dispatch``, dropless unless
+``capacity_factor`` > 0). ``record_routes=True`` (routing replay, ``config.train.router_replay``)
+puts on each rollout the experts every MoE layer chose for its prompt and completion tokens
+(``Rollout.routes``, -1 on the completion's last token, which is never fed).
 
 Requests are expanded to ``n`` rows per prompt, sorted by prompt length and cut into device batches
 of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, prompt width and
@@ -57,7 +60,7 @@ from rlx.learner.state import variable_shardings
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
                       round_up)
 from rlx.models.hparams import ModelConfig
-from rlx.models.moe import expert_parallel
+from rlx.models.moe import SparseMoE, expert_parallel
 from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
 from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, sequence_logprobs
@@ -88,7 +91,7 @@ def _pow2(n: int) -> int:
 
 
 def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None,
-                rules: LogicalRules = SAMPLE_RULES
+                rules: LogicalRules = SAMPLE_RULES, capacity_factor: float | None = None
                 ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset]:
     """Split a copy of ``model`` in eval mode (LoRA dropout off), its MoE layers dispatching
     tokens to experts split over ``mesh`` (``rlx.models.moe.expert_parallel``), and in the
@@ -98,7 +101,7 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
-    expert_parallel(copy, mesh, rules)
+    expert_parallel(copy, mesh, rules, capacity_factor)
     keep = frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(copy, shared)))
     transposed = to_out_in(copy, keep) if layout == "out_in" else frozenset()
     return (*nnx.split(copy), transposed, keep)
@@ -177,7 +180,12 @@ class JaxEngine:
                  rules: LogicalRules = SAMPLE_RULES, buckets: Buckets = Buckets(),
                  weight_version: int = 0, seed: int = 0, adapter: bool = True,
                  copy_weights: bool = True, score_chunk: int = 256, weight_layout: str = "auto",
-                 shared=nnx.filterlib.Nothing()):
+                 shared=nnx.filterlib.Nothing(), record_routes: bool = False,
+                 capacity_factor: float | None = None):
+        if record_routes and not any(isinstance(n, SparseMoE) for _, n in nnx.iter_graph(model)):
+            raise ValueError("JaxEngine(record_routes=True) records MoE routing, but the model "
+                             "has no MoE layer; leave it off (config.train.router_replay=False)")
+        self.record_routes, self.capacity_factor = record_routes, capacity_factor
         self.tokenizer, self.mesh, self.rules, self.buckets = tokenizer, mesh, rules, buckets
         self.shared = shared  # nnx filter: variables held as the caller's arrays, never copied
         self.weight_layout = resolve_layout(weight_layout)
@@ -193,7 +201,8 @@ class JaxEngine:
         """Install a new model, or new values for some of its variables, as policy ``version``."""
         if isinstance(weights, nnx.Module):
             graphdef, state, self._transposed, self._shared = _eval_split(
-                weights, self.weight_layout, self.shared, self.mesh, self.rules)
+                weights, self.weight_layout, self.shared, self.mesh, self.rules,
+                self.capacity_factor)
             self._config = weights.config
             targets = self._targets(state)
             self._state = self._place(state, targets, fresh=self._transposed)
@@ -259,12 +268,15 @@ class JaxEngine:
         if self.mesh is not None:
             kv = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
             rows = batch_sharding(self.mesh, 2, self.rules)
-        static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows)
+        static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows,
+                                self.record_routes)
         if static not in self._fns:
             fn = functools.partial(generate_batch, static=static)
             # ids [u, p], lens [u]; prompt of row, uid hash, sample index [b];
-            # seed, temperature, top_p, max_new, stops
-            self._fns[static] = self._jit(fn, (2, 1, 1, 1, 1), 5, (2, 2, 1, 1))
+            # seed, temperature, top_p, max_new, stops; out: tokens, logps, lengths, stopped
+            # (and the prompt and completion routes, [b, p | n, l, k])
+            outs = (2, 2, 1, 1) + ((4, 4) if self.record_routes else ())
+            self._fns[static] = self._jit(fn, (2, 1, 1, 1, 1), 5, outs)
         return self._fns[static]
 
     def _score_fn(self):
@@ -327,23 +339,31 @@ class JaxEngine:
         fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens))
         scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
                    np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))
-        tokens, logps, lengths, stopped = jax.device_get(
+        tokens, logps, lengths, stopped, *routes = jax.device_get(
             fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stop_ids))
-        return [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]), sampling)
+        return [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]), sampling,
+                              [x[r] for x in routes])
                 for r, (p, j) in enumerate(reqs)]
 
     def _rollout(self, prompt: Prompt, j: int, tokens, logps, length: int, stopped: bool,
-                 sampling: SamplingParams) -> Rollout:
+                 sampling: SamplingParams, routes=()) -> Rollout:
+        """Row ``tokens`` as a Rollout; ``routes``: the row's prompt ([p, l, k], left-padded) and
+        completion ([n, l, k]) experts when recorded."""
         ids, logp = tokens[:length], logps[:length]
         cut = stop_string_cut(self.tokenizer, ids, sampling.stop_strings) if sampling.stop_strings else None
         if cut is not None:
             ids, logp, stopped = ids[:cut], logp[:cut], True
+        recorded = None
+        if routes:  # the prompt's tokens end at its last slot
+            prompt_routes, completion_routes = routes
+            recorded = np.concatenate([prompt_routes[len(prompt_routes) - len(prompt.token_ids):],
+                                     completion_routes[:len(ids)]])
         return Rollout(prompt_uid=prompt.uid, prompt_ids=np.asarray(prompt.token_ids, np.int32),
                        completion_ids=np.asarray(ids, np.int32),
                        sampler_logp=np.asarray(logp, np.float32),
                        finish_reason="stop" if stopped else "length",
                        weight_version=self.weight_version, sample_index=j,
-                       has_logprobs=sampling.logprobs)
+                       has_logprobs=sampling.logprobs, routes=recorded)
 
     # --- scoring and lifecycle ------------------------------------------------------------
     def score(self, sequences: Sequence[tuple[Sequence[int], int]]) -> list[np.ndarray]:

@@ -6,6 +6,9 @@ prompt once, its cache then copied to its ``n`` samples' rows), then
 ``lax.while_loop``s that feed one token per row per iteration and exit as soon as every row has hit
 a stop token or ``max_new`` tokens are out. There is no host round trip per token. The cache grows
 between loops (``segment_ends``), so attention reads only the slots a segment can have filled.
+With ``GenerateStatic.record_routes`` the prefill and every step run ``Transformer.decode_routed``
+and keep the experts each fed token went to in every MoE layer (routing replay: the learner then
+uses the sampler's experts); without it nothing is recorded and nothing else changes.
 
 Sampling (``sample_tokens``): greedy is ``argmax``; otherwise the logits are divided by the
 temperature, optionally cut to the ``top_k`` largest (``lax.top_k``) and/or to the nucleus (smallest
@@ -201,7 +204,9 @@ def left_padded(lens: Int[Array, " b"], width: int):
 def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static):
     """Left-padded prompts through the cached forward pass into a cache of ``length`` slots, then
     handed to the rows that continue them. Returns the rows' last hidden states [b, d], their
-    cache, and their prompt lengths [b] (0 for padding rows, marked ``prompt_of_row < 0``).
+    cache, their prompt lengths [b] (0 for padding rows, marked ``prompt_of_row < 0``) and, with
+    ``static.record_routes``, the experts of their prompt tokens ``[b, p, moe layers, k]`` (-1 on
+    the left padding; else None).
 
     With fewer prompts than rows (``n`` samples of each prompt) each prompt is prefilled once and
     its cache rows are copied to its samples: a GRPO group of 8 prefills 1 row, not 8."""
@@ -209,13 +214,20 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static)
     cache = KVCache.zeros(model.config, u, length, model.precision.dtype, layer_counts(model))
     cache = _constrain(cache, static.kv_sharding, static.row_sharding)
     positions, segments = left_padded(prompt_lens, p)  # [u, p] each
-    h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
+    experts = None
+    if static.record_routes:
+        h, cache, routes = model.decode_routed(prompt_ids, positions, segments, cache,
+                                               static.adapter)
+        experts = jnp.where(segments[:, :, None, None] > 0, routes.experts, -1).astype(ROUTE_DTYPE)
+    else:
+        h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
     last, lens = h[:, -1], prompt_lens  # [u, d], [u]
     if u < prompt_of_row.shape[0]:  # else one row per prompt, in order (the host's packing)
         src = jnp.maximum(prompt_of_row, 0)  # [b]
         cache = _constrain(cache.take_rows(src), static.kv_sharding, static.row_sharding)
         last, lens = jnp.take(last, src, axis=0), lens[src]
-    return last, cache, jnp.where(prompt_of_row < 0, 0, lens)
+        experts = None if experts is None else jnp.take(experts, src, axis=0)  # [b, p, l, k]
+    return last, cache, jnp.where(prompt_of_row < 0, 0, lens), experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,6 +240,10 @@ class GenerateStatic:
     adapter: bool = True
     kv_sharding: NamedSharding | None = None
     row_sharding: NamedSharding | None = None
+    record_routes: bool = False  # also return each fed token's experts (routing replay)
+
+
+ROUTE_DTYPE = jnp.int16  # expert ids of recorded routes (fewer than 32768 experts)
 
 
 def segment_ends(new_tokens: int, max_segments: int = 4, min_steps: int = 32) -> tuple[int, ...]:
@@ -254,14 +270,17 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     Returns (tokens [b, n], raw-policy log-probs [b, n], lengths [b], stopped [b]); entries at or
     beyond a row's length are 0. ``stopped``: the row ended on a stop token (kept as its last token).
     The cache starts at ``p + segment_ends(n)[0]`` slots and grows by a segment at a time.
+    ``static.record_routes`` adds the experts every MoE layer chose for each token fed: the
+    prompts' ``[b, p, l, k]`` (left-padded like ``prompt_ids``) and the completions' ``[b, n,
+    l, k]``, -1 where nothing was fed (padding, a row's last token, which is never fed back).
     """
     model = nnx.merge(static.graphdef, state)
     b, p = prompt_of_row.shape[0], prompt_ids.shape[1]
     n = static.new_tokens
     ends = segment_ends(n)
     keys = row_keys(seed, uid_hash, sample_index)
-    last, cache, prompt_lens = _prefill(model, prompt_ids, prompt_lens, prompt_of_row, p + ends[0],
-                                        static)
+    last, cache, prompt_lens, prompt_routes = _prefill(model, prompt_ids, prompt_lens,
+                                                       prompt_of_row, p + ends[0], static)
     tok, logp = _next_tokens(model, last, keys, 0, temperature, top_p, static.spec, static.adapter)
     inactive = prompt_lens == 0
     stopped = jnp.isin(tok, stop_ids) & ~inactive
@@ -270,6 +289,8 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
                  logps=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp),
                  lengths=jnp.where(inactive, 0, 1).astype(jnp.int32), stopped=stopped,
                  done=stopped | inactive)
+    if static.record_routes:
+        carry["routes"] = jnp.full((b, n, *prompt_routes.shape[2:]), -1, ROUTE_DTYPE)
     body = functools.partial(_decode_step, model=model, keys=keys, prompt_lens=prompt_lens,
                              temperature=temperature, top_p=top_p, stop_ids=stop_ids, static=static)
     limit = jnp.minimum(max_new, n)
@@ -280,7 +301,8 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
         stop = jnp.minimum(limit, end)
         carry = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]),
                                    body, carry)
-    return carry["tokens"], carry["logps"], carry["lengths"], carry["stopped"]
+    out = carry["tokens"], carry["logps"], carry["lengths"], carry["stopped"]
+    return (*out, prompt_routes, carry["routes"]) if static.record_routes else out
 
 
 def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, static):
@@ -288,10 +310,18 @@ def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, s
     step = c["step"]
     positions = (prompt_lens + step - 1)[:, None]  # [b, 1]
     segments = jnp.ones_like(positions)
-    h, cache = model.decode(c["last"][:, None], positions, segments, c["cache"], static.adapter)
+    live = ~c["done"]  # [b]
+    out = {}
+    if static.record_routes:  # the fed token is the completion's token step - 1
+        h, cache, routes = model.decode_routed(c["last"][:, None], positions, segments,
+                                               c["cache"], static.adapter)
+        fed = jnp.where(live[:, None, None], routes.experts[:, 0], -1).astype(ROUTE_DTYPE)
+        out["routes"] = jax.lax.dynamic_update_index_in_dim(c["routes"], fed, step - 1, axis=1)
+    else:
+        h, cache = model.decode(c["last"][:, None], positions, segments, c["cache"],
+                                static.adapter)
     tok, logp = _next_tokens(model, h[:, 0], keys, step, temperature, top_p, static.spec,
                              static.adapter)
-    live = ~c["done"]  # [b]
     put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=step, axis=1)
     tokens = put(c["tokens"], jnp.where(live, tok, 0))
     logps = put(c["logps"], jnp.where(live, logp, 0.0))
@@ -299,7 +329,7 @@ def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, s
     return dict(step=step + 1, cache=_constrain(cache, static.kv_sharding, static.row_sharding),
                 last=tok, tokens=tokens, logps=logps,
                 lengths=jnp.where(live, step + 1, c["lengths"]), stopped=stopped,
-                done=c["done"] | stopped)
+                done=c["done"] | stopped, **out)
 
 
 def sequence_logprobs(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array, " b"], *,
