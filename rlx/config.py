@@ -110,6 +110,9 @@ class TrainSection:
     max_staleness: int = 0
     max_skipped_steps: int = 3  # stop after this many updates in a row skipped for NaN/Inf
     sample_every: int = 10  # steps between logged sample completions
+    # MoE routing replay: the built-in engine records each token's experts in every MoE layer and
+    # the learner's forward passes use them (gates from the learner's router over those experts)
+    router_replay: bool = False
 
     def validate(self) -> None:
         one_of("config.train.mode", self.mode, MODES)
@@ -236,6 +239,16 @@ class RunConfig:
             raise ConfigError("config.rollout.partial=True continues generations across weight "
                               "syncs, which needs batches in flight: set train.max_staleness >= 1")
         self._check_env()
+        if self.train.router_replay and self.rollout.engine != "jax":
+            raise ConfigError(f"config.train.router_replay=True needs the routed experts of "
+                              f"every sampled token, which only the built-in engine records "
+                              f"(rollout.engine='jax'); rollout.engine={self.rollout.engine!r}: "
+                              "SGLang can return them (--enable-return-routed-experts) but rlx's "
+                              "SGLang client does not read them yet")
+        if self.train.router_replay and (self.rollout.partial or self.env.kind != "single"):
+            raise ConfigError("config.train.router_replay=True takes the routes of whole "
+                              "single-turn completions; rollout.partial (segments) and "
+                              "env.kind='tools' (episodes) do not carry them yet: turn those off")
         if self.train.algorithm == "dpo" and (self.train.mode != "lora" or self.critic.enabled):
             raise ConfigError(f"config.train.algorithm='dpo' needs train.mode='lora' (its "
                               "reference is the base with the adapter switched off) and no "

@@ -96,6 +96,8 @@ EFFECTS = {
     "train.max_staleness": ("loop", 2, {}),
     "train.max_skipped_steps": ("loop", 1, {"skip": True}),
     "train.sample_every": ("loop", 2, {}),
+    # its effect on a MoE run: tests/learner/test_router_replay.py (tiny here is dense: refused)
+    "train.router_replay": ("refused", True, SGLANG),
     "rollout.engine": ("engine", "sglang", {"rollout.sglang.urls": ["http://h:1"]}),
     "rollout.group_size": ("loop", 2, {}),
     "rollout.max_new_tokens": ("loop", 4, {}),

@@ -172,12 +172,14 @@ def create_train_state(
     trainable: nnx.filterlib.Filter = nnx.Param,
     rules: LogicalRules = TRAIN_RULES,
     seed: int = 0,
+    capacity_factor: float | None = None,
 ) -> tuple[nnx.GraphDef, TrainState]:
     """Split `model` into (graphdef, TrainState) and place the state on `mesh`; the graphdef's MoE
-    layers dispatch tokens to experts split over the mesh (``rlx.models.moe.expert_parallel``;
-    ``model`` itself is left as it is)."""
+    layers dispatch tokens to experts split over the mesh (``rlx.models.moe.expert_parallel``,
+    dropless, or with ``capacity_factor``; ``model`` itself is left as it is)."""
     graphdef, params, frozen = nnx.split(model, trainable, ...)
-    graphdef = nnx.graphdef(expert_parallel(nnx.merge(graphdef, params, frozen), mesh, rules))
+    graphdef = nnx.graphdef(expert_parallel(nnx.merge(graphdef, params, frozen), mesh, rules,
+                                            capacity_factor))
     if not jax.tree.leaves(params):
         raise ValueError(f"the trainable filter {trainable!r} selects no variable of the model")
     bad = [x.dtype for x in jax.tree.leaves(params) if not jnp.issubdtype(x.dtype, jnp.floating)]

@@ -61,6 +61,10 @@ class ModelSection:
     # instead of one per layer. "auto": on for models of SCAN_FROM_LAYERS (16) layers or more;
     # "on"; "off" (a Python loop over the layers). Files on disk are the same either way
     scan_layers: str = "auto"
+    # MoE token dispatch over the expert mesh axis (rlx.models.moe_dispatch): 0 dropless; c > 0
+    # gives each device room for c times its even share of (token, expert) pairs and drops the
+    # rest (counted in learner/moe_dropped_pairs); "ragged" experts only
+    moe_capacity_factor: float = 0.0
 
     def __post_init__(self):
         """``gguf_file`` is joined onto ``path`` (and cleared), so every reader of ``path`` sees
@@ -83,6 +87,19 @@ class ModelSection:
         one_of("config.model.param_dtype", self.param_dtype, DTYPES)
         one_of("config.model.moe_impl", self.moe_impl, MOE_IMPLS)
         one_of("config.model.scan_layers", self.scan_layers, SCAN_MODES)
+        if self.moe_capacity_factor < 0:
+            raise ConfigError(f"config.model.moe_capacity_factor={self.moe_capacity_factor} must "
+                              "be >= 0 (0: dropless)")
+        if self.moe_capacity_factor > 0 and self.moe_impl == "dense":
+            raise ConfigError(f"config.model.moe_capacity_factor={self.moe_capacity_factor} "
+                              "limits the token dispatch of moe_impl='ragged'; moe_impl='dense' "
+                              "runs every expert on every token and drops nothing: set it to 0")
+
+    @property
+    def capacity_factor(self) -> float | None:
+        """``moe_capacity_factor`` as ``rlx.models.moe.expert_parallel`` takes it (None:
+        dropless)."""
+        return self.moe_capacity_factor or None
 
     def scans(self, num_layers: int) -> bool:
         """Whether a model of ``num_layers`` layers runs them scanned (``scan_layers``)."""

@@ -175,7 +175,7 @@ def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
     updates per batch) the policy's log-prob step for the old log-probs."""
     optimizer = make_optimizer(cfg.optim)
     graphdef, state = create_train_state(model, optimizer, mesh, trainable=MODES[cfg.train.mode],
-                                         seed=cfg.seed)
+                                         seed=cfg.seed, capacity_factor=cfg.model.capacity_factor)
     critic_graphdef = None
     if cfg.critic.enabled:
         critic_graphdef, state = attach_critic(cfg, graphdef, state, optimizer, mesh,

@@ -50,11 +50,23 @@ def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
     if cfg.train.mode == "lora":
         check_lora_targets(cfg, arch)
     check_base_format(cfg, arch, gguf_types)
+    check_moe(cfg, arch)
     if cfg.critic.path:
         check_critic(cfg, arch)
     if cfg.train.algorithm == "dpo":
         check_pairs(cfg)
     return arch
+
+
+def check_moe(cfg: RunConfig, arch: ModelConfig) -> None:
+    """Routing replay and a dispatch capacity need MoE layers."""
+    if arch.moe is not None:
+        return
+    for field, on in (("train.router_replay", cfg.train.router_replay),
+                      ("model.moe_capacity_factor", cfg.model.moe_capacity_factor > 0)):
+        if on:
+            raise ConfigError(f"config.{field} acts on MoE layers, and {cfg.model.path!r} has "
+                              "none; turn it off for a dense model")
 
 
 def read_architecture(cfg: RunConfig, other: str | None = None

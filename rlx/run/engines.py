@@ -36,7 +36,9 @@ def _jax_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mesh: 
     holds its base once; only the trainable variables are the engine's own copy."""
     return JaxEngine(compiled.model(), tokenizer=tokenizer, mesh=mesh, seed=cfg.seed,
                      weight_layout=cfg.rollout.weight_layout,
-                     shared=nnx.Not(MODES[cfg.train.mode]))
+                     shared=nnx.Not(MODES[cfg.train.mode]),
+                     record_routes=cfg.train.router_replay,
+                     capacity_factor=cfg.model.capacity_factor)
 
 
 # config.rollout.engine -> constructor; the names are rlx.rollout.config.ENGINES
