@@ -27,7 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.format = "hf"  # safetensors folder, read slice-wise into the sharded arrays
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "bfloat16"  # float leaves: embeddings, lm_head, norms, float kernels
-    c.model.moe_impl = "dense"  # experts sharded over the expert axis use the einsum path
+    c.model.moe_impl = "ragged"  # expert axis > 1: tokens dispatched to their experts' devices
 
     c.quant = ml_collections.ConfigDict()
     c.quant.format = "none"  # frozen bf16 base (no quantization)

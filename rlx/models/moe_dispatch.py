@@ -86,10 +86,18 @@ class ExpertParallel:
 
     def capacity(self, n_loc: int, k: int, local_experts: int) -> int:
         """Rows per (source, destination) pair of the exchange (see the module docstring)."""
-        worst = n_loc * min(k, local_experts)
-        if self.capacity_factor is None:
-            return worst
-        return max(1, min(worst, math.ceil(self.capacity_factor * n_loc * k / self.experts_split)))
+        return capacity(n_loc, k, local_experts, self.experts_split, self.capacity_factor)
+
+
+def capacity(n_loc: int, k: int, local_experts: int, split: int,
+             capacity_factor: float | None) -> int:
+    """Rows per (source, destination) pair of the exchange for ``n_loc`` tokens of top-``k``
+    routing over ``split`` devices of ``local_experts`` experts each: the worst case (dropless,
+    ``capacity_factor`` None) or ``ceil(c * n_loc * k / split)``, at most the worst case."""
+    worst = n_loc * min(k, local_experts)
+    if capacity_factor is None:
+        return worst
+    return max(1, min(worst, math.ceil(capacity_factor * n_loc * k / split)))
 
 
 def _spec(ep: ExpertParallel, var) -> PartitionSpec:

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from rlx.learner.state import MODES, variable_shardings
 from rlx.mesh import SAMPLE_RULES, batch_sharding, batch_shards, compiling_for, make_mesh
+from rlx.models.moe import expert_parallel
 from rlx.plan.memory import compiled_bytes, step_features
 from rlx.plan.planner import (GB, Plan, format_plan, load_config_file, parse_mesh, plan,
                               spec_from_config)
@@ -199,7 +200,8 @@ def generate_shapes(spec: PlanSpec) -> tuple[int, int, int]:
 def _generate_lowered(spec: PlanSpec, mesh):
     """The engine's generate function for ``spec``, lowered on abstract arguments: every row its
     own prompt, sampled at temperature with log-probs (the training rollouts)."""
-    model = abstract_model(spec)
+    model = expert_parallel(abstract_model(spec), mesh, SAMPLE_RULES,
+                            spec.moe_capacity_factor or None)  # as the engine's _eval_split
     model.eval()
     graphdef, state = nnx.split(model)
     shardings = variable_shardings(state, mesh, SAMPLE_RULES)
@@ -231,7 +233,8 @@ def gathered_rows(spec: PlanSpec) -> int:
     """How many devices' rows each device's activations hold on TPU: with routed experts split
     over the ``expert`` axis and the einsum path (``moe_impl="dense"``), XLA's sharding
     propagation gives every device the whole micro-batch (the expert-sharded weights meet
-    tokens split over that same axis); otherwise 1."""
+    tokens split over that same axis); otherwise 1 (token dispatch keeps each device's own
+    tokens; its exchange buffers are ``rlx.plan.memory.moe_slots``)."""
     moe = spec.model.moe is not None and spec.moe_impl == "dense" and spec.mesh.expert > 1
     return spec.batch_shards if moe else 1
 

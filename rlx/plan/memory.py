@@ -41,6 +41,8 @@ from rlx.mesh import (MESH_AXES, SAMPLE_RULES, TRAIN_RULES, LogicalRules, MeshSh
                       logical_to_spec, make_mesh)
 from rlx.models import ModelConfig
 from rlx.models.layers import causal_blocks
+from rlx.models.moe import expert_parallel
+from rlx.models.moe_dispatch import capacity
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
 from rlx.types import BATCH_FIELDS, TrainBatch
 
@@ -162,7 +164,9 @@ def compiled_bytes(spec: PlanSpec, devices=None) -> dict[str, int]:
     """XLA's memory analysis of the compiled train step (abstract inputs; nothing allocated)."""
     devices = list(devices or jax.devices())[: spec.mesh.num_devices]
     mesh = make_mesh(spec.mesh, devices)
-    graphdef, params, frozen = nnx.split(abstract_model(spec), trainable_filter(spec), ...)
+    model = expert_parallel(abstract_model(spec), mesh, TRAIN_RULES,
+                            spec.moe_capacity_factor or None)  # as create_train_state
+    graphdef, params, frozen = nnx.split(model, trainable_filter(spec), ...)
     opt_cfg = OptimizerConfig()
     optimizer = make_optimizer(opt_cfg)
     zero = jax.ShapeDtypeStruct((), jnp.int32)
@@ -213,7 +217,7 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
         f["lora"] = f["mlp"] if spec.mode == "lora" else 0.0
         return f
     e = c.moe
-    slots = e.top_k if spec.moe_impl == "ragged" else _div(e.num_experts, m.expert)
+    slots = moe_slots(spec, n)
     f["moe_d"] = a * n * slots * c.hidden_size
     f["moe_f"] = a * n * slots * _div(e.intermediate_size, t)
     f["router"] = 4 * n * e.num_experts
@@ -221,6 +225,20 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     if spec.mode == "lora":
         f["lora"] = f["mlp"]  # batched expert adapters measured no extra beyond moe_f
     return f
+
+
+def moe_slots(spec: PlanSpec, n: int) -> float:
+    """Expert rows a MoE layer computes per token for ``n`` tokens on a device: ``top_k`` on one
+    expert shard; with the experts split over ``expert``, the token-dispatch exchange's rows
+    (``rlx.models.moe_dispatch.capacity`` per device pair: dropless ``expert * min(k, E /
+    expert)``, about ``c * k`` with a capacity factor ``c``); the dense path every local expert."""
+    e, p = spec.model.moe, spec.mesh.expert
+    if spec.moe_impl == "dense":
+        return _div(e.num_experts, p)
+    if p == 1:
+        return e.top_k
+    cap = capacity(n, e.top_k, e.num_experts // p, p, spec.moe_capacity_factor or None)
+    return p * cap / n
 
 
 def _qkv_width(c: ModelConfig, tensor: int) -> float:

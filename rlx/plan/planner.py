@@ -202,7 +202,7 @@ def spec_from_config(cfg: Any) -> PlanSpec:
     unknown = set(_section(cfg, "plan")) - fields - {"hbm_gb", "devices_per_node"}
     if unknown:
         raise ValueError(f"unknown key config.plan.{sorted(unknown)[0]}; known: {sorted(fields)}")
-    for key in ("dtype", "param_dtype", "moe_impl"):
+    for key in ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "scan_layers"):
         if key in model and key not in extra:
             extra[key] = model[key]
     if "critic" not in extra:  # PPO's critic, as the run would build it

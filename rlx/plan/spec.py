@@ -22,7 +22,9 @@ from rlx.learner.step import FORWARDS
 from rlx.mesh import MeshShape, batch_shards
 from rlx.models import ModelConfig, Precision, Transformer
 from rlx.models.decoder import DTYPES
+from rlx.models.loading import SCAN_MODES
 from rlx.models.moe import MOE_IMPLS
+from rlx.models.stack import scan_default, stack_layers
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 
 
@@ -42,6 +44,10 @@ class PlanSpec:
     logprob_chunk: int = 1024  # tokens per chunk of the chunked log-softmax
     remat: str = "layer"  # a key of rlx.learner.step.FORWARDS (as config.train.remat)
     moe_impl: str = "ragged"  # one of rlx.models.moe.MOE_IMPLS
+    # token dispatch over the expert axis: 0 dropless, else the capacity factor
+    # (config.model.moe_capacity_factor, rlx.models.moe_dispatch)
+    moe_capacity_factor: float = 0.0
+    scan_layers: str = "auto"  # config.model.scan_layers: "auto" | "on" | "off"
     mesh: MeshShape = MeshShape()
     rollout_rows: int = 64  # built-in engine: sequences decoded at once (global)
     rollout_len: int = 2048  # built-in engine: prompt + completion slots per sequence
@@ -57,6 +63,10 @@ class PlanSpec:
         for name in ("dtype", "param_dtype", "kv_dtype"):
             one_of(f"plan.{name}", getattr(self, name), DTYPES)
         one_of("plan.moe_impl", self.moe_impl, MOE_IMPLS)
+        one_of("plan.scan_layers", self.scan_layers, SCAN_MODES)
+        if self.moe_capacity_factor < 0:
+            raise ValueError(f"plan.moe_capacity_factor={self.moe_capacity_factor} must be >= 0 "
+                             "(0: dropless)")
         for name in ("rows", "seq_len", "micro_batches", "logprob_chunk", "rollout_rows",
                      "rollout_len"):
             if getattr(self, name) < 1:
@@ -78,6 +88,12 @@ class PlanSpec:
     def precision(self) -> Precision:
         return Precision.named(self.dtype, self.param_dtype, self.moe_impl)
 
+    @property
+    def scanned(self) -> bool:
+        """Whether the layers run scanned (``rlx.models.stack``), as a run would decide."""
+        return self.scan_layers == "on" or (self.scan_layers == "auto"
+                                            and scan_default(self.model.num_layers))
+
     def replace(self, **kw) -> "PlanSpec":
         return dataclasses.replace(self, **kw)
 
@@ -87,7 +103,7 @@ def _build(spec: PlanSpec) -> Transformer:
     if spec.mode == "lora":
         model = quantize_model(model, spec.quant)
         model = apply_lora(model, spec.lora, nnx.Rngs(1))
-    return model
+    return stack_layers(model) if spec.scanned else model
 
 
 def abstract_model(spec: PlanSpec) -> Transformer:
