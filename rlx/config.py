@@ -43,6 +43,8 @@ class DistributedSection:
     process_id: int = 0  # ignored when auto-detecting
     rollouts: str = "primary"  # "primary": process 0 samples all prompts | "per_host": each its own
     data_shards: int = 0  # 0: one per process; fixed (a multiple of it): same batches on any count
+    # seconds a process may go silent before the others count it lost and stop (rlx.run.multihost)
+    heartbeat_timeout_s: int = 300
 
     def validate(self) -> None:
         if self.num_processes < 0:
@@ -53,6 +55,9 @@ class DistributedSection:
         one_of("config.distributed.rollouts", self.rollouts, ("primary", "per_host"))
         if self.data_shards < 0:
             raise ConfigError("config.distributed.data_shards must be >= 0 (0 = one per process)")
+        if self.heartbeat_timeout_s < 2:
+            raise ConfigError(f"config.distributed.heartbeat_timeout_s={self.heartbeat_timeout_s} "
+                              "must be >= 2 seconds")
         if self.enabled and self.num_processes and self.data_shards % self.num_processes:
             raise ConfigError(f"config.distributed.data_shards={self.data_shards} must be a "
                               f"multiple of num_processes={self.num_processes}")

@@ -47,7 +47,7 @@ from rlx.run.checks import check_before_build, read_architecture
 from rlx.run.engines import make_engine
 from rlx.run.hosts import Hosts
 from rlx.run.learn import needs_old_logprobs
-from rlx.run.lifecycle import open_checkpointer, restore
+from rlx.run.lifecycle import checkpoint_dir, open_checkpointer, restore
 from rlx.run.loop import Run
 from rlx.run.multihost import initialize_from
 from rlx.types import RolloutEngine
@@ -56,7 +56,7 @@ from rlx.types import RolloutEngine
 def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: bool = True) -> Run:
     """Validate ``config`` (if needed) and assemble a ready-to-step ``Run``."""
     cfg = config if isinstance(config, RunConfig) else parse_config(config)
-    initialize_from(cfg.distributed)
+    initialize_from(cfg.distributed, checkpoint_dir(cfg))  # its watchdog names the last one
     hosts = Hosts.from_config(cfg)  # which processes sample, which data shards each reads
     check_before_build(cfg, jax.device_count())  # before any weight is read or compiled
     mesh = make_mesh(cfg.mesh)

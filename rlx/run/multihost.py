@@ -18,35 +18,62 @@ collective (call them on every process, from the thread that runs the train step
 
 CPU runs use gloo TCP collectives between processes (``jax_cpu_collectives_implementation``),
 which is what the 2-process CPU test exercises; GPUs use NCCL and TPUs ICI/DCN without settings.
+
+A lost process (its host died, it was killed): a collective never returns on the others, so the
+runtime's own detection is what ends them. ``initialize`` passes
+``config.distributed.heartbeat_timeout_s`` to ``jax.distributed.initialize`` as
+``heartbeat_timeout_seconds`` (the coordination service declares a process dead after that long
+without a heartbeat and then aborts every process, with its own message) and
+``shutdown_timeout_seconds`` (how long a process waits for the others at exit). Before that,
+``Watchdog`` (a thread) ends the process cleanly: every process bumps a counter in the
+coordination service's key-value store each ``heartbeat_timeout_s / 10`` s; a process whose
+counter stands still for half the timeout, or a coordinator that no longer answers, is lost: the
+watchdog prints one line naming it and the last complete checkpoint, kills this process's
+children (the main thread may be stuck in a gloo collective, so no clean-up code of the run can
+run) and exits with status ``LOST_PROCESS_EXIT``. Orbax commits a checkpoint only after every
+process has written its part, so a checkpoint in progress is never listed as complete.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
+import signal
+import sys
+import threading
+import time
 from typing import Any
 
 import jax
 import numpy as np
+from jax._src import distributed  # the coordination service's client: no public accessor yet
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from rlx.io.checkpoint import committed_steps
 from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
+
+LOST_PROCESS_EXIT = 6  # the exit status of a process whose peer was lost (``Watchdog``)
 
 
 def initialize(coordinator_address: str = "", num_processes: int = 0, process_id: int = 0, *,
-               local_device_count: int | None = None, cpu_collectives: str = "gloo") -> None:
+               local_device_count: int | None = None, cpu_collectives: str = "gloo",
+               heartbeat_timeout_s: int = 100) -> None:
     """``jax.distributed.initialize``; empty address / zero processes: auto-detect (TPU, SLURM).
 
     Call before anything touches a JAX backend; a second call (the runtime is already up) does
     nothing. ``local_device_count`` forces that many CPU devices per process (tests);
-    ``cpu_collectives`` picks the cross-process CPU collectives.
+    ``cpu_collectives`` picks the cross-process CPU collectives; ``heartbeat_timeout_s`` is the
+    runtime's (see the module docstring).
     """
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     if local_device_count is not None:
         jax.config.update("jax_num_cpu_devices", local_device_count)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"heartbeat_timeout_seconds": heartbeat_timeout_s,
+                              "shutdown_timeout_seconds": heartbeat_timeout_s}
     if coordinator_address:
         kwargs["coordinator_address"] = coordinator_address
     if num_processes:
@@ -54,10 +81,78 @@ def initialize(coordinator_address: str = "", num_processes: int = 0, process_id
     jax.distributed.initialize(**kwargs)
 
 
-def initialize_from(section: Any) -> None:
-    """``initialize`` from a run's ``config.distributed`` section; nothing when it is disabled."""
+def initialize_from(section: Any, checkpoints: str = "") -> None:
+    """``initialize`` from a run's ``config.distributed`` section and start the ``Watchdog``
+    (which names the last complete checkpoint in ``checkpoints``); nothing when it is disabled."""
     if section.enabled:
-        initialize(section.coordinator_address, section.num_processes, section.process_id)
+        initialize(section.coordinator_address, section.num_processes, section.process_id,
+                   heartbeat_timeout_s=section.heartbeat_timeout_s)
+        Watchdog(section.heartbeat_timeout_s, checkpoints).start()
+
+
+class Watchdog:
+    """Ends this process, cleanly and in time, when another process of the run is lost (see the
+    module docstring). One per process; a daemon thread, so it never delays a normal exit."""
+
+    def __init__(self, timeout_s: float, checkpoints: str = ""):
+        self.timeout_s, self.checkpoints = float(timeout_s), checkpoints
+        self._client = distributed.global_state.client
+
+    def start(self) -> "Watchdog":
+        if jax.process_count() > 1:
+            threading.Thread(target=self._watch, name="rlx-watchdog", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        me, count = jax.process_index(), jax.process_count()
+        beats, seen = 0, {p: (None, time.monotonic()) for p in range(count) if p != me}
+        while True:
+            beats += 1
+            try:
+                self._client.key_value_set(f"rlx/heartbeat/{me}", str(beats), allow_overwrite=True)
+                values = dict(self._client.key_value_dir_get("rlx/heartbeat/"))
+            except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone
+                self.lost(0, f"the coordinator does not answer ({type(e).__name__})")
+            now = time.monotonic()
+            for p, (last, since) in seen.items():
+                value = values.get(f"rlx/heartbeat/{p}")
+                if value != last:
+                    seen[p] = (value, now)
+                elif now - since > self.timeout_s / 2:
+                    self.lost(p, f"no heartbeat for {now - since:.0f} s")
+            time.sleep(self.timeout_s / 10)
+
+    def lost(self, process: int, why: str) -> None:
+        """Report ``process`` lost, kill this process's children and exit (never returns)."""
+        steps = committed_steps(self.checkpoints) if self.checkpoints else []
+        last = (f"the last complete checkpoint is step {steps[-1]} in {self.checkpoints}"
+                if steps else f"no checkpoint is complete in {self.checkpoints or '-'}")
+        sys.stderr.write(
+            f"rlx: error: process {process} of the run's {jax.process_count()} was lost ({why}; "
+            f"config.distributed.heartbeat_timeout_s={self.timeout_s:g}); process "
+            f"{jax.process_index()} stops here. {last}: relaunch every process with "
+            "--config.resume=latest\n")
+        sys.stderr.flush()
+        kill_descendants()
+        os._exit(LOST_PROCESS_EXIT)
+
+
+def kill_descendants(pid: int | None = None) -> None:
+    """SIGKILL every descendant of ``pid`` (default: this process), children before theirs."""
+    parents: dict[int, list[int]] = {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+        parents.setdefault(ppid, []).append(int(name))
+    todo = list(parents.get(os.getpid() if pid is None else pid, []))
+    while todo:
+        child = todo.pop(0)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        todo += parents.get(child, [])
 
 
 def is_primary() -> bool:
