@@ -11,8 +11,8 @@ second copy of the 671 GB base. ``python -m rlx.plan --config configs/deepseek_v
 --hbm-gb 141`` gives the memory per device (rlx/plan/README.md).
 
 ``model.path`` names the checkpoint (its architecture is also in ``rlx.models.presets``). rlx
-quantizes float weights once at load (to the same 128x128 blocks); the Hub release stores them
-in FP8, which rlx does not read as it ships yet, so set it to a bf16 conversion.
+quantizes a float checkpoint tensor by tensor while reading it (to the same 128x128 blocks); the
+Hub release's own FP8 blocks load as they ship with ``--config.quant.format=shipped``.
 """
 
 import ml_collections

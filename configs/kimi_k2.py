@@ -13,8 +13,9 @@ with the adapters off. ``python -m rlx.plan --config configs/kimi_k2.py --hbm-gb
 memory per device (rlx/plan/README.md).
 
 ``model.path`` names the checkpoint (its architecture is also in ``rlx.models.presets``). rlx
-quantizes float weights once at load; the Hub releases store FP8 blocks (Instruct) or int4
-experts (Thinking), which rlx does not read as they ship yet, so set it to a bf16 copy.
+quantizes a float checkpoint tensor by tensor while reading it; the Hub releases' own layouts,
+FP8 blocks (Instruct) or compressed-tensors int4 experts (Thinking), load as they ship with
+``--config.quant.format=shipped``.
 """
 
 import ml_collections
