@@ -191,6 +191,7 @@ class Transformer(nnx.Module):
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,
             dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
         self.tied_head_out_in = False  # set by the rollout engine (rlx.rollout.decode_layout)
+        self.unroll_decode = False  # stacked layers: decode unrolls the scan (rollout engine, CPU)
 
     def hidden_states(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
@@ -274,7 +275,7 @@ class Transformer(nnx.Module):
         keys, values, parts = [], [], []
         for (unit, _), k, v in zip(self._units(), cache.keys, cache.values):
             if is_stacked(self):  # a stack: its layers' buffers
-                x, ((k, v), experts) = scan(unit, x, (k, v), call)
+                x, ((k, v), experts) = scan(unit, x, (k, v), call, unroll=self.unroll_decode)
             else:
                 x, ((k, v), experts) = call(unit, x, (k, v))
             keys.append(k)

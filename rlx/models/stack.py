@@ -143,11 +143,13 @@ def unrolled(model: nnx.Module, only=...) -> nnx.Module:
     return unstack_layers(nnx.merge(graphdef, kept, rest))
 
 
-def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = False):
+def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = False,
+         unroll: bool = False):
     """``jax.lax.scan`` of ``fn(block, carry, x) -> (carry, y)`` over the layers of ``stack``:
     ``block`` is one layer (its variables sliced, their logical axes those of an unstacked
     layer), ``x`` that layer's slice of ``xs``. ``remat``: each layer is a ``jax.checkpoint``
-    (with checkpoint ``policy``), as ``rlx.learner.step.remat_forward`` does unrolled."""
+    (with checkpoint ``policy``), as ``rlx.learner.step.remat_forward`` does unrolled.
+    ``unroll``: the scan unrolled (static slices; one layer copy per layer in the program)."""
     graphdef, state = nnx.split(stack.block)
     flat = nnx.to_flat_state(state)
     values = [v[...] for _, v in flat]
@@ -160,7 +162,7 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
 
     if remat:
         body = jax.checkpoint(body, policy=policy)
-    return jax.lax.scan(body, carry, (values, xs))
+    return jax.lax.scan(body, carry, (values, xs), unroll=unroll)
 
 
 def per_layer_tree(tree):
