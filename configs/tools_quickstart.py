@@ -38,7 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "arith:mul3x2"  # a * b, a in 100..999, b in 10..99 (seeded, unlimited)
-    c.data.prompts_per_step = 8  # prompts per RL step
+    c.data.prompts_per_step = 4  # prompts per RL step
     c.data.max_prompt_tokens = 128  # longer prompts are skipped and counted
     c.data.template = "{prompt}"  # user turn: the question alone (the demonstration shows the tool)
     c.data.eval_size = 128  # held-out problems, greedy
@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.group_size = 8  # completions per prompt
-    c.rollout.max_new_tokens = 48  # tokens per assistant turn
+    c.rollout.max_new_tokens = 40  # tokens per assistant turn (a call is about 25)
     c.rollout.temperature = 0.7  # T=1 derails this small model
     c.rollout.eval_temperature = 0.0  # greedy evaluation
 
@@ -62,8 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 10  # RL steps
     c.train.advantage = "grpo"  # group mean/std baseline
     c.train.math_extractors = ("boxed", "last_number")  # a boxed answer, else the last number
-    c.train.micro_batches = 4  # gradient accumulation (bounds activation memory)
-    c.train.remat = "none"  # "layer": recompute each decoder layer in backward; "projections": only what no matmul makes
+    c.train.micro_batches = 16  # gradient accumulation (bounds activation memory: prompts carry a demonstration)
+    c.train.remat = "layer"  # "none": keep every activation; "layer": recompute each decoder layer in backward; "projections": only what no matmul makes
     c.train.logprob_chunk = 256  # tokens per log-softmax chunk
     c.train.eval_every = 5  # held-out greedy accuracy (and tool-call rate) every 5 steps
     c.train.sample_every = 4  # log sample completions

@@ -1,4 +1,6 @@
-"""Multi-turn environments: the protocol, tool calls, tools, the tool-use env, the driver.
+"""Multi-turn environments: the protocol, tool calls, tools, the tool-use env, the driver, and the
+loop's side (`runner`: episodes as a step's rollouts, `config.env.kind = "tools"`; `registry`:
+tools by name, user functions "package.module:function").
 
 Importing this package loads only the protocol records; the rest is imported on first
 attribute access.
@@ -31,6 +33,10 @@ _LAZY = {
     "EpisodeConfig": "rlx.envs.episode",
     "Turn": "rlx.envs.episode",
     "run_episodes": "rlx.envs.episode",
+    "EnvRunner": "rlx.envs.runner",
+    "make_runner": "rlx.envs.runner",
+    "FunctionTool": "rlx.envs.registry",
+    "make_tools": "rlx.envs.registry",
 }
 
 __all__ = ["Env", "EnvError", "Observation", "StepInfo", "StepResult", *_LAZY]

@@ -3,9 +3,9 @@
 Scripted policies (tests/helpers/envs.py) drive `EnvRunner` for the bookkeeping: rollout order,
 loss masks, rewards with the format term, reasons, transcripts, metrics, and every kind of bad
 model output as a scored episode. The tiny config's real run (random 2-layer SmolLM2, int8 base +
-LoRA, built-in engine) trains one step on forced three-turn episodes: the sampler's log-probs of
-the policy's tokens equal the learner's within 1e-5 (f32) with the tool tokens in the sequence
-and out of the mask.
+LoRA, built-in engine, one-step-off, dynamic sampling) trains one step on forced three-turn
+episodes: the sampler's log-probs of the policy's tokens equal the learner's within 1e-5 (f32) with
+the tool tokens in the sequence and out of the mask.
 """
 
 from __future__ import annotations
@@ -165,11 +165,13 @@ class ShortTurns:
 
 
 def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
+    """One-step-off (the next batch's episodes are generated while this one trains) with dynamic
+    sampling."""
     from rlx.run.build import build
 
     cfg = config_dict("tiny", tmp_path / "run", **{
         "env.kind": "tools", "env.max_episode_tokens": 256, "rollout.max_new_tokens": 16,
-        "train.steps": 1,
+        "train.steps": 1, "train.max_staleness": 1, "train.dynamic_sampling": True,
         "data.eval_size": 0, "train.checkpoint_every": 0, "mesh.data": 8})
     run = build(cfg, progress=False)
     try:
@@ -177,9 +179,10 @@ def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
         run.engine = ShortTurns(run.engine)
         seen, generate = [], run.env.generate
 
-        def recording(*args):  # keeps the rollouts the step trains on
-            seen.extend(generate(*args))
-            return seen[-len(seen):]
+        def recording(*args):  # keeps the rollouts made (this step's and the next's)
+            out = generate(*args)
+            seen.extend(out)
+            return out
 
         run.env.generate = recording
         record = run.step()
