@@ -40,6 +40,9 @@ BENCHMARKS = {
     "moe": Benchmark(
         "rlx.bench.moe", "one MoE layer fwd+bwd on 8 CPU devices: dense path vs token dispatch"
     ),
+    "replay": Benchmark(
+        "rlx.bench.replay", "sampler/learner mismatch of a shrunken MoE run, routing replay off/on"
+    ),
     "compile": Benchmark(
         "rlx.bench.compile", "train-step compile time, 4 vs 32 layers: scanned vs unrolled"
     ),
