@@ -11,6 +11,7 @@ the tool tokens in the sequence and out of the mask.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import numpy as np
@@ -200,5 +201,16 @@ def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
         assert text.startswith(f"[user] {TASK.prompt}\n[assistant] First 17*23.")
         assert "[tool] 391" in text and "[tool] 396" in text
         assert text.endswith("[assistant] The result is \\boxed{396}.")
+        # run.evaluate() runs held-out episodes: accuracy and the tool metrics
+        run.env, run.eval_set = runner(run.tokenizer, format_coef=0.5), [TASK]
+        run.cfg = dataclasses.replace(run.cfg, rollout=dataclasses.replace(
+            run.cfg.rollout, max_new_tokens=64))  # room for the scripted calls
+        record = run.evaluate()
+        assert record["eval/accuracy"] == 1.0 and record["eval/mean_reward"] == 1.5
+        assert record["eval/tool_call_rate"] == 1.0 and record["eval/tool_calls"] == 2.0
     finally:
         run.close()
+    # the step's samples (tensorboard text and samples.jsonl) are whole transcripts
+    with open(tmp_path / "run" / "samples.jsonl", encoding="utf-8") as f:
+        samples = [json.loads(line) for line in f]
+    assert samples and all("[tool] turn 1 seen" in s["completion"] for s in samples)
