@@ -59,8 +59,7 @@ def _walk(x: Array, leaves, graphdef, group_sizes: Array, transpose: bool) -> Ar
         w = nnx.merge(graphdef, one).dequantize(x.dtype)  # [K, N]
         return w.T if transpose else w
 
-    w0 = jax.eval_shape(weight, 0)
-    n = w0.shape[1]
+    w0 = weight(e[0])  # the first pair's matrix (inside shard_map: typed like every later one)
 
     def body(carry, pair):
         out, w, prev = carry
@@ -77,8 +76,8 @@ def _walk(x: Array, leaves, graphdef, group_sizes: Array, transpose: bool) -> Ar
         out = jax.lax.cond(ok, add, lambda o: o, out)
         return (out, w, jnp.where(ok, ei, prev)), None
 
-    init = (jnp.zeros((tiles * tile, n), jnp.float32), jnp.zeros(w0.shape, w0.dtype),
-            jnp.asarray(-1, e.dtype))
+    zero = jnp.where(False, xp[:, :1], 0).astype(jnp.float32)  # [rows, 1], typed like x
+    init = (zero + jnp.where(False, w0[:1], 0).astype(jnp.float32), w0, e[0])
     (out, _, _), _ = jax.lax.scan(body, init, (t, e, valid))
     return out[:m].astype(x.dtype)
 

@@ -27,10 +27,12 @@ implementations give the same numbers:
 
 - ``ragged``: tokens sorted by expert, ``jax.lax.ragged_dot`` over contiguous groups (k x tokens
   rows, no wasted FLOPs on backends with a native grouped product; jax lowers it on XLA:CPU as a
-  masked product over every group). With the experts split over an ``expert`` mesh axis
-  (``expert_parallel(model, mesh, rules)``, which the learner's train state and the built-in
-  engine apply), the layer dispatches tokens to the devices that hold their experts and back
-  (``rlx.models.moe_dispatch``: dropless ``all_to_all``, grouped ``ragged_dot`` per device).
+  masked product over every group, so there a frozen quantized stack runs through
+  ``rlx.models.grouped.grouped_matmul``: the groups' row tiles, one expert's matrix at a time).
+  With the experts split over an ``expert`` mesh axis (``expert_parallel(model, mesh, rules)``,
+  which the learner's train state and the built-in engine apply), the layer dispatches tokens to
+  the devices that hold their experts and back (``rlx.models.moe_dispatch``: dropless
+  ``all_to_all``, grouped ``ragged_dot`` per device).
 - ``dense``: every expert on every token, combined with a zero-padded gate matrix. E/k times the
   FLOPs, a plain einsum whose expert dimension GSPMD shards over the ``expert`` mesh axis (an
   all-reduce combines the experts); kept as the reference and for comparison.
@@ -47,7 +49,8 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from rlx.mesh import LogicalRules
+from rlx.mesh import LogicalRules, target_platform
+from rlx.models.grouped import grouped_matmul
 from rlx.models.hparams import MoEConfig
 from rlx.models.layers import Linear, param, quantize_activations, weight_value
 from rlx.models.moe_dispatch import ExpertParallel, dispatch
@@ -90,7 +93,13 @@ class Experts(nnx.Module):
         return tuple(weight_value(w, self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
 
     def _ragged(self, x, w, lora, group_sizes, adapter: bool):
-        y = jax.lax.ragged_dot(quantize_activations(x, self.act_quant), w, group_sizes)
+        """One projection of the grouped rows: ``w`` the stored stack (a float variable, or a
+        frozen quantized tensor, which XLA:CPU multiplies one expert's matrix at a time)."""
+        xq = quantize_activations(x, self.act_quant)
+        if not isinstance(w, nnx.Variable) and target_platform() == "cpu":
+            y = grouped_matmul(xq, w, group_sizes)
+        else:
+            y = jax.lax.ragged_dot(xq, weight_value(w, self.dtype), group_sizes)
         if adapter and lora is not None:
             y = y + lora.ragged(x, group_sizes).astype(y.dtype)
         return y
@@ -105,7 +114,7 @@ class Experts(nnx.Module):
                 ) -> Float[Array, "m d"]:
         """The experts on rows sorted by expert, ``group_sizes[e]`` rows for expert ``e`` (rows past
         their sum belong to no expert)."""
-        wg, wu, wd = self.weights()
+        wg, wu, wd = self.gate_proj, self.up_proj, self.down_proj
         h = swiglu(self._ragged(xs, wg, self.gate_lora, group_sizes, adapter),
                    self._ragged(xs, wu, self.up_lora, group_sizes, adapter))
         return self._ragged(h, wd, self.down_lora, group_sizes, adapter)
