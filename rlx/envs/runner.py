@@ -14,6 +14,10 @@ known tool with fitting arguments and run. The finished episodes stay with the r
 their rollouts (`scores`): transcripts for the logged samples, reasons, and per-step metrics
 (tool-call rate, tool errors, turns, how episodes ended). Nothing a model writes raises: bad
 calls are error turns, cut episodes are scored 0 with their reason.
+
+Each turn is one `engine.generate` request holding the whole sequence so far (prompt, earlier
+turns, tool turns): SGLang's radix cache reuses the prefix it has seen; the built-in engine
+prefills the whole prefix again for every turn (it does not continue from its KV cache yet).
 """
 
 from __future__ import annotations
