@@ -8,8 +8,11 @@ as a composite of three items:
   and, with PPO's critic, ``critic`` (its trainable variables: an adapter or a whole model, and the
   value head; and their optimizer state);
 * ``meta`` - JSON: a ``Fingerprint`` of what was saved (every leaf's path, shape and dtype, the
-  model architecture, the frozen-base reference), the run config, and a 64-bit checksum per
-  saved array computed on device (a flipped byte in an array file otherwise loads silently);
+  model architecture, the frozen-base reference), the run config, a 64-bit checksum per saved
+  array computed on device (a flipped byte in an array file otherwise loads silently) and,
+  optionally, the run's ``position``: whatever JSON the caller needs to continue exactly (a run
+  records its data shards' positions and the rollouts in flight there, ``rlx.run.hosts``), written
+  once for all processes so that it reads back on any process count;
 * ``data`` - the grain iterator state of each process (optional).
 
 The frozen part of the state is never written. In LoRA mode (frozen quantized base + LoRA) that is the
@@ -24,6 +27,13 @@ mid-write leaves a temporary directory that is never listed as a step (and is re
 manager that opens the folder, before its first save). Keep-last-n retires an old step by renaming
 it into ``deleted/`` before removing it, so a kill cannot leave a half-deleted step listed.
 
+A save that cannot be written raises ``CheckpointWriteError`` naming the step, the cause and the
+last complete checkpoint; the earlier checkpoints are untouched. A save first checks that the
+disk has room for its arrays, metadata and ``SPACE_MARGIN`` (all processes agreeing) and refuses
+before writing anything; a write that fails anyway (another writer filled the disk) is reported
+from ``save`` or, in the background, from the next ``save`` / ``wait``, and its temporary
+directory is removed (the space is freed, nothing of it is ever listed).
+
 Restoring checks the fingerprint before reading any array and names what differs (a param's
 shape, a model hyper-parameter, the base hash, a config section). A checkpoint that cannot be read
 (truncated files, arrays failing their checksum) raises ``CheckpointCorruptError``;
@@ -34,6 +44,7 @@ aside (``<step>.corrupt``) so that the resumed run can save those steps again.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -54,6 +65,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1  # bumped when the layout of a checkpoint changes
 TRASH = "deleted"  # old steps are renamed here (atomic), then removed
+SPACE_MARGIN = 1 << 20  # bytes a save needs beyond its arrays and metadata (files, indexes)
 
 
 class CheckpointError(RuntimeError):
@@ -66,6 +78,10 @@ class CheckpointMismatchError(CheckpointError):
 
 class CheckpointCorruptError(CheckpointError):
     """The checkpoint's files are truncated, missing or unreadable."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (e.g. no space left); earlier ones are intact."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,11 +137,13 @@ class Fingerprint:
 
 
 class Restored(NamedTuple):
-    """The result of a restore: the checkpointed step, the state to continue from, its config."""
+    """The result of a restore: the checkpointed step, the state to continue from, its config and
+    the position the caller saved with it (None when it saved none)."""
 
     step: int
     state: TrainState
     config: dict[str, Any]
+    position: dict[str, Any] | None = None
 
 
 def _key_name(k) -> str:
@@ -298,6 +316,21 @@ def _brief(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
+def _write_cause(error: BaseException) -> str:
+    """Why a write failed, in one line: "no space left on device" when that is it anywhere in the
+    chain of errors (orbax raises OSError, tensorstore ValueError with the errno in its text)."""
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return "no space left on device"
+        if getattr(e, "errno", None) == errno.EDQUOT or "Disk quota exceeded" in str(e):
+            return "disk quota exceeded"
+    return _brief(error)
+
+
 def _verify(tree, expected: Mapping[str, str] | None, where: str) -> None:
     """Compare the restored arrays with the checksums written at save time."""
     if expected is None:
@@ -308,6 +341,15 @@ def _verify(tree, expected: Mapping[str, str] | None, where: str) -> None:
         raise CheckpointCorruptError(
             f"checkpoint {where} is corrupt: {len(bad)} array(s) differ from the checksums written "
             f"when it was saved: {', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+
+
+def committed_steps(directory: str) -> list[int]:
+    """The complete checkpoints in ``directory`` (oldest first), from its listing alone: orbax
+    commits a step by renaming its temporary directory to the bare step number, so this needs no
+    other process (what a process reports when the others are gone)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
 
 class Checkpointer:
@@ -330,6 +372,8 @@ class Checkpointer:
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
             cleanup_tmp_directories=True, todelete_subdir=TRASH)
         self._mgr = ocp.CheckpointManager(self.directory, options=options)
+        self._writing: int | None = None  # the step being written (in the background)
+        self._failed = False  # a write failed (and was raised)
         self._empty_trash()
 
     def _empty_trash(self) -> None:
@@ -363,32 +407,84 @@ class Checkpointer:
                            model=self._model, base=self._base,
                            rng_impl=str(jax.random.key_impl(state.rng)))
 
-    def save(self, step: int, state: TrainState, data_iter=None, *, force: bool = False) -> bool:
-        """Checkpoint `state` (and `data_iter`'s position) as `step` if it is due or `force`d.
+    def save(self, step: int, state: TrainState, data_iter=None, *, force: bool = False,
+             position: Mapping[str, Any] | None = None) -> bool:
+        """Checkpoint `state` (and `data_iter`'s position, or the caller's JSON `position`) as
+        `step` if it is due or `force`d.
 
         Returns whether a save was started. Asynchronous unless configured otherwise: the arrays
         are copied off the device before this returns, so `state` may be donated right after.
+        Raises ``CheckpointWriteError`` when this or the previous background write failed.
         """
         if not (force or self.should_save(step)) or step in self._mgr.all_steps():
             return False
-        self._empty_trash()
+        self.wait()  # a failed background write is reported before another starts
         tree = _saved_tree(state)
         meta = {"fingerprint": self.fingerprint(state).to_json(), "config": self._config,
                 "step": int(step), "has_data": data_iter is not None, "checksums": checksums(tree)}
+        if position is not None:
+            meta["position"] = dict(position)
         items = {"state": ocp.args.StandardSave(tree), "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
             import grain.checkpoint as grain_checkpoint
             items["data"] = grain_checkpoint.CheckpointSave(data_iter)
-        return bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+        self._writing = step
+        self._check_space(tree, meta)
+        try:
+            started = bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
+        except Exception as e:  # noqa: BLE001 - a synchronous part of the write failed
+            self._write_failed(e)
+        if not self.cfg.async_save:
+            self.wait()
+        return started
 
     def wait(self) -> None:
-        """Block until every started save is committed."""
-        self._mgr.wait_until_finished()
+        """Block until every started save is committed; ``CheckpointWriteError`` if one failed."""
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the background write failed
+            self._write_failed(e)
+        self._writing = None
         self._empty_trash()
 
+    def _check_space(self, tree, meta: Mapping[str, Any]) -> None:
+        """Refuse to start a write the disk cannot hold (every process agrees, so none waits for
+        the others in the middle of it): the arrays' bytes, the metadata and ``SPACE_MARGIN``."""
+        need = sum(x.nbytes for x in jax.tree.leaves(tree)) + len(json.dumps(meta)) + SPACE_MARGIN
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        fits = np.bool_(free >= need)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            fits = np.asarray(multihost_utils.process_allgather(fits)).all()
+        if not fits:
+            self._write_failed(OSError(errno.ENOSPC, f"No space left on device: about {need} bytes "
+                                       f"needed, {free} free on this process"))
+
+    def _write_failed(self, error: BaseException) -> None:
+        """Remove what the failed write left and raise ``CheckpointWriteError`` saying so."""
+        step, self._writing, self._failed = self._writing, None, True
+        if jax.process_index() == 0:
+            for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+                shutil.rmtree(partial, ignore_errors=True)
+        steps = sorted(s for s in self._mgr.all_steps() if s != step)
+        last = (f"the last complete checkpoint is step {steps[-1]} in {self.directory}"
+                if steps else f"no complete checkpoint is in {self.directory}")
+        raise CheckpointWriteError(
+            f"checkpoint {step} could not be written: {_write_cause(error)}. Nothing of it is "
+            f"kept; {last}. Free space (or set config.output_dir elsewhere), then resume with "
+            "--config.resume=latest") from error
+
     def close(self) -> None:
-        self.wait()
-        self._mgr.close()
+        """Wait for the last write (a failure is raised once: not again on a later close)."""
+        reported = self._failed
+        try:
+            self.wait()
+        except CheckpointWriteError:
+            if not reported:
+                raise
+        finally:
+            self._mgr.close()
 
     def read_meta(self, step: int) -> dict[str, Any]:
         """The JSON item of checkpoint `step` (fingerprint, config, step, has_data)."""
@@ -406,7 +502,8 @@ class Checkpointer:
     def restore(self, step: int, state: TrainState, data_iter=None) -> Restored:
         """Restore checkpoint `step` onto the shardings of `state` (a fresh state of this run).
 
-        The frozen part comes from `state`; `data_iter` (if given) is moved to the saved position.
+        The frozen part comes from `state`; `data_iter` (if given) is moved to the saved position
+        (a checkpoint saved with a ``position`` instead returns it in ``Restored.position``).
         Raises ``CheckpointMismatchError`` / ``CheckpointCorruptError`` naming what is wrong.
         """
         where = f"{step} in {self.directory}"
@@ -419,8 +516,11 @@ class Checkpointer:
             log.warning("resuming checkpoint %s with a changed config:\n  %s", where,
                         "\n  ".join(changes))
         if data_iter is not None and not meta.get("has_data"):
-            raise CheckpointMismatchError(f"checkpoint {where} holds no data-iterator state, "
-                                          "but a data iterator was given to restore")
+            if "position" in meta:  # the caller's own record of where its data stood
+                data_iter = None
+            else:
+                raise CheckpointMismatchError(f"checkpoint {where} holds no data-iterator state, "
+                                              "but a data iterator was given to restore")
         tree = self._read_arrays(step, state, where)
         _verify(tree, meta.get("checksums"), where)
         if data_iter is not None:
@@ -430,7 +530,8 @@ class Checkpointer:
                                  opt_state=tree["opt_state"], rng=rng)
         if "critic" in tree:
             restored = restored.replace(critic=state.critic.replace(**tree["critic"]))
-        return Restored(step=int(meta["step"]), state=restored, config=meta.get("config") or {})
+        return Restored(step=int(meta["step"]), state=restored, config=meta.get("config") or {},
+                        position=meta.get("position"))
 
     def _read_arrays(self, step: int, state: TrainState, where: str):
         args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(_saved_tree(state))))

@@ -79,7 +79,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     data = prompt_data(cfg, tokenizer, hosts)
     checkpointer = open_checkpointer(cfg, compiled.state)
     try:
-        start, compiled.state = restore(cfg, checkpointer, compiled.state, data)
+        start, compiled.state, in_flight = restore(cfg, checkpointer, compiled.state, data, hosts)
     except BaseException:
         checkpointer.close()
         raise
@@ -91,6 +91,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
                data=data, eval_set=eval_examples(cfg), prompt_format=prompt_format(cfg),
                reward=reward, logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
+               resumed_in_flight=in_flight,
                env=make_env_runner(cfg, reward, tokenizer))
 
 

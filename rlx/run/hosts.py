@@ -30,8 +30,10 @@ In each step:
 
 Evaluation, the parity preflight and ``Run.generate`` run on process 0 and share their result (or
 their error) with the others. Metrics and logs are written by process 0 (``MetricsLogger``);
-checkpoints by every process together (orbax; each saves its own data-iterator position). A
-signal on any process stops every process after the same step.
+checkpoints by every process together (orbax), with the run's position gathered into one record
+(``position``: every data shard's state, every process's rollouts in flight), so a checkpoint
+resumes on another process count that divides ``data_shards`` (``restore_position``). A signal on
+any process stops every process after the same step.
 
 With one process every exchange is the identity and the engine shares the learner's mesh, model
 and weight updates, exactly as a single-process run always did.
@@ -281,11 +283,51 @@ class Hosts:
             raise shared
         return result
 
+    # --- checkpoints ------------------------------------------------------------------------------
+    def position(self, data_state: Any, in_flight: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """The run's position for a checkpoint, readable on any process count: every data
+        shard's state in shard order (``data_state`` is this process's iterator state before the
+        oldest batch in flight) and each process's progress on the batches in flight
+        (``RolloutQueue.snapshot``: ``{"step", "progress"}`` per batch). Collective."""
+        per = self.shards // self.count
+        own = ([data_state] if per == 1 else list(data_state["shards"]), list(in_flight))
+        parts = multihost.allgather_objects(own) if self.multi else [own]
+        return {"processes": self.count, "rollouts": self.rollouts,
+                "data_shards": [s for shards, _ in parts for s in shards],
+                "in_flight": [{"step": entry["step"],
+                               "progress": [flights[i]["progress"] for _, flights in parts]}
+                              for i, entry in enumerate(parts[0][1])]}
+
+    def restore_position(self, data: grain.DatasetIterator, position: dict[str, Any]
+                         ) -> list[tuple[int, dict[str, Any]]]:
+        """Move ``data`` (this process's shards) to a checkpoint's ``position``; the batches that
+        were in flight there, as (step, this process's progress). Written by another process
+        count, the progress of every process is pooled (each generation takes its own prompts')."""
+        shards = position["data_shards"]
+        if len(shards) != self.shards:
+            raise ConfigError(
+                f"the checkpoint's data position has {len(shards)} data shards, this run "
+                f"{self.shards}: set config.distributed.data_shards={len(shards)} to resume it "
+                "(the global batches depend on the shard count)")
+        per = self.shards // self.count
+        own = shards[self.index * per:(self.index + 1) * per]
+        data.set_state(own[0] if per == 1 else {"shards": own})
+        same = position["processes"] == self.count
+        return [(entry["step"], entry["progress"][self.index] if same
+                 else pooled_progress(entry["progress"])) for entry in position["in_flight"]]
+
     def first_signal(self, received: int | None) -> int | None:
         """The stop signal any process received (the first by process), on every process."""
         if not self.multi:
             return received
         return next((s for s in multihost.allgather_objects(received) if s is not None), None)
+
+
+def pooled_progress(progress: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Every process's progress on one batch as one (``"pooled"``: a generation then takes the
+    entries of its own prompts, in prompt order)."""
+    return {"pooled": True, "done": [r for p in progress for r in p.get("done") or ()],
+            "parts": [c for p in progress for c in p.get("parts") or ()]}
 
 
 def _picklable(obj: Any) -> bool:

@@ -5,7 +5,8 @@
   records a reference to the frozen base (its source, format and hash) instead of the base.
 * ``restore`` - ``config.resume``: "" starts fresh (and refuses an ``output_dir`` that already
   holds checkpoints, so nothing written is overwritten by accident), "latest" continues from the
-  newest complete checkpoint (fresh when there is none), a number from that step.
+  newest complete checkpoint (fresh when there is none), a number from that step; the data
+  position and the rollouts in flight come back from the run's recorded position.
 * ``StopSignals`` - SIGTERM / Ctrl-C ask the loop to stop after the current step; the run then
   saves a final checkpoint. A second Ctrl-C interrupts at once.
 * ``StartupSignals`` - before that, while the run is being built (loading, compiling, starting
@@ -15,17 +16,17 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlx.config import RunConfig, to_dict
 from rlx.errors import ConfigError
 from rlx.io.checkpoint import (BaseRef, CheckpointConfig, Checkpointer, CheckpointMismatchError,
                                base_reference)
+from rlx.run.hosts import Hosts
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,20 @@ def _recorded_config(cfg: RunConfig) -> dict:
     return out
 
 
-def restore(cfg: RunConfig, checkpointer: Checkpointer, state: Any, data: Any):
-    """``(step, state)`` to start from: ``(0, state)`` fresh, else the restored checkpoint's
-    (``data`` is moved to its saved position)."""
+class Resumed(NamedTuple):
+    """Where a run starts: the step, the state, and the batches that were in flight there
+    (``(step, progress)`` for ``Run.resumed_in_flight``)."""
+
+    step: int
+    state: Any
+    in_flight: list = []
+
+
+def restore(cfg: RunConfig, checkpointer: Checkpointer, state: Any, data: Any,
+            hosts: Hosts | None = None) -> Resumed:
+    """Where to start: step 0 and ``state`` fresh, else the restored checkpoint's step and state,
+    ``data`` moved to its saved position (``Hosts.restore_position``, on any process count that
+    divides the data shards) and the batches it had in flight."""
     wanted = cfg.resume_step
     steps = checkpointer.steps()
     if wanted is None:
@@ -70,33 +82,24 @@ def restore(cfg: RunConfig, checkpointer: Checkpointer, state: Any, data: Any):
                 f"config.output_dir={cfg.output_dir!r} already holds checkpoints (steps "
                 f"{', '.join(map(str, steps))}); pass --config.resume=latest to continue that run, "
                 "or choose a new config.output_dir")
-        return 0, state
+        return Resumed(0, state)
     if wanted == "latest":
         restored = checkpointer.restore_latest(state, data)
         if restored is None:
             log.warning("config.resume=latest: no checkpoint in %s; starting at step 0",
                         checkpointer.directory)
-            return 0, state
+            return Resumed(0, state)
     else:
         if wanted not in steps:
             raise CheckpointMismatchError(
                 f"config.resume={wanted}: no checkpoint of step {wanted} in "
                 f"{checkpointer.directory} (saved steps: {steps or 'none'})")
         restored = checkpointer.restore(wanted, state, data)
+    in_flight = []
+    if restored.position is not None:
+        in_flight = (hosts or Hosts()).restore_position(data, restored.position)
     log.warning("resumed from checkpoint %d in %s", restored.step, checkpointer.directory)
-    return restored.step, restored.state
-
-
-class DataPosition:
-    """A data iterator's saved position, checkpointed in its place when the iterator itself has
-    already moved on (one-step-off rollouts fetch a batch ahead). grain's checkpoint handler
-    writes a non-iterator's ``get_state()`` bytes as they are: the same JSON an iterator gets."""
-
-    def __init__(self, state: Any):
-        self._state = state
-
-    def get_state(self) -> bytes:
-        return json.dumps(self._state, indent=4).encode()
+    return Resumed(restored.step, restored.state, in_flight)
 
 
 class StopSignals:

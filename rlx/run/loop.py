@@ -24,8 +24,8 @@ checkpoint of the last completed step and an error saying where to resume.
 
 Checkpoints (``rlx.run.lifecycle``): every ``train.checkpoint_every`` steps, and at the end of
 ``train`` or when SIGTERM / Ctrl-C stop it after the current step. A resumed synchronous run is
-bit-identical to an uninterrupted one (same batches, same sampling seeds, same rng stream); a
-resumed asynchronous run regenerates its batches in flight with the restored weights.
+bit-identical to an uninterrupted one (same batches, same sampling seeds, same rng stream); so is
+an asynchronous one: its checkpoints hold the rollouts in flight (``RolloutQueue.snapshot``).
 
 Multi-host (``config.distributed``): every process runs this loop; ``Run.hosts`` (``rlx.run.hosts``)
 exchanges prompts, rollouts and rewards so that every process trains on the same global batch,
@@ -60,7 +60,7 @@ from rlx.rewards.base import RewardFn, RewardResult, score_batch
 from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
 from rlx.run.learn import StepLearner
-from rlx.run.lifecycle import DataPosition, StopSignals
+from rlx.run.lifecycle import StopSignals
 from rlx.run.preference import learn_preferences
 from rlx.run.rollouts import RolloutQueue
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
@@ -106,6 +106,8 @@ class Run:
     _horizon: int | None = None  # the last step `train` will take (no prefetch beyond it)
     _skipped_in_row: int = 0  # updates skipped for NaN/Inf since the last good one
     hosts: Hosts = dataclasses.field(default_factory=Hosts)  # this process's part (rlx.run.hosts)
+    # (step, progress) of the batches a restored checkpoint had in flight, until put back
+    resumed_in_flight: list = dataclasses.field(default_factory=list)
     env: EnvRunner | None = None  # env.kind "tools": tool-use episodes (rlx.envs.runner)
     _env_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # this step's env/*
 
@@ -187,6 +189,8 @@ class Run:
         (partial) and new ones start until ``train.max_staleness`` are in flight. (A failed
         generation stays in flight: a checkpoint then records the data position before it.)"""
         q = self.queue
+        if not q.in_flight and self.resumed_in_flight:
+            self._resume_in_flight()
         if not q.in_flight:
             self._start(self.step_count)
         batch, rollouts, seconds = q.take()
@@ -201,6 +205,14 @@ class Run:
     def _start(self, step: int) -> None:
         position = self.data.get_state()
         self.queue.start(next(self.data), position, self._sampling(step=step), step)
+
+    def _resume_in_flight(self) -> None:
+        """The batches a checkpoint had in flight, back in flight as they stood (their batches are
+        read again from the restored data position)."""
+        for step, progress in self.resumed_in_flight:
+            position = self.data.get_state()
+            self.queue.resume(next(self.data), position, self._sampling(step=step), step, progress)
+        self.resumed_in_flight = []
 
     def _sampling(self, evaluation: bool = False, step: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
@@ -319,13 +331,21 @@ class Run:
                 "resume with --config.resume=latest")
 
     def save(self, force: bool = False) -> bool:
-        """Checkpoint the current step if due (or ``force``); True when a save started. The
-        data position saved is the one after this step's batch, also in one-step-off mode."""
-        if self.checkpointer is None or self._skipped_in_row:  # only states after a good update
+        """Checkpoint the current step if due (or ``force``); True when a save started. The run's
+        position goes with it (``Hosts.position``): the data position before the oldest batch in
+        flight and those batches' rollouts (``RolloutQueue.snapshot``), so that a resumed
+        one-step-off run trains on the same rollouts as an uninterrupted one."""
+        ckpt = self.checkpointer
+        if ckpt is None or self._skipped_in_row:  # only states after a good update
+            return False
+        if not (force or ckpt.should_save(self.step_count)):
             return False
         oldest = None if self._queue is None else self._queue.oldest_position()
-        data = self.data if oldest is None else DataPosition(oldest)
-        return self.checkpointer.save(self.step_count, self.compiled.state, data, force=force)
+        in_flight = [] if self._queue is None else self._queue.snapshot()
+        position = self.hosts.position(self.data.get_state() if oldest is None else oldest,
+                                       in_flight + [{"step": s, "progress": p}
+                                                    for s, p in self.resumed_in_flight])
+        return ckpt.save(self.step_count, self.compiled.state, force=force, position=position)
 
     def preflight(self):
         """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);

@@ -18,6 +18,10 @@ state the sync reads) waits for that sync.
   those of that version, which is what truncated importance sampling divides by. Later tokens of a
   completion are fresher than its first (the staleness of the last segment is 0).
 
+A checkpoint records the batches in flight (``snapshot``: once the queued work has run, each
+batch's finished rollouts or its completions so far) and a resumed run puts them back
+(``resume``), so it trains on the rollouts the uninterrupted run trains on.
+
 Every generation call is checked (``check_rollouts``): exactly ``n`` samples of every prompt, all
 made with the version the engine serves at that moment.
 
@@ -45,6 +49,7 @@ from rlx.data.sources import Example
 from rlx.envs.runner import EnvRunner
 from rlx.rollout.errors import RolloutError
 from rlx.run.hosts import Hosts
+from rlx.run.progress import decode_rollout, encode_rollout
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 
@@ -134,6 +139,32 @@ class _Generation:
             self.advance(engine)
         return self.done, self.seconds
 
+    def progress(self) -> dict[str, Any]:
+        """What a checkpoint records (JSON, exact): the finished rollouts, or each completion's
+        tokens so far (``rlx.run.progress``)."""
+        if self.done is not None:
+            return {"done": [encode_rollout(r) for r in self.done]}
+        return {"parts": [{"uid": c.prompt.uid, "index": c.index, "ids": c.ids, "logp": c.logp,
+                           "versions": c.versions, "stopped": c.stopped,
+                           "has_logprobs": c.has_logprobs} for c in self.parts]}
+
+    def resume(self, progress: dict[str, Any]) -> None:
+        """Continue from a checkpoint's ``progress`` of this batch (``"pooled"``: every process's,
+        of which this generation takes its own prompts', in prompt order)."""
+        order = {p.uid: i for i, p in enumerate(self.prompts)}
+        done = [decode_rollout(r) for r in progress.get("done") or ()]
+        if progress.get("pooled"):
+            done = sorted((r for r in done if r.prompt_uid in order),
+                          key=lambda r: (order[r.prompt_uid], r.sample_index))
+        if len(done) == len(self.parts):
+            self.done = done
+            return
+        parts = {(c["uid"], c["index"]): c for c in progress.get("parts") or ()}
+        for c in self.parts:
+            saved = parts[(c.prompt.uid, c.index)]
+            c.ids, c.logp, c.versions = list(saved["ids"]), list(saved["logp"]), list(saved["versions"])
+            c.stopped, c.has_logprobs = saved["stopped"], saved["has_logprobs"]
+
 
 @dataclasses.dataclass
 class _InFlight:
@@ -171,16 +202,26 @@ class RolloutQueue:
 
     def start(self, batch: PromptBatch, position: Any, sampling: SamplingParams, step: int) -> None:
         """Queue the generation of ``batch`` (for step ``step``) behind everything queued."""
+        flight = self._in_flight(batch, position, sampling, step)
+        self._submit(flight.generation.advance, self.engine)
+
+    def resume(self, batch: PromptBatch, position: Any, sampling: SamplingParams, step: int,
+               progress: dict[str, Any]) -> None:
+        """Put ``batch`` back in flight where a checkpoint's ``snapshot`` left it; nothing is
+        queued (the snapshot was taken once the queued work had run)."""
+        self._in_flight(batch, position, sampling, step).generation.resume(progress)
+
+    def _in_flight(self, batch: PromptBatch, position: Any, sampling: SamplingParams,
+                   step: int) -> _InFlight:
         prompts = self.hosts.to_generate(batch.prompts)
         segments = self.depth + 1 if self.partial else 1
         episodes = None
         if self.env is not None:
             env, examples = self.env, self._examples(batch)
             episodes = lambda engine, sampling: env.generate(engine, examples, sampling)  # noqa: E731
-        generation = _Generation(prompts, sampling, segments, episodes)
-        flight = _InFlight(batch, position, generation, step)
+        flight = _InFlight(batch, position, _Generation(prompts, sampling, segments, episodes), step)
         self._flight.append(flight)
-        self._submit(flight.generation.advance, self.engine)
+        return flight
 
     def _examples(self, batch: PromptBatch) -> tuple[Example, ...]:
         """The examples whose episodes this process runs (as ``Hosts.to_generate`` for prompts)."""
@@ -227,6 +268,18 @@ class RolloutQueue:
     def oldest_position(self) -> Any | None:
         """The data position before the oldest batch in flight (what a checkpoint records)."""
         return self._flight[0].data_position if self._flight else None
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The batches in flight once the queued work has run (a checkpoint's record): per batch,
+        the step that trains on it and its generation's ``progress``; from a failed generation on,
+        none (a resumed run generates those again)."""
+        concurrent.futures.wait(self._jobs)  # errors stay for take() / wait() to raise
+        out = []
+        for flight in self._flight:
+            if flight.generation.error is not None:
+                break
+            out.append({"step": flight.step, "progress": flight.generation.progress()})
+        return out
 
     def close(self) -> None:
         """Let the queued jobs finish (their errors are dropped), stop the worker."""
