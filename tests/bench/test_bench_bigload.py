@@ -1,10 +1,14 @@
 """``python -m rlx.bench bigload`` at about 100 MB: the FP8-block DeepSeek-shaped checkpoint it
 writes is what DeepSeek ships (transformers' FP8 config, every linear e4m3 with its 128x128
 ``weight_scale_inv``), the dry-run load keeps it as it is (``quant.format=shipped``), and the
-loading process's peak RSS stays within 1.15x the bytes on disk + 1 GiB (issue's bound)."""
+loading process's peak RSS stays within 1.15x the bytes on disk + 1 GiB (issue's bound); with
+``--step`` the folder (which carries a tokenizer) trains for one mode-B RL step."""
 
 import json
+import math
 import os
+
+import pytest
 
 from rlx.bench.bigload import main
 from rlx.models.safetensors_io import SafetensorsFolder
@@ -28,3 +32,14 @@ def test_bigload_writes_deepseek_fp8_blocks_and_loads_them_as_shipped(tmp_path, 
     assert 0.08e9 < disk < 0.3e9
     assert fig["peak_rss"] <= 1.15 * disk + 2**30, fig
     assert os.path.exists(folder / "config.json")  # --dir: kept
+
+
+@pytest.mark.slow  # about a minute: three compilations of a 4-layer model on 2 cores
+def test_bigload_step_trains_one_mode_b_step_on_the_shipped_base(tmp_path, capsys):
+    out = tmp_path / "figures.json"
+    assert main(["--params", "1e8", "--json", str(out), "--step", "--step-tokens", "2"]) == 0
+    fig = json.loads(out.read_text())
+    assert "step " in capsys.readouterr().out
+    assert fig["step_skipped"] == 0 and fig["step_sequences"] == 4, fig  # 2 prompts x 2 samples
+    assert 4 <= fig["step_tokens"] <= 8 and math.isfinite(fig["step_loss"]), fig
+    assert fig["step_peak_rss"] < 4 * 2**30, fig
