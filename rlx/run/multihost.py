@@ -130,7 +130,7 @@ class Watchdog:
         sys.stderr.write(
             f"rlx: error: process {process} of the run's {jax.process_count()} was lost ({why}; "
             f"config.distributed.heartbeat_timeout_s={self.timeout_s:g}); process "
-            f"{jax.process_index()} stops here. {last}: relaunch every process with "
+            f"{jax.process_index()} stops here; {last}: relaunch every process with "
             "--config.resume=latest\n")
         sys.stderr.flush()
         kill_descendants()
