@@ -60,6 +60,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from rlx.learner.state import TrainState
+from rlx.models.stack import per_layer_tree, stacked_tree
 
 log = logging.getLogger(__name__)
 
@@ -220,10 +221,13 @@ def checksums(tree) -> dict[str, str]:
 
 
 def _saved_tree(state: TrainState) -> dict[str, Any]:
-    tree = {"step": state.step, "skipped": state.skipped, "params": state.params,
-            "opt_state": state.opt_state, "rng": jax.random.key_data(state.rng)}
+    """What is written; a scanned model's stacked layers per layer, as the unrolled model has them
+    (``rlx.models.stack.per_layer_tree``: the files do not depend on ``model.scan_layers``)."""
+    tree = {"step": state.step, "skipped": state.skipped, "params": per_layer_tree(state.params),
+            "opt_state": per_layer_tree(state.opt_state), "rng": jax.random.key_data(state.rng)}
     if state.critic is not None:  # its adapter or model and value head; never the base
-        tree["critic"] = {"params": state.critic.params, "opt_state": state.critic.opt_state}
+        tree["critic"] = {"params": per_layer_tree(state.critic.params),
+                          "opt_state": per_layer_tree(state.critic.opt_state)}
     return tree
 
 
@@ -526,10 +530,12 @@ class Checkpointer:
         if data_iter is not None:
             self._read_data(step, data_iter, where)
         rng = jax.random.wrap_key_data(tree["rng"], impl=saved.rng_impl)
-        restored = state.replace(step=tree["step"], skipped=tree["skipped"], params=tree["params"],
-                                 opt_state=tree["opt_state"], rng=rng)
+        restored = state.replace(step=tree["step"], skipped=tree["skipped"],
+                                 params=stacked_tree(tree["params"], state.params),
+                                 opt_state=stacked_tree(tree["opt_state"], state.opt_state), rng=rng)
         if "critic" in tree:
-            restored = restored.replace(critic=state.critic.replace(**tree["critic"]))
+            restored = restored.replace(critic=state.critic.replace(**{
+                k: stacked_tree(v, getattr(state.critic, k)) for k, v in tree["critic"].items()}))
         return Restored(step=int(meta["step"]), state=restored, config=meta.get("config") or {},
                         position=meta.get("position"))
 

@@ -168,7 +168,10 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
 def per_layer_tree(tree):
     """``tree`` (params, an optimizer state: any pytree of ``nnx.State``, dicts, tuples) with each
     stacked ``stacks`` entry replaced by the unrolled model's ``layers`` entries, layer ``i`` the
-    ``i``-th slice: the paths and shapes a checkpoint of the unrolled model holds."""
+    ``i``-th slice: the paths and shapes a checkpoint of the unrolled model holds. A tree
+    without stacked layers is returned as it is."""
+    if not _has_stacks(tree):
+        return tree
     out = _per_layer(tree)
     left = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out)
             if "'stacks'" in jax.tree_util.keystr(p)]
@@ -176,6 +179,11 @@ def per_layer_tree(tree):
         raise TypeError(f"per_layer_tree cannot reach the stacked layers at {left[0]} (inside a "
                         "container it does not know); add the container to rlx.models.stack")
     return out
+
+
+def _has_stacks(tree) -> bool:
+    return any("'stacks'" in jax.tree_util.keystr(p)
+               for p, _ in jax.tree_util.tree_leaves_with_path(tree))
 
 
 def _per_layer(tree):
@@ -197,24 +205,34 @@ def _per_layer(tree):
 def stacked_tree(tree, like):
     """The inverse of ``per_layer_tree``: ``tree`` (per-layer) in the structure of ``like`` (the
     stacked tree it came from), each stack's layers stacked again on ``like``'s shardings."""
+    return _stacked(tree, like) if _has_stacks(like) else tree
+
+
+def _stacked(tree, like):
     if isinstance(like, (nnx.State, dict)):
-        items = {k: stacked_tree(tree[k], v) for k, v in like.items() if k != "stacks"}
+        items = {k: _stacked(tree[k], v) for k, v in like.items() if k != "stacks"}
         if "stacks" in like:
             first, stacks = 0, {}
             for k in sorted(like["stacks"].keys()):
                 block = like["stacks"][k]["block"]
                 n = jax.tree.leaves(block)[0].shape[0]
-                layers = [stacked_tree(tree["layers"][i], block) for i in range(first, first + n)]
-                stacks[k] = type(like["stacks"][k])(
-                    {"block": jax.tree.map(lambda *xs: _stack_values(list(xs)), *layers)})
+                layers = [_by_path(tree["layers"][i]) for i in range(first, first + n)]
+                paths, treedef = jax.tree_util.tree_flatten_with_path(block)
+                stacks[k] = type(like["stacks"][k])({"block": jax.tree.unflatten(treedef, [
+                    jax.device_put(jnp.stack([layer[jax.tree_util.keystr(p)] for layer in layers]),
+                                   getattr(x, "sharding", None)) for p, x in paths])})
                 first += n
             items["stacks"] = type(like["stacks"])(stacks)
         return type(like)(items)
     if isinstance(like, tuple) and hasattr(like, "_fields"):
-        return type(like)(*(stacked_tree(t, l) for t, l in zip(tree, like)))
+        return type(like)(*(_stacked(t, l) for t, l in zip(tree, like)))
     if isinstance(like, (tuple, list)):
-        return type(like)(stacked_tree(t, l) for t, l in zip(tree, like))
+        return type(like)(_stacked(t, l) for t, l in zip(tree, like))
     return tree
+
+
+def _by_path(tree) -> dict:
+    return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def layer_counts(model: nnx.Module) -> tuple[int, ...] | None:
