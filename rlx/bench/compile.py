@@ -5,8 +5,9 @@ of the layer per layer in the program; ``scanned``: ``rlx.models.stack``, one ``
 per stack), the real GRPO train step (``rlx.learner.step.make_train_step``, every parameter
 trained with AdamW, per-layer remat as ``config.train.remat`` sets it) is traced and lowered
 (``lower``) and then compiled by XLA (``compile``); the columns are the seconds of each and
-the HLO size of the lowered program. One measurement per cell, each in a fresh trace (no cache
-holds a program across cells: the models differ in depth or in form).
+the HLO size of the lowered program (``--run N``: also the median seconds of N steps). One
+measurement per cell, each in a fresh trace (no cache holds a program across cells: the models
+differ in depth or in form).
 
 The architecture is a preset's (``--preset``, default Qwen2.5-1.5B's) shrunk to ``--hidden``
 wide (``rlx.models.loading.shrunk``) with a ``--vocab`` vocabulary; a preset with MoE layers after dense ones (DeepSeek-V3,
@@ -73,7 +74,27 @@ def measure(args, layers: int, scanned: bool) -> dict:
     hlo_chars = len(lowered.as_text())
     start = time.perf_counter()
     lowered.compile()
-    return {"lower_s": lowered_s, "compile_s": time.perf_counter() - start, "hlo_chars": hlo_chars}
+    out = {"lower_s": lowered_s, "compile_s": time.perf_counter() - start, "hlo_chars": hlo_chars}
+    return out | ({"step_s": _step_seconds(step, state, batch, mesh, args.run)} if args.run else {})
+
+
+def _step_seconds(step, state, batch, mesh, runs: int) -> float:
+    """Median seconds of ``runs`` train steps after a first (compiling) one."""
+    import statistics
+
+    import jax
+
+    from rlx.learner.batching import shard_batch
+
+    batch = shard_batch(batch, mesh)
+    state, _ = step(state, batch)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main(argv: list[str]) -> int:
@@ -86,16 +107,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--remat", default="layer", help="config.train.remat")
+    p.add_argument("--run", type=int, default=0, help="also time this many steps (median)")
     args = p.parse_args(argv)
     counts = [int(n) for n in args.layers.split(",")]
     rows = {}
-    print(f"{'layers':>6} {'form':>9} {'lower s':>8} {'compile s':>9} {'total s':>8} {'HLO chars':>10}")
+    print(f"{'layers':>6} {'form':>9} {'lower s':>8} {'compile s':>9} {'total s':>8} {'HLO chars':>10}"
+          + (f" {'step s':>7}" if args.run else ""))
     for scanned in (False, True):
         for n in counts:
             r = rows[(n, scanned)] = measure(args, n, scanned)
             form = "scanned" if scanned else "unrolled"
+            step = f" {r['step_s']:>7.2f}" if "step_s" in r else ""
             print(f"{n:>6} {form:>9} {r['lower_s']:>8.2f} {r['compile_s']:>9.2f} "
-                  f"{r['lower_s'] + r['compile_s']:>8.2f} {r['hlo_chars']:>10}", flush=True)
+                  f"{r['lower_s'] + r['compile_s']:>8.2f} {r['hlo_chars']:>10}{step}", flush=True)
     lo, hi = min(counts), max(counts)
     for scanned in (False, True):
         a, b = rows[(lo, scanned)], rows[(hi, scanned)]
