@@ -5,7 +5,9 @@ builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C end it after the 
 checkpoint (exit status 128 + signal number; while the run is still being built they stop it at
 once, cleaning up what was started), and ``--config.resume=latest`` continues it. Exit
 status 3: too many non-finite updates in a row; 4: the rollout engine failed (no SGLang server
-left, or one that could not start); both keep the checkpoints written and say where to resume.
+left, or one that could not start); 5: a checkpoint could not be written (e.g. the disk is full);
+6: another process of a multi-host run was lost (``rlx.run.multihost.Watchdog``); each keeps the
+checkpoints written and says where to resume.
 ``--dry_run`` only loads, shards and summarises the model. Everything else is done by the
 library; this file stays short.
 """
@@ -23,9 +25,18 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Load, shard and summarise the mo
 flags.mark_flags_as_required(["config"])
 
 
+def _one_line_orbax_errors(record) -> bool:
+    """Orbax logs a failed background write with its traceback before rlx raises it again as a
+    ``CheckpointWriteError`` naming the cause: keep orbax's line, drop the traceback."""
+    if record.levelno >= logging.converter.STANDARD_ERROR and "orbax" in record.pathname:
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
+    logging.get_absl_logger().addFilter(_one_line_orbax_errors)
     from rlx.config import parse_config
     from rlx.errors import ConfigError
     from rlx.io.checkpoint import CheckpointError
@@ -66,6 +77,9 @@ def main(argv: list[str]) -> None:
     except RolloutError as e:  # likewise (checkpointed at the last completed step)
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(4)
+    except CheckpointError as e:  # a write failed (the disk is full); earlier ones are intact
+        print(f"rlx: error: {e}", file=sys.stderr)
+        sys.exit(5)
     finally:
         run.close()
     if run.stopped_by is not None:
