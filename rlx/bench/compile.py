@@ -10,8 +10,9 @@ measurement per cell, each in a fresh trace (no cache holds a program across cel
 differ in depth or in form).
 
 The architecture is a preset's (``--preset``, default Qwen2.5-1.5B's) shrunk to ``--hidden``
-wide (``rlx.models.loading.shrunk``) with a ``--vocab`` vocabulary; a preset with MoE layers after dense ones (DeepSeek-V3,
-Kimi-K2) gives two stacks when scanned. The batch is ``--batch`` rows of ``--seq`` tokens.
+wide (``rlx.models.loading.shrunk``) with a ``--vocab`` vocabulary; a preset with MoE layers
+after dense ones (DeepSeek-V3, Kimi-K2) gives two stacks when scanned. The batch is ``--batch``
+rows of ``--seq`` tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _model(args, layers: int, scanned: bool):
 
     section = ShrinkSection(enabled=True, num_layers=layers, hidden_size=args.hidden,
                             intermediate_size=2 * args.hidden, num_heads=args.heads,
-                            num_kv_heads=max(1, args.heads // 2), head_dim=args.hidden // args.heads,
+                            num_kv_heads=max(1, args.heads // 2),
+                            head_dim=args.hidden // args.heads,
                             num_experts=8, moe_intermediate_size=args.hidden // 2)
     cfg = shrunk(from_hf_config(preset_config(args.preset)), section)
     cfg = dataclasses.replace(cfg, vocab_size=args.vocab)
@@ -49,7 +51,8 @@ def _batch(args, vocab: int):
     ids = np.random.RandomState(0).randint(0, vocab, (b, t)).astype(np.int32)
     ones = np.ones((b, t), np.int32)
     zeros = np.zeros((b, t), np.float32)
-    return TrainBatch(input_ids=ids, positions=np.broadcast_to(np.arange(t, dtype=np.int32), (b, t)),
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    return TrainBatch(input_ids=ids, positions=positions,
                       segment_ids=ones, loss_mask=ones.astype(np.float32), advantages=zeros + 1.0,
                       sampler_logp=zeros)
 
@@ -66,7 +69,8 @@ def measure(args, layers: int, scanned: bool) -> dict:
     model = _model(args, layers, scanned)
     optim = OptimizerConfig(learning_rate=1e-5)
     graphdef, state = create_train_state(model, make_optimizer(optim), mesh)
-    step = make_train_step(graphdef, state, mesh, StepConfig(), optim, apply_fn=FORWARDS[args.remat])
+    step = make_train_step(graphdef, state, mesh, StepConfig(), optim,
+                           apply_fn=FORWARDS[args.remat])
     batch = _batch(args, model.config.vocab_size)
     start = time.perf_counter()
     lowered = step.lower(state, batch)
@@ -98,7 +102,8 @@ def _step_seconds(step, state, batch, mesh, runs: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m rlx.bench compile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rlx.bench compile",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--layers", default="4,32", help="comma-separated layer counts")
     p.add_argument("--preset", default="Qwen/Qwen2.5-1.5B-Instruct", help="rlx.models.presets name")
     p.add_argument("--hidden", type=int, default=256)
@@ -111,7 +116,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     counts = [int(n) for n in args.layers.split(",")]
     rows = {}
-    print(f"{'layers':>6} {'form':>9} {'lower s':>8} {'compile s':>9} {'total s':>8} {'HLO chars':>10}"
+    print(f"{'layers':>6} {'form':>9} {'lower s':>8} {'compile s':>9} {'total s':>8} "
+          f"{'HLO chars':>10}"
           + (f" {'step s':>7}" if args.run else ""))
     for scanned in (False, True):
         for n in counts:

@@ -78,7 +78,8 @@ class KVCache:
         return self.positions.shape[1]
 
     def record(self, positions: Int[Array, "b t"], segment_ids: Int[Array, "b t"]) -> "KVCache":
-        """Write the positions and segment ids of ``t`` new tokens at ``index`` (index unchanged)."""
+        """Write the positions and segment ids of ``t`` new tokens at ``index`` (index
+        unchanged)."""
         pos = jax.lax.dynamic_update_slice_in_dim(self.positions, positions.astype(jnp.int32),
                                                   self.index, axis=1)
         seg = jax.lax.dynamic_update_slice_in_dim(self.segment_ids, segment_ids.astype(jnp.int32),
@@ -106,7 +107,8 @@ class KVCache:
         """The cache of rows ``rows`` (repeats allowed: samples of one prompt share its prefill)."""
         take = lambda x, axis=0: jnp.take(x, rows, axis=axis)  # noqa: E731
         layer = functools.partial(take, axis=0 if self.stacks is None else 1)
-        return self.replace(keys=tuple(map(layer, self.keys)), values=tuple(map(layer, self.values)),
+        return self.replace(keys=tuple(map(layer, self.keys)),
+                            values=tuple(map(layer, self.values)),
                             positions=take(self.positions), segment_ids=take(self.segment_ids))
 
     def advance(self, keys, values, steps: int) -> "KVCache":

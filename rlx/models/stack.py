@@ -64,7 +64,8 @@ def _stack_values(values: list) -> jax.Array:
 
 
 def _with_axes(var: nnx.Variable, value, lead: bool) -> nnx.Variable:
-    """``var`` holding ``value``, its logical axes with the layer axis added (``lead``) or removed."""
+    """``var`` holding ``value``, its logical axes with the layer axis added (``lead``) or
+    removed."""
     axes = var.get_metadata().get("logical_axes")
     if axes is None:
         return var.replace(value)

@@ -98,7 +98,8 @@ def test_expert_dispatch_inside_the_scan(zoo):
     moe = [n for _, n in nnx.iter_graph(nnx.merge(graphdef, state.params, state.frozen))
            if isinstance(n, SparseMoE)]
     assert moe and all(n.expert_parallel is not None for n in moe)
-    step = make_logprob_step(graphdef, state.params, state.frozen, mesh, StepConfig(logprob_chunk=64))
+    step = make_logprob_step(graphdef, state.params, state.frozen, mesh,
+                             StepConfig(logprob_chunk=64))
     logp = np.asarray(jax.device_get(step(state.params, state.frozen, shard_batch(
         pad_rollouts(rollouts, np.zeros(len(rollouts))), mesh)).logp))
     for i, r in enumerate(rollouts):

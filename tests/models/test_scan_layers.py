@@ -71,7 +71,8 @@ def _per_layer(grads, model):
     """``grads`` of a stacked model under the unrolled model's paths (``unrolled``)."""
     holder = _copy(model)
     nnx.update(holder, grads)
-    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(unrolled(holder), grads_kind(grads)))}
+    state = nnx.state(unrolled(holder), grads_kind(grads))
+    return {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(state)}
 
 
 def grads_kind(grads):
