@@ -88,22 +88,33 @@ class SafetensorsFolder(Mapping[str, np.ndarray]):
             return np.zeros(info["shape"], dtype)
         return np.memmap(file, dtype=dtype, mode="r", offset=start + lo, shape=tuple(info["shape"]))
 
-    def read(self, name: str, index: tuple = ()) -> np.ndarray:
-        """A copy of ``self[name][index]``. Rows ``a:b`` of whole trailing dimensions (what a
-        device holds when only the leading axis is split) are one contiguous byte range, read
-        with one ``pread`` into the array (no page-by-page faults of a mapping); other slices are
-        copied out of the mapped tensor."""
+    def read(self, name: str, index: tuple = (), out: np.ndarray | None = None) -> np.ndarray:
+        """A copy of ``self[name][index]`` (into ``out`` when given: an array of that shape and
+        dtype, e.g. one expert's slot of a stacked buffer). Rows ``a:b`` of whole trailing
+        dimensions (what a device holds when only the leading axis is split) are one contiguous
+        byte range, read with one ``pread`` straight into the array (no page-by-page faults of a
+        mapping, no second copy); other slices are copied out of the mapped tensor."""
         file, info, start = self._where[name]
         shape = tuple(info["shape"])
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
         whole = all(isinstance(s, slice) and s.indices(d) == (0, d, 1)
                     for s, d in zip(index[1:], shape[1:]))
-        if not shape or not whole or not isinstance(index[0], slice) or index[0].step not in (None, 1):
-            return np.array(self[name][index])
+        contiguous = out is None or (out.flags.c_contiguous and out.flags.writeable)
+        if (not shape or not whole or not isinstance(index[0], slice)
+                or index[0].step not in (None, 1) or not contiguous):
+            if out is None:
+                return np.array(self[name][index])
+            out[...] = self[name][index]
+            return out
         lo, hi, _ = index[0].indices(shape[0])
         dtype = np.dtype(DTYPES[info["dtype"]])
         row = dtype.itemsize * math.prod(shape[1:])
-        out = np.empty((max(hi - lo, 0),) + shape[1:], dtype)
+        want = (max(hi - lo, 0),) + shape[1:]
+        if out is None:
+            out = np.empty(want, dtype)
+        elif out.shape != want or out.dtype != dtype:
+            raise ValueError(f"read({name!r}): out is {out.dtype}{list(out.shape)}, the slice "
+                             f"{dtype}{list(want)}")
         if out.nbytes:
             fd = os.open(file, os.O_RDONLY)
             try:

@@ -50,7 +50,7 @@ from flax import nnx
 
 from rlx.mesh import named_sharding
 from rlx.models.hf import ParamSource, read_stored, swapped, to_layout
-from rlx.models.safetensors_io import CheckpointError
+from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
 from rlx.quant.config import QuantConfig, QuantConfigError
 from rlx.quant.tensors import QTensor
 
@@ -367,10 +367,16 @@ def _check_linear(tensors, m: str, n: int, k: int, lay: Layout) -> None:
 # --- reading: each device copies its slice as stored, the device lays it out ---------------------
 def _stored(tensors, names: list[str], stacked: bool, tensor_scale: bool):
     """Callback: the ``index`` slice of the tensors ``names`` as stored (HF orientation)."""
-    def one(name, index):
+    def one(name, index, out=None):
         if tensor_scale:
-            return np.array(tensors[name]).reshape(1, 1)[index]
-        return read_stored(tensors, name, index)
+            value = np.array(tensors[name]).reshape(1, 1)[index]
+        elif out is not None and isinstance(tensors, SafetensorsFolder):
+            return tensors.read(name, index, out=out)  # straight into the stacked buffer
+        else:
+            value = read_stored(tensors, name, index)
+        if out is not None:
+            out[...] = value
+        return value
 
     def read(index):
         if not stacked:
@@ -380,7 +386,7 @@ def _stored(tensors, names: list[str], stacked: bool, tensor_scale: bool):
         out = np.empty((len(chosen),) + first.shape, first.dtype)
         out[0] = first
         for i, n in enumerate(chosen[1:], 1):
-            out[i] = one(n, index[1:])
+            one(n, index[1:], out[i])
         return out
     return read
 
