@@ -9,6 +9,8 @@ weights; both modes consume exactly the same prompt batches.
 """
 
 
+import json
+
 import pytest
 
 from rlx.rewards import RewardResult
@@ -67,15 +69,22 @@ def test_first_step_is_the_synchronous_step_and_the_data_is_the_same(runs):
 
 def test_checkpoints_hold_the_position_after_the_trained_batch(tmp_path_factory, runs):
     """Mid-run checkpoints of a one-step-off run (a batch already fetched ahead) save the data
-    position after the last trained batch, as the synchronous run does."""
+    position after the last trained batch, as the synchronous run does, and the batch in flight
+    with its rollouts (exact resume: tests/run/test_resume.py)."""
     root = tmp_path_factory.getbasetemp()
 
     def saved(staleness, step):
-        (path,) = root.glob(f"async[0-9]*/s{staleness}/tiny/checkpoints/{step}/data/*.json")
-        return path.read_text()
+        (path,) = root.glob(f"async[0-9]*/s{staleness}/tiny/checkpoints/{step}/meta/metadata")
+        return json.loads(path.read_text())["position"]
 
     for step in (STEPS - 1, STEPS):  # mid-run (a batch in flight) and at the end
-        assert saved(0, step) == saved(1, step)
+        assert saved(0, step)["data_shards"] == saved(1, step)["data_shards"]
+        assert saved(0, step)["in_flight"] == []
+    in_flight = saved(1, STEPS - 1)["in_flight"]
+    assert [f["step"] for f in in_flight] == [STEPS - 1]  # the next step trains on it
+    (done,) = [p["done"] for p in in_flight[0]["progress"]]
+    assert len(done) == 4 * 8 and {r["weight_version"] for r in done} == {STEPS - 2}
+    assert saved(1, STEPS)["in_flight"] == []  # nothing is fetched past the last step
 
 
 def test_one_step_off_rollouts_are_one_version_old_and_importance_weighted(runs):
