@@ -60,9 +60,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from rlx.learner.state import TrainState
-from rlx.models.stack import per_layer_tree, stacked_tree
+from rlx.models.stack import LayerSlice, per_layer_tree, stacked_tree
 
 log = logging.getLogger(__name__)
+# config fields that change no saved array: a run resumes a checkpoint whatever their values
+NOT_SAVED = ("scan_layers",)  # config.model.scan_layers: files are per layer either way
 
 FORMAT_VERSION = 1  # bumped when the layout of a checkpoint changes
 TRASH = "deleted"  # old steps are renamed here (atomic), then removed
@@ -166,6 +168,8 @@ def leaf_paths(tree) -> list[tuple[str, Any]]:
 
 
 def _host_array(x) -> np.ndarray:
+    if isinstance(x, LayerSlice):
+        x = x.value()
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -173,8 +177,9 @@ def _host_array(x) -> np.ndarray:
 
 
 def base_reference(frozen, *, source: str = "", format: str = "") -> BaseRef | None:
-    """Hash the frozen part of a state (one leaf on the host at a time); None when it is empty."""
-    leaves = leaf_paths(frozen)
+    """Hash the frozen part of a state (one leaf on the host at a time; a scanned model's stacked
+    leaves one layer at a time, under the unrolled model's paths); None when it is empty."""
+    leaves = leaf_paths(per_layer_tree(frozen, take=LayerSlice))
     if not leaves:
         return None
     h, total = hashlib.sha256(), 0
@@ -255,7 +260,7 @@ def _diff_leaves(saved: Mapping, current: Mapping) -> list[str]:
 def _diff_dicts(saved: Any, current: Any, prefix: str) -> list[str]:
     if isinstance(saved, Mapping) and isinstance(current, Mapping):
         out = []
-        for k in sorted(set(saved) | set(current), key=str):
+        for k in sorted((set(saved) | set(current)) - set(NOT_SAVED), key=str):
             out += _diff_dicts(saved.get(k, "<absent>"), current.get(k, "<absent>"),
                                f"{prefix}.{k}")
         return out

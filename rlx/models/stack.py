@@ -166,14 +166,25 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
     return jax.lax.scan(body, carry, (values, xs), unroll=unroll)
 
 
-def per_layer_tree(tree):
+class LayerSlice:
+    """Layer ``index`` of a stacked array, read when asked (``value``): a leaf of a lazy
+    ``per_layer_tree`` (``take=LayerSlice``), e.g. for hashing a base one layer at a time."""
+
+    def __init__(self, array, index: int):
+        self.array, self.index = array, index
+
+    def value(self):
+        return self.array[self.index]
+
+
+def per_layer_tree(tree, take: Callable = lambda x, i: x[i]):
     """``tree`` (params, an optimizer state: any pytree of ``nnx.State``, dicts, tuples) with each
-    stacked ``stacks`` entry replaced by the unrolled model's ``layers`` entries, layer ``i`` the
-    ``i``-th slice: the paths and shapes a checkpoint of the unrolled model holds. A tree
-    without stacked layers is returned as it is."""
+    stacked ``stacks`` entry replaced by the unrolled model's ``layers`` entries, layer ``i``
+    ``take(stacked, i)`` (the slice; ``LayerSlice``: a lazy one): the paths and shapes a
+    checkpoint of the unrolled model holds. A tree without stacked layers is returned as is."""
     if not _has_stacks(tree):
         return tree
-    out = _per_layer(tree)
+    out = _per_layer(tree, take)
     left = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(out)
             if "'stacks'" in jax.tree_util.keystr(p)]
     if left:
@@ -187,19 +198,19 @@ def _has_stacks(tree) -> bool:
                for p, _ in jax.tree_util.tree_leaves_with_path(tree))
 
 
-def _per_layer(tree):
+def _per_layer(tree, take):
     if isinstance(tree, (nnx.State, dict)):
-        items = {k: _per_layer(v) for k, v in tree.items() if k != "stacks"}
+        items = {k: _per_layer(v, take) for k, v in tree.items() if k != "stacks"}
         if "stacks" in tree:
             stacks = [tree["stacks"][k]["block"] for k in sorted(tree["stacks"].keys())]
-            layers = [jax.tree.map(lambda x, i=i: x[i], s) for s in stacks
+            layers = [jax.tree.map(lambda x, i=i: take(x, i), s) for s in stacks
                       for i in range(jax.tree.leaves(s)[0].shape[0])]
-            items["layers"] = type(tree)({i: _per_layer(b) for i, b in enumerate(layers)})
+            items["layers"] = type(tree)({i: _per_layer(b, take) for i, b in enumerate(layers)})
         return type(tree)(items)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*map(_per_layer, tree))
+        return type(tree)(*(_per_layer(t, take) for t in tree))
     if isinstance(tree, (tuple, list)):
-        return type(tree)(map(_per_layer, tree))
+        return type(tree)(_per_layer(t, take) for t in tree)
     return tree
 
 
@@ -251,5 +262,5 @@ def scan_default(num_layers: int) -> bool:
 SCAN_FROM_LAYERS = 16
 
 __all__ = ["LAYERS", "LayerStack", "layer_runs", "is_stacked", "stack_blocks", "unstack_block",
-           "stack_layers", "unstack_layers", "unrolled", "scan", "layer_counts", "per_layer_tree",
+           "stack_layers", "unstack_layers", "unrolled", "scan", "layer_counts", "LayerSlice", "per_layer_tree",
            "stacked_tree", "scan_default", "SCAN_FROM_LAYERS"]
