@@ -83,7 +83,8 @@ def mismatch(cfg: dict, steps: int) -> list[dict[str, float]]:
 
     run = build(parse_config(cfg), progress=False)
     try:
-        return [{k: run.step()[k] for k in KEYS} for _ in range(steps)]
+        records = [run.step() for _ in range(steps)]
+        return [{k: r[k] for k in KEYS} for r in records]
     finally:
         run.close()
 
@@ -95,10 +96,14 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--dtype", default="float32", help="compute and float storage dtype")
+    p.add_argument("--moe-impl", default="", help="config.model.moe_impl (default: the config's)")
     args = p.parse_args(argv)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     config = load_config(args.config)
-    print(f"{args.config}, shrunk, {args.dtype}, {args.steps} steps of 4 x 2 x {args.new_tokens}")
+    if args.moe_impl:
+        config["model"]["moe_impl"] = args.moe_impl
+    print(f"{args.config}, shrunk, {args.dtype}, moe_impl {config['model'].get('moe_impl')}, "
+          f"{args.steps} steps of 4 x 2 x {args.new_tokens}")
     print("router_replay | step | max |dlogp| | k3 KL | mean |dlogp|")
     for replay in (False, True):
         with tempfile.TemporaryDirectory() as root:
