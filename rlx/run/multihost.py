@@ -36,6 +36,7 @@ process has written its part, so a checkpoint in progress is never listed as com
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -94,33 +95,49 @@ class Watchdog:
     """Ends this process, cleanly and in time, when another process of the run is lost (see the
     module docstring). One per process; a daemon thread, so it never delays a normal exit."""
 
+    DONE = "done"  # a process's last heartbeat, written as it exits normally
+
     def __init__(self, timeout_s: float, checkpoints: str = ""):
         self.timeout_s, self.checkpoints = float(timeout_s), checkpoints
         self._client = distributed.global_state.client
+        self._stopping = threading.Event()
 
     def start(self) -> "Watchdog":
         if jax.process_count() > 1:
+            # runs before jax.distributed's own exit handler (registered earlier): a process
+            # that ends normally says so, and stops watching before the runtime shuts down
+            atexit.register(self.stop)
             threading.Thread(target=self._watch, name="rlx-watchdog", daemon=True).start()
         return self
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with contextlib.suppress(Exception):
+            self._beat(self.DONE)
+
+    def _beat(self, value: str) -> dict[str, str]:
+        self._client.key_value_set(f"rlx/heartbeat/{jax.process_index()}", value,
+                                   allow_overwrite=True)
+        return dict(self._client.key_value_dir_get("rlx/heartbeat/"))
 
     def _watch(self) -> None:
         me, count = jax.process_index(), jax.process_count()
         beats, seen = 0, {p: (None, time.monotonic()) for p in range(count) if p != me}
-        while True:
+        while not self._stopping.wait(self.timeout_s / 10):
             beats += 1
             try:
-                self._client.key_value_set(f"rlx/heartbeat/{me}", str(beats), allow_overwrite=True)
-                values = dict(self._client.key_value_dir_get("rlx/heartbeat/"))
+                values = self._beat(str(beats))
             except Exception as e:  # noqa: BLE001 - the coordinator (process 0) is gone
+                if self._stopping.is_set():
+                    return
                 self.lost(0, f"the coordinator does not answer ({type(e).__name__})")
             now = time.monotonic()
             for p, (last, since) in seen.items():
                 value = values.get(f"rlx/heartbeat/{p}")
-                if value != last:
+                if value != last or value == self.DONE:
                     seen[p] = (value, now)
-                elif now - since > self.timeout_s / 2:
+                elif now - since > self.timeout_s / 2 and not self._stopping.is_set():
                     self.lost(p, f"no heartbeat for {now - since:.0f} s")
-            time.sleep(self.timeout_s / 10)
 
     def lost(self, process: int, why: str) -> None:
         """Report ``process`` lost, kill this process's children and exit (never returns)."""
