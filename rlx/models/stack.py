@@ -21,6 +21,7 @@ agree to rounding, ``tests/models/test_scan_layers.py``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import jax
@@ -216,31 +217,32 @@ def _per_layer(tree, take):
 
 def stacked_tree(tree, like):
     """The inverse of ``per_layer_tree``: ``tree`` (per-layer) in the structure of ``like`` (the
-    stacked tree it came from), each stack's layers stacked again on ``like``'s shardings."""
-    return _stacked(tree, like) if _has_stacks(like) else tree
+    stacked tree it came from, its very pytree types), each stack's layers stacked again on
+    ``like``'s shardings."""
+    if not _has_stacks(like):
+        return tree
+    flat, paths = _by_path(tree), jax.tree_util.tree_flatten_with_path(like)
+    counts: dict[str, dict[int, int]] = {}  # path prefix -> stack -> layers
+    for p, x in paths[0]:
+        pre, k, _ = _stack_path(jax.tree_util.keystr(p))
+        if pre is not None:
+            counts.setdefault(pre, {})[k] = x.shape[0]
+    leaves = []
+    for p, x in paths[0]:
+        pre, k, tail = _stack_path(jax.tree_util.keystr(p))
+        if pre is None:
+            leaves.append(flat[jax.tree_util.keystr(p)])
+            continue
+        first = sum(n for j, n in counts[pre].items() if j < k)
+        layers = [flat[f"{pre}['layers'][{first + i}]{tail}"] for i in range(x.shape[0])]
+        leaves.append(jax.device_put(jnp.stack(layers), getattr(x, "sharding", None)))
+    return jax.tree.unflatten(paths[1], leaves)
 
 
-def _stacked(tree, like):
-    if isinstance(like, (nnx.State, dict)):
-        items = {k: _stacked(tree[k], v) for k, v in like.items() if k != "stacks"}
-        if "stacks" in like:
-            first, stacks = 0, {}
-            for k in sorted(like["stacks"].keys()):
-                block = like["stacks"][k]["block"]
-                n = jax.tree.leaves(block)[0].shape[0]
-                layers = [_by_path(tree["layers"][i]) for i in range(first, first + n)]
-                paths, treedef = jax.tree_util.tree_flatten_with_path(block)
-                stacks[k] = type(like["stacks"][k])({"block": jax.tree.unflatten(treedef, [
-                    jax.device_put(jnp.stack([layer[jax.tree_util.keystr(p)] for layer in layers]),
-                                   getattr(x, "sharding", None)) for p, x in paths])})
-                first += n
-            items["stacks"] = type(like["stacks"])(stacks)
-        return type(like)(items)
-    if isinstance(like, tuple) and hasattr(like, "_fields"):
-        return type(like)(*(_stacked(t, l) for t, l in zip(tree, like)))
-    if isinstance(like, (tuple, list)):
-        return type(like)(_stacked(t, l) for t, l in zip(tree, like))
-    return tree
+def _stack_path(path: str):
+    """(prefix, stack, rest) of a leaf path inside ``stacks``; (None, None, None) elsewhere."""
+    match = re.fullmatch(r"(.*)\['stacks'\]\[(\d+)\]\['block'\](.*)", path)
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else (None, None, None)
 
 
 def _by_path(tree) -> dict:

@@ -178,6 +178,7 @@ def test_checkpoint_trees_hold_the_unrolled_paths():
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert jax.tree.structure(stacked_tree(per_layer, tree)) == jax.tree.structure(tree)
     back = flat(stacked_tree(per_layer, tree))
     assert back.keys() == flat(tree).keys()
     for k, v in flat(tree).items():
