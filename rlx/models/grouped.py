@@ -46,6 +46,14 @@ def _pairs(group_sizes: Array, m: int, tile: int):
     return t, e, valid, ends - group_sizes, ends
 
 
+def _expert(a: Array, i) -> Array:
+    """``a[i]``. The barrier ties the stack to the (varying) index: XLA:CPU widens an fp8 operand
+    of a slice to a wider float, and inside a decode loop it would hoist that conversion of the
+    whole stack out of the loop, a float copy of every expert."""
+    a, i = jax.lax.optimization_barrier((a, i))
+    return jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)
+
+
 def _walk(x: Array, leaves, graphdef, group_sizes: Array, transpose: bool) -> Array:
     """``sum over pairs`` of the masked tile products (``transpose``: with ``w[e]^T``)."""
     m, k = x.shape
@@ -55,7 +63,7 @@ def _walk(x: Array, leaves, graphdef, group_sizes: Array, transpose: bool) -> Ar
     t, e, valid, starts, ends = _pairs(group_sizes, m, tile)
 
     def weight(i):
-        one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), leaves)
+        one = jax.tree.map(lambda a: _expert(a, i), leaves)
         w = nnx.merge(graphdef, one).dequantize(x.dtype)  # [K, N]
         return w.T if transpose else w
 
