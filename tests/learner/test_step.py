@@ -70,8 +70,8 @@ def test_packed_equals_padded(loss_cfg):
     model, _ = _model("full")
     graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
     fn = _grads_fn(graphdef, StepConfig(loss=loss_cfg, logprob_chunk=7))
-    g_pad, loss_pad, m_pad, tok_pad, seq_pad = fn(params, frozen, padded)
-    g_pack, loss_pack, m_pack, tok_pack, seq_pack = fn(params, frozen, packed)
+    g_pad, loss_pad, m_pad, tok_pad, seq_pad, _ = fn(params, frozen, padded)
+    g_pack, loss_pack, m_pack, tok_pack, seq_pack, _ = fn(params, frozen, packed)
     assert float(tok_pad) == float(tok_pack) == sum(len(r.completion_ids) for r in rollouts)
     assert float(seq_pad) == float(seq_pack) == 10
     assert abs(float(loss_pad)) > 1e-3  # a loss that means something
