@@ -42,6 +42,7 @@ def test_e2e_bench_tiny(tmp_path, tmp_path_factory, capsys):
     assert min(phases) > 0 and sum(phases) <= rlx["seconds"], (phases, rlx["seconds"])
 
 
+@pytest.mark.slow  # CI time: a bench smoke test
 def test_e2e_bench_tunix_side_tiny(tmp_path, tmp_path_factory, capsys):
     """Tunix's GRPO learner runs whole steps of the same shape, each completion exactly the
     requested tokens; skipped, naming the command that creates its environment, where missing."""

@@ -21,6 +21,7 @@ def test_unknown_benchmark_is_usage_error(capsys):
     assert "usage" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # CI time: a bench smoke test
 def test_quant_decode_tokens_per_format(tmp_path, capsys):
     """``--decode``: one row per format with positive tokens/s (tiny sizes; no timing assertion)."""
     import json

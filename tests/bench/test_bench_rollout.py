@@ -86,6 +86,7 @@ def test_rollout_llama_cpp_side_names_its_missing_environment(tmp_path, capsys):
     assert f"{LLAMA}: skipped (no llama.cpp environment at {missing}" in out.out
 
 
+@pytest.mark.slow  # CI time: a bench smoke test; SGLang runs in tests/rollout
 @pytest.mark.sglang
 def test_rollout_against_a_real_sglang_server(tmp_path, capsys, sglang_url):
     out, [record] = _run(tmp_path, capsys, "--warmup", "0", "--sides", "sglang",

@@ -41,6 +41,7 @@ def test_sync_in_memory_with_sglang_missing(tmp_path, capsys):
     assert "| SmolLM2-135M | 135M |" in out  # the rank/targets share table
 
 
+@pytest.mark.slow  # CI time: a bench smoke test; SGLang hot-loading runs in tests/rollout
 @pytest.mark.sglang
 def test_sync_on_a_real_sglang_server(tmp_path, capsys, sglang_url):
     out, payload = _run(tmp_path, capsys, "--sides", "sglang-adapter,sglang-full",

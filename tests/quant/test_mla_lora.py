@@ -54,7 +54,8 @@ def _lora(family: str) -> LoraConfig:
     return LoraConfig(rank=3, alpha=5.0, targets=TARGETS[family])
 
 
-@pytest.mark.parametrize("family,base", [("deepseek_v3", "int4"), ("deepseek_v2_lite", "int4"),
+@pytest.mark.parametrize("family,base", [pytest.param("deepseek_v3", "int4", marks=pytest.mark.slow),
+                                         ("deepseek_v2_lite", "int4"),
                                          ("kimi_k2", "int4"), ("glm4_moe", "int4"),
                                          ("deepseek_v3", "fp8-block128"), ("glm4_moe", "fp8-block128")])
 def test_peft_parity(zoo, tmp_path, family, base):

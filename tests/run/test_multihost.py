@@ -45,7 +45,7 @@ def _run_all(cmds: list[list[str]], timeout: float = 240) -> None:
         assert p.returncode == 0, out[-4000:]
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.slow), "lora"])  # CI time
 def test_two_processes_match_one(tmp_path, mode):
     single, multi = tmp_path / "single.npz", tmp_path / "multi.npz"
     port = _free_port()

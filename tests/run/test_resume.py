@@ -121,6 +121,7 @@ def test_sigkill_then_resume_is_bit_identical(uninterrupted, tmp_path):
     _assert_identical(uninterrupted, out)
 
 
+@pytest.mark.slow  # CI time; the synchronous SIGKILL resume and test_async's recorded position run in CI
 def test_a_one_step_off_run_resumes_bit_identical(tmp_path):
     # the checkpoint holds the rollouts in flight (sampled with the previous step's weights), so
     # the resumed run trains on them rather than on a batch regenerated with the restored weights
