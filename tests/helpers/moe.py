@@ -1,16 +1,20 @@
 """One MoE layer with random weights, float or with quantized experts and per-expert LoRA, and its
-placement on a mesh with the experts split over the ``expert`` axis."""
+placement on a mesh with the experts split over the ``expert`` axis; a tiny DeepSeek-V3 model."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from rlx.mesh import TRAIN_RULES, shard_variables
+from rlx.models import Transformer, from_hf_config
 from rlx.models.hparams import MoEConfig
 from rlx.models.moe import CorrectionBias, SparseMoE, expert_parallel
 from rlx.quant import LoraConfig
 from rlx.quant.lora import LoRA
 from rlx.quant.tensors import QuantWeight, quantize_array
+from tests.helpers.hf_zoo import hf_config
 
 D, F = 16, 8
 SOFTMAX = MoEConfig(num_experts=8, top_k=2, intermediate_size=F, norm_topk_prob=False,
@@ -47,3 +51,16 @@ def on_mesh(layer: SparseMoE, mesh) -> SparseMoE:
     for kind in (nnx.Param, nnx.LoRAParam, QuantWeight, CorrectionBias):
         shard_variables(layer, kind, mesh, TRAIN_RULES)
     return expert_parallel(layer, mesh, TRAIN_RULES)
+
+
+def tiny_deepseek(layers: int = 4, seed: int = 0) -> Transformer:
+    """A tiny DeepSeek-V3 (MLA, a dense first layer, MoE after it) with a spread router (x50)."""
+    hf = hf_config("deepseek_v3")
+    cfg = from_hf_config(hf.to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]})
+    cfg = dataclasses.replace(cfg, num_layers=layers, moe=dataclasses.replace(
+        cfg.moe, sparse_layers=tuple(range(1, layers))))
+    model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, SparseMoE):
+            node.router.set_value(node.router[...] * 50)
+    return model

@@ -13,7 +13,6 @@ group-limited routers) with an int4 base and random LoRA adapters.
   engine parity bound of ``tests/rollout/test_jax_engine_mla.py``.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +23,11 @@ from flax import nnx
 from rlx.learner.batching import pad_rollouts, shard_batch
 from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
-from rlx.models import Transformer, from_hf_config
-from rlx.models.moe import SparseMoE
+from rlx.models import Transformer
 from rlx.quant import LoraConfig, apply_lora, quantize_model
 from rlx.rollout.jax_engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
-from tests.helpers.hf_zoo import hf_config
+from tests.helpers.moe import tiny_deepseek
 from tests.helpers.quant import INT4, randomize_lora_b
 
 TOL = 1e-5
@@ -37,14 +35,7 @@ TOL = 1e-5
 
 def tiny_moe(layers: int = 3, seed: int = 0) -> Transformer:
     """A tiny DeepSeek-V3, router spread (x50), int4 base + random LoRA on every linear."""
-    hf = hf_config("deepseek_v3")
-    cfg = from_hf_config(hf.to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]})
-    cfg = dataclasses.replace(cfg, num_layers=layers, moe=dataclasses.replace(
-        cfg.moe, sparse_layers=tuple(range(1, layers))))
-    model = Transformer(cfg, rngs=nnx.Rngs(seed))
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, SparseMoE):
-            node.router.set_value(node.router[...] * 50)
+    model = tiny_deepseek(layers, seed)
     model = apply_lora(quantize_model(model, INT4), LoraConfig(rank=3, alpha=5.0), nnx.Rngs(1))
     randomize_lora_b(model)
     return model

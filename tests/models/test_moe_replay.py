@@ -8,7 +8,6 @@ experts that differ from the router's choice; replaying the router's own choice 
 replays the same way (1e-5).
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +16,9 @@ import pytest
 from flax import nnx
 
 from rlx.mesh import MeshShape, make_mesh
-from rlx.models import Transformer, from_hf_config
 from rlx.models.kv_cache import KVCache
-from rlx.models.moe import SparseMoE
 from rlx.models.stack import layer_counts, stack_layers
-from tests.helpers.hf_zoo import hf_config
-from tests.helpers.moe import SIGMOID, SOFTMAX, D, make_layer, on_mesh
+from tests.helpers.moe import SIGMOID, SOFTMAX, D, make_layer, on_mesh, tiny_deepseek
 
 
 def _tokens(seed=1, b=2, t=5):
@@ -118,19 +114,6 @@ def test_dispatch_replays_like_one_device(m):
     np.testing.assert_allclose(got.out, want, atol=1e-5, rtol=1e-5)
 
 
-def _deepseek(layers=4, seed=0):
-    """A tiny DeepSeek-V3 (MLA, a dense first layer, MoE after it) with a spread router."""
-    hf = hf_config("deepseek_v3")
-    cfg = from_hf_config(hf.to_dict() | {"architectures": ["DeepseekV3ForCausalLM"]})
-    cfg = dataclasses.replace(cfg, num_layers=layers, moe=dataclasses.replace(
-        cfg.moe, sparse_layers=tuple(range(1, layers))))
-    model = Transformer(cfg, rngs=nnx.Rngs(seed))
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, SparseMoE):
-            node.router.set_value(node.router[...] * 50)
-    return model
-
-
 @nnx.jit
 def _model_routes(model, ids, replay):
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
@@ -142,7 +125,7 @@ def _model_routes(model, ids, replay):
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "scanned"])
 def test_model_replays_its_recorded_routes(stacked):
-    model = _deepseek()
+    model = tiny_deepseek()
     model = stack_layers(model) if stacked else model
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 97, (2, 7)))
     logits, routes = _model_routes(model, ids, None)
@@ -159,7 +142,7 @@ def test_model_replays_its_recorded_routes(stacked):
 
 
 def test_decode_records_the_routes_of_the_forward_pass():
-    model = stack_layers(_deepseek())
+    model = stack_layers(tiny_deepseek())
     ids = jnp.asarray(np.random.RandomState(1).randint(0, 97, (2, 6)))
     _, want = _model_routes(model, ids, None)
     positions, segments = jnp.broadcast_to(jnp.arange(6), ids.shape), jnp.ones_like(ids)
