@@ -1,7 +1,7 @@
-"""I/O of a run: orbax checkpoints (``checkpoint``), exports for serving and for other tools
-(``export``: HF, quantized serving layouts, PEFT, merged), metrics (``metrics``: tensorboard,
-JSONL, console, progress bar) and the experiment trackers beside them (``trackers``: wandb,
-MLflow).
+"""I/O of a run: orbax checkpoints (``checkpoint``; what one holds and whether a run may restore
+it: ``fingerprint``), exports for serving and for other tools (``export``: HF, quantized serving
+layouts, PEFT, merged), metrics (``metrics``: tensorboard, JSONL, console, progress bar) and the
+experiment trackers beside them (``trackers``: wandb, MLflow).
 
 May import ``rlx.models``, ``rlx.quant``, ``rlx.learner`` (the train state it checkpoints) and the
 foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``); nothing of the run or the stages.

@@ -34,18 +34,18 @@ before writing anything; a write that fails anyway (another writer filled the di
 from ``save`` or, in the background, from the next ``save`` / ``wait``, and its temporary
 directory is removed (the space is freed, nothing of it is ever listed).
 
-Restoring checks the fingerprint before reading any array and names what differs (a param's
-shape, a model hyper-parameter, the base hash, a config section). A checkpoint that cannot be read
-(truncated files, arrays failing their checksum) raises ``CheckpointCorruptError``;
-``restore_latest`` then falls back to the newest checkpoint that reads, moving the broken ones
-aside (``<step>.corrupt``) so that the resumed run can save those steps again.
+Restoring checks the fingerprint (``rlx.io.fingerprint``) before reading any array and names what
+differs (a param's shape, a model hyper-parameter, the base hash, a config section). A checkpoint
+that cannot be read (truncated files, arrays failing their checksum) raises
+``CheckpointCorruptError``; ``restore_latest`` then falls back to the newest checkpoint that reads,
+moving the broken ones aside (``<step>.corrupt``) so that the resumed run can save those steps
+again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -54,29 +54,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from rlx.io.fingerprint import (BaseRef, CheckpointError, CheckpointMismatchError, Fingerprint,
+                                base_reference, check_compatible, checksums, config_changes,
+                                leaf_map)
 from rlx.learner.state import TrainState
-from rlx.models.stack import LayerSlice, per_layer_tree, stacked_tree
+from rlx.models.stack import per_layer_tree, stacked_tree
 
 log = logging.getLogger(__name__)
-# config fields that change no saved array: a run resumes a checkpoint whatever their values
-NOT_SAVED = ("scan_layers",)  # config.model.scan_layers: files are per layer either way
 
 FORMAT_VERSION = 1  # bumped when the layout of a checkpoint changes
 TRASH = "deleted"  # old steps are renamed here (atomic), then removed
 SPACE_MARGIN = 1 << 20  # bytes a save needs beyond its arrays and metadata (files, indexes)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and why."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint belongs to another model, base or config than the current run."""
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -104,41 +96,6 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig.keep must be >= 1, got {self.keep}")
 
 
-@dataclasses.dataclass(frozen=True)
-class BaseRef:
-    """A reference to the frozen base a checkpoint was trained on (the base itself is not saved)."""
-
-    source: str  # where it was loaded from (path of the GGUF file / safetensors folder)
-    format: str  # e.g. "gguf", "hf", "int8"
-    sha256: str  # hash of every frozen leaf: path, dtype, shape and bytes, in tree order
-    num_leaves: int
-    num_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Fingerprint:
-    """What a checkpoint holds, compared with the current run before anything is restored."""
-
-    version: int
-    leaves: dict[str, tuple[tuple[int, ...], str]]  # saved leaf path -> (shape, dtype)
-    model: dict[str, Any]  # model hyper-parameters (ModelConfig as a dict); {} if not given
-    base: BaseRef | None  # frozen part of the state; None when there is none
-    rng_impl: str  # PRNG implementation of the saved key
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["leaves"] = {k: [list(s), d] for k, (s, d) in self.leaves.items()}
-        return out
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Fingerprint":
-        base = d.get("base")
-        return cls(version=d["version"],
-                   leaves={k: (tuple(s), dt) for k, (s, dt) in d["leaves"].items()},
-                   model=d.get("model") or {}, base=None if base is None else BaseRef(**base),
-                   rng_impl=d["rng_impl"])
-
-
 class Restored(NamedTuple):
     """The result of a restore: the checkpointed step, the state to continue from, its config and
     the position the caller saved with it (None when it saved none)."""
@@ -147,82 +104,6 @@ class Restored(NamedTuple):
     state: TrainState
     config: dict[str, Any]
     position: dict[str, Any] | None = None
-
-
-def _key_name(k) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def leaf_paths(tree) -> list[tuple[str, Any]]:
-    """(path, leaf) per leaf of a pytree; paths like ``params/layers/0/mlp/up_proj/kernel``."""
-    out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        names = [_key_name(k) for k in path]
-        if names and names[-1] == "value":  # the nnx.Variable wrapper
-            names = names[:-1]
-        out.append(("/".join(names), leaf))
-    return out
-
-
-def _host_array(x) -> np.ndarray:
-    if isinstance(x, LayerSlice):
-        x = x.value()
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
-
-
-def base_reference(frozen, *, source: str = "", format: str = "") -> BaseRef | None:
-    """Hash the frozen part of a state (one leaf on the host at a time; a scanned model's stacked
-    leaves one layer at a time, under the unrolled model's paths); None when it is empty."""
-    leaves = leaf_paths(per_layer_tree(frozen, take=LayerSlice))
-    if not leaves:
-        return None
-    h, total = hashlib.sha256(), 0
-    for path, leaf in leaves:
-        a = np.ascontiguousarray(_host_array(leaf))
-        h.update(f"{path}|{a.dtype}|{a.shape}|".encode())
-        h.update(a.tobytes())
-        total += a.nbytes
-    return BaseRef(source=source, format=format, sha256=h.hexdigest(), num_leaves=len(leaves),
-                   num_bytes=total)
-
-
-def _leaf_words(x: jax.Array) -> jax.Array:
-    """The bits of `x` as a flat uint32 vector (narrower types zero-extended)."""
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    elif jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits < 8:
-        x = x.astype(jnp.int32)  # int4 / uint4: exact as int32
-    elif jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 8:
-        x = x.astype(jnp.float32)  # 4-bit floats: exact as float32
-    width = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32).reshape(-1)
-
-
-@jax.jit
-def _checksums(tree):
-    """Two position-weighted uint32 sums per leaf; exact, so equal on every sharding.
-
-    Each word is multiplied by an odd weight, so flipping any bit changes the sum mod 2**32.
-    """
-    def one(x):
-        w = _leaf_words(x)
-        i = jnp.arange(w.shape[0], dtype=jnp.uint32)
-        odd_a, odd_b = 2 * i + 1, (i * jnp.uint32(0x9E3779B1)) | jnp.uint32(1)
-        return jnp.stack([jnp.sum(w * odd_a, dtype=jnp.uint32),
-                          jnp.sum(w * odd_b, dtype=jnp.uint32)])
-    return jax.tree.map(one, tree)
-
-
-def checksums(tree) -> dict[str, str]:
-    """A 64-bit hex digest per leaf path of a pytree of arrays, computed on device."""
-    sums = jax.device_get(_checksums(tree))
-    return {p: f"{int(v[0]):08x}{int(v[1]):08x}" for p, v in leaf_paths(sums)}
 
 
 def _saved_tree(state: TrainState) -> dict[str, Any]:
@@ -236,75 +117,8 @@ def _saved_tree(state: TrainState) -> dict[str, Any]:
     return tree
 
 
-def _leaf_map(tree) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {p: (tuple(x.shape), str(x.dtype)) for p, x in leaf_paths(tree)}
-
-
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def _diff_leaves(saved: Mapping, current: Mapping) -> list[str]:
-    out = []
-    for path in sorted(set(saved) | set(current), key=lambda p: (not p.startswith("params/"), p)):
-        if path not in current:
-            out.append(f"{path}: in the checkpoint {saved[path]}, absent from the current state")
-        elif path not in saved:
-            out.append(f"{path}: in the current state {current[path]}, absent from the checkpoint")
-        elif tuple(saved[path][0]) != tuple(current[path][0]) or saved[path][1] != current[path][1]:
-            (s0, d0), (s1, d1) = saved[path], current[path]
-            out.append(f"{path}: checkpoint shape {tuple(s0)} {d0}, current {tuple(s1)} {d1}")
-    return out
-
-
-def _diff_dicts(saved: Any, current: Any, prefix: str) -> list[str]:
-    if isinstance(saved, Mapping) and isinstance(current, Mapping):
-        out = []
-        for k in sorted((set(saved) | set(current)) - set(NOT_SAVED), key=str):
-            out += _diff_dicts(saved.get(k, "<absent>"), current.get(k, "<absent>"),
-                               f"{prefix}.{k}")
-        return out
-    norm = lambda v: list(v) if isinstance(v, tuple) else v  # JSON turns tuples into lists
-    if norm(saved) == norm(current):
-        return []
-    return [f"{prefix}: checkpoint {saved!r}, current {current!r}"]
-
-
-def _base_diff(saved: BaseRef | None, current: BaseRef | None) -> list[str]:
-    if saved is None and current is None:
-        return []
-    if saved is None or current is None:
-        which = "the checkpoint" if current is None else "the current run"
-        return [f"frozen base: only {which} has one"]
-    if saved.sha256 == current.sha256:
-        return []
-    return [f"frozen base hash: checkpoint {saved.sha256[:16]}... ({saved.format} from "
-            f"{saved.source or '?'}, {saved.num_leaves} leaves, {saved.num_bytes} bytes), current "
-            f"{current.sha256[:16]}... ({current.format} from {current.source or '?'}, "
-            f"{current.num_leaves} leaves, {current.num_bytes} bytes)"]
-
-
-def check_compatible(saved: Fingerprint, current: Fingerprint, saved_config: Mapping,
-                     config: Mapping, must_match: Sequence[str], where: str) -> None:
-    """Raise ``CheckpointMismatchError`` listing every difference that forbids a restore."""
-    if saved.version != current.version:
-        raise CheckpointMismatchError(f"checkpoint {where} has layout version {saved.version}; "
-                                      f"this rlx reads version {current.version}")
-    diffs = []
-    if saved.model and current.model:
-        diffs += _diff_dicts(saved.model, current.model, "model")
-    diffs += _base_diff(saved.base, current.base)
-    diffs += _diff_leaves(saved.leaves, current.leaves)
-    for section in must_match:
-        diffs += _diff_dicts(saved_config.get(section, "<absent>"), config.get(section, "<absent>"),
-                             f"config.{section}")
-    if saved.rng_impl != current.rng_impl:
-        diffs.append(f"rng impl: checkpoint {saved.rng_impl}, current {current.rng_impl}")
-    if diffs:
-        shown = "\n  ".join(diffs[:20]) + ("\n  ..." if len(diffs) > 20 else "")
-        raise CheckpointMismatchError(
-            f"checkpoint {where} was written by another model or config ({len(diffs)} "
-            f"difference(s)):\n  {shown}")
 
 
 def _as_dict(x) -> dict[str, Any]:
@@ -313,10 +127,6 @@ def _as_dict(x) -> dict[str, Any]:
     if dataclasses.is_dataclass(x):
         return dataclasses.asdict(x)
     return dict(x)
-
-
-def _config_changes(saved: Mapping, current: Mapping) -> list[str]:
-    return _diff_dicts(dict(saved), dict(current), "config") if saved and current else []
 
 
 def _brief(e: BaseException) -> str:
@@ -412,7 +222,7 @@ class Checkpointer:
         """What a checkpoint of `state` would hold (hashes the frozen base the first time)."""
         if not self._base_known:
             self._base, self._base_known = base_reference(state.frozen), True
-        return Fingerprint(version=FORMAT_VERSION, leaves=_leaf_map(_saved_tree(state)),
+        return Fingerprint(version=FORMAT_VERSION, leaves=leaf_map(_saved_tree(state)),
                            model=self._model, base=self._base,
                            rng_impl=str(jax.random.key_impl(state.rng)))
 
@@ -520,7 +330,7 @@ class Checkpointer:
         saved = Fingerprint.from_json(meta["fingerprint"])
         check_compatible(saved, self.fingerprint(state), meta.get("config") or {}, self._config,
                          self.cfg.must_match, where)
-        changes = _config_changes(meta.get("config") or {}, self._config)
+        changes = config_changes(meta.get("config") or {}, self._config)
         if changes:
             log.warning("resuming checkpoint %s with a changed config:\n  %s", where,
                         "\n  ".join(changes))

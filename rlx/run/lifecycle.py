@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 from rlx.config import RunConfig, to_dict
 from rlx.errors import ConfigError
-from rlx.io.checkpoint import (BaseRef, CheckpointConfig, Checkpointer, CheckpointMismatchError,
-                               base_reference)
+from rlx.io.checkpoint import CheckpointConfig, Checkpointer
+from rlx.io.fingerprint import BaseRef, CheckpointMismatchError, base_reference
 from rlx.run.hosts import Hosts
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from flax import nnx
 
 from rlx.data import ListSource, make_prompt_pipeline
 from rlx.data.sources import user_example
-from rlx.io.checkpoint import (CheckpointConfig, CheckpointCorruptError, Checkpointer,
-                               CheckpointMismatchError, base_reference)
+from rlx.io.checkpoint import CheckpointConfig, CheckpointCorruptError, Checkpointer
+from rlx.io.fingerprint import CheckpointMismatchError, base_reference
 from rlx.learner.state import OptimizerConfig, TrainState, create_train_state, make_optimizer
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import ModelConfig, Transformer
