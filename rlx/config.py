@@ -160,6 +160,9 @@ class EnvSection:
     format_coef: float = 0.0  # added to an episode's reward when it called a tool and ended with
     # an answer, every call having parsed and run (0: outcome reward only)
     demo: bool = False  # open each episode with a worked call of each tool that has one
+    # text the first assistant turn opens with, written into the prompt and not sampled (e.g.
+    # "<tool_call>\n": the model completes a call rather than choosing to make one); "" none
+    assistant_prefix: str = ""
 
     def validate(self) -> None:
         one_of("config.env.kind", self.kind, ENV_KINDS)

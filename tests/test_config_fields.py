@@ -125,6 +125,7 @@ EFFECTS = {
     "env.tools": ("env", ["calculator", "python"], TOOLS),
     "env.format_coef": ("env", 0.5, TOOLS),
     "env.demo": ("env", True, TOOLS),
+    "env.assistant_prefix": ("env", "<tool_call>\n", TOOLS),
 }
 SECTIONS = {"loss": LossConfig, "train": TrainSection, "rollout": RolloutSection,
             "rollout.sglang": SGLangSection, "env": EnvSection}

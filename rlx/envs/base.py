@@ -24,10 +24,12 @@ class EnvError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
-    """Messages to append to the chat; on reset also the tool specs offered to the model."""
+    """Messages to append to the chat; on reset also the tool specs offered to the model and
+    the text the first assistant turn opens with (written into the prompt, not sampled)."""
 
     messages: tuple[Message, ...]
     tools: tuple[Mapping[str, Any], ...] = ()
+    assistant_prefix: str = ""  # on reset: e.g. "<tool_call>\n"; part of the turn's text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,10 @@ closing when the model stopped on a stop string). So the sequence a learner sees
 token what the engine was conditioned on. `loss_mask` is 1 exactly on the sampled tokens,
 `sampler_logp` holds their log-probs and 0 elsewhere.
 
+An env may open the first assistant turn with fixed text (`Observation.assistant_prefix` on
+reset, e.g. "<tool_call>\\n"): it ends the prompt tokens (not sampled, not in the loss) and
+starts the turn's text that the env reads and the transcript keeps.
+
 Budget: `max_completion_tokens` bounds everything after the prompt (model and env tokens). A turn
 that hits the budget or the engine's per-turn `max_new_tokens` ends the episode with finish
 reason "length" and reward 0 (the cut text is not graded); so does an env reply that leaves no
@@ -106,6 +110,12 @@ class _State:
     logp: list[float] = dataclasses.field(default_factory=list)
     turns: list[Turn] = dataclasses.field(default_factory=list)
     finish: tuple[str, RewardResult] | None = None
+    opening: str = ""  # the reset's assistant_prefix: in the prompt, part of the first turn
+
+    @property
+    def prefix(self) -> str:
+        """Text the next turn opens with that the model did not sample."""
+        return "" if self.turns else self.opening
 
     @property
     def key(self) -> str:
@@ -169,8 +179,10 @@ def _start(env: Env, example: Example, sample_index: int, tokenizer: Tokenizer) 
     observation = env.reset(example)
     messages = list(observation.messages)
     text = render_chat(tokenizer, messages, observation.tools, add_generation_prompt=True)
+    text += observation.assistant_prefix
     return _State(env, example, sample_index, messages, observation.tools,
-                  tokenizer.encode(text, add_special_tokens=False))
+                  tokenizer.encode(text, add_special_tokens=False),
+                  opening=observation.assistant_prefix)
 
 
 def _advance(
@@ -185,7 +197,7 @@ def _advance(
     state.mask += [1] * len(ids)
     state.logp += logp
     stopped = not cut and bool(ids) and ids[-1] in stops
-    text = tokenizer.decode(ids[:-1] if stopped else ids)
+    text = state.prefix + tokenizer.decode(ids[:-1] if stopped else ids)
     version, assistant = rollout.weight_version, Message("assistant", text)
     if cut:
         state.turns.append(Turn(tuple(ids), tuple(logp), (), text, None, version))
@@ -224,8 +236,8 @@ def _env_tokens(
     if not (with_turn.startswith(before) and after.startswith(with_turn)):
         raise EnvError("the chat template rewrites earlier turns when a turn is added; "
                        "episodes need a template that renders a conversation append-only")
-    trailer = _trailer(with_turn[len(before):], tokenizer.decode(sampled), assistant.content,
-                       tokenizer)
+    trailer = _trailer(with_turn[len(before):], state.prefix + tokenizer.decode(sampled),
+                       assistant.content, tokenizer)
     return tokenizer.encode(trailer + after[len(with_turn):], add_special_tokens=False)
 
 

@@ -35,6 +35,9 @@ class ToolEnvConfig:
     # a worked exchange put before the task's user turn (e.g. `demonstration(tools)`): small
     # models imitate a shown call far more readily than a described one
     demonstration: tuple[Message, ...] = ()
+    # text the first assistant turn opens with, written into the prompt (e.g. "<tool_call>\n":
+    # the model then completes a call instead of choosing whether to make one)
+    assistant_prefix: str = ""
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_calls_per_turn < 1:
@@ -69,7 +72,8 @@ class ToolEnv:
         if self.config.demonstration:
             last = max(i for i, m in enumerate(messages) if m.role == "user")
             messages[last:last] = self.config.demonstration
-        return Observation(tuple(messages), tuple(t.spec() for t in self.tools.values()))
+        return Observation(tuple(messages), tuple(t.spec() for t in self.tools.values()),
+                           self.config.assistant_prefix)
 
     def step(self, action_text: str) -> StepResult:
         if self._example is None:

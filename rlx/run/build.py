@@ -129,7 +129,8 @@ def make_env_runner(cfg: RunConfig, reward: RewardFn, tokenizer: Tokenizer) -> E
     try:
         return make_runner(cfg.env.tools, reward, tokenizer, prompt_format(cfg),
                            max_turns=cfg.env.max_turns, max_episode_tokens=cfg.env.max_episode_tokens,
-                           format_coef=cfg.env.format_coef, demo=cfg.env.demo)
+                           format_coef=cfg.env.format_coef, demo=cfg.env.demo,
+                           assistant_prefix=cfg.env.assistant_prefix)
     except ValueError as e:
         raise ConfigError(f"config.env.tools: {e}") from None
 

@@ -412,7 +412,8 @@ class Run:
         env = self.cfg.env
         runner = make_runner(tools, lambda text, sample: RewardResult(0.0, "not graded"),
                              self.tokenizer, PromptFormat(), max_turns=env.max_turns,
-                             max_episode_tokens=env.max_episode_tokens, demo=env.demo)
+                             max_episode_tokens=env.max_episode_tokens, demo=env.demo,
+                             assistant_prefix=env.assistant_prefix)
         examples = [user_example(f"gen-{i}", "generate", t) for i, t in enumerate(texts)]
         self.queue.wait()
         episodes = self.hosts.on_primary(lambda: runner.episodes(self.engine, examples, sampling))

@@ -120,6 +120,23 @@ def test_malformed_calls_get_error_observations_and_the_episode_goes_on():
     ])
 
 
+def test_assistant_prefix_opens_the_first_turn_in_the_prompt():
+    tok = byte_tokenizer()
+    opening = "<tool_call>\n"
+    # The policy writes only what follows the prefix on its first turn.
+    engine = ScriptedEngine(tok, lambda ctx: solver(ctx).removeprefix("First 17*23.\n")
+                            .removeprefix(opening) if ctx.endswith(opening) else solver(ctx))
+    (episode,) = run_episodes(engine, make_env(assistant_prefix=opening), [TASK], tok, SAMPLING)
+    assert tok.decode(episode.prompt_ids).endswith("<|im_start|>assistant\n" + opening)
+    assert episode.reward == 1.0 and [t.info.tool_calls for t in episode.turns] == [1, 1, 0]
+    assert episode.turns[0].text == call("17*23") and episode.messages[-5].content == call("17*23")
+    check_tokens(episode, engine, tok, [env_reply("391"), env_reply("396"), ""])
+    full = tok.decode(np.concatenate([episode.prompt_ids, episode.completion_ids]))
+    rendered = render_chat(tok, episode.messages, [Calculator().spec()],
+                           add_generation_prompt=False)
+    assert full + "\n" == rendered  # the prefix is the first turn's text, rendered once
+
+
 def test_turn_limit_ends_with_zero_reward():
     tok = byte_tokenizer()
     engine = ScriptedEngine(tok, lambda context: call("1+1"))
