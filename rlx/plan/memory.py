@@ -3,9 +3,10 @@
 * ``state_bytes``: frozen base, trainable params and AdamW moments per device, from the abstract
   model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size), and
   PPO's critic with its AdamW moments when the spec has one. Also the built-in engine's weights:
-  it samples from the learner's own frozen arrays (``rlx.rollout.jax_engine``, ``shared``), so
-  its only copy is of the trainable variables (LoRA mode the adapters, full mode every
-  parameter), under ``SAMPLE_RULES`` (whole along ``fsdp``); and the load transient, the
+  it samples from the learner's own frozen arrays (``rlx.rollout.jax_engine``, ``shared``), and
+  in a synchronous run (``max_staleness`` 0) from its trainable arrays too; an asynchronous run's
+  engine copies the trainable variables (LoRA mode the adapters, full mode every parameter),
+  under ``SAMPLE_RULES`` (whole along ``fsdp``); and the load transient, the
   checkpoint's largest tensor (``load_tensor_bytes``).
 * ``step_bytes``: the train step's transient memory per device (gradients, saved activations,
   log-prob chunks, the batch) from a layer-by-layer count of what the backward pass keeps (see
@@ -112,7 +113,8 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     key = repr(spec.replace(mesh=MeshShape()))
     for trainable, shape, dtype, axes, times in _abstract_leaves(key, spec):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
-        if trainable:  # the engine's own copy; the frozen base it shares with the learner
+        if trainable and spec.max_staleness:  # an asynchronous engine's own copy; the frozen
+            # base (and a synchronous run's trainable variables) it shares with the learner
             engine += times * _shard_elems(shape, axes, sizes, SAMPLE_RULES) * np.dtype(
                 dtype).itemsize
     # PPO's critic (rlx.learner.critic): a copy of the trainable variables, sharded alike, and

@@ -39,7 +39,8 @@ from rlx.quant import LoraConfig, QuantConfig
 
 GB = 1e9
 RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmentation
-# the built-in engine's own weights ("engine": the trainable variables; it shares the frozen base)
+# the built-in engine's own weights ("engine": an asynchronous run's copy of the trainable
+# variables; it shares the frozen base, and a synchronous run's trainable variables too)
 # live through the whole run: one-step-off sampling reads them while the learner updates
 TRAIN_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "engine", "grads",
               "activations", "logprob_chunks", "batch")
@@ -173,11 +174,13 @@ def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
 def run_plan_fields(cfg: Any) -> dict[str, Any]:
     """``PlanSpec`` fields of a run config (one without a ``plan`` section): one optimizer
     update's rows (``prompts_per_step x group_size / minibatches``) of ``max_prompt_tokens +
-    max_new_tokens`` tokens, the train section's mode, micro-batches, log-prob chunk and remat,
+    max_new_tokens`` tokens, the train section's mode, micro-batches, log-prob chunk, remat and
+    staleness (whether the built-in engine copies the trainable variables),
     and the built-in engine decoding the whole batch at once (KV cache in the compute dtype).
     Fields the run config leaves out keep ``PlanSpec``'s defaults."""
     data, rollout, train = (_section(cfg, k) for k in ("data", "rollout", "train"))
-    out = {k: train[k] for k in ("mode", "micro_batches", "logprob_chunk", "remat") if k in train}
+    out = {k: train[k] for k in ("mode", "micro_batches", "logprob_chunk", "remat",
+                                 "max_staleness") if k in train}
     if "prompts_per_step" in data and "group_size" in rollout:
         out["rollout_rows"] = int(data["prompts_per_step"]) * int(rollout["group_size"])
         out["rows"] = out["rollout_rows"] // int(train.get("minibatches", 1))

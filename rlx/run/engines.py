@@ -33,9 +33,13 @@ def _sglang_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mes
 
 def _jax_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mesh: Mesh):
     """The built-in engine on the learner's own frozen arrays (no update donates them): LoRA mode
-    holds its base once; only the trainable variables are the engine's own copy."""
+    holds its base once. A synchronous run (``train.max_staleness = 0``) shares the trainable
+    variables too: the loop generates only after the sync that follows each update (which hands
+    the engine the update's new arrays), so nothing samples from what an update donates; an
+    asynchronous run samples while the learner updates, so its engine copies them."""
     return JaxEngine(compiled.model(), tokenizer=tokenizer, mesh=mesh, seed=cfg.seed,
                      weight_layout=cfg.rollout.weight_layout,
+                     copy_weights=cfg.train.max_staleness > 0,
                      shared=nnx.Not(MODES[cfg.train.mode]),
                      record_routes=cfg.train.router_replay,
                      capacity_factor=cfg.model.capacity_factor)

@@ -2,7 +2,8 @@
 and the built-in engine placed as ``rlx.run.build`` places them (``create_train_state``, then the
 engine sharing the frozen part), counted with ``jax.live_arrays()`` on the first device. LoRA mode
 holds the base once: the engine's own weights are a copy of the adapters only; full mode's engine
-copies every parameter. Also the load transient: the checkpoint's largest tensor."""
+copies every parameter (an engine that copies: an asynchronous run's; a synchronous run's engine
+copies nothing, ``tests/run/test_one_base.py``). Also the load transient: the checkpoint's largest tensor."""
 
 from __future__ import annotations
 
@@ -86,9 +87,12 @@ def test_planned_weight_state_equals_the_live_buffers(zoo, mode, shape):
     assert _buffers(new) == _buffers(jax.tree.leaves(state)) | _buffers(own)
     assert len(own) == len(jax.tree.leaves(state.params))  # the trainable variables only
 
+    # an engine that copies the trainable variables: an asynchronous run's (train.max_staleness)
     spec = PlanSpec(model=engine._config, mode=mode, quant=QUANT, lora=LORA, dtype="float32",
-                    param_dtype="float32", mesh=shape)
+                    param_dtype="float32", mesh=shape, max_staleness=1)
     planned = state_bytes(spec)
+    # a synchronous run's engine samples from the learner's own arrays: no copy planned
+    assert state_bytes(spec.replace(max_staleness=0))["engine"] == 0 < planned["engine"]
     measured = {k: _on_first_device(jax.tree.leaves(v)) for k, v in (
         ("frozen", state.frozen), ("trainable", state.params), ("engine", own))}
     for key, value in measured.items():

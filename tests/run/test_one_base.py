@@ -1,8 +1,9 @@
 """LoRA mode holds its frozen base once: after ``build`` the live device buffers are the learner's
-state (base, adapters, AdamW moments, step counters, rng) and the built-in engine's copy of the
-adapters, nothing else; the engine samples from the learner's very base arrays, which no update
-donates (``rlx.learner.heap.UpdatePerShape``). The engine's KV cache lives inside each generate
-call: nothing of it is held after build."""
+state (base, adapters, AdamW moments, step counters, rng) and, in an asynchronous run, the
+built-in engine's copy of the adapters, nothing else. The engine samples from the learner's very
+base arrays, which no update donates (``rlx.learner.heap.UpdatePerShape``); a synchronous run's
+engine also samples from the learner's very adapters, and takes the new ones at each sync. The
+engine's KV cache lives inside each generate call: nothing of it is held after build."""
 
 from __future__ import annotations
 
@@ -30,13 +31,15 @@ def _held(run) -> tuple[list, list]:
     return [x for x in held if id(x) in frozen], [x for x in held if id(x) not in frozen]
 
 
-@pytest.mark.parametrize("fmt,mesh", [
-    ("int8", {"mesh.data": 8}),
-    pytest.param("int4", {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+@pytest.mark.parametrize("fmt,mesh,staleness", [
+    ("int8", {"mesh.data": 8}, 0),
+    pytest.param("int8", {"mesh.data": 8}, 1, marks=pytest.mark.slow),
+    pytest.param("int4", {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, 0,
                  marks=pytest.mark.slow)])  # CI time
-def test_the_built_run_holds_its_base_once(tmp_path, fmt, mesh):
+def test_the_built_run_holds_its_base_once(tmp_path, fmt, mesh, staleness):
     before = jax.live_arrays()  # kept alive: no array made by build reuses one of their ids
-    run = build(run_config("tiny", tmp_path, **{"quant.format": fmt, "train.steps": 1, **mesh}),
+    run = build(run_config("tiny", tmp_path, **{"quant.format": fmt, "train.steps": 1,
+                                                "train.max_staleness": staleness, **mesh}),
                 progress=False)
     try:
         old = {id(x) for x in before}
@@ -47,12 +50,19 @@ def test_the_built_run_holds_its_base_once(tmp_path, fmt, mesh):
         own_paths = {p for p, v in nnx.to_flat_state(run.engine._state)
                      if not any(v[...] is x for x in shared)}
         assert own_paths == {p for p, _ in nnx.to_flat_state(state.params)}  # the adapters only
+        adapters = set(_buffers(jax.tree.leaves(state.params)))
+        # synchronous: the learner's very adapters; asynchronous: a copy of them
+        assert (set(_buffers(own)) == adapters) == (staleness == 0)
+        assert not set(_buffers(own)) & adapters or staleness == 0
+        if staleness == 0:
+            own = []
         expected = jax.tree.leaves(state) + own
         assert set(_buffers(new)) == set(_buffers(expected))
         first = jax.devices()[0]
         base = sum(_buffers(jax.tree.leaves(state.frozen), first).values())
         total = sum(_buffers(new, first).values())
-        # base + adapters + AdamW (+ counters) + the engine's adapters + step, skipped, rng
+        # base + adapters + AdamW (+ counters) + the engine's adapters (asynchronous) + step,
+        # skipped, rng
         parts = (state.frozen, state.params, state.opt_state, own,
                  [state.step, state.skipped, state.rng])
         assert total == sum(sum(_buffers(jax.tree.leaves(p), first).values()) for p in parts)
@@ -62,5 +72,8 @@ def test_the_built_run_holds_its_base_once(tmp_path, fmt, mesh):
         run.queue.wait()  # the weight sync queued after the update
         assert not any(x.is_deleted() for x in jax.tree.leaves(run.compiled.state.frozen))
         assert len(_held(run)[0]) == len(shared) and run.engine.weight_version == 1
+        assert not any(x.is_deleted() for x in jax.tree.leaves(run.engine._state))
+        assert (set(_buffers(_held(run)[1])) == set(_buffers(jax.tree.leaves(
+            run.compiled.state.params)))) == (staleness == 0)  # the update's new adapters
     finally:
         run.close()
