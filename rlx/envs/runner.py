@@ -16,12 +16,18 @@ their rollouts (`scores`): transcripts for the logged samples, reasons, and per-
 calls are error turns, cut episodes are scored 0 with their reason.
 
 Each turn is one `engine.generate` request holding the whole sequence so far (prompt, earlier
-turns, tool turns): SGLang's radix cache reuses the prefix it has seen; the built-in engine
-prefills the whole prefix again for every turn (it does not continue from its KV cache yet).
+turns, tool turns). SGLang's radix cache reuses the prefix it has seen. The built-in engine runs a
+batch's episodes inside its `prefix_cache()` (`rlx.rollout.prefix_cache`): a turn continues from
+the KV-cache row of the episode's previous turn and prefills only the tokens after it (the last
+sampled token and the tool turn's), with the same tokens and log-probs as a prefill of the whole
+sequence; the rows are freed as episodes end and all of them when the batch is done. An engine
+that counts its prefilled tokens (`prefilled_tokens()`) has a batch's count logged as
+`env/prefilled_tokens`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -81,14 +87,16 @@ class EnvRunner:
     format_coef: float = 0.0
     env_workers: int = 4
     _done: dict = dataclasses.field(default_factory=dict)  # (uid, sample) -> Episode
+    _prefilled: dict = dataclasses.field(default_factory=dict)  # a batch's first key -> tokens
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def episodes(self, engine: RolloutEngine, examples: Sequence[Example],
                  sampling: SamplingParams) -> list[Episode]:
         config = EpisodeConfig(max_completion_tokens=self.max_episode_tokens,
                                group_size=sampling.n, env_workers=self.env_workers)
-        return run_episodes(engine, self.make_env, examples, self.tokenizer,
-                            dataclasses.replace(sampling, n=1), config)
+        with getattr(engine, "prefix_cache", contextlib.nullcontext)():
+            return run_episodes(engine, self.make_env, examples, self.tokenizer,
+                                dataclasses.replace(sampling, n=1), config)
 
     def reward(self, episode: Episode) -> float:
         return float(episode.reward) + self.format_coef * valid(episode)
@@ -96,9 +104,13 @@ class EnvRunner:
     def generate(self, engine: RolloutEngine, examples: Sequence[Example],
                  sampling: SamplingParams) -> list[Rollout]:
         """``sampling.n`` episodes per example as rollouts (see the module docstring)."""
+        counter = getattr(engine, "prefilled_tokens", None)
+        before = counter() if counter is not None else 0
         episodes = self.episodes(engine, examples, sampling)
         with self._lock:
             self._done.update({(e.uid, e.sample_index): e for e in episodes})
+            if counter is not None and episodes:
+                self._prefilled[episodes[0].uid, episodes[0].sample_index] = counter() - before
         return [to_rollout(e, self.reward(e), sampling.logprobs) for e in episodes]
 
     def scores(self, rollouts: Sequence[Rollout]) -> tuple[np.ndarray, list[str], list[str],
@@ -108,12 +120,17 @@ class EnvRunner:
         (multi-host) keeps its reward, with its decoded tokens as text."""
         with self._lock:
             found = [self._done.pop((r.prompt_uid, r.sample_index), None) for r in rollouts]
+            prefilled = [self._prefilled.pop((r.prompt_uid, r.sample_index), None)
+                         for r in rollouts]
         texts = [transcript(e) if e is not None else self.tokenizer.decode(
             r.completion_ids.tolist(), skip_special_tokens=True) for e, r in zip(found, rollouts)]
         reasons = [f"{e.finish_reason}: {e.reward_result.reason}" if e is not None else "episode"
                    for e in found]
         rewards = np.array([r.reward for r in rollouts], np.float64)
-        return rewards, texts, reasons, episode_metrics([e for e in found if e is not None])
+        metrics = episode_metrics([e for e in found if e is not None])
+        if any(n is not None for n in prefilled):
+            metrics["env/prefilled_tokens"] = float(sum(n for n in prefilled if n is not None))
+        return rewards, texts, reasons, metrics
 
 
 def episode_metrics(episodes: Sequence[Episode], prefix: str = "env") -> dict[str, float]:

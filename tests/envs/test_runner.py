@@ -158,11 +158,25 @@ class ShortTurns:
     def score(self, sequences):
         return self.engine.score(sequences)
 
+    def prefix_cache(self):
+        return self.engine.prefix_cache()
+
+    def prefilled_tokens(self):
+        return self.engine.prefilled_tokens()
+
     def update_weights(self, weights, version):
         self.engine.update_weights(weights, version)
 
     def close(self):
         self.engine.close()
+
+
+def _continued(rollout) -> int:
+    """Tokens an engine continuing each turn from its KV cache prefills for ``rollout``'s
+    episode: the prompt, then per tool turn its tokens and the sampled token before them."""
+    mask = rollout.completion_mask
+    env_runs = np.sum((mask[1:] == 0) & (mask[:-1] == 1))  # a tool turn after a model turn
+    return len(rollout.prompt_ids) + int((mask == 0).sum()) + int(env_runs)
 
 
 def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
@@ -178,20 +192,23 @@ def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
     try:
         run.env = EnvRunner(Chatter, run.tokenizer, max_episode_tokens=96)
         run.engine = ShortTurns(run.engine)
-        seen, generate = [], run.env.generate
+        batches, generate = [], run.env.generate
 
         def recording(*args):  # keeps the rollouts made (this step's and the next's)
             out = generate(*args)
-            seen.extend(out)
+            batches.append(out)
             return out
 
         run.env.generate = recording
         record = run.step()
         assert record["env/turns"] == 3.0 and record["env/finish_final_answer"] == 1.0
-        for r in seen:
+        for r in (r for batch in batches for r in batch):
             mask = r.completion_mask.astype(bool)
             assert mask.sum() >= 3 and (~mask).sum() >= 2 * len(run.tokenizer.encode(
                 "turn 1 seen"))  # the policy's turns in the loss, the tool turns out of it
+        # each turn continued from the engine's KV cache: it prefilled every prompt and then only
+        # each tool turn and the sampled token before it
+        assert record["env/prefilled_tokens"] == sum(_continued(r) for r in batches[0])
         # the learner's log-probs of the sampled tokens (mask 1) vs the engine's: f32 parity
         assert record["learner/mismatch_abs_max"] <= 1e-5, record["learner/mismatch_abs_max"]
         assert np.isfinite(record["learner/loss"]) and record["learner/kl"] >= 0
