@@ -72,7 +72,8 @@ class ToolEnv:
         if self.config.demonstration:
             last = max(i for i, m in enumerate(messages) if m.role == "user")
             messages[last:last] = self.config.demonstration
-        return Observation(tuple(messages), tuple(t.spec() for t in self.tools.values()),
+        specs = tuple(t.spec() for t in self.tools.values())
+        return Observation(tuple(messages), specs if self.config.prompt_format.offer_tools else (),
                            self.config.assistant_prefix)
 
     def step(self, action_text: str) -> StepResult:

@@ -429,9 +429,10 @@ class Run:
                  if "eval/tool_call_rate" in r}
         lines += [f"held-out greedy accuracy at step {s}: {100 * a:.1f}%" + (
             f" (tool-call rate {100 * calls[s]:.1f}%)" if s in calls else "") for s, a in evals]
-        if any("env/tool_call_rate" in r for r in self.metrics):
-            lines.append("tool-call rate per step: " + " ".join(
-                f"{r['env/tool_call_rate']:.2f}" for r in self.metrics if "env/tool_call_rate" in r))
+        for key, name in (("env/tool_call_rate", "tool-call rate"), ("env/outcome", "correct")):
+            if any(key in r for r in self.metrics):
+                lines.append(f"{name} per step: " + " ".join(
+                    f"{r[key]:.2f}" for r in self.metrics if key in r))
         if len(evals) >= 2:
             lines.append(f"change: {100 * (evals[-1][1] - evals[0][1]):+.1f} points")
         return "\n".join(lines)

@@ -191,6 +191,8 @@ def test_env_protocol_errors_and_prompt_format():
         env.step("again")
     with pytest.raises(TypeError, match="reward function"):
         ToolEnv([Calculator()], "math")
+    hidden = ToolEnvConfig(prompt_format=PromptFormat(offer_tools=False))
+    assert ToolEnv([Calculator()], exact, hidden).reset(TASK).tools == ()
 
 
 # A Qwen-like template of our own: it renders `tools` itself, merges consecutive tool results

@@ -225,6 +225,10 @@ def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
         record = run.evaluate()
         assert record["eval/accuracy"] == 1.0 and record["eval/mean_reward"] == 1.5
         assert record["eval/tool_call_rate"] == 1.0 and record["eval/tool_calls"] == 2.0
+        # the end-of-run summary prints the tool-call rate and correct answers per step
+        lines = run.summary().splitlines()
+        assert f"tool-call rate per step: {run.metrics[0]['env/tool_call_rate']:.2f}" in lines
+        assert f"correct per step: {run.metrics[0]['env/outcome']:.2f}" in lines
     finally:
         run.close()
     # the step's samples (tensorboard text and samples.jsonl) are whole transcripts
