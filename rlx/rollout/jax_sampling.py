@@ -65,16 +65,24 @@ def _last_positive(w: Float[Array, " n"]) -> Int[Array, ""]:
 
 
 def categorical(key, logits: Float[Array, " v"]) -> Int[Array, ""]:
-    """One draw from softmax(logits) by inverting its CDF with a single uniform number.
+    """One draw from softmax(logits) by inverting its CDF in two levels, a uniform number each.
 
-    Exact in distribution like the Gumbel-max trick of ``jax.random.categorical`` but it needs one
-    random number per row instead of one per vocabulary entry (the PRNG dominated a decode step on
-    a CPU). The CDF is inverted in two levels, so no pass runs over the whole vocabulary
-    sequentially (a flat ``cumsum`` + binary search cost as much as the model's output projection
-    on a CPU): the weights ``exp(logits - max)`` are summed per block of ``CDF_BLOCK`` entries, the
-    block is the first whose cumulative mass exceeds ``u``, then the entry inside that block the
-    same way. Entries at -inf have zero width and are never drawn (a zero weight never moves a
-    cumulative sum past ``u``; rounding at the very end falls back to the last positive entry).
+    Exact in distribution like the Gumbel-max trick of ``jax.random.categorical`` but it needs two
+    random numbers per row instead of one per vocabulary entry (the PRNG dominated a decode step on
+    a CPU). No pass runs over the whole vocabulary sequentially (a flat ``cumsum`` + binary search
+    cost as much as the model's output projection on a CPU): the weights ``exp(logits - max)`` are
+    summed per block of ``CDF_BLOCK`` entries; a block is drawn by its share of the total (the
+    first whose cumulative mass exceeds ``u0`` x total), then an entry by its share of that block
+    (the first whose cumulative weight exceeds ``u1`` x the block's). P(entry) = P(block) x
+    P(entry | block) = its softmax probability.
+
+    Drawing the entry with its own number inside its block, rather than locating one number on
+    the whole vocabulary's running sum, keeps the draw steady under last-bit changes of the
+    logits (the same weights computed on another device count): in f32 a running sum near the
+    total mass of a near-uniform vocabulary is rounded to about 1e-3 of one entry's weight, a
+    sum inside a block to about 1e-5. Entries at -inf have zero width and are never drawn (a zero
+    weight never moves a cumulative sum past ``u``; rounding at the very end falls back to the
+    last positive entry).
     """
     v = logits.shape[0]
     nb = -(-v // CDF_BLOCK)
@@ -82,11 +90,11 @@ def categorical(key, logits: Float[Array, " v"]) -> Int[Array, ""]:
     blocks = jnp.pad(w, (0, nb * CDF_BLOCK - v)).reshape(nb, CDF_BLOCK)  # [nb, B]
     mass = jnp.sum(blocks, axis=-1)  # [nb]
     upto = jnp.cumsum(mass)  # [nb] inclusive
-    u = jax.random.uniform(key, (), jnp.float32) * upto[-1]
-    blk = jnp.minimum(_count_le(upto, u), _last_positive(mass))
-    before = jnp.where(blk > 0, upto[jnp.maximum(blk - 1, 0)], 0.0)  # mass of earlier blocks
+    u = jax.random.uniform(key, (2,), jnp.float32)  # the block's number, the entry's number
+    blk = jnp.minimum(_count_le(upto, u[0] * upto[-1]), _last_positive(mass))
     row = blocks[blk]  # [B]
-    j = jnp.minimum(_count_le(before + jnp.cumsum(row), u), _last_positive(row))
+    within = jnp.cumsum(row)  # [B] inclusive
+    j = jnp.minimum(_count_le(within, u[1] * within[-1]), _last_positive(row))
     return (blk * CDF_BLOCK + j).astype(jnp.int32)
 
 
