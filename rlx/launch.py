@@ -5,7 +5,8 @@ builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C end it after the 
 checkpoint (exit status 128 + signal number; while the run is still being built they stop it at
 once, cleaning up what was started), and ``--config.resume=latest`` continues it. Exit
 status 3: too many non-finite updates in a row; 4: the rollout engine failed (no SGLang server
-left, or one that could not start); 5: a checkpoint could not be written (e.g. the disk is full);
+left, or one that could not start); 5: a checkpoint or the metrics could not be written (e.g.
+the disk is full);
 6: another process of a multi-host run was lost (``rlx.run.multihost.Watchdog``); each keeps the
 checkpoints written and says where to resume.
 ``--dry_run`` only loads, shards and summarises the model. Everything else is done by the
@@ -14,6 +15,7 @@ library; this file stays short.
 
 from __future__ import annotations
 
+import logging as std_logging
 import signal
 import sys
 
@@ -27,16 +29,37 @@ flags.mark_flags_as_required(["config"])
 
 def _one_line_orbax_errors(record) -> bool:
     """Orbax logs a failed background write with its traceback before rlx raises it again as a
-    ``CheckpointWriteError`` naming the cause: keep orbax's line, drop the traceback."""
-    if record.levelno >= logging.converter.STANDARD_ERROR and "orbax" in record.pathname:
+    ``CheckpointWriteError`` naming the cause, and asyncio each of its write tasks that failed
+    too ("exception was never retrieved"): keep their lines, drop the tracebacks."""
+    if record.levelno >= logging.converter.STANDARD_ERROR and (
+            "orbax" in record.pathname or record.name == "asyncio"):
         record.exc_info, record.exc_text = None, None
     return True
+
+
+def _output_failed(run, error: OSError) -> str:
+    """The line for metrics that could not be written: a checkpoint write that failed meanwhile
+    (the same full disk) is reported instead, naming its step; else the last complete one."""
+    from rlx.io.checkpoint import CheckpointError
+
+    ckpt = run.checkpointer
+    if ckpt is None:
+        return f"{error}; no checkpoints are written"
+    try:
+        ckpt.wait()
+    except CheckpointError as e:
+        return str(e)
+    steps = ckpt.steps()
+    last = (f"the last complete checkpoint is step {steps[-1]} in {ckpt.directory}" if steps
+            else f"no complete checkpoint is in {ckpt.directory}")
+    return f"{error}. {last}. Free space, then resume with --config.resume=latest"
 
 
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_logger().addFilter(_one_line_orbax_errors)
+    std_logging.getLogger("asyncio").addFilter(_one_line_orbax_errors)
     from rlx.config import parse_config
     from rlx.errors import ConfigError
     from rlx.io.checkpoint import CheckpointError
@@ -66,6 +89,7 @@ def main(argv: list[str]) -> None:
     except RolloutError as e:  # a server that did not start
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(4)
+    from rlx.io.metrics import MetricsWriteError
     from rlx.run.loop import NonFiniteError
 
     try:
@@ -79,6 +103,9 @@ def main(argv: list[str]) -> None:
         sys.exit(4)
     except CheckpointError as e:  # a write failed (the disk is full); earlier ones are intact
         print(f"rlx: error: {e}", file=sys.stderr)
+        sys.exit(5)
+    except MetricsWriteError as e:  # likewise
+        print(f"rlx: error: {_output_failed(run, e)}", file=sys.stderr)
         sys.exit(5)
     finally:
         run.close()

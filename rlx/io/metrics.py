@@ -5,7 +5,8 @@ dataclasses, flax struct dataclasses) or mappings of names to records or scalars
 depth; it flattens them into ``/``-joined names (``{"reward": {"math": stats}}`` ->
 ``reward/math/mean``), fetches every device scalar with one ``jax.device_get`` and writes:
 
-* a tensorboard scalar per name (tensorboardX, ``<logdir>/events.out.tfevents.*``);
+* a tensorboard scalar per name (``<logdir>/events.out.tfevents.*``, tensorboardX's event
+  records, written by the calling thread: ``EventFile``);
 * one JSON object per call to ``<logdir>/metrics.jsonl``: ``{"step", "wall_time", <name>: value}``
   (``read_metrics`` loads it as a list of records, one per step, ready for ``pandas.DataFrame``);
 * a console line every ``console_every`` steps and a tqdm progress bar with ETA and the last reward;
@@ -17,11 +18,17 @@ depth; it flattens them into ``/``-joined names (``{"reward": {"math": stats}}``
 no-op. A run resumed from a checkpoint of step k (``start_step=k``) makes tensorboard drop the
 interrupted run's events after k, ``read_metrics`` keeps the last record written per step, and
 the trackers continue the run ids they saved.
+
+A file that cannot be written (the disk is full) raises ``MetricsWriteError`` naming it and the
+cause, from the call that hit it (the JSONL record of a step is written before anything else of
+it); ``close`` after that closes what it can without raising again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import os
 import sys
@@ -38,6 +45,46 @@ from rlx.io.trackers import BUILTIN, Tracker, TrackerRun, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+
+
+class MetricsWriteError(OSError):
+    """A metrics file could not be written (e.g. no space left on device)."""
+
+
+class EventFile:
+    """A tensorboard event file written by the calling thread (tensorboardX's ``EventsWriter``
+    and summaries), so a disk error is raised where it happens. tensorboardX's ``SummaryWriter``
+    writes from a thread instead; an ``OSError`` ends that thread, and its bounded queue then
+    blocks the next call (and the exit) forever. ``purge_step``: tensorboard drops the events
+    of earlier files after it (a resumed run's)."""
+
+    def __init__(self, logdir: str, purge_step: int | None = None, suffix: str = ""):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        self._event = Event
+        self._file = EventsWriter(os.path.join(logdir, "events"), suffix)
+        if purge_step is not None:
+            self._file.write_event(Event(step=purge_step, wall_time=time.time(),
+                                         session_log=SessionLog(status=SessionLog.START)))
+
+    def scalar(self, name: str, value: float, step: int, walltime: float) -> None:
+        from tensorboardX.summary import scalar
+
+        self._file.write_event(self._event(summary=scalar(name, value), step=int(step),
+                                           wall_time=walltime))
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        from tensorboardX.summary import text as text_summary
+
+        self._file.write_event(self._event(summary=text_summary(tag, text), step=int(step),
+                                           wall_time=time.time()))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +202,7 @@ class MetricsLogger:
         self._writer = self._jsonl = self._samples = self._bar = None
         self._trackers: list[Tracker] = []
         self._last_step = start_step
+        self._failed = False  # a write failed (and was raised)
         if not self.active:
             return
         os.makedirs(cfg.logdir, exist_ok=True)
@@ -162,12 +210,9 @@ class MetricsLogger:
             [t for t in cfg.trackers if t not in BUILTIN],
             TrackerRun(cfg.logdir, project=cfg.project, run_name=cfg.run_name,
                        config=cfg.run_config, resume=start_step > 0))
-        if "tensorboard" in cfg.trackers:
-            from tensorboardX import SummaryWriter
-
-            self._writer = SummaryWriter(  # a unique file name: two writers may start in one second
-                cfg.logdir, purge_step=start_step + 1 if start_step else None, flush_secs=30,
-                filename_suffix=f".{uuid.uuid4().hex[:8]}")
+        if "tensorboard" in cfg.trackers:  # a unique file name: two may start in one second
+            self._writer = EventFile(cfg.logdir, start_step + 1 if start_step else None,
+                                     f".{uuid.uuid4().hex[:8]}")
         self._jsonl = open(os.path.join(cfg.logdir, METRICS_FILE), "a", encoding="utf-8")
         if cfg.run_config is not None:
             self.log_config(cfg.run_config)
@@ -195,17 +240,30 @@ class MetricsLogger:
         if reserved:
             raise ValueError(f"metric names {sorted(reserved)} are reserved for the JSONL record")
         now = time.time()
-        if self._writer is not None:
-            for name, value in scalars.items():
-                self._writer.add_scalar(name, value, step, walltime=now)
+        with self._writing(self.metrics_path):
+            self._jsonl.write(json.dumps({"step": int(step), "wall_time": now, **scalars}) + "\n")
+            self._jsonl.flush()
+            if self._writer is not None:
+                for name, value in scalars.items():
+                    self._writer.scalar(name, value, step, now)
         for tracker in self._trackers:
             tracker.log(step, scalars)
-        self._jsonl.write(json.dumps({"step": int(step), "wall_time": now, **scalars}) + "\n")
-        self._jsonl.flush()
         self._progress(step, scalars)
         if self.cfg.console_every and step % self.cfg.console_every == 0:
             self._console(step, scalars)
         return scalars
+
+    @contextlib.contextmanager
+    def _writing(self, path: str):
+        """Turn an ``OSError`` of the writes inside into ``MetricsWriteError`` naming ``path``."""
+        try:
+            yield
+        except OSError as e:
+            self._failed = True
+            cause = ("no space left on device" if e.errno == errno.ENOSPC
+                     else f"{type(e).__name__}: {e}")
+            raise MetricsWriteError(e.errno, f"metrics could not be written to {path}: "
+                                    f"{cause}") from e
 
     def _progress(self, step: int, scalars: Mapping[str, float]) -> None:
         if self._bar is None:
@@ -231,15 +289,17 @@ class MetricsLogger:
         """Write `samples` if `step` is a multiple of ``text_every`` or `force`; returns whether."""
         if not self.active or not samples or not (force or step % self.cfg.text_every == 0):
             return False
-        if self._writer is not None:
-            self._writer.add_text(tag, _sample_markdown(samples), step)
-        if self._samples is None:
-            self._samples = open(os.path.join(self.cfg.logdir, SAMPLES_FILE), "a", encoding="utf-8")
+        path = os.path.join(self.cfg.logdir, SAMPLES_FILE)
         rows = [{"step": int(step), **dataclasses.asdict(s)} for s in samples]
-        for row in rows:
-            self._samples.write(json.dumps({"step": row["step"], "tag": tag,
-                                            **{k: v for k, v in row.items() if k != "step"}}) + "\n")
-        self._samples.flush()
+        with self._writing(path):
+            if self._writer is not None:
+                self._writer.text(tag, _sample_markdown(samples), step)
+            if self._samples is None:
+                self._samples = open(path, "a", encoding="utf-8")
+            for row in rows:
+                self._samples.write(json.dumps({"step": row["step"], "tag": tag, **{
+                    k: v for k, v in row.items() if k != "step"}}) + "\n")
+            self._samples.flush()
         for tracker in self._trackers:
             tracker.table(step, tag, rows)
         return True
@@ -249,31 +309,40 @@ class MetricsLogger:
         if not self.active:
             return
         text = json.dumps(config, indent=2, sort_keys=True, default=str)
-        if self._writer is not None:
-            self._writer.add_text("config", _indent(text), 0)
-        with open(os.path.join(self.cfg.logdir, "config.json"), "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        path = os.path.join(self.cfg.logdir, "config.json")
+        with self._writing(path):
+            if self._writer is not None:
+                self._writer.text("config", _indent(text), 0)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
 
     def flush(self) -> None:
         if self.active:
-            if self._writer is not None:
-                self._writer.flush()
-            self._jsonl.flush()
+            with self._writing(self.cfg.logdir):
+                if self._writer is not None:
+                    self._writer.flush()
+                self._jsonl.flush()
 
     def close(self) -> None:
-        """Flush and close every output; the logger is inactive afterwards."""
+        """Flush and close every output; the logger is inactive afterwards. After a failed write
+        (already raised) what cannot be flushed is dropped without raising again."""
         if not self.active:
             return
-        if self._writer is not None:
-            self._writer.close()
+        self.active = False
         for tracker in self._trackers:
             tracker.close()
-        self._jsonl.close()
-        if self._samples is not None:
-            self._samples.close()
         if self._bar is not None:
             self._bar.close()
-        self.active = False
+        reported, error = self._failed, None
+        for f in (self._writer, self._jsonl, self._samples):  # each closed even if one fails
+            try:
+                with self._writing(self.cfg.logdir):
+                    if f is not None:
+                        f.close()
+            except MetricsWriteError as e:
+                error = error or e
+        if error is not None and not reported:
+            raise error
 
 
 def read_metrics(path: str) -> list[dict[str, float]]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from rlx.io.checkpoint import CheckpointConfig, Checkpointer, CheckpointWriteError, committed_steps
+from rlx.io.metrics import LoggerConfig, MetricsLogger, MetricsWriteError, read_metrics
 from rlx.learner.state import TrainState
 from tests.helpers import ROOT
 
@@ -92,6 +93,25 @@ def test_a_full_disk_fails_the_write_and_keeps_the_earlier_checkpoints(small_dis
         np.testing.assert_array_equal(restored.state.params["w"], _state(1).params["w"])
         assert ckpt.save(2, _state(2))  # with space again the step saves
     assert committed_steps(folder) == [1, 2]
+
+
+def test_metrics_on_a_full_disk_raise_instead_of_hanging(small_disk):
+    """Another writer fills the disk: the first metrics write that needs space raises
+    ``MetricsWriteError`` naming the file and the cause (tensorboardX's ``SummaryWriter`` wrote
+    from a thread that died on that error, and its queue then blocked the run for good); the
+    records written before stay readable and ``close`` does not raise again."""
+    logdir = str(small_disk / "run")
+    logger = MetricsLogger(LoggerConfig(logdir, progress=False, console_every=0))
+    logger.log(1, {"loss": 1.0})
+    _fill(small_disk, leave=0)
+    with pytest.raises(MetricsWriteError) as e:
+        for step in range(2, 100):  # a step's JSONL record and events take about 3 KB
+            logger.log(step, {f"m{i}": float(i) for i in range(64)})
+    assert f"metrics could not be written to {logdir}" in str(e.value)
+    assert "no space left on device" in str(e.value)
+    logger.close()
+    first = read_metrics(logdir)[0]
+    assert (first["step"], first["loss"]) == (1, 1.0)
 
 
 def _launch(out: str, log, *overrides: str) -> subprocess.Popen:
