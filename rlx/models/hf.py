@@ -1,8 +1,9 @@
 """HF transformers checkpoints in and out: ``from_hf`` / ``to_hf`` and the parameter name map.
 
 Loading never builds the whole model on one device: the model is created abstractly
-(``nnx.eval_shape``), each parameter's sharding is derived from its logical axes, and every device
-reads just its slice from the memory-mapped safetensors files (``jax.make_array_from_callback``).
+(``nnx.eval_shape``), each parameter's sharding is derived from its logical axes, and each process
+reads just the distinct slices its devices hold from the safetensors files
+(``jax.make_array_from_callback``; on CPU devices laid out by the host, ``rlx.models.host_layout``).
 HF linears are ``[out, in]``; rlx kernels are ``[in, out]``, and MoE experts are stacked ``[E, ...]``
 (checkpoints hold one tensor per expert, ``...experts.{e}.gate_proj.weight``, which is also what
 transformers 5.x ``save_pretrained`` writes). Besides the ``nnx.Param`` leaves, a router's
@@ -26,8 +27,9 @@ from jax.sharding import Mesh
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
 from rlx.models.config import ModelConfig, from_hf_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
+from rlx.models.host_layout import on_host, once_per_index, read_direct, read_transposed
 from rlx.models.moe import CorrectionBias
-from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder, save_sharded
+from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder, save_sharded
 from rlx.models.stack import unrolled
 
 
@@ -190,15 +192,19 @@ def load_model(
 
 
 def place(shape: tuple, dtype, sharding, tensors, src: ParamSource) -> jax.Array:
-    """One parameter of rlx ``shape`` / ``dtype`` placed with ``sharding``: each device copies its
-    slice of the HF tensor(s) as stored (no host-side transpose or cast), and the device turns it
-    into rlx's layout and dtype (``to_layout``)."""
-    if src.layout == "copy":
+    """One parameter of rlx ``shape`` / ``dtype`` placed with ``sharding``, each device reading
+    only its slice of the HF tensor(s). CPU devices get it in rlx's layout from the host
+    (``rlx.models.host_layout``: no compile, no second copy); an accelerator copies its slice as
+    stored and turns it into rlx's layout and dtype itself (``to_layout``)."""
+    if isinstance(tensors, SafetensorsFolder) and on_host(sharding):
         return jax.make_array_from_callback(
-            shape, sharding, lambda idx: read_stored(tensors, src.hf_names[0], idx).astype(dtype))
+            shape, sharding, once_per_index(host_reader(tensors, src, shape, dtype)))
+    if src.layout == "copy":
+        return jax.make_array_from_callback(shape, sharding, once_per_index(
+            lambda idx: read_stored(tensors, src.hf_names[0], idx).astype(dtype)))
     hf_shape = shape[:-2] + (shape[-1], shape[-2])
     raw = jax.make_array_from_callback(hf_shape, swapped(sharding, hf_shape),
-                                       lambda idx: _read_stored(tensors, src, idx))
+                                       once_per_index(lambda idx: _read_stored(tensors, src, idx)))
     return to_layout(jnp.dtype(dtype), sharding)(raw)
 
 
@@ -224,6 +230,20 @@ def to_layout(dtype, sharding, fn=None):
     return jax.jit(fn or (lambda x: jnp.swapaxes(x, -1, -2).astype(dtype)), out_shardings=sharding)
 
 
+def host_reader(tensors: SafetensorsFolder, src: ParamSource, shape: tuple, dtype):
+    """Callback: a device's ``index`` slice of the rlx parameter ``src`` names, laid out on the
+    host (transposed per matrix for "T" / "stack_T")."""
+    stored = DTYPES[tensors.dtype_name(src.hf_names[0])]
+
+    def read(name, index, out):
+        return tensors.read(name, index, out=out)
+
+    if src.layout == "copy":
+        return lambda index: read_direct(read, src.hf_names[0], index, shape, dtype, stored)
+    stacked = src.layout == "stack_T"
+    return lambda index: read_transposed(read, src.hf_names, stacked, index, shape, dtype, stored)
+
+
 def _read_stored(tensors, src: ParamSource, index: tuple) -> np.ndarray:
     """The ``index`` slice (HF layout, stored dtype) of a "T" / "stack_T" parameter's tensor(s)."""
     if src.layout == "T":
@@ -247,7 +267,7 @@ def read_stored(tensors, name: str, index: tuple) -> np.ndarray:
 
 def _sharding(mesh: Mesh | None, var, rules: LogicalRules):
     if mesh is None:
-        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     axes = var.get_metadata().get("logical_axes")
     return named_sharding(mesh, axes, rules, tuple(var.shape))
 

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -66,6 +67,7 @@ class SafetensorsFolder(Mapping[str, np.ndarray]):
     def __init__(self, path: str):
         files = _tensor_files(path)
         self._where: dict[str, tuple[str, dict, int]] = {}
+        self.bytes_read: Counter[str] = Counter()  # tensor name -> bytes ``read`` returned of it
         for file in files:
             header, start = read_header(file)
             size = os.path.getsize(file)
@@ -103,8 +105,10 @@ class SafetensorsFolder(Mapping[str, np.ndarray]):
         if (not shape or not whole or not isinstance(index[0], slice)
                 or index[0].step not in (None, 1) or not contiguous):
             if out is None:
-                return np.array(self[name][index])
-            out[...] = self[name][index]
+                out = np.array(self[name][index])
+            else:
+                out[...] = self[name][index]
+            self.bytes_read[name] += out.nbytes
             return out
         lo, hi, _ = index[0].indices(shape[0])
         dtype = np.dtype(DTYPES[info["dtype"]])
@@ -126,6 +130,7 @@ class SafetensorsFolder(Mapping[str, np.ndarray]):
                     view, offset = view[got:], offset + got
             finally:
                 os.close(fd)
+        self.bytes_read[name] += out.nbytes
         return out
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -90,9 +90,12 @@ def _gguf_tensor(ckpt, src, ax) -> GGUFTensor:
 
 
 def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
-                 rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged") -> tuple[LoadedModel, Shipped]:
+                 rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged",
+                 tensors: SafetensorsFolder | None = None) -> tuple[LoadedModel, Shipped]:
     """A HF folder with its quantized linears kept as the file stores them (``rlx.quant.shipped``):
-    headers checked first, then every parameter read in file order, each device its slice."""
+    headers checked first, then every parameter read in file order, each device its slice
+    (``tensors``: the folder's ``SafetensorsFolder`` when the caller has one, e.g. to count the
+    bytes read)."""
     with open(os.path.join(path, "config.json")) as f:
         hf_cfg = json.load(f)
     cfg = from_hf_config(hf_cfg)
@@ -102,7 +105,7 @@ def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, para
                               "checkpoint (config.quant.format='none' or a format to quantize to)")
     lay = layout(qc)
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
-    tensors = SafetensorsFolder(path)
+    tensors = SafetensorsFolder(path) if tensors is None else tensors
     quantized = quantized_params(cfg, lay)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
     flat = [("/".join(map(str, k)), v) for k, v in nnx.to_flat_state(nnx.state(abstract))]
@@ -173,7 +176,7 @@ def quantize_streamed(tensors, src: ParamSource, var, q: QuantConfig, transposed
     stacked = src.layout == "stack_T"
     n = shape[-2] if transposed else shape[-1]
     bn = abstract.block[1]
-    shardings = {k: (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+    shardings = {k: (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                      else named_sharding(mesh, abstract_axes(v), rules, v.shape))
                  for k, v in leaves.items()}
     experts, lo, hi = set(), n, 0

@@ -30,9 +30,10 @@ misshapen scale, or a ``weight_shape`` that disagrees with ``config.json`` is re
 file and the tensor, after reading only headers (and the 16-byte ``weight_shape`` tensors).
 
 Loading streams (``load_shipped``): the model is built abstractly, then every parameter is read
-one at a time in file order, each device taking only its slice
-(``jax.make_array_from_callback``); the file is mapped per tensor and the mapping dropped after
-the copy, so the host holds at most the arrays being built plus one tensor's slice.
+one at a time in file order, each process reading only the distinct slices its devices hold
+(``jax.make_array_from_callback``), so the host holds at most the arrays being built plus one
+tensor's slice. On CPU devices the host writes each slice in rlx's layout
+(``rlx.models.host_layout``); an accelerator transposes on the device.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from flax import nnx
 
 from rlx.mesh import named_sharding
 from rlx.models.hf import ParamSource, read_stored, swapped, to_layout
-from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
+from rlx.models.host_layout import on_host, once_per_index, read_transposed
+from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder
 from rlx.quant.config import QuantConfig, QuantConfigError
 from rlx.quant.tensors import QTensor
 
@@ -442,9 +444,10 @@ def _stored_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]
 
 
 def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mesh, rules) -> QTensor:
-    """The ``QTensor`` of one quantized parameter (a kernel or stacked experts of rlx ``shape``):
-    each device copies its slice of the file's tensors as stored, and the device lays them out
-    (transposes; unpacks int32 words) into rlx's storage, one parameter at a time."""
+    """The ``QTensor`` of one quantized parameter (a kernel or stacked experts of rlx ``shape``),
+    each distinct device slice read once: CPU devices get it laid out by the host
+    (``rlx.models.host_layout``); otherwise (and for packed int32 words) each device copies its
+    slice of the file's tensors as stored and lays it out itself (transposes; unpacks words)."""
     n, k = _hf_shape(src, shape)
     stacked = src.layout == "stack_T"
     modules = [_module(name) for name in src.hf_names]
@@ -454,16 +457,33 @@ def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mes
               "scale": lay.scale_key, "zero": "weight_zero_point"}
     leaves = {}
     for leaf, leaf_shape in _storage_shapes(lay, lead, n, k).items():
-        sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+        sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                     else named_sharding(mesh, axes, rules, leaf_shape))
         names = [f"{m}.{suffix[leaf]}" for m in modules]
-        read = _stored(tensors, names, stacked, leaf == "scale" and lay.strategy == "tensor")
-        raw = jax.make_array_from_callback(stored[leaf], swapped(sharding, stored[leaf]), read)
+        tensor_scale = leaf == "scale" and lay.strategy == "tensor"
         fn = (_unpack_values(lay.bits, k) if leaf == "values" and lay.kind == "packed" else
               _unpack_zero(lay.bits, n) if leaf == "zero" else None)
+        if fn is None and not tensor_scale and isinstance(tensors, SafetensorsFolder) \
+                and on_host(sharding):  # CPU devices: laid out on the host, nothing compiled
+            read = once_per_index(_host_leaf(tensors, names, stacked, leaf_shape))
+            leaves[leaf] = jax.make_array_from_callback(leaf_shape, sharding, read)
+            continue
+        read = once_per_index(_stored(tensors, names, stacked, tensor_scale))
+        raw = jax.make_array_from_callback(stored[leaf], swapped(sharding, stored[leaf]), read)
         leaves[leaf] = to_layout(raw.dtype, sharding, fn)(raw)
     return QTensor(lay.fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
                    lay.block(k, n), axes)
+
+
+def _host_leaf(tensors: SafetensorsFolder, names: list[str], stacked: bool, shape: tuple):
+    """Callback: a device's slice of one leaf (values or scales as stored, no cast), transposed
+    into rlx's orientation on the host."""
+    stored = DTYPES[tensors.dtype_name(names[0])]
+
+    def read(name, index, out):
+        return tensors.read(name, index, out=out)
+
+    return lambda index: read_transposed(read, names, stacked, index, shape, stored, stored)
 
 
 def file_position(tensors, src: ParamSource) -> tuple[str, int]:
