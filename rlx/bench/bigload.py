@@ -1,6 +1,7 @@
 """``python -m rlx.bench bigload``: write a random DeepSeek-V3-architecture checkpoint in FP8
 128x128 blocks as DeepSeek ships it, load it as a mode-B base (``quant.format="shipped"``) and
-report its bytes on disk, the load time, GB/s and the peak RSS of the loading process; with
+report its bytes on disk, the load time and GB/s beside the raw read speed of the same files
+(``raw_read``, from the same page-cache state), and the peak RSS of the loading process; with
 ``--step``, train it for one RL step in mode B and report that process's peak RSS and seconds.
 
 The checkpoint has DeepSeek-V2-Lite's shape (multi-head latent attention with kv_lora 512 and
@@ -198,11 +199,56 @@ def _launch(folder: str, flags: list[str], config: str = "") -> tuple[subprocess
     return proc, rss, wall
 
 
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+def evict(folder: str) -> None:
+    """Drop the checkpoint's files from the page cache (``posix_fadvise`` DONTNEED: needs no
+    root; pages the kernel cannot drop stay)."""
+    for file in _files(folder):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_read(folder: str, buffer_bytes: int = 16 << 20) -> dict:
+    """Read the checkpoint's files front to back into one reused buffer, as ``cat FILES >
+    /dev/null`` does: the speed of the bytes alone, beside which the load's GB/s is read."""
+    view = memoryview(bytearray(buffer_bytes))
+    total, start = 0, time.perf_counter()
+    for file in _files(folder):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            while got := os.readv(fd, [view]):
+                total += got
+        finally:
+            os.close(fd)
+    seconds = time.perf_counter() - start
+    return {"raw_bytes": total, "raw_s": seconds, "raw_gb_per_s": total / seconds / 1e9}
+
+
 def measure_load(folder: str, extra: list[str] = ()) -> dict:
     """Dry-run load of ``folder`` as a shipped base in a child process; its peak RSS and load time."""
     proc, rss, wall = _launch(folder, ["--dry_run", *extra])
     seconds = float(re.search(r"loaded in ([\d.]+) s", proc.stdout).group(1))
     return {"peak_rss": rss, "load_s": seconds, "process_s": wall, "summary": proc.stdout.strip()}
+
+
+def measure_read_and_load(folder: str, cold: bool) -> dict:
+    """The raw read of the files and the load, each from the same page-cache state: ``cold``
+    evicts the files before each; else a first untimed read caches them (as far as memory
+    allows) for both."""
+    if cold:
+        evict(folder)
+    else:
+        raw_read(folder)
+    fig = raw_read(folder)
+    if cold:
+        evict(folder)
+    return {**fig, **measure_load(folder), "page_cache": "cold" if cold else "warm"}
 
 
 def measure_step(folder: str, prompts: int = 2, group: int = 2, tokens: int = 4) -> dict:
@@ -230,6 +276,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dir", default="", help="where to write it (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     p.add_argument("--json", default="", help="write the figures to this file")
+    p.add_argument("--cold", action="store_true", help="evict the files from the page cache "
+                   "before the raw read and before the load (default: both read them cached)")
     p.add_argument("--step", action="store_true", help="also train it for one mode-B RL step")
     p.add_argument("--step-prompts", type=int, default=2, help="prompts of the step")
     p.add_argument("--step-group", type=int, default=2, help="samples per prompt")
@@ -240,14 +288,15 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         disk = write_checkpoint(folder, args.params)
         written = time.perf_counter() - start
-        fig = measure_load(folder)
+        fig = measure_read_and_load(folder, args.cold)
         config = hf_config(args.params)
         fig.update(disk_bytes=disk, write_s=written, layers=config["num_hidden_layers"],
                    gb_per_s=disk / fig["load_s"] / 1e9, rss_over_disk=fig["peak_rss"] / disk)
         print(fig.pop("summary"))
         print(f"checkpoint {disk / 1e9:.2f} GB on disk ({config['num_hidden_layers']} layers, FP8 "
               f"128x128 blocks), written in {written:.1f} s")
-        print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s; peak RSS "
+        print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s (raw read of the "
+              f"files {fig['raw_gb_per_s']:.2f} GB/s, page cache {fig['page_cache']}); peak RSS "
               f"{fig['peak_rss'] / 1e9:.2f} GB = {fig['rss_over_disk']:.2f}x the bytes on disk")
         if args.step:
             fig.update(measure_step(folder, args.step_prompts, args.step_group, args.step_tokens))

@@ -18,7 +18,8 @@ def test_bigload_writes_deepseek_fp8_blocks_and_loads_them_as_shipped(tmp_path, 
     folder, out = tmp_path / "ckpt", tmp_path / "figures.json"
     assert main(["--params", "1e8", "--dir", str(folder), "--json", str(out)]) == 0
     fig = json.loads(out.read_text())
-    assert "base       fp8 (shipped)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "base       fp8 (shipped)" in printed and "raw read of the files" in printed
     disk = fig["disk_bytes"]
     with open(folder / "config.json") as f:
         config = json.load(f)
@@ -31,6 +32,7 @@ def test_bigload_writes_deepseek_fp8_blocks_and_loads_them_as_shipped(tmp_path, 
     assert t.dtype_name("lm_head.weight") == "BF16"
     assert 0.08e9 < disk < 0.3e9
     assert fig["peak_rss"] <= 1.15 * disk + 2**30, fig
+    assert fig["raw_bytes"] == disk and fig["page_cache"] == "warm", fig  # every shard's bytes
     assert os.path.exists(folder / "config.json")  # --dir: kept
 
 
