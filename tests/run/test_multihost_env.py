@@ -1,0 +1,119 @@
+"""Tool-use episodes (``env.kind="tools"``) in a run of 2 processes x 4 CPU devices (gloo).
+
+Each ``distributed.rollouts`` mode runs one step of the tiny config on three-turn episodes
+(``tests/helpers/multihost_env_driver.py``: 2 prompts x 4 episodes, one prompt from each
+process's data shard, rewards that differ within a group):
+
+* ``"primary"``: every process's examples are gathered to process 0, whose engine runs all 8
+  episodes (as the single-turn path gathers prompts); process 1 runs none;
+* ``"per_host"``: each process's engine runs the 4 episodes of its own prompt.
+
+Either way both processes end the step with the same record (the ``env/*`` metrics are those of
+the episodes a process ran) and the same trainable parameters, which moved; every episode ran 3
+turns, and the sampler/learner mismatch stays within 1e-5 (f32). The engines seed every turn by
+(step, episode, turn), so both modes draw the same tokens: the same episodes, rewards and prefilled
+tokens, and parameters within 1e-5. CI runs the primary mode; per_host and the comparison are slow.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import ROOT
+
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the driver sets its own device count
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _run(tmp, mode: str, timeout: float = 480) -> list[dict[str, np.ndarray]]:
+    """Both processes of one mode; each one's results (process order)."""
+    out, port = tmp / mode, _free_port()
+    cmds = [[sys.executable, "-m", "tests.helpers.multihost_env_driver", "--out", str(out),
+             "--output-dir", str(tmp / f"run_{mode}"), "--num-processes", "2", "--process-id",
+             str(i), "--coordinator", f"127.0.0.1:{port}", "--local-devices", "4",
+             "--rollouts", mode] for i in range(2)]
+    procs = [subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for c in cmds]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"{mode} process {i}:\n{log[-4000:]}"
+    return [dict(np.load(f"{out}.{i}.npz")) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def primary(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("env_primary"), "primary")
+
+
+@pytest.fixture(scope="module")
+def per_host(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("env_per_host"), "per_host")
+
+
+def _params(result) -> list[str]:
+    return sorted(k for k in result if k.startswith("param:"))
+
+
+def _processes_agree(results) -> None:
+    first, second = results
+    assert [int(r["process_index"]) for r in results] == [0, 1]
+    assert int(first["process_count"]) == 2
+    assert _params(first) == _params(second) and len(_params(first)) == 28
+    for name in _params(first):
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+    assert max(np.abs(first[k]).max() for k in _params(first) if "lora_b" in k) > 1e-4  # moved
+    for name in (k for k in first if k.startswith("record:") and not k.startswith("record:env/")):
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+    assert float(first["record:env/turns"]) == 3.0
+    assert float(first["record:learner/mismatch_abs_max"]) <= TOL
+    assert float(first["record:learner/loss"]) != 0.0
+
+
+def test_primary_rollouts_run_every_episode_on_process_0(primary):
+    _processes_agree(primary)
+    first, second = primary
+    assert len(first["ran"]) == 8 and len(second["ran"]) == 0
+    assert len({r.split("#")[0] for r in first["ran"]}) == 2  # both processes' prompts
+    assert np.ptp(first["rewards"]) > 0
+    assert np.isnan(second["record:env/turns"])  # process 1 ran no episode
+
+
+@pytest.mark.slow  # CI: the primary mode above covers the 2-process episode path
+def test_per_host_rollouts_run_each_process_its_own_episodes_alike(per_host, primary):
+    _processes_agree(per_host)
+    first, second = per_host
+    assert len(first["ran"]) == len(second["ran"]) == 4
+    assert not {r.split("#")[0] for r in first["ran"]} & {r.split("#")[0] for r in second["ran"]}
+    both, alone = primary[0], (first, second)
+    for name in ("ran", "tokens", "rewards"):
+        np.testing.assert_array_equal(np.concatenate([r[name] for r in alone]), both[name])
+    assert sum(float(r["record:env/prefilled_tokens"]) for r in alone) == float(
+        both["record:env/prefilled_tokens"])
+    for name in ("record:reward/mean", "record:response_length/mean"):
+        np.testing.assert_array_equal(first[name], both[name], err_msg=name)
+    for name in _params(both):
+        np.testing.assert_allclose(first[name], both[name], atol=TOL, rtol=0, err_msg=name)
