@@ -164,7 +164,7 @@ def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dead_host")
     config, out = _config(tmp, "straight")
     _both(config, tmp, "straight")
-    return tmp, _final_params(out), _final_params(out, 3)
+    return tmp, _final_params(out)
 
 
 def _kill_and_watch(tmp, point: str):
@@ -216,7 +216,7 @@ def _check_survivor(tmp, point: str) -> tuple[str, str]:
 
 
 def _relaunch_matches(uninterrupted, config: str, out: str) -> None:
-    tmp, want, _ = uninterrupted
+    tmp, want = uninterrupted
     _both(config, tmp, os.path.basename(out) + "_resumed", "--config.resume=latest")
     got = _final_params(out)
     assert got.keys() == want.keys() and len(want) >= 20
@@ -248,23 +248,23 @@ def two_process_checkpoint(uninterrupted):
 def test_a_checkpoint_of_2_processes_resumes_on_1(uninterrupted, two_process_checkpoint,
                                                   devices, tmp_path):
     # data parallel 8 over 2 processes -> 8 or 4 devices of one; distributed.data_shards=2 is
-    # fixed, so the one process reads both shards: the same global batches. Compared after the
-    # first step resumed (sampled with the checkpoint's weights): later steps sample with weights
-    # that differ in the last bits between device counts, and a random model's near-uniform
-    # sampling can then draw another token (measured on 1 x 4: step 4's reward differed).
-    tmp, _, want = uninterrupted
+    # fixed, so the one process reads both shards: the same global batches. The 3 resumed steps
+    # sample with weights that differ from the uninterrupted run's in their last bits (another
+    # per-device batch sums in another order). The sampler's draw is steady under such changes
+    # (rlx.rollout.jax_sampling.categorical; tests/rollout/test_jax_sampling.py): the same
+    # tokens are drawn and the run ends within 1e-5.
+    tmp, want = uninterrupted
     config, first = two_process_checkpoint
     out = str(tmp_path / "resumed")
     shutil.copytree(first, out)
     env = dict(_env(tmp / "xla_cache"), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     r = subprocess.run([sys.executable, "-m", "rlx.launch", f"--config={config}",
                         f"--config.output_dir={out}", "--config.distributed.enabled=False",
-                        f"--config.mesh.data={devices}", "--config.resume=latest",
-                        "--config.train.steps=3"],
+                        f"--config.mesh.data={devices}", "--config.resume=latest"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     assert "resumed from checkpoint 2" in r.stderr
-    got = _final_params(out, 3)
+    got = _final_params(out)
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=TOL, rtol=0, err_msg=k)
