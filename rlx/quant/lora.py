@@ -67,7 +67,7 @@ class LoRA(nnx.Module):
 
     def ragged(self, x: Float[Array, "m d_in"], group_sizes: Int[Array, "e"]) -> Float[Array, "m d_out"]:
         """Rows of ``x`` sorted by expert, ``group_sizes[e]`` rows for expert ``e``."""
-        h = jax.lax.ragged_dot(self._in(x), self.lora_a[...].astype(self.dtype), group_sizes)
+        h = ragged_rank_product(self._in(x), self.lora_a[...].astype(self.dtype), group_sizes)
         return jax.lax.ragged_dot(h, self.lora_b[...].astype(self.dtype), group_sizes) * self.scaling
 
     def dense(self, x) -> Array:
@@ -75,6 +75,47 @@ class LoRA(nnx.Module):
         spec = "nd,edr->ner" if x.ndim == 2 else "ned,edr->ner"
         h = jnp.einsum(spec, self._in(x), self.lora_a[...].astype(self.dtype))
         return jnp.einsum("ner,erf->nef", h, self.lora_b[...].astype(self.dtype)) * self.scaling
+
+
+# ragged_dot_general dimension numbers of the three products of ``ragged_rank_product``
+_RANK_FWD = jax.lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), [0], [0])  # x . At
+_RANK_DX = jax.lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), [0], [0])  # ct . At
+_RANK_DA = jax.lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), [0], [])  # ct . x
+
+
+def ragged_rank_product(x: Float[Array, "m d"], a: Float[Array, "e d r"],
+                        group_sizes: Int[Array, " e"]) -> Float[Array, "m r"]:
+    """``jax.lax.ragged_dot(x, a, group_sizes)`` for per-expert LoRA ``A`` matrices, whose
+    rank ``r`` is far below a TPU's 128-wide lane dimension. Every product here takes ``A`` as
+    ``[e, r, d]`` and its gradient comes out as ``[e, r, d]`` (``ct^T x`` per group), so XLA
+    lays ``A``, its gradient and what accumulates it out with ``d`` minor. JAX's own rule forms
+    the gradient as ``x^T ct``, ``[e, d, r]``: XLA:TPU keeps ``r`` minor there, padded to 128
+    lanes (8x the bytes at rank 16), and carries that layout into the stacked gradients of
+    every layer, their micro-batch sum and AdamW's update. Same products, same values.
+    Inside ``shard_map`` ``a`` is first marked varying over the axes ``x`` varies over (as JAX's
+    own product does), so that its gradient is summed over them outside this rule."""
+    more = tuple(sorted(jax.typeof(x).mat.varying - jax.typeof(a).mat.varying))
+    return _rank_product(x, jax.lax.pcast(a, more, to="varying") if more else a, group_sizes)
+
+
+@jax.custom_vjp
+def _rank_product(x, a, group_sizes):
+    return jax.lax.ragged_dot_general(x, jnp.swapaxes(a, 1, 2), group_sizes, _RANK_FWD)
+
+
+def _rank_fwd(x, a, group_sizes):
+    return _rank_product(x, a, group_sizes), (x, a, group_sizes)
+
+
+def _rank_bwd(res, ct):
+    x, a, group_sizes = res
+    at = jnp.swapaxes(a, 1, 2)  # [e, r, d]
+    dx = jax.lax.ragged_dot_general(ct, at, group_sizes, _RANK_DX).astype(x.dtype)
+    dat = jax.lax.ragged_dot_general(ct, x, group_sizes, _RANK_DA).astype(a.dtype)
+    return dx, jnp.swapaxes(dat, 1, 2), None
+
+
+_rank_product.defvjp(_rank_fwd, _rank_bwd)
 
 
 def _linear_lora(lin: Linear, cfg: LoraConfig, rngs) -> LoRA:

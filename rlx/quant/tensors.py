@@ -96,15 +96,31 @@ class QTensor(nnx.Module):
         return v.astype(jnp.float32)
 
     def dequantize(self, dtype=jnp.float32) -> Array:
-        """The logical matrix in ``dtype`` (computed in f32, one rounding at the end)."""
+        """The logical matrix in ``dtype`` (computed in f32, one rounding at the end; or in bf16
+        where that is the same rounding, ``_exact_in``)."""
         k, n = self.kn
         bk, bn = self.block
+        if self._exact_in(dtype):
+            v = self.values[...]
+            v = unpack_nibbles(v).astype(jnp.int8) - 8 if self.fmt == "int4" else v
+            q = v.astype(dtype)  # integers of at most 8 bits / e4m3 values: exact in bf16
+            w = q * expand_blocks(self.scale[...], k, n, bk, bn)
+            return jnp.swapaxes(w, -1, -2) if self.transposed else w
         q = self.decode()
         if self.zero is not None:
             q = q - expand_blocks(self.zero[...].astype(jnp.float32), k, n, bk, bn)
         w = q * expand_blocks(self.scale[...].astype(jnp.float32), k, n, bk, bn)
         w = jnp.swapaxes(w, -1, -2) if self.transposed else w
         return w.astype(dtype)
+
+    def _exact_in(self, dtype) -> bool:
+        """Whether ``dtype`` arithmetic gives the f32 path's bits: a bf16 result from bf16 scales,
+        no zero point, int8 / int4 / fp8 values. Such a value has at most 8 significant bits and
+        a bf16 scale 8, so their product is exact in f32 and rounded once to bf16 either way; a
+        bf16 product rounds that same exact product once. The bf16 path spares the f32 copy of
+        the whole matrix (of an expert stack, per layer) that XLA otherwise writes."""
+        return (jnp.dtype(dtype) == jnp.bfloat16 and self.zero is None
+                and self.fmt in ("int8", "int4", "fp8") and self.scale[...].dtype == jnp.bfloat16)
 
     def take(self, ids: Array, dtype) -> Array:
         """Rows ``ids`` of the logical matrix (embedding lookup)."""

@@ -1,6 +1,8 @@
 """Base representations: packing, dequantization goldens, GGUF blocks exact, config refusals,
 W8A8 activation fake-quantization."""
 
+import math
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -105,3 +107,25 @@ def test_fp8_group_activation_quant_per_128():
     x = jnp.concatenate([jnp.full((1, 128), 1000.0), jnp.full((1, 72), 0.001)], axis=-1)
     y = quantize_activations(x, "fp8_group128")
     assert y.shape == x.shape and np.allclose(y, x, rtol=1e-6)  # each group scaled on its own
+
+
+@pytest.mark.parametrize("fmt,kw", [
+    ("int8", {}), ("int4", dict(group_size=16)), ("fp8", {}),
+    ("fp8", dict(fp8_granularity="block128")), ("int8", dict(transposed=True)),
+    ("int4", dict(group_size=16, symmetric=False)),  # a zero point: the f32 path
+])
+def test_bf16_dequantize_has_the_f32_paths_bits(fmt, kw):
+    """With bf16 scales and no zero point, ``dequantize(bf16)`` runs in bf16: bit for bit the
+    f32 product rounded once (a value of <= 8 bits times a bf16 scale is exact in f32), and no
+    f32 array of the matrix's size in the program (XLA would write one per expert stack)."""
+    w = jax.random.normal(jax.random.key(2), (3, 160, 48)) * 0.02
+    w = w[0] if kw.get("transposed") else w
+    q = quantize_array(w, fmt, scale_dtype="bfloat16", **kw)
+    k, n = q.kn
+    ref = q.dequantize(jnp.float32).astype(jnp.bfloat16)  # computed in f32, rounded once
+    np.testing.assert_array_equal(np.asarray(q.dequantize(jnp.bfloat16), np.float32),
+                                  np.asarray(ref, np.float32))
+    jaxpr = jax.make_jaxpr(lambda: q.dequantize(jnp.bfloat16))()
+    f32 = [v.aval.shape for e in jaxpr.jaxpr.eqns for v in e.outvars
+           if v.aval.dtype == jnp.float32 and math.prod(v.aval.shape) >= k * n]
+    assert bool(f32) == ("symmetric" in kw), f32

@@ -107,3 +107,25 @@ def test_lora_dropout_only_in_train_mode(zoo):
     assert np.array_equal(a, b)
     model.train()
     assert not np.array_equal(np.asarray(model(x)), a)
+
+
+def test_ragged_rank_product_is_ragged_dot_with_a_lane_major_gradient():
+    """Per-expert LoRA A: the same value and gradients as ``jax.lax.ragged_dot`` (f32, exact:
+    the same products), rows past the groups included; every product of its gradient has the
+    rank dimension before the input dimension (``[e, r, d]``), never ``[e, d, r]``."""
+    from rlx.quant.lora import ragged_rank_product
+
+    m, d, r, e = 29, 40, 3, 4
+    kx, ka, kc = jax.random.split(jax.random.key(0), 3)
+    x, a = jax.random.normal(kx, (m, d)), jax.random.normal(ka, (e, d, r))
+    ct = jax.random.normal(kc, (m, r))
+    sizes = jnp.array([9, 0, 7, 10], jnp.int32)  # 26 of 29 rows in groups, one group empty
+    ours = lambda x, a: jnp.sum(ragged_rank_product(x, a, sizes) * ct)  # noqa: E731
+    ref = lambda x, a: jnp.sum(jax.lax.ragged_dot(x, a, sizes) * ct)  # noqa: E731
+    np.testing.assert_array_equal(ragged_rank_product(x, a, sizes),
+                                  jax.lax.ragged_dot(x, a, sizes))
+    for g, h in zip(jax.grad(ours, (0, 1))(x, a), jax.grad(ref, (0, 1))(x, a)):
+        np.testing.assert_allclose(g, h, rtol=1e-6, atol=1e-6)
+    jaxpr = jax.make_jaxpr(jax.grad(ours, 1))(x, a).jaxpr
+    outs = [q.outvars[0].aval.shape for q in jaxpr.eqns if q.primitive.name == "ragged_dot_general"]
+    assert (e, r, d) in outs and (e, d, r) not in outs
