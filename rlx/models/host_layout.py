@@ -45,14 +45,18 @@ def aligned_empty(shape: tuple, dtype) -> np.ndarray:
     return raw[start:start + n].view(dtype).reshape(shape)
 
 
-def transpose_into(src: np.ndarray, out: np.ndarray) -> None:
+def transpose_into(src: np.ndarray, out: np.ndarray, work: np.ndarray | None = None) -> None:
     """``out[...] = src.T`` for a C-contiguous ``[r, k]`` ``src`` and a ``[k, r]`` ``out`` (a
-    view with any strides; another dtype casts as numpy assignment does)."""
+    view with any strides; another dtype casts as numpy assignment does). ``work``: a scratch
+    buffer of at least ``src.nbytes`` bytes, reused across calls (a fresh temporary per chunk
+    costs the kernel a page clearing each time)."""
     r, k = src.shape
     size = src.dtype.itemsize
+    if work is None or work.nbytes < src.nbytes:
+        work = np.empty(src.nbytes, np.uint8)
     if out.dtype != src.dtype:  # transpose the stored bits, then cast
         moved = np.empty((k, r), src.dtype)
-        transpose_into(src, moved)
+        transpose_into(src, moved, work)
         out[...] = moved
         return
     if size in _UINT:  # copy bits: numpy copies ml_dtypes' bf16 / fp8 element by element
@@ -61,7 +65,8 @@ def transpose_into(src: np.ndarray, out: np.ndarray) -> None:
     if m == 1 or k % m or not src.flags.c_contiguous or r == 0:
         out[...] = src.T
         return
-    words = np.ascontiguousarray(src.view(np.uint64).T)  # [k/m, r]: whole words moved
+    words = work[:src.nbytes].view(np.uint64).reshape(k // m, r)
+    np.copyto(words, src.view(np.uint64).T)  # [k/m, r]: whole words moved
     parts = words.view(src.dtype).reshape(k // m, r, m)  # element j of each word -> row j mod m
     for j in range(m):
         out[j::m] = parts[:, :, j]
@@ -114,12 +119,13 @@ def read_transposed(read: Reader, names: Sequence[str], stacked: bool, index: tu
     stored = np.dtype(stored)
     rows = max(1, chunk_bytes // max(1, stored.itemsize * (k1 - k0)))
     scratch = np.empty((min(rows, n1 - n0), k1 - k0), stored)
+    work = np.empty(scratch.nbytes, np.uint8)
     for i, name in enumerate(chosen):
         target = out[i] if stacked else out
         for a in range(n0, n1, rows):
             b = min(n1, a + rows)
             got = read(name, (slice(a, b), slice(k0, k1)), scratch[:b - a])
-            transpose_into(got, target[:, a - n0:b - n0])
+            transpose_into(got, target[:, a - n0:b - n0], work)
     return out
 
 
