@@ -2,7 +2,7 @@
 sequence the engine just produced continues from that sequence's KV-cache row.
 
 Three turns of a multi-turn exchange on a tiny random Llama (unrolled, and with its layers
-stacked as a scanned model): every turn's prompts are the previous turn's first samples' whole
+stacked as a scanned model) and a tiny DeepSeek-V3 (latent-attention cache, MoE): every turn's prompts are the previous turn's first samples' whole
 sequences plus a few appended tokens, except one new prompt per turn (so a batch mixes continued
 rows and whole prefills), sampled at temperature 1 with ``n = 2`` (the samples of a prompt share
 its prefill). Against an engine that prefills every prompt whole, with the same seeds: the same
@@ -20,6 +20,7 @@ from rlx.models.stack import stack_layers
 from rlx.rollout.jax_engine import Buckets, JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.moe import tiny_deepseek
 
 TOL = 1e-5
 SAMPLING = SamplingParams(max_new_tokens=8, n=2, temperature=1.0, seed=11)
@@ -55,12 +56,16 @@ def _turns(engine: JaxEngine, turns: int = 3):
     return out
 
 
-@pytest.mark.parametrize("stacked", [
+@pytest.mark.parametrize("kind", [
     # CI: the unrolled model's continued turns also run in tests/envs/test_episode_jax.py
-    pytest.param(False, marks=pytest.mark.slow), True])
-def test_continued_requests_prefill_only_their_new_tokens(zoo, stacked):
-    model = from_hf(make_hf_model("llama", zoo))
-    model = stack_layers(model) if stacked else model
+    pytest.param("llama", marks=pytest.mark.slow), "llama stacked",
+    pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_continued_requests_prefill_only_their_new_tokens(zoo, kind):
+    if kind == "deepseek_v3":
+        model = tiny_deepseek()
+    else:
+        model = from_hf(make_hf_model("llama", zoo))
+        model = stack_layers(model) if kind.endswith("stacked") else model
     engine, whole = JaxEngine(model, buckets=BUCKETS), JaxEngine(model, buckets=BUCKETS)
     with engine.prefix_cache():
         turns = _turns(engine)
