@@ -20,6 +20,12 @@ An env may open the first assistant turn with fixed text (`Observation.assistant
 reset, e.g. "<tool_call>\\n"): it ends the prompt tokens (not sampled, not in the loss) and
 starts the turn's text that the env reads and the transcript keeps.
 
+Each round's request for an episode is its whole sequence so far. An engine that offers
+`prefix_cache()` (the built-in `JaxEngine`) runs the episodes inside it: a request continues from
+the KV-cache row of the episode's previous turn and prefills only the tokens after it (the last
+sampled token and the env's), and the rows are freed as the episodes end. Other engines get the
+same requests (SGLang's radix cache reuses the prefixes it has seen).
+
 Budget: `max_completion_tokens` bounds everything after the prompt (model and env tokens). A turn
 that hits the budget or the engine's per-turn `max_new_tokens` ends the episode with finish
 reason "length" and reward 0 (the cut text is not graded); so does an env reply that leaves no
@@ -29,6 +35,7 @@ room for another model token (that reply is then not appended).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
@@ -146,7 +153,8 @@ def run_episodes(
     stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *_eos(tokenizer))))
     states = [_start(make_env(), example, index, tokenizer)
               for example in examples for index in range(config.group_size)]
-    with concurrent.futures.ThreadPoolExecutor(config.env_workers) as pool:
+    continuing = getattr(engine, "prefix_cache", contextlib.nullcontext)
+    with concurrent.futures.ThreadPoolExecutor(config.env_workers) as pool, continuing():
         while active := [s for s in states if s.finish is None]:
             room = max(config.max_completion_tokens - len(s.ids) for s in active)
             turn_sampling = dataclasses.replace(

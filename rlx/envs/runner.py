@@ -17,17 +17,17 @@ calls are error turns, cut episodes are scored 0 with their reason.
 
 Each turn is one `engine.generate` request holding the whole sequence so far (prompt, earlier
 turns, tool turns). SGLang's radix cache reuses the prefix it has seen. The built-in engine runs a
-batch's episodes inside its `prefix_cache()` (`rlx.rollout.prefix_cache`): a turn continues from
-the KV-cache row of the episode's previous turn and prefills only the tokens after it (the last
-sampled token and the tool turn's), with the same tokens and log-probs as a prefill of the whole
-sequence; the rows are freed as episodes end and all of them when the batch is done. An engine
+batch's episodes inside its `prefix_cache()` (`rlx.envs.episode.run_episodes`,
+`rlx.rollout.prefix_cache`): a turn continues from the KV-cache row of the episode's previous turn
+and prefills only the tokens after it (the last sampled token and the tool turn's), with the same
+tokens and log-probs as a prefill of the whole sequence; the rows are freed as episodes end and
+all of them when the batch is done. An engine
 that counts its prefilled tokens (`prefilled_tokens()`) has a batch's count logged as
 `env/prefilled_tokens`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Sequence
@@ -94,9 +94,8 @@ class EnvRunner:
                  sampling: SamplingParams) -> list[Episode]:
         config = EpisodeConfig(max_completion_tokens=self.max_episode_tokens,
                                group_size=sampling.n, env_workers=self.env_workers)
-        with getattr(engine, "prefix_cache", contextlib.nullcontext)():
-            return run_episodes(engine, self.make_env, examples, self.tokenizer,
-                                dataclasses.replace(sampling, n=1), config)
+        return run_episodes(engine, self.make_env, examples, self.tokenizer,
+                            dataclasses.replace(sampling, n=1), config)
 
     def reward(self, episode: Episode) -> float:
         return float(episode.reward) + self.format_coef * valid(episode)

@@ -394,7 +394,7 @@ class JaxEngine:
         spec = SamplerSpec(greedy=sampling.temperature == 0, top_k=sampling.top_k,
                            top_p=sampling.top_p is not None and sampling.top_p < 1,
                            logprobs=sampling.logprobs)
-        keep = self._prefix.active and not self.record_routes
+        keep = self._prefix.depth > 0 and not self.record_routes
         fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens), keep, prefix is not None)
         scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
                    np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))
@@ -416,14 +416,15 @@ class JaxEngine:
     def prefix_cache(self):
         """Within it, a request that extends a sequence the previous ``generate`` call produced
         continues from that sequence's KV-cache row and prefills only its new tokens; leaving
-        it frees the kept rows (``rlx.rollout.prefix_cache``). Routing replay
-        (``record_routes``) keeps no rows: every request is prefilled whole."""
-        self._prefix.active = True
+        it frees the kept rows (``rlx.rollout.prefix_cache``; nested, the outermost). Routing
+        replay (``record_routes``) keeps no rows: every request is prefilled whole."""
+        self._prefix.depth += 1
         try:
             yield self
         finally:
-            self._prefix.active = False
-            self._prefix.clear()
+            self._prefix.depth -= 1
+            if not self._prefix.depth:
+                self._prefix.clear()
 
     def prefilled_tokens(self) -> int:
         """Prompt tokens fed through prefills so far (a prompt shared by ``n`` samples once; a

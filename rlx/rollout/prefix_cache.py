@@ -89,7 +89,7 @@ class PrefixCache:
     """The rows kept between ``generate`` calls, by produced sequence (see the module docstring)."""
 
     def __init__(self):
-        self.active = False
+        self.depth = 0  # open ``JaxEngine.prefix_cache()`` contexts: rows are kept while > 0
         self._rows: dict[bytes, CachedRow] = {}
         self._lengths: set[int] = set()  # lengths of the kept sequences
 
