@@ -140,16 +140,17 @@ def _local(experts, ep: ExpertParallel, x, idx, gates, valid, adapter: bool):
     slot = _rank_within(dest, p)  # [n_loc*k] row of the pair in its destination's buffer
     keep = pair_valid & (slot < cap)
     row = jnp.where(keep, dest * cap + slot, p * cap)  # p * cap: a trash row, cut off below
-    token = jnp.arange(n_loc * k) // k
-    send_x = jnp.zeros((p * cap + 1, x.shape[1]), x.dtype).at[row].set(x[token])[:-1]
+    pairs = n_loc * k
+    src = jnp.full((p * cap + 1,), pairs, jnp.int32).at[row].set(jnp.arange(pairs))[:-1]
+    send_x = permute_rows(jnp.repeat(x, k, axis=0), src, row)  # [p*cap, d]; empty rows 0
     send_e = jnp.full((p * cap + 1,), e_loc, jnp.int32).at[row].set(flat % e_loc)[:-1]
     recv_x = jax.lax.all_to_all(send_x, ep.expert_axis, 0, 0, tiled=True)  # [p*cap, d] by source
     recv_e = jax.lax.all_to_all(send_e, ep.expert_axis, 0, 0, tiled=True)  # e_loc = unused row
     y = _grouped(experts, recv_x, recv_e, e_loc, adapter)  # [p*cap, d]
     back = jax.lax.all_to_all(y, ep.expert_axis, 0, 0, tiled=True)  # [p*cap, d] by destination
-    y_pairs = jnp.where(keep[:, None], back[jnp.minimum(row, p * cap - 1)], 0)  # [n_loc*k, d]
+    y_pairs = permute_rows(back, row, src)  # [n_loc*k, d]; dropped pairs 0
     y_pairs = y_pairs * gates.reshape(-1)[:, None].astype(y_pairs.dtype)
-    out = jnp.zeros_like(x).at[token].add(y_pairs)
+    out = jnp.sum(y_pairs.reshape(n_loc, k, -1), axis=1)  # a token's k pairs are adjacent
     dropped = jax.lax.psum(jnp.sum(pair_valid & ~keep, dtype=jnp.int32), ep.token_axes)
     return out, dropped
 
@@ -167,7 +168,35 @@ def _grouped(experts, rows: Float[Array, "m d"], local_e: Int[Array, " m"], e_lo
              adapter: bool) -> Float[Array, "m d"]:
     """The local experts on received rows (``local_e == e_loc``: an unused row, output 0)."""
     order = jnp.argsort(local_e, stable=True)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     group_sizes = jnp.bincount(local_e, length=e_loc).astype(jnp.int32)  # unused rows: no group
-    y_sorted = experts.grouped(rows[order], group_sizes, adapter)
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    y_sorted = experts.grouped(permute_rows(rows, order, inverse), group_sizes, adapter)
+    y = permute_rows(y_sorted, inverse, order)
     return jnp.where((local_e < e_loc)[:, None], y, 0)
+
+
+@jax.custom_vjp
+def permute_rows(x: Float[Array, "n d"], take: Int[Array, " m"], put: Int[Array, " n"]
+                 ) -> Float[Array, "m d"]:
+    """Row ``take[i]`` of ``x`` for each ``i`` (``take[i] == n``: a zero row), where no row of
+    ``x`` is taken twice and ``put`` is the inverse map (``put[j]``: the output row holding row
+    ``j``, ``m`` where none does). Its gradient is the gather ``ct[put]``, not the scatter-add
+    of the gather's own rule: XLA:TPU scatters bf16 rows as 32-bit words, a copy of the
+    dispatch buffer at twice its size in the forward and the backward pass."""
+    return _take_rows(x, take)
+
+
+def _take_rows(x, take):
+    return jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[take]
+
+
+def _permute_fwd(x, take, put):
+    return _take_rows(x, take), (take, put)
+
+
+def _permute_bwd(res, ct):
+    take, put = res
+    return _take_rows(ct, put), None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)

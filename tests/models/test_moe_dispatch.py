@@ -15,7 +15,7 @@ from flax import nnx
 from rlx.mesh import TRAIN_RULES, MeshShape, batch_sharding, make_mesh
 from rlx.models.hparams import MoEConfig
 from rlx.models.moe import SparseMoE, expert_parallel
-from rlx.models.moe_dispatch import ExpertParallel, dispatch
+from rlx.models.moe_dispatch import ExpertParallel, dispatch, permute_rows
 from tests.helpers.moe import SIGMOID, SOFTMAX, D, F, make_layer, on_mesh
 
 MESHES = {"expert8": MeshShape(expert=8), "expert4-fsdp2": MeshShape(fsdp=2, expert=4)}
@@ -97,3 +97,18 @@ def test_an_expert_axis_that_does_not_divide_the_experts_is_refused():
                                                norm_topk_prob=True),
                                   dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)),
                         mesh, TRAIN_RULES)
+
+
+def test_permute_rows_gradient_is_a_gather():
+    """``permute_rows`` (the dispatch buffers' row moves): the value and gradient of the plain
+    gather with a zero row for index n, and no float scatter in its gradient's program."""
+    x = jax.random.normal(jax.random.key(0), (5, 3))
+    take = jnp.array([2, 5, 0, 4, 5, 1])  # 6 rows out; row 3 of x unused; 5: a zero row
+    put = jnp.array([2, 5, 0, 6, 3])  # where each row of x went (6: nowhere)
+    ct = jax.random.normal(jax.random.key(1), (6, 3))
+    plain = lambda x: jnp.concatenate([x, jnp.zeros((1, 3))])[take]  # noqa: E731
+    np.testing.assert_array_equal(permute_rows(x, take, put), plain(x))
+    grad = jax.grad(lambda x: jnp.sum(permute_rows(x, take, put) * ct))
+    np.testing.assert_array_equal(grad(x), jax.grad(lambda x: jnp.sum(plain(x) * ct))(x))
+    eqns = jax.make_jaxpr(grad)(x).jaxpr.eqns
+    assert not [e for e in eqns if e.primitive.name.startswith("scatter")]
