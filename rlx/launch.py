@@ -28,11 +28,14 @@ flags.mark_flags_as_required(["config"])
 
 
 def _one_line_orbax_errors(record) -> bool:
-    """Orbax logs a failed background write with its traceback before rlx raises it again as a
-    ``CheckpointWriteError`` naming the cause, and asyncio each of its write tasks that failed
-    too ("exception was never retrieved"): keep their lines, drop the tracebacks."""
+    """Orbax logs a failed background write with its traceback (some in the message itself)
+    before rlx raises it again as a ``CheckpointWriteError`` naming the cause, and asyncio each
+    of its write tasks that failed too ("exception was never retrieved"): keep the first line of
+    each, drop the tracebacks."""
     if record.levelno >= logging.converter.STANDARD_ERROR and (
             "orbax" in record.pathname or record.name == "asyncio"):
+        lines = record.getMessage().splitlines()
+        record.msg, record.args = (lines[0] if lines else ""), ()
         record.exc_info, record.exc_text = None, None
     return True
 
@@ -55,11 +58,16 @@ def _output_failed(run, error: OSError) -> str:
     return f"{error}. {last}. Free space, then resume with --config.resume=latest"
 
 
-def main(argv: list[str]) -> None:
-    del argv
+def quiet_logs() -> None:
+    """Warnings and errors only; library errors rlx reports itself keep one line each."""
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_logger().addFilter(_one_line_orbax_errors)
     std_logging.getLogger("asyncio").addFilter(_one_line_orbax_errors)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    quiet_logs()
     from rlx.config import parse_config
     from rlx.errors import ConfigError
     from rlx.io.checkpoint import CheckpointError
@@ -89,7 +97,15 @@ def main(argv: list[str]) -> None:
     except RolloutError as e:  # a server that did not start
         print(f"rlx: error: {e}", file=sys.stderr)
         sys.exit(4)
+    train(run)
+
+
+def train(run) -> None:
+    """Train a built run to its end, then close it; each way it can fail is one line on stderr
+    and its exit status (see the module docstring)."""
+    from rlx.io.checkpoint import CheckpointError
     from rlx.io.metrics import MetricsWriteError
+    from rlx.rollout.errors import RolloutError
     from rlx.run.loop import NonFiniteError
 
     try:
