@@ -15,9 +15,10 @@ uses the sampler's experts); without it nothing is recorded and nothing else cha
 Sampling (``sample_tokens``): greedy is ``argmax``; otherwise the logits are divided by the
 temperature, optionally cut to the ``top_k`` largest (``lax.top_k``) and/or to the nucleus (smallest
 set, in descending order, whose mass reaches ``top_p``; the token that crosses ``top_p`` is kept) and
-one token is drawn with ``jax.random.categorical``. Every row has its own key, ``fold_in(fold_in(
-key(seed), uid_hash), sample_index)``, folded with the step number at every step, so a request's
-samples do not depend on how requests were batched or padded.
+one token is drawn with ``categorical`` (a two-level inverse CDF, steady under last-bit changes
+of the logits). Every row has its own key, ``fold_in(fold_in(key(seed), uid_hash),
+sample_index)``, folded with the step number at every step, so a request's samples do not depend
+on how requests were batched or padded.
 
 The recorded log-prob is that of the *raw policy*: ``log_softmax`` of the model's f32 logits at
 temperature 1 over the whole vocabulary, evaluated at the sampled token, i.e. what the learner's
