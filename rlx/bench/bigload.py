@@ -1,7 +1,9 @@
 """``python -m rlx.bench bigload``: write a random DeepSeek-V3-architecture checkpoint in FP8
 128x128 blocks as DeepSeek ships it, load it as a mode-B base (``quant.format="shipped"``) and
 report its bytes on disk, the load time and GB/s beside the raw read speed of the same files
-(``raw_read``, from the same page-cache state), and the peak RSS of the loading process; with
+from the same page-cache state (``raw_read``: into one reused buffer, as ``cat``; and
+``read_into_new``: each tensor into a new array, in a fresh process, as a loader at least must),
+and the peak RSS of the loading process; with
 ``--step``, train it for one RL step in mode B and report that process's peak RSS and seconds.
 
 The checkpoint has DeepSeek-V2-Lite's shape (multi-head latent attention with kv_lora 512 and
@@ -230,6 +232,31 @@ def raw_read(folder: str, buffer_bytes: int = 16 << 20) -> dict:
     return {"raw_bytes": total, "raw_s": seconds, "raw_gb_per_s": total / seconds / 1e9}
 
 
+def read_into_new(folder: str) -> dict:
+    """Read every tensor of the checkpoint into a new array of its own, all kept to the end, as a
+    loader must at least do (fresh memory costs the kernel page faults and clearing that a reused
+    buffer does not); run in a fresh process (``measure_read_into_new``) like the load."""
+    from rlx.models.safetensors_io import SafetensorsFolder
+
+    tensors = SafetensorsFolder(folder)
+    names = sorted(tensors, key=tensors.position)
+    start = time.perf_counter()
+    kept = [tensors.read(name) for name in names]
+    seconds = time.perf_counter() - start
+    total = sum(a.nbytes for a in kept)
+    return {"new_bytes": total, "new_s": seconds, "new_gb_per_s": total / seconds / 1e9}
+
+
+def measure_read_into_new(folder: str) -> dict:
+    """``read_into_new`` in a child process (JAX not imported)."""
+    code = ("import json, sys; from rlx.bench.bigload import read_into_new; "
+            "print(json.dumps(read_into_new(sys.argv[1])))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True,
+                          cwd=root, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def measure_load(folder: str, extra: list[str] = ()) -> dict:
     """Dry-run load of ``folder`` as a shipped base in a child process; its peak RSS and load time."""
     proc, rss, wall = _launch(folder, ["--dry_run", *extra])
@@ -241,13 +268,17 @@ def measure_read_and_load(folder: str, cold: bool) -> dict:
     """The raw read of the files and the load, each from the same page-cache state: ``cold``
     evicts the files before each; else a first untimed read caches them (as far as memory
     allows) for both."""
-    if cold:
-        evict(folder)
-    else:
+    def ready():
+        if cold:
+            evict(folder)
+
+    if not cold:
         raw_read(folder)
+    ready()
     fig = raw_read(folder)
-    if cold:
-        evict(folder)
+    ready()
+    fig.update(measure_read_into_new(folder))
+    ready()
     return {**fig, **measure_load(folder), "page_cache": "cold" if cold else "warm"}
 
 
@@ -295,9 +326,10 @@ def main(argv: list[str]) -> int:
         print(fig.pop("summary"))
         print(f"checkpoint {disk / 1e9:.2f} GB on disk ({config['num_hidden_layers']} layers, FP8 "
               f"128x128 blocks), written in {written:.1f} s")
-        print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s (raw read of the "
-              f"files {fig['raw_gb_per_s']:.2f} GB/s, page cache {fig['page_cache']}); peak RSS "
-              f"{fig['peak_rss'] / 1e9:.2f} GB = {fig['rss_over_disk']:.2f}x the bytes on disk")
+        print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s; raw read of the "
+              f"files {fig['raw_gb_per_s']:.2f} GB/s, into new arrays {fig['new_gb_per_s']:.2f} "
+              f"GB/s (page cache {fig['page_cache']}); peak RSS {fig['peak_rss'] / 1e9:.2f} GB = "
+              f"{fig['rss_over_disk']:.2f}x the bytes on disk")
         if args.step:
             fig.update(measure_step(folder, args.step_prompts, args.step_group, args.step_tokens))
             print(f"step       {fig['step_s']:.1f} s (generate {fig['step_generate']:.1f}, log-probs "

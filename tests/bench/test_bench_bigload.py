@@ -33,6 +33,7 @@ def test_bigload_writes_deepseek_fp8_blocks_and_loads_them_as_shipped(tmp_path, 
     assert 0.08e9 < disk < 0.3e9
     assert fig["peak_rss"] <= 1.15 * disk + 2**30, fig
     assert fig["raw_bytes"] == disk and fig["page_cache"] == "warm", fig  # every shard's bytes
+    assert 0 < disk - fig["new_bytes"] < 0.01 * disk, fig  # every tensor (not the headers)
     assert os.path.exists(folder / "config.json")  # --dir: kept
 
 
