@@ -112,11 +112,13 @@ class EnvRunner:
                 self._prefilled[episodes[0].uid, episodes[0].sample_index] = counter() - before
         return [to_rollout(e, self.reward(e), sampling.logprobs) for e in episodes]
 
-    def scores(self, rollouts: Sequence[Rollout]) -> tuple[np.ndarray, list[str], list[str],
-                                                             dict[str, float]]:
+    def scores(self, rollouts: Sequence[Rollout], pool: Callable[[tuple], tuple] = tuple
+               ) -> tuple[np.ndarray, list[str], list[str], dict[str, float]]:
         """Rewards, transcripts, reasons and ``env/*`` metrics of a batch of this runner's
         rollouts (their episodes are forgotten). A rollout whose episode another process ran
-        (multi-host) keeps its reward, with its decoded tokens as text."""
+        (multi-host) keeps its reward, with its decoded tokens as text; ``pool`` (multi-host:
+        every process's items, everywhere) pools each process's per-episode figures, so the
+        metrics cover every episode of the batch."""
         with self._lock:
             found = [self._done.pop((r.prompt_uid, r.sample_index), None) for r in rollouts]
             prefilled = [self._prefilled.pop((r.prompt_uid, r.sample_index), None)
@@ -126,30 +128,40 @@ class EnvRunner:
         reasons = [f"{e.finish_reason}: {e.reward_result.reason}" if e is not None else "episode"
                    for e in found]
         rewards = np.array([r.reward for r in rollouts], np.float64)
-        metrics = episode_metrics([e for e in found if e is not None])
-        if any(n is not None for n in prefilled):
-            metrics["env/prefilled_tokens"] = float(sum(n for n in prefilled if n is not None))
+        metrics = _mean_metrics(pool(tuple(episode_figures(e) for e in found if e is not None)))
+        prefilled = pool(tuple(n for n in prefilled if n is not None))
+        if prefilled:
+            metrics["env/prefilled_tokens"] = float(sum(prefilled))
         return rewards, texts, reasons, metrics
+
+
+def episode_figures(episode: Episode) -> dict[str, float]:
+    """An episode's figures that ``episode_metrics`` averages: whether it called a tool that ran,
+    its calls, tool errors and turns, whether it is valid, its outcome and how it ended."""
+    out = {
+        "tool_call_rate": float(tool_calls(episode) > 0),
+        "tool_calls": float(tool_calls(episode)),
+        "tool_errors": float(sum(len(t.info.tool_errors) for t in episode.turns
+                                 if t.info is not None)),
+        "turns": float(len(episode.turns)),
+        "valid": float(valid(episode)),
+        "outcome": float(episode.reward),
+    }
+    out.update({f"finish_{why}": float(episode.finish_reason == why) for why in FINISH_REASONS})
+    return out
 
 
 def episode_metrics(episodes: Sequence[Episode], prefix: str = "env") -> dict[str, float]:
     """Tool-call rate (episodes with a call that ran), calls, tool errors and turns per episode,
     the fraction of valid episodes and how the episodes ended."""
-    if not episodes:
+    return _mean_metrics([episode_figures(e) for e in episodes], prefix)
+
+
+def _mean_metrics(figures: Sequence[dict[str, float]], prefix: str = "env") -> dict[str, float]:
+    """``prefix/name``: the mean of every ``episode_figures`` entry (none without episodes)."""
+    if not figures:
         return {}
-    count = lambda f: float(np.mean([f(e) for e in episodes]))  # noqa: E731
-    out = {
-        f"{prefix}/tool_call_rate": count(lambda e: tool_calls(e) > 0),
-        f"{prefix}/tool_calls": count(tool_calls),
-        f"{prefix}/tool_errors": count(lambda e: sum(len(t.info.tool_errors) for t in e.turns
-                                                     if t.info is not None)),
-        f"{prefix}/turns": count(lambda e: len(e.turns)),
-        f"{prefix}/valid": count(valid),
-        f"{prefix}/outcome": count(lambda e: e.reward),
-    }
-    out.update({f"{prefix}/finish_{why}": count(lambda e, w=why: e.finish_reason == w)
-                for why in FINISH_REASONS})
-    return out
+    return {f"{prefix}/{name}": float(np.mean([f[name] for f in figures])) for name in figures[0]}
 
 
 def evaluate_episodes(runner: EnvRunner, engine: RolloutEngine, examples: Sequence[Example],
@@ -176,5 +188,5 @@ def make_runner(tools: Sequence[str], reward: RewardFn, tokenizer: Tokenizer,
                      format_coef)
 
 
-__all__ = ["EnvRunner", "episode_metrics", "evaluate_episodes", "make_runner", "to_rollout",
-           "transcript", "valid"]
+__all__ = ["EnvRunner", "episode_figures", "episode_metrics", "evaluate_episodes", "make_runner",
+           "to_rollout", "transcript", "valid"]

@@ -227,7 +227,9 @@ class Run:
 
     def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str], list[str]]:
         if self.env is not None:  # the episodes were graded by their envs
-            rewards, texts, reasons, self._env_metrics = self.env.scores(rollouts)
+            # env/* over every process's episodes (all_examples: each process's items, everywhere)
+            rewards, texts, reasons, self._env_metrics = self.env.scores(
+                rollouts, pool=self.hosts.all_examples)
             return rewards, texts, reasons
         examples = {e.uid: e for e in batch.examples}
         own = [i for i, r in enumerate(rollouts) if r.prompt_uid in examples]  # this process's

@@ -8,8 +8,8 @@ process's data shard, rewards that differ within a group):
   episodes (as the single-turn path gathers prompts); process 1 runs none;
 * ``"per_host"``: each process's engine runs the 4 episodes of its own prompt.
 
-Either way both processes end the step with the same record (the ``env/*`` metrics are those of
-the episodes a process ran) and the same trainable parameters, which moved; every episode ran 3
+Either way both processes end the step with the same record (the ``env/*`` metrics over every
+episode, whichever process ran it) and the same trainable parameters, which moved; every episode ran 3
 turns, and the sampler/learner mismatch stays within 1e-5 (f32). The engines seed every turn by
 (step, episode, turn), so both modes draw the same tokens: the same episodes, rewards and prefilled
 tokens, and parameters within 1e-5. CI runs the primary mode; per_host and the comparison are slow.
@@ -86,7 +86,7 @@ def _processes_agree(results) -> None:
     for name in _params(first):
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
     assert max(np.abs(first[k]).max() for k in _params(first) if "lora_b" in k) > 1e-4  # moved
-    for name in (k for k in first if k.startswith("record:") and not k.startswith("record:env/")):
+    for name in (k for k in first if k.startswith("record:")):
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
     assert float(first["record:env/turns"]) == 3.0
     assert float(first["record:learner/mismatch_abs_max"]) <= TOL
@@ -99,7 +99,6 @@ def test_primary_rollouts_run_every_episode_on_process_0(primary):
     assert len(first["ran"]) == 8 and len(second["ran"]) == 0
     assert len({r.split("#")[0] for r in first["ran"]}) == 2  # both processes' prompts
     assert np.ptp(first["rewards"]) > 0
-    assert np.isnan(second["record:env/turns"])  # process 1 ran no episode
 
 
 @pytest.mark.slow  # CI: the primary mode above covers the 2-process episode path
@@ -111,9 +110,8 @@ def test_per_host_rollouts_run_each_process_its_own_episodes_alike(per_host, pri
     both, alone = primary[0], (first, second)
     for name in ("ran", "tokens", "rewards"):
         np.testing.assert_array_equal(np.concatenate([r[name] for r in alone]), both[name])
-    assert sum(float(r["record:env/prefilled_tokens"]) for r in alone) == float(
-        both["record:env/prefilled_tokens"])
-    for name in ("record:reward/mean", "record:response_length/mean"):
+    for name in ("record:reward/mean", "record:response_length/mean", "record:env/turns",
+                 "record:env/prefilled_tokens"):
         np.testing.assert_array_equal(first[name], both[name], err_msg=name)
     for name in _params(both):
         np.testing.assert_allclose(first[name], both[name], atol=TOL, rtol=0, err_msg=name)
