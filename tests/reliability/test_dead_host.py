@@ -167,9 +167,9 @@ def uninterrupted(tmp_path_factory):
     return tmp, _final_params(out)
 
 
-def _kill_and_watch(tmp, point: str):
-    """Process 0 by the CLI, process 1 killing itself at ``point``; process 0's exit status, its
-    stderr, the children it had, and the run's output folder."""
+def _kill_and_watch(tmp, point: str, kill_step: int):
+    """Process 0 by the CLI, process 1 killing itself at ``point`` of step ``kill_step``; process
+    0's exit status, its stderr, the children it had, and the run's output folder."""
     config, out = _config(tmp, point)
     port = _free_port()
     log0, log1 = open(tmp / f"{point}.0.log", "w+"), open(tmp / f"{point}.1.log", "w+")
@@ -177,7 +177,7 @@ def _kill_and_watch(tmp, point: str):
     victim = subprocess.Popen(
         [sys.executable, "-m", "tests.reliability.dead_host_driver", "--config", config,
          "--coordinator", f"127.0.0.1:{port}", "--kill-at", point, "--kill-step",
-         str(KILL_STEP)], cwd=ROOT, env=_env(tmp / "xla_cache"), stdout=subprocess.DEVNULL,
+         str(kill_step)], cwd=ROOT, env=_env(tmp / "xla_cache"), stdout=subprocess.DEVNULL,
         stderr=log1)
     children: set[int] = set()
     try:
@@ -199,8 +199,8 @@ def _read(log) -> str:
     return log.read()
 
 
-def _check_survivor(tmp, point: str) -> tuple[str, str]:
-    code, stderr, children, out, config = _kill_and_watch(tmp, point)
+def _check_survivor(tmp, point: str, kill_step: int = KILL_STEP) -> tuple[str, str]:
+    code, stderr, children, out, config = _kill_and_watch(tmp, point, kill_step)
     folder = os.path.join(out, "checkpoints")
     kept = committed_steps(folder)
     assert code == 6, stderr[-4000:]
@@ -209,8 +209,9 @@ def _check_survivor(tmp, point: str) -> tuple[str, str]:
     assert "Traceback" not in stderr and "Fatal Python error" not in stderr, stderr[-4000:]
     assert children, "the run had no child processes: the check below would prove nothing"
     assert not [c for c in children if _alive(c)], "children of process 0 outlived it"
-    # step 3 never completed on both; checkpoint 2 too may still have been in its write
-    assert 1 <= len(kept) < KILL_STEP and kept == list(range(1, len(kept) + 1)), kept
+    # step kill_step never completed on both; the checkpoint before it too may still have been
+    # in its write
+    assert 1 <= len(kept) < kill_step and kept == list(range(1, len(kept) + 1)), kept
     assert sorted(n for n in os.listdir(folder) if n.isdigit()) == [str(s) for s in kept]
     return config, out
 
@@ -223,6 +224,12 @@ def _relaunch_matches(uninterrupted, config: str, out: str) -> None:
     assert max(np.abs(v).max() for k, v in want.items() if "lora_b" in k) > 1e-3  # they moved
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=TOL, rtol=0, err_msg=k)
+
+
+def test_a_process_killed_in_the_train_step_stops_the_other(tmp_path):
+    """The survivor's side alone, at one kill point of step 2 (the whole run, every kill point
+    and the relaunch that matches the uninterrupted run: the slow test below)."""
+    _check_survivor(tmp_path, "train", kill_step=2)
 
 
 @pytest.mark.slow  # two 2-process runs and a relaunch: minutes on 2 cores
