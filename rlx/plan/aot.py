@@ -141,7 +141,10 @@ class XlaMemory:
     temp: int = 0
     seconds: float = 0.0  # compile time
     refused: str = ""  # XLA's out-of-memory message when the program does not fit
-    needed: int = 0  # the bytes that message names
+    # the bytes that message names: "the total memory required for HLO temporaries (X)", yet X
+    # is the program total, arguments included (Kimi-K2 train: 32.5 GiB of temporaries in XLA's
+    # buffer assignment + 63.5 GiB of arguments = the 96.0 GiB its refusal named)
+    needed: int = 0
 
     @property
     def total(self) -> int:
