@@ -79,12 +79,11 @@ def tensor_plan(config: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     from flax import nnx
 
     from rlx.models.config import from_hf_config
-    from rlx.models.decoder import Precision, Transformer
-    from rlx.models.hf import param_map
+    from rlx.models.hf import abstract_model, param_map
     from rlx.quant.shipped import candidates
 
     cfg = from_hf_config(config)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, Precision(), rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg)
     shapes = {"/".join(map(str, k)): tuple(v.shape) for k, v in nnx.to_flat_state(nnx.state(abstract))}
     quantized = candidates(cfg)
     out = []

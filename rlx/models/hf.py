@@ -165,6 +165,14 @@ def read_order(paths, sources: dict[str, ParamSource], tensors) -> list[str]:
     return sorted(paths, key=lambda p: tensors.position(sources[p].hf_names[0]))
 
 
+def abstract_model(cfg: ModelConfig, precision: Precision = Precision()) -> Transformer:
+    """The model's shapes, dtypes and logical axes without values (``nnx.eval_shape``), built
+    with ``rngs=None`` (zero initializers): a random-key draw per parameter inside the trace asks
+    the tracer for a sharding, whose error text walks the whole trace so far, so tracing with keys
+    takes time quadratic in the number of parameters."""
+    return nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=None))
+
+
 def load_model(
     cfg: ModelConfig, tensors: Mapping[str, np.ndarray], *, precision: Precision = Precision(),
     mesh: Mesh | None = None, rules: LogicalRules = TRAIN_RULES, skip: frozenset[str] = frozenset(),
@@ -177,7 +185,7 @@ def load_model(
     caller to replace, e.g. by a frozen quantized tensor (``rlx.quant``); ``abstract``: the
     model's ``nnx.eval_shape`` when the caller has it already (tracing it is not free)."""
     if abstract is None:
-        abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+        abstract = abstract_model(cfg, precision)
     graphdef, state = nnx.split(abstract)
     sources = param_map(cfg)
     flat = {"/".join(map(str, k)): (k, v) for k, v in nnx.to_flat_state(state)}

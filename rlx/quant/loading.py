@@ -25,8 +25,8 @@ from jax.sharding import Mesh
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import Precision, Transformer
-from rlx.models.hf import (ParamSource, check_float_checkpoint, check_tensors, load_model,
-                           param_map, read_hf_config, read_order)
+from rlx.models.hf import (ParamSource, abstract_model, check_float_checkpoint, check_tensors,
+                           load_model, param_map, read_hf_config, read_order)
 from rlx.models.loading import LoadedModel, ModelSection, load_from_section, resolve_path
 from rlx.models.moe import SparseMoE
 from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
@@ -52,7 +52,7 @@ def set_node(model: nnx.Module, path: str, value) -> None:
 
 
 def _abstract_axes(cfg, precision) -> dict[str, tuple]:
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg, precision)
     return {"/".join(map(str, k)): v.get_metadata().get("logical_axes")
             for k, v in nnx.to_flat_state(nnx.state(abstract))}
 
@@ -107,7 +107,7 @@ def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, para
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
     tensors = SafetensorsFolder(path) if tensors is None else tensors
     quantized = quantized_params(cfg, lay)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg, precision)
     flat = [("/".join(map(str, k)), v) for k, v in nnx.to_flat_state(nnx.state(abstract))]
     shapes = {p: tuple(v.shape) for p, v in flat}
     axes = {p: v.get_metadata().get("logical_axes") for p, v in flat}
@@ -228,7 +228,7 @@ def load_quantizing(cfg, tensors, q: QuantConfig, *, precision: Precision, mesh:
     whole. Equal, value for value, to ``quantize_model(load_model(...), q)``."""
     if q.format in ("none", "gguf", "shipped"):
         raise QuantConfigError(f"load_quantizing quantizes to int8 / int4 / fp8 / nf4, not {q.format!r}")
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, precision, rngs=nnx.Rngs(0)))
+    abstract = abstract_model(cfg, precision)
     which = quantized_paths(abstract, q)
     sources = param_map(cfg)
     check_tensors(cfg, tensors, {p: tuple(node_at(abstract, p).shape) for p in which})
