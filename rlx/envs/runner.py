@@ -165,11 +165,16 @@ def _mean_metrics(figures: Sequence[dict[str, float]], prefix: str = "env") -> d
 
 
 def evaluate_episodes(runner: EnvRunner, engine: RolloutEngine, examples: Sequence[Example],
-                      sampling: SamplingParams, success_threshold: float = 1.0
+                      sampling: SamplingParams, success_threshold: float = 1.0, chunk: int = 0
                       ) -> dict[str, float]:
     """One episode per example (``sampling``, e.g. greedy): ``eval/accuracy`` (outcome score >=
-    ``success_threshold``), ``eval/mean_reward`` and the ``eval/*`` tool metrics."""
-    episodes = runner.episodes(engine, examples, dataclasses.replace(sampling, n=1))
+    ``success_threshold``), ``eval/mean_reward`` and the ``eval/*`` tool metrics. ``chunk`` > 0
+    plays at most that many episodes at once (a run passes its rollout batch: the engine's KV
+    cache and the caches kept between turns grow with the episodes in flight)."""
+    one = dataclasses.replace(sampling, n=1)
+    step = chunk if chunk > 0 else max(len(examples), 1)
+    episodes = [e for i in range(0, len(examples), step)
+                for e in runner.episodes(engine, examples[i:i + step], one)]
     return {"eval/accuracy": float(np.mean([e.reward >= success_threshold for e in episodes])),
             "eval/mean_reward": float(np.mean([runner.reward(e) for e in episodes])),
             **episode_metrics(episodes, prefix="eval")}

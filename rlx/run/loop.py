@@ -386,8 +386,9 @@ class Run:
 
         t = time.perf_counter()
         if self.env is not None:
+            rows = self.cfg.data.prompts_per_step * self.cfg.rollout.group_size
             record = evaluate_episodes(self.env, self.engine, self.eval_set,
-                                       self._sampling(evaluation=True))
+                                       self._sampling(evaluation=True), chunk=rows)
             return {**record, "time/eval": time.perf_counter() - t}
         report = evaluate(self.engine, self.eval_set, self.reward, k=1,
                           sampling=self._sampling(evaluation=True), tokenizer=self.tokenizer,

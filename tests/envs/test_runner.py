@@ -21,7 +21,7 @@ from rlx.config import parse_config
 from rlx.data.chat import PromptFormat
 from rlx.data.sources import Message, user_example
 from rlx.envs.base import Observation, StepInfo, StepResult
-from rlx.envs.runner import EnvRunner, make_runner
+from rlx.envs.runner import EnvRunner, evaluate_episodes, make_runner
 from rlx.errors import ConfigError
 from rlx.rewards import RewardResult
 from rlx.types import SamplingParams
@@ -72,6 +72,23 @@ def test_episodes_become_ordered_masked_scored_rollouts(tok):
     assert metrics["env/turns"] == 3.0 and metrics["env/outcome"] == 0.5
     assert metrics["env/finish_final_answer"] == 1.0
     assert env.scores(rollouts)[3] == {}  # each episode is handed over once
+
+
+def test_evaluation_in_chunks_plays_every_example_once(tok):
+    """``chunk``: at most that many episodes at once; the same figures as one call."""
+    env = runner(tok)
+    examples = [user_example(f"calc:{i}", "toy", TASK.prompt, answer=("396", "0")[i % 2])
+                for i in range(5)]
+    engine, sizes = ScriptedEngine(tok, solver), []
+    generate = engine.generate
+    engine.generate = lambda prompts, sampling: sizes.append(len(prompts)) or generate(
+        prompts, sampling)
+    whole = evaluate_episodes(env, engine, examples, SAMPLING)
+    assert max(sizes) == 5
+    sizes.clear()
+    chunked = evaluate_episodes(env, engine, examples, SAMPLING, chunk=2)
+    assert max(sizes) == 2
+    assert chunked == whole and whole["eval/accuracy"] == 0.6
 
 
 @pytest.mark.parametrize("turn,reason,tool_text", [
