@@ -233,6 +233,8 @@ print("committed 1", flush=True)
 s2 = state(2)
 jax.block_until_ready(s2)
 ck.save(2, s2)  # returns with the write under way in a background thread
+while not any(e.startswith("2.orbax-checkpoint-tmp") for e in os.listdir(sys.argv[1])):
+    pass  # until that thread has made its temporary folder (late on a loaded machine)
 print("writing 2", flush=True)
 os.kill(os.getpid(), signal.SIGSTOP)  # freeze every thread mid-write, for the parent's SIGKILL
 ck.wait()
