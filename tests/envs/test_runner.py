@@ -25,7 +25,7 @@ from rlx.envs.runner import EnvRunner, evaluate_episodes, make_runner
 from rlx.errors import ConfigError
 from rlx.rewards import RewardResult
 from rlx.types import SamplingParams
-from tests.helpers.envs import ScriptedEngine, call, solver
+from tests.helpers.envs import ScriptedEngine, ShortTurns, call, solver
 from tests.helpers.runs import config_dict
 from tests.helpers.tokenizers import smollm2_tokenizer
 
@@ -155,37 +155,6 @@ class Chatter:
                               StepInfo(self.turn, "final_answer", reward_result=result))
         return StepResult(Observation((Message("tool", f"turn {self.turn} seen"),)), 0.0, False,
                           StepInfo(self.turn, "tool_calls", tool_calls=1))
-
-
-class ShortTurns:
-    """The run's engine with every odd token id also a stop token, so that the random policy's
-    turns end (finish "stop") after a few tokens and its episodes run all three turns."""
-
-    def __init__(self, engine):
-        self.engine, self.name = engine, engine.name
-
-    @property
-    def weight_version(self):
-        return self.engine.weight_version
-
-    def generate(self, prompts, sampling):
-        stops = (*sampling.stop_token_ids, *range(1, 49152, 2))
-        return self.engine.generate(prompts, dataclasses.replace(sampling, stop_token_ids=stops))
-
-    def score(self, sequences):
-        return self.engine.score(sequences)
-
-    def prefix_cache(self):
-        return self.engine.prefix_cache()
-
-    def prefilled_tokens(self):
-        return self.engine.prefilled_tokens()
-
-    def update_weights(self, weights, version):
-        self.engine.update_weights(weights, version)
-
-    def close(self):
-        self.engine.close()
 
 
 def _continued(rollout) -> int:

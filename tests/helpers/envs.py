@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -61,3 +62,34 @@ class ScriptedEngine:
 
     def close(self) -> None:
         pass
+
+
+class ShortTurns:
+    """The run's engine with every odd token id also a stop token, so that the random policy's
+    turns end (finish "stop") after a few tokens and its episodes run all three turns."""
+
+    def __init__(self, engine):
+        self.engine, self.name = engine, engine.name
+
+    @property
+    def weight_version(self):
+        return self.engine.weight_version
+
+    def generate(self, prompts, sampling):
+        stops = (*sampling.stop_token_ids, *range(1, 49152, 2))
+        return self.engine.generate(prompts, dataclasses.replace(sampling, stop_token_ids=stops))
+
+    def score(self, sequences):
+        return self.engine.score(sequences)
+
+    def prefix_cache(self):
+        return self.engine.prefix_cache()
+
+    def prefilled_tokens(self):
+        return self.engine.prefilled_tokens()
+
+    def update_weights(self, weights, version):
+        self.engine.update_weights(weights, version)
+
+    def close(self):
+        self.engine.close()

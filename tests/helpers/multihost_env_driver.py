@@ -14,7 +14,6 @@ this process's engine ran. ``tests/run/test_multihost_env.py`` compares them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import zlib
 
@@ -78,42 +77,13 @@ class Chatter:
                           StepInfo(self.turn, "tool_calls", tool_calls=1))
 
 
-class ShortTurns:
-    """The run's engine with every odd token id also a stop token (short turns)."""
-
-    def __init__(self, engine):
-        self.engine, self.name = engine, engine.name
-
-    @property
-    def weight_version(self):
-        return self.engine.weight_version
-
-    def generate(self, prompts, sampling):
-        stops = (*sampling.stop_token_ids, *range(1, 49152, 2))
-        return self.engine.generate(prompts, dataclasses.replace(sampling, stop_token_ids=stops))
-
-    def score(self, sequences):
-        return self.engine.score(sequences)
-
-    def prefix_cache(self):
-        return self.engine.prefix_cache()
-
-    def prefilled_tokens(self):
-        return self.engine.prefilled_tokens()
-
-    def update_weights(self, weights, version):
-        self.engine.update_weights(weights, version)
-
-    def close(self):
-        self.engine.close()
-
-
 def run(args: argparse.Namespace) -> dict[str, np.ndarray]:
     import jax
 
     from rlx.envs.runner import EnvRunner
     from rlx.run import multihost
     from rlx.run.build import build
+    from tests.helpers.envs import ShortTurns
 
     step = build(_config(args), progress=False)
     ran = []
