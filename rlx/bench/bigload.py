@@ -113,15 +113,26 @@ def _values(dtype: str, shape: tuple, rng: np.random.Generator) -> bytes:
     return (0.02 * rng.standard_normal(n, dtype=np.float32)).astype(ml_dtypes.bfloat16).tobytes()
 
 
-def write_checkpoint(folder: str, params: float, shard_bytes: int = 4 << 30, seed: int = 0) -> int:
-    """Write the checkpoint into ``folder`` (config.json, shards, index); returns bytes on disk."""
+def _tokenizer():
     from rlx.models.loading import resolve_path
     from rlx.models.tokenizer import Tokenizer
 
+    return Tokenizer.from_gguf(resolve_path(TOKENIZER))
+
+
+def checkpoint_config(params: float, tokenizer) -> dict:
+    """The ``config.json`` written for ``params`` parameters: ``hf_config`` with the
+    tokenizer's BOS / EOS ids."""
+    return {**hf_config(params), "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+
+
+def write_checkpoint(folder: str, params: float, shard_bytes: int = 4 << 30, seed: int = 0) -> int:
+    """Write the checkpoint into ``folder`` (config.json, shards, index); returns bytes on disk.
+    The index goes last: a folder without one was not written to the end."""
     os.makedirs(folder, exist_ok=True)
-    tokenizer = Tokenizer.from_gguf(resolve_path(TOKENIZER))
+    tokenizer = _tokenizer()
     tokenizer.save(folder)
-    config = {**hf_config(params), "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    config = checkpoint_config(params, tokenizer)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     plan = tensor_plan(config)
@@ -152,6 +163,43 @@ def write_checkpoint(folder: str, params: float, shard_bytes: int = 4 << 30, see
         total += os.path.getsize(os.path.join(folder, file))
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    return total
+
+
+def reuse_checkpoint(folder: str, params: float) -> int:
+    """The bytes on disk of a checkpoint ``write_checkpoint(folder, params)`` wrote before,
+    after checking it is the one it would write now: the same config.json, an index naming every
+    tensor of the plan, each file's data exactly the plan's bytes (no shard cut short)."""
+    from rlx.models.safetensors_io import read_header
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(f"--reuse: {folder} {why}; write it anew (drop --reuse) or pass the "
+                          "--params it was written with")
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError) as e:
+        raise refuse(f"has no complete checkpoint ({type(e).__name__}: {e})") from None
+    want = checkpoint_config(params, _tokenizer())
+    differ = sorted(k for k in want.keys() | config.keys() if want.get(k) != config.get(k))
+    if differ:
+        raise refuse(f"holds another checkpoint (config.json differs in {differ})")
+    plan = tensor_plan(want)
+    if set(weight_map) != {name for name, _, _ in plan}:
+        raise refuse("has an index whose tensors are not those of the plan")
+    total, data = 0, 0
+    for file in sorted(set(weight_map.values())):
+        path = os.path.join(folder, file)
+        if not os.path.exists(path):
+            raise refuse(f"lacks {file}")
+        _, start = read_header(path)
+        total += os.path.getsize(path)
+        data += os.path.getsize(path) - start
+    if data != sum(_SIZES[dtype] * int(np.prod(shape)) for _, dtype, shape in plan):
+        raise refuse("has shards whose bytes are not the plan's (cut short?)")
     return total
 
 
@@ -300,11 +348,13 @@ def measure_step(folder: str, prompts: int = 2, group: int = 2, tokens: int = 4)
             **{f"step_{k.split('/')[1]}": step[k] for k in keys if k in step}}
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlx.bench bigload", description=__doc__.split("\n")[0])
     p.add_argument("--params", type=float, default=3e8, help="parameters of the checkpoint")
     p.add_argument("--dir", default="", help="where to write it (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
+    p.add_argument("--reuse", action="store_true", help="load the checkpoint --dir holds "
+                   "instead of writing it (refused unless it is the one --params would write)")
     p.add_argument("--json", default="", help="write the figures to this file")
     p.add_argument("--cold", action="store_true", help="evict the files from the page cache "
                    "before the raw read and before the load (default: both read them cached)")
@@ -312,29 +362,52 @@ def main(argv: list[str]) -> int:
     p.add_argument("--step-prompts", type=int, default=2, help="prompts of the step")
     p.add_argument("--step-group", type=int, default=2, help="samples per prompt")
     p.add_argument("--step-tokens", type=int, default=4, help="new tokens per sample")
+    return p
+
+
+LOAD_BOUND = (1.15, 2**30)  # the issue's bound on the load's peak RSS: 1.15x the bytes on disk + 1 GiB
+STEP_BOUND = 22 * 2**30  # and on the step's
+
+
+def _print_load(fig: dict, reused: bool) -> None:
+    bound = LOAD_BOUND[0] * fig["disk_bytes"] + LOAD_BOUND[1]
+    print(f"checkpoint {fig['disk_bytes'] / 1e9:.2f} GB on disk ({fig['layers']} layers, FP8 "
+          f"128x128 blocks), {'checked' if reused else 'written'} in {fig['prepare_s']:.1f} s")
+    print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s; raw read of the "
+          f"files {fig['raw_gb_per_s']:.2f} GB/s, into new arrays {fig['new_gb_per_s']:.2f} "
+          f"GB/s (page cache {fig['page_cache']}); peak RSS {fig['peak_rss'] / 1e9:.2f} GB = "
+          f"{fig['rss_over_disk']:.2f}x the bytes on disk "
+          f"({'within' if fig['peak_rss'] <= bound else 'OVER'} 1.15x + 1 GiB = {bound / 1e9:.2f} GB)")
+
+
+def _print_step(fig: dict) -> None:
+    print(f"step       {fig['step_s']:.1f} s (generate {fig['step_generate']:.1f}, log-probs "
+          f"{fig['step_logprob']:.1f}, update {fig['step_update']:.1f}); peak RSS "
+          f"{fig['step_peak_rss'] / 2**30:.2f} GiB "
+          f"({'under' if fig['step_peak_rss'] < STEP_BOUND else 'NOT under'} 22 GiB); loss "
+          f"{fig['step_loss']:.4g} over {fig['step_tokens']:.0f} tokens, "
+          f"{fig['step_skipped']:.0f} updates skipped")
+
+
+def main(argv: list[str]) -> int:
+    p = _parser()
     args = p.parse_args(argv)
+    if args.reuse and not args.dir:
+        p.error("--reuse needs --dir (the folder written before)")
     folder = args.dir or tempfile.mkdtemp(prefix="rlx-bigload-")
     try:
         start = time.perf_counter()
-        disk = write_checkpoint(folder, args.params)
-        written = time.perf_counter() - start
+        disk = (reuse_checkpoint if args.reuse else write_checkpoint)(folder, args.params)
+        prepared = time.perf_counter() - start
         fig = measure_read_and_load(folder, args.cold)
-        config = hf_config(args.params)
-        fig.update(disk_bytes=disk, write_s=written, layers=config["num_hidden_layers"],
+        fig.update(disk_bytes=disk, prepare_s=prepared, reused=args.reuse,
+                   layers=hf_config(args.params)["num_hidden_layers"],
                    gb_per_s=disk / fig["load_s"] / 1e9, rss_over_disk=fig["peak_rss"] / disk)
         print(fig.pop("summary"))
-        print(f"checkpoint {disk / 1e9:.2f} GB on disk ({config['num_hidden_layers']} layers, FP8 "
-              f"128x128 blocks), written in {written:.1f} s")
-        print(f"load       {fig['load_s']:.1f} s = {fig['gb_per_s']:.2f} GB/s; raw read of the "
-              f"files {fig['raw_gb_per_s']:.2f} GB/s, into new arrays {fig['new_gb_per_s']:.2f} "
-              f"GB/s (page cache {fig['page_cache']}); peak RSS {fig['peak_rss'] / 1e9:.2f} GB = "
-              f"{fig['rss_over_disk']:.2f}x the bytes on disk")
+        _print_load(fig, args.reuse)
         if args.step:
             fig.update(measure_step(folder, args.step_prompts, args.step_group, args.step_tokens))
-            print(f"step       {fig['step_s']:.1f} s (generate {fig['step_generate']:.1f}, log-probs "
-                  f"{fig['step_logprob']:.1f}, update {fig['step_update']:.1f}); peak RSS "
-                  f"{fig['step_peak_rss'] / 2**30:.2f} GiB; loss {fig['step_loss']:.4g} over "
-                  f"{fig['step_tokens']:.0f} tokens")
+            _print_step(fig)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(fig, f, indent=2)

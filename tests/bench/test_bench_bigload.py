@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from rlx.bench.bigload import main
+from rlx.bench.bigload import main, reuse_checkpoint
 from rlx.models.safetensors_io import SafetensorsFolder
 
 
@@ -35,6 +35,13 @@ def test_bigload_writes_deepseek_fp8_blocks_and_loads_them_as_shipped(tmp_path, 
     assert fig["raw_bytes"] == disk and fig["page_cache"] == "warm", fig  # every shard's bytes
     assert 0 < disk - fig["new_bytes"] < 0.01 * disk, fig  # every tensor (not the headers)
     assert os.path.exists(folder / "config.json")  # --dir: kept
+    assert reuse_checkpoint(str(folder), 1e8) == disk  # --reuse takes it as written
+    with pytest.raises(ValueError, match=r"config.json differs in \['num_hidden_layers'\]"):
+        reuse_checkpoint(str(folder), 1e9)  # another --params: another checkpoint
+    shard = next(folder.glob("*.safetensors"))
+    os.truncate(shard, shard.stat().st_size - 1)
+    with pytest.raises(ValueError, match="cut short"):
+        reuse_checkpoint(str(folder), 1e8)
 
 
 @pytest.mark.slow  # about a minute: three compilations of a 4-layer model on 2 cores
