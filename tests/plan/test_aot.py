@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rlx.learner.step import compiler_options, model_forward
 from rlx.mesh import MeshShape, compiling_for, target_platform
 from rlx.models import ModelConfig, MoEConfig
 from rlx.models.kv_cache import cache_dtype
@@ -81,3 +82,15 @@ def test_a_program_over_hbm_is_refused_with_its_size(topo):
                              sharding=NamedSharding(mesh, PartitionSpec()))
     out = measure(lambda: jax.jit(lambda a: a * 2).lower(x).compile().memory_analysis())
     assert out.refused and 119 * 2 ** 30 <= out.needed <= 121 * 2 ** 30  # argument + output
+
+
+def test_a_bf16_all_reduce_compiles_with_the_train_steps_options(topo):
+    """A 2 MB bf16 sum over 8 devices (a full-parameter step's gradients, in miniature) compiles
+    for TPU7x with the train step's XLA options (``rlx.learner.step.compiler_options``: libtpu
+    offloads such all-reduces to the SparseCores and then fails to compile them)."""
+    mesh = Mesh(np.asarray(topo.devices), ("data",))
+    x = jax.ShapeDtypeStruct((8, 2 ** 20), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, PartitionSpec("data")))
+    fn = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec()),
+                 compiler_options=compiler_options(mesh, model_forward))
+    assert fn.lower(x).compile().memory_analysis().output_size_in_bytes == 2 * 2 ** 20
