@@ -9,21 +9,17 @@ trainable params to ``--out``. ``tests/run/test_multihost.py`` compares 2 x 4 ag
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
+
+from tests.helpers.multiprocess import add_process_args, start_devices
 
 MESH = dict(data=2, fsdp=2, tensor=2, expert=1)
 ROWS, STEPS = 16, 3
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", required=True)
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
-    p.add_argument("--coordinator", default="")
-    p.add_argument("--local-devices", type=int, default=8)
+    p = add_process_args(argparse.ArgumentParser(description=__doc__))
     p.add_argument("--mode", choices=("full", "lora"), default="full")
     return p.parse_args(argv)
 
@@ -77,16 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    from rlx.run import multihost
-
-    if args.num_processes > 1:
-        multihost.initialize(args.coordinator, args.num_processes, args.process_id,
-                             local_device_count=args.local_devices)
-    else:
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", args.local_devices)
+    start_devices(args, distributed=True)
     result = run(args)
     if result is not None:
         np.savez(args.out, **result)

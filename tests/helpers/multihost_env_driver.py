@@ -14,10 +14,11 @@ this process's engine ran. ``tests/run/test_multihost_env.py`` compares them.
 from __future__ import annotations
 
 import argparse
-import os
 import zlib
 
 import numpy as np
+
+from tests.helpers.multiprocess import add_process_args, start_devices
 
 # Process-count independent fields of the step record (the rest are timings and throughputs).
 COMPARED = ("learner/loss", "learner/grad_norm", "learner/mismatch_abs_max", "reward/mean",
@@ -25,13 +26,8 @@ COMPARED = ("learner/loss", "learner/grad_norm", "learner/mismatch_abs_max", "re
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", required=True)
+    p = add_process_args(argparse.ArgumentParser(description=__doc__))
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
-    p.add_argument("--coordinator", default="")
-    p.add_argument("--local-devices", type=int, default=8)
     p.add_argument("--rollouts", choices=("primary", "per_host"), default="primary")
     return p.parse_args(argv)
 
@@ -116,10 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray]:
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", args.local_devices)  # before any backend starts
+    start_devices(args, distributed=False)  # the run joins the processes from its config
     result = run(args)
     np.savez(f"{args.out}.{int(result['process_index'])}.npz", **result)
 

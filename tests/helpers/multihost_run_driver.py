@@ -12,9 +12,10 @@ step consumed (all processes') and the final trainable params to ``--out``.
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
+
+from tests.helpers.multiprocess import add_process_args, start_devices
 
 STEPS = 3
 REWARD = "test:text_hash"  # a random tiny model never solves arithmetic; this varies per sample
@@ -24,13 +25,8 @@ COMPARED = ("learner/loss", "learner/pg_loss", "learner/kl", "learner/grad_norm"
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", required=True)
+    p = add_process_args(argparse.ArgumentParser(description=__doc__))
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--num-processes", type=int, default=1)
-    p.add_argument("--process-id", type=int, default=0)
-    p.add_argument("--coordinator", default="")
-    p.add_argument("--local-devices", type=int, default=8)
     p.add_argument("--rollouts", choices=("primary", "per_host"), default="primary")
     p.add_argument("--resume-after", type=int, default=0)
     p.add_argument("--max-staleness", type=int, default=0, help="config.train.max_staleness")
@@ -143,10 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
 
 def main(argv=None) -> None:
     args = _parse(argv)
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", args.local_devices)  # before any backend starts
+    start_devices(args, distributed=False)  # the run joins the processes from its config
     result = run(args)
     if result is not None:
         np.savez(args.out, **result)

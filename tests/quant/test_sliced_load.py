@@ -6,42 +6,21 @@ load bit for bit."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
 
-from tests.helpers import ROOT
 from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.multiprocess import process_commands, run_together
 from tests.helpers.shipped import Scheme, write_shipped
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_pair(path: str, outs: list[str], timeout: float = 240) -> None:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the driver sets its own device count
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    port = _free_port()
-    cmds = [[sys.executable, "-m", "tests.helpers.sliced_load_driver", "--path", path, "--out", out,
-             "--num-processes", "2", "--process-id", str(i), "--local-devices", "4",
-             "--coordinator", f"127.0.0.1:{port}"] for i, out in enumerate(outs)]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c in cmds]
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+def _run_pair(path: str, outs: list[str]) -> None:
+    cmds = process_commands([sys.executable, "-m", "tests.helpers.sliced_load_driver", "--path",
+                             path, "--out", "", "--local-devices", "4"], 2)
+    for cmd, out in zip(cmds, outs):
+        cmd[cmd.index("--out") + 1] = out
+    run_together(cmds)
 
 
 def _covered(results) -> dict[str, int]:

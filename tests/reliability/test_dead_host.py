@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import pytest
 
 from rlx.io.checkpoint import committed_steps
 from tests.helpers import ROOT
+from tests.helpers.multiprocess import child_env, free_port
 
 STEPS, KILL_STEP, TIMEOUT_S, TOL = 5, 3, 10, 1e-5
 CONFIG = """import sys
@@ -77,16 +77,9 @@ def get_config():
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env(cache) -> dict[str, str]:
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
-                XLA_FLAGS="--xla_force_host_platform_device_count=4",
-                TOKENIZERS_PARALLELISM="false", JAX_COMPILATION_CACHE_DIR=str(cache))
+    return child_env(XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                     JAX_COMPILATION_CACHE_DIR=str(cache))
 
 
 def _config(tmp, name: str) -> tuple[str, str]:
@@ -105,7 +98,7 @@ def _launch(config: str, i: int, port: int, log, tmp, *extra: str) -> subprocess
 
 def _both(config: str, tmp, name: str, *extra: str) -> None:
     """Both processes with the CLI to the end; each must exit 0."""
-    port = _free_port()
+    port = free_port()
     logs = [open(tmp / f"{name}.{i}.log", "w+") for i in range(2)]
     procs = [_launch(config, i, port, logs[i], tmp, *extra) for i in range(2)]
     try:
@@ -171,7 +164,7 @@ def _kill_and_watch(tmp, point: str, kill_step: int):
     """Process 0 by the CLI, process 1 killing itself at ``point`` of step ``kill_step``; process
     0's exit status, its stderr, the children it had, and the run's output folder."""
     config, out = _config(tmp, point)
-    port = _free_port()
+    port = free_port()
     log0, log1 = open(tmp / f"{point}.0.log", "w+"), open(tmp / f"{point}.1.log", "w+")
     survivor = _launch(config, 0, port, log0, tmp)
     victim = subprocess.Popen(

@@ -17,50 +17,23 @@ tokens, and parameters within 1e-5. CI runs the primary mode; per_host and the c
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers.multiprocess import process_commands, run_together
 
 TOL = 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the driver sets its own device count
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
-    return env
-
-
 def _run(tmp, mode: str, timeout: float = 480) -> list[dict[str, np.ndarray]]:
     """Both processes of one mode; each one's results (process order)."""
-    out, port = tmp / mode, _free_port()
-    cmds = [[sys.executable, "-m", "tests.helpers.multihost_env_driver", "--out", str(out),
-             "--output-dir", str(tmp / f"run_{mode}"), "--num-processes", "2", "--process-id",
-             str(i), "--coordinator", f"127.0.0.1:{port}", "--local-devices", "4",
-             "--rollouts", mode] for i in range(2)]
-    procs = [subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c in cmds]
-    try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"{mode} process {i}:\n{log[-4000:]}"
+    out = tmp / mode
+    run_together(process_commands(
+        [sys.executable, "-m", "tests.helpers.multihost_env_driver", "--out", str(out),
+         "--output-dir", str(tmp / f"run_{mode}"), "--local-devices", "4", "--rollouts", mode], 2),
+        timeout=timeout, logdir=tmp)
     return [dict(np.load(f"{out}.{i}.npz")) for i in range(2)]
 
 

@@ -29,10 +29,7 @@ mismatch of the engines on 4 vs 8 devices; the adapters move by 3e-3).
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import grain
 import numpy as np
@@ -43,68 +40,23 @@ from rlx.data.pipeline import PromptBatch
 from rlx.errors import ConfigError
 from rlx.run.hosts import Hosts, ShardedPrompts
 from rlx.types import Prompt
-from tests.helpers import ROOT
+from tests.helpers.multiprocess import child_env, process_commands, run_together
 
 TOL = 1e-5
 EXACT = ("record:reward/mean", "record:response_length/mean", "record:batch/kept_frac")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(cache) -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the driver sets its own device count
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false",
-               JAX_COMPILATION_CACHE_DIR=str(cache))  # a resumed run compiles nothing again
-    return env
-
-
 def _job(out, workdir, processes: int, *extra: str) -> list[list[str]]:
     """The commands of one run: 1 process x 8 devices, or `processes` x 8/processes."""
-    base = [sys.executable, "-m", "tests.helpers.multihost_run_driver", "--out", str(out),
-            "--output-dir", str(workdir), "--local-devices", str(8 // processes), *extra]
-    if processes == 1:
-        return [base]
-    port = _free_port()
-    return [base + ["--num-processes", str(processes), "--process-id", str(i),
-                    "--coordinator", f"127.0.0.1:{port}"] for i in range(processes)]
+    return process_commands([sys.executable, "-m", "tests.helpers.multihost_run_driver", "--out",
+                             str(out), "--output-dir", str(workdir), "--local-devices",
+                             str(8 // processes), *extra], processes)
 
 
-def _run_all(cmds: list[list[str]], logdir, timeout: float = 480) -> None:
-    """Run every command at once; a failure ends the others (their peers would wait forever)."""
-    names = [f"{os.path.splitext(os.path.basename(c[c.index('--out') + 1]))[0]}.{i}" for i, c in
-             enumerate(cmds)]
-    logs = [open(os.path.join(logdir, f"{name}.log"), "w+") for name in names]
-    procs, deadline = [], time.monotonic() + timeout
-    try:
-        procs = [subprocess.Popen(c, cwd=ROOT, env=_env(os.path.join(logdir, "xla_cache")),
-                                  stdout=log, stderr=subprocess.STDOUT)
-                 for c, log in zip(cmds, logs)]
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                break
-            time.sleep(0.5)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    # the first process to fail exited with an error; the others were killed or lost their peer
-    failed = sorted((p.returncode <= 0, i) for i, p in enumerate(procs) if p.returncode != 0)
-    for _, i in failed[:1]:
-        late = f" (killed after {timeout:.0f} s)" if time.monotonic() >= deadline else ""
-        raise AssertionError(f"{' '.join(cmds[i][2:])} exited with {procs[i].returncode}{late}"
-                             f"\n{texts[i][-4000:]}")
+def _run_all(cmds: list[list[str]], logdir) -> None:
+    # a resumed run finds its programs in the compilation cache
+    env = child_env(JAX_COMPILATION_CACHE_DIR=os.path.join(logdir, "xla_cache"))
+    run_together(cmds, env, timeout=480, logdir=logdir)
 
 
 @pytest.fixture(scope="module")
