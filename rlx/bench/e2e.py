@@ -172,20 +172,25 @@ def build_sides(names, spec: E2ESpec, src: ModelSource, tunix_python: str = "") 
 
 
 HEADER = ["side", "samples/step", "step s", "samples/s", "speed vs trl", "speed vs tunix",
-          "completion tokens", "generate s", "score s", "update s", "peak RSS GB"]
+          "completion tokens", "generate s", "score s", "update s", "peak RSS GB",
+          "samples/CPU-s", "per CPU-s vs trl", "per CPU-s vs tunix"]
 
 
 def summarize(results, labels) -> list[list]:
+    """Table rows (``HEADER``); the per-CPU-second figures count every thread of the side's worker
+    (a loaded machine changes them less than the wall-clock rates)."""
     peers = {p: results.rate(p, "samples") for p in PEERS if p in labels}
+    per_cpu = {p: results.rate(p, "samples", "cpu_s") for p in labels}
     rows = []
     for label in labels:
         rate, first = results.rate(label, "samples"), results.runs[label][0]
         phases = [results.median(label, f"{p}_s") if f"{p}_s" in first else "-"
                   for p in ("generate", "score", "update")]
         speed = [f"{rate / peers[p]:.2f}x" if p in peers else "-" for p in PEERS]
+        cpu = [f"{per_cpu[label] / per_cpu[p]:.2f}x" if p in peers else "-" for p in PEERS]
         rows.append([label, int(results.median(label, "samples")), results.median(label, "seconds"),
                      rate, *speed, int(results.median(label, "completion_tokens")), *phases,
-                     results.median(label, "peak_rss_mb") / 1024.0])
+                     results.median(label, "peak_rss_mb") / 1024.0, per_cpu[label], *cpu])
     return rows
 
 

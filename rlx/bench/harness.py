@@ -6,7 +6,10 @@ returns a callable that runs one repetition and returns its figures (``{"tokens"
 11.3}``, any floats). The parent asks the workers in turn (A B A B ...), so slow drifts of a shared
 machine hit every side alike, and reports medians. Separate processes keep the thread pools of
 PyTorch and XLA from competing and give each side its own peak RSS (``ru_maxrss``, reported with
-every repetition as ``peak_rss_mb``).
+every repetition as ``peak_rss_mb``) and CPU time (``cpu_s``: every thread of the worker during the
+repetition, unless the side reports its own, e.g. a server's process group). On a machine shared
+with other jobs the wall-clock rate also measures how much CPU each side gets; the CPU-time rate
+only the work it needs.
 
 A side may serve several *cases* (e.g. greedy and sampled decoding): its callable then takes the
 case as its one argument, ``interleave(..., cases=("greedy", "sampled"))`` runs every case of every

@@ -231,23 +231,27 @@ def build_sides(names, spec: LearnerSpec, src: ModelSource, tunix_python: str = 
 
 
 def summarize(results, labels) -> list[list]:
-    """Table rows: side, tokens per update, update s, tokens/s, x peft, x tunix, peak RSS, x peft."""
-    peer_rate = results.rate(PEER, "tokens") if PEER in labels else None
-    tunix_rate = results.rate("tunix", "tokens") if "tunix" in labels else None
+    """Table rows (``HEADER``); tokens per CPU-second count every thread of the side's worker."""
     peer_rss = results.median(PEER, "peak_rss_mb") if PEER in labels else None
     rows = []
     for label in labels:
         rate, rss = results.rate(label, "tokens"), results.median(label, "peak_rss_mb")
+        cpu = results.rate(label, "tokens", "cpu_s")
         rows.append([label, int(results.median(label, "tokens")),
-                     results.median(label, "seconds"), rate,
-                     f"{rate / peer_rate:.2f}x" if peer_rate else "-",
-                     f"{rate / tunix_rate:.2f}x" if tunix_rate else "-", rss / 1024.0,
-                     f"{rss / peer_rss:.2f}x" if peer_rss else "-"])
+                     results.median(label, "seconds"), rate, *_versus(results, labels, rate),
+                     rss / 1024.0, f"{rss / peer_rss:.2f}x" if peer_rss else "-", cpu,
+                     *_versus(results, labels, cpu, "cpu_s")])
     return rows
 
 
+def _versus(results, labels, value: float, seconds: str = "seconds") -> list[str]:
+    """``value`` over PEFT's and Tunix's rate (``tokens`` per ``seconds``), "-" for a missing peer."""
+    return [f"{value / results.rate(p, 'tokens', seconds):.2f}x" if p in labels else "-"
+            for p in (PEER, "tunix")]
+
+
 HEADER = ["side", "tokens/update", "update s", "tokens/s", "speed vs peft", "speed vs tunix",
-          "peak RSS GB", "RSS vs peft"]
+          "peak RSS GB", "RSS vs peft", "tokens/CPU-s", "per CPU-s vs peft", "per CPU-s vs tunix"]
 
 
 def parse_args(argv):

@@ -31,7 +31,9 @@ def main() -> int:
         if msg != "run" and not (isinstance(msg, dict) and "run" in msg):
             break
         try:
+            cpu = time.process_time()  # every thread of this process
             figures = dict(run() if msg == "run" else run(msg["run"]))
+            figures.setdefault("cpu_s", time.process_time() - cpu)
         except Exception as e:
             traceback.print_exc()
             send({"error": f"{type(e).__name__}: {e}"})

@@ -33,6 +33,7 @@ def test_e2e_bench_tiny(tmp_path, tmp_path_factory, capsys):
         # samples / seconds (the median of one value is that value)
         step_s, rate = rows[side][2], rows[side][3]
         assert step_s == r["seconds"] and rate == r["samples"] / r["seconds"], (side, rows[side])
+        assert r["cpu_s"] > 0 and rows[side][11] == r["samples"] / r["cpu_s"], (side, r)
     assert rows["rlx-f32"][4] == f"{rows['rlx-f32'][3] / rows['trl'][3]:.2f}x"
     rlx = record["runs"]["rlx-f32"][0]
     assert rlx["generate_s"] > 0 and rlx["update_s"] > 0

@@ -35,6 +35,9 @@ def test_learner_bench_tiny_matches_trl_loss(tmp_path, tmp_path_factory, capsys)
     assert abs(rlx["grad_norm"] - peft["grad_norm"]) <= 1e-4 * peft["grad_norm"]
     assert peft["grad_norm"] > 0
     assert record["rows"][1][4] == "1.00x" and record["rows"][0][3] > 0
+    # one measured repetition: tokens per CPU-second is its tokens over its worker's CPU time
+    assert record["rows"][1][9] == "1.00x" and all(r["cpu_s"] > 0 for r in runs.values())
+    assert record["rows"][0][8] == rlx["tokens"] / rlx["cpu_s"]
 
 
 def test_learner_bench_tunix_side_tiny(tmp_path, tmp_path_factory, capsys):
