@@ -280,15 +280,19 @@ def raw_read(folder: str, buffer_bytes: int = 16 << 20) -> dict:
 
 
 def read_into_new(folder: str) -> dict:
-    """Read every tensor of the checkpoint into a new array of its own, all kept to the end, as a
-    loader must at least do (fresh memory costs the kernel page faults and clearing that a reused
-    buffer does not); run in a fresh process (``measure_read_into_new``) like the load."""
-    from rlx.models.safetensors_io import SafetensorsFolder
+    """Read every tensor of the checkpoint into a new array of its own (allocated as the loader
+    allocates, ``host_layout.aligned_empty``), all kept to the end, as a loader must at least do
+    (fresh memory costs the kernel page faults and clearing that a reused buffer does not); run
+    in a fresh process (``measure_read_into_new``) like the load."""
+    from rlx.models.host_layout import aligned_empty
+    from rlx.models.safetensors_io import DTYPES, SafetensorsFolder
 
     tensors = SafetensorsFolder(folder)
     names = sorted(tensors, key=tensors.position)
     start = time.perf_counter()
-    kept = [tensors.read(name) for name in names]
+    kept = [tensors.read(name, out=aligned_empty(tensors.shape(name),
+                                                 DTYPES[tensors.dtype_name(name)]))
+            for name in names]
     seconds = time.perf_counter() - start
     total = sum(a.nbytes for a in kept)
     return {"new_bytes": total, "new_s": seconds, "new_gb_per_s": total / seconds / 1e9}

@@ -8,7 +8,9 @@ compile. So where every device of a sharding is a CPU device, each device's slic
 straight into rlx's layout here: the HF rows it needs are read a chunk at a time
 (``CHUNK_BYTES``, a buffer that stays in cache) and transposed into a 64-byte aligned array,
 which XLA:CPU then takes as its buffer without copying it (``jax.device_put`` aliases aligned host
-memory). The file's bytes are read once, in order, and copied once.
+memory). The file's bytes are read once, in order, and copied once. Large arrays are anonymous
+mappings of their own (``aligned_empty``), so their pages follow the kernel's huge-page policy
+rather than numpy's own advice.
 
 ``transpose_into`` moves 8-byte words first (a ``[r, k]`` array of 1-, 2- or 4-byte elements
 viewed as ``[r, k / m]`` words of ``m`` elements, transposed), then spreads each word's ``m``
@@ -19,12 +21,14 @@ per byte.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 ALIGN = 64  # XLA:CPU aliases host buffers aligned to this many bytes instead of copying them
 CHUNK_BYTES = 1 << 20  # HF rows read and transposed at a time
+MAPPED_BYTES = 1 << 20  # arrays from this size on get an anonymous mapping of their own
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # read(name, index, out) -> out: the ``index`` slice of tensor ``name`` written into ``out``
@@ -37,9 +41,15 @@ def on_host(sharding) -> bool:
 
 
 def aligned_empty(shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on an ``ALIGN``-byte boundary."""
+    """An uninitialised C-contiguous array whose data starts on an ``ALIGN``-byte boundary.
+    From ``MAPPED_BYTES`` on it is its own anonymous mapping (page-aligned), whose pages follow
+    the kernel's transparent-huge-page policy: numpy's allocator advises huge pages for its large
+    arrays whatever that policy, and where first-touched huge pages are slower to provide than
+    small ones (see rlx/bench/README.md, Bigload) that advice slows a load down."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
+    if n >= MAPPED_BYTES:
+        return np.frombuffer(mmap.mmap(-1, n), np.uint8).view(dtype).reshape(shape)
     raw = np.empty(n + ALIGN, np.uint8)
     start = -raw.ctypes.data % ALIGN
     return raw[start:start + n].view(dtype).reshape(shape)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -15,11 +16,23 @@ import pytest
 from flax import nnx
 
 from rlx.mesh import MeshShape, make_mesh
-from rlx.models.host_layout import ALIGN, once_per_index, read_transposed, transpose_into
+from rlx.models.host_layout import (ALIGN, MAPPED_BYTES, aligned_empty, once_per_index,
+                                    read_transposed, transpose_into)
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.quant.loading import load_shipped
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.shipped import Scheme, write_shipped
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (MAPPED_BYTES // 2 + 1, 2)])  # numpy's; a mapping
+def test_aligned_empty_is_taken_by_xla_cpu_without_a_copy(shape):
+    a = aligned_empty(shape, ml_dtypes.bfloat16)
+    assert a.shape == shape and a.flags.c_contiguous and a.flags.writeable
+    assert a.ctypes.data % ALIGN == 0
+    a[...] = 1.5
+    x = jax.device_put(a, jax.devices("cpu")[0])
+    assert x.unsafe_buffer_pointer() == a.ctypes.data  # aliased, not copied
+    assert (np.asarray(x) == np.full(shape, 1.5, ml_dtypes.bfloat16)).all()
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, ml_dtypes.float8_e4m3fn, ml_dtypes.bfloat16,
