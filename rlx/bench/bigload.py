@@ -23,8 +23,9 @@ under ``/usr/bin/time -v``: its maximum resident set size is the peak of the who
 The step (``--step``) is ``python -m rlx.launch`` with ``STEP_FLAGS`` in a child process under
 ``/usr/bin/time -v``: LoRA r4 on attention (q, kv_a, kv_b, o) and on the dense and shared-expert
 MLPs (not on the routed experts), the built-in engine, ``--step-prompts`` prompts x
-``--step-group`` samples of ``--step-tokens`` new tokens, bf16 compute, per-layer remat; its
-seconds are the loop's ``time/step`` (generate, score, log-probs, update; compiles included).
+``--step-group`` samples of ``--step-tokens`` new tokens, bf16 compute, per-layer remat, graded by
+``StandInReward`` (a random base never answers right); its seconds are the loop's ``time/step``
+(generate, score, log-probs, update; compiles included).
 """
 
 from __future__ import annotations
@@ -38,9 +39,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 import ml_dtypes
 import numpy as np
+
+from rlx.rewards import RewardResult
 
 LITE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
             num_attention_heads=16, kv_lora_rank=512, n_routed_experts=64, num_experts_per_tok=6,
@@ -211,10 +215,29 @@ STEP_FLAGS = ("--config.model.dtype=bfloat16", "--config.train.remat=layer",
               "--config.train.checkpoint_every=0", "--config.train.sample_every=0")
 
 
-# the step's config: configs/tiny.py with adapters on the MLPs but not on the routed experts
+STEP_REWARD = "bigload_stand_in"
+
+
+class StandInReward:
+    """The step's reward: a score in [0, 1) that differs between distinct completions (the CRC-32
+    of the text). A random base's answers all score 0 under the math reward, so its advantages,
+    loss and gradient would be 0; with this one the update moves the adapter."""
+
+    def __call__(self, completion: str, sample) -> RewardResult:
+        return RewardResult(score=zlib.crc32(completion.encode()) / 2**32, reason="stand-in")
+
+
+# the step's config: configs/tiny.py with adapters on the MLPs but not on the routed experts,
+# graded by StandInReward
 STEP_CONFIG = """import importlib.util
 
 import ml_collections
+
+from rlx.bench.bigload import STEP_REWARD, StandInReward
+from rlx.rewards import available_rewards, register
+
+if STEP_REWARD not in available_rewards():
+    register(STEP_REWARD, StandInReward)
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -223,6 +246,7 @@ def get_config() -> ml_collections.ConfigDict:
     spec.loader.exec_module(tiny)
     c = tiny.get_config()
     c.lora.experts = False  # adapters on attention, the dense MLP and the shared experts
+    c.train.reward = STEP_REWARD
     return c
 """
 

@@ -52,4 +52,5 @@ def test_bigload_step_trains_one_mode_b_step_on_the_shipped_base(tmp_path, capsy
     assert "step " in capsys.readouterr().out
     assert fig["step_skipped"] == 0 and fig["step_sequences"] == 4, fig  # 2 prompts x 2 samples
     assert 4 <= fig["step_tokens"] <= 8 and math.isfinite(fig["step_loss"]), fig
+    assert fig["step_grad_norm"] > 0, fig  # the stand-in reward's advantages move the adapter
     assert fig["step_peak_rss"] < 4 * 2**30, fig
