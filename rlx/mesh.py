@@ -3,8 +3,10 @@
 One mesh with four named axes, ``(data, fsdp, tensor, expert)``. Parameters and activations carry
 *logical* axis names (``embed``, ``mlp``, ``heads``, ...); a rules table maps each logical name to
 mesh axes. Training and sampling use different tables: training shards weights over ``fsdp`` (ZeRO-3
-style, gathered per layer by XLA), sampling keeps weights whole along ``fsdp`` and only splits them
-over ``tensor``/``expert`` so that a decode step needs no weight all-gather.
+style, gathered per layer by XLA; the ``expert`` devices hold such shards too, gathered per layer
+by the scan, ``gathered_rules``), sampling keeps weights whole along ``fsdp`` and only splits them
+over ``tensor``/``expert`` so that a decode step needs no weight all-gather (the built-in engine's
+own copies; the learner's frozen base, which it reads as placed, is gathered layer by layer).
 
 The mesh is always passed explicitly; nothing here reads a global mesh. Axes are created as
 ``AxisType.Auto`` on purpose: GSPMD propagates shardings from the parameters and the batch, which is
@@ -30,11 +32,17 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 LogicalRules = tuple[tuple[str, tuple[str, ...] | str | None], ...]
 
-# logical name -> mesh axes. Order of the table matters only for readability.
+# logical name -> mesh axes. Order of the table matters only for readability. Training stores
+# every weight's ``embed`` dimension (and MLA's latent ranks) split over ``fsdp`` and ``expert``:
+# the expert devices hold FSDP shards of the attention, dense and shared-expert weights, which
+# scanned layers gather one layer at a time (``gathered_rules``, ``rlx.models.stack.scan``). A
+# weight whose ``expert`` dimension comes first (routed experts) keeps that axis for its experts.
 TRAIN_RULES: LogicalRules = (
     ("batch", ("data", "fsdp", "expert")),
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "expert")),
+    ("q_lora", ("fsdp", "expert")),
+    ("kv_lora", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -56,6 +64,18 @@ SAMPLE_RULES: LogicalRules = (
     ("norm", None),
     ("lora_rank", None),
 )
+
+
+def gathered_rules(rules: LogicalRules) -> LogicalRules:
+    """``rules`` as a layer's weights are used: the ``expert`` mesh axis holds only experts and
+    tokens (``expert``, ``batch``); its FSDP shards of every other dimension are gathered."""
+    def drop(target):
+        names = (target,) if isinstance(target, str) else tuple(target or ())
+        kept = tuple(a for a in names if a != "expert")
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return tuple((name, target if name in ("expert", "batch") else drop(target))
+                 for name, target in rules)
 
 
 @dataclasses.dataclass(frozen=True)

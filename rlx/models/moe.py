@@ -49,11 +49,12 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from rlx.mesh import LogicalRules, target_platform
+from rlx.mesh import LogicalRules, gathered_rules, target_platform
 from rlx.models.grouped import grouped_matmul
 from rlx.models.hparams import MoEConfig
 from rlx.models.layers import Linear, param, quantize_activations, weight_value
 from rlx.models.moe_dispatch import ExpertParallel, dispatch
+from rlx.models.stack import LayerGather, LayerStack
 
 MOE_IMPLS = ("ragged", "dense")  # the two implementations above (config.model.moe_impl)
 
@@ -280,9 +281,13 @@ def expert_parallel(model: nnx.Module, mesh: Mesh | None, rules: LogicalRules,
                     capacity_factor: float | None = None) -> nnx.Module:
     """Make every ``ragged`` MoE layer of ``model`` dispatch tokens to experts split over
     ``mesh``'s expert axis (``rlx.models.moe_dispatch``), or run them whole where the expert axis
-    is 1 or ``mesh`` is None; in place, returns ``model``."""
+    is 1 or ``mesh`` is None; and, with the expert axis split, every stack of scanned layers
+    gather its weights' FSDP shards over the expert devices one layer at a time
+    (``rlx.models.stack.LayerGather``); in place, returns ``model``."""
     ep = None if mesh is None else ExpertParallel.of(mesh, rules, capacity_factor)
     for _, node in nnx.iter_graph(model):
+        if isinstance(node, LayerStack):
+            node.gather = None if ep is None else LayerGather(mesh, gathered_rules(rules))
         if isinstance(node, SparseMoE):
             e = node.routing.num_experts
             if ep is not None and node.impl == "ragged" and e % ep.experts_split:

@@ -21,22 +21,46 @@ agree to rounding, ``tests/models/test_scan_layers.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+
+from rlx.mesh import LogicalRules, named_sharding
 
 LAYERS = "layers"  # logical name of the stacked axis (no mesh axis in any rules table)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerGather:
+    """Where ``scan`` puts each layer's weights before the layer runs: on ``mesh`` by their
+    logical axes under ``rules`` (``rlx.mesh.gathered_rules``: the expert devices' FSDP shards
+    gathered), so that one layer's gathered copy exists at a time, inside the loop."""
+
+    mesh: Mesh
+    rules: LogicalRules
+
+    def place(self, var: nnx.Variable, value):
+        """``value`` (one layer of the stacked ``var``) constrained to its gathered sharding."""
+        axes = var.get_metadata().get("logical_axes")
+        if axes is None or len(axes) != value.ndim + 1:
+            return value
+        sharding = named_sharding(self.mesh, tuple(axes)[1:], self.rules, value.shape)
+        return jax.lax.with_sharding_constraint(value, sharding)
+
+
 class LayerStack(nnx.Module):
     """``count`` decoder layers from layer ``first`` on, as one ``block`` whose variables carry
-    the layer axis first."""
+    the layer axis first; ``gather`` (a ``LayerGather``, set by ``rlx.models.moe.expert_parallel``
+    on a mesh whose expert devices hold FSDP shards) places each layer's weights inside the scan."""
 
     def __init__(self, block: nnx.Module, first: int, count: int):
         self.block, self.first, self.count = block, first, count
+        self.gather: LayerGather | None = None
 
 
 def layer_runs(kinds: list) -> tuple[tuple[int, int], ...]:
@@ -149,15 +173,19 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
          unroll: bool = False):
     """``jax.lax.scan`` of ``fn(block, carry, x) -> (carry, y)`` over the layers of ``stack``:
     ``block`` is one layer (its variables sliced, their logical axes those of an unstacked
-    layer), ``x`` that layer's slice of ``xs``. ``remat``: each layer is a ``jax.checkpoint``
+    layer), ``x`` that layer's slice of ``xs``; with ``stack.gather`` each layer's weights are
+    gathered inside the loop body (under remat: again in the backward pass). ``remat``: each layer is a ``jax.checkpoint``
     (with checkpoint ``policy``), as ``rlx.learner.step.remat_forward`` does unrolled.
     ``unroll``: the scan unrolled (static slices; one layer copy per layer in the program)."""
     graphdef, state = nnx.split(stack.block)
     flat = nnx.to_flat_state(state)
     values = [v[...] for _, v in flat]
+    gather = getattr(stack, "gather", None)
 
     def body(carry, inputs):
         layer_values, x = inputs
+        if gather is not None:
+            layer_values = [gather.place(v, value) for (_, v), value in zip(flat, layer_values)]
         layer = nnx.from_flat_state([(p, _with_axes(v, value, lead=False))
                                      for (p, v), value in zip(flat, layer_values)])
         return fn(nnx.merge(graphdef, layer), carry, x)
@@ -263,6 +291,6 @@ def scan_default(num_layers: int) -> bool:
 
 SCAN_FROM_LAYERS = 16
 
-__all__ = ["LAYERS", "LayerStack", "layer_runs", "is_stacked", "stack_blocks", "unstack_block",
+__all__ = ["LAYERS", "LayerGather", "LayerStack", "layer_runs", "is_stacked", "stack_blocks", "unstack_block",
            "stack_layers", "unstack_layers", "unrolled", "scan", "layer_counts", "LayerSlice", "per_layer_tree",
            "stacked_tree", "scan_default", "SCAN_FROM_LAYERS"]

@@ -38,12 +38,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rlx.learner.state import MODES, variable_shardings
-from rlx.mesh import SAMPLE_RULES, batch_sharding, batch_shards, compiling_for, make_mesh
+from rlx.mesh import (SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards, compiling_for,
+                      make_mesh)
 from rlx.models.moe import expert_parallel
 from rlx.plan.memory import compiled_bytes, step_features
 from rlx.plan.planner import (GB, Plan, format_plan, load_config_file, parse_mesh, plan,
                               spec_from_config)
-from rlx.plan.spec import PlanSpec, abstract_model
+from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
 from rlx.rollout.jax_engine import Buckets, cache_sharding
 from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch
 
@@ -207,7 +208,7 @@ def _generate_lowered(spec: PlanSpec, mesh):
                             spec.moe_capacity_factor or None)  # as the engine's _eval_split
     model.eval()
     graphdef, state = nnx.split(model)
-    shardings = variable_shardings(state, mesh, SAMPLE_RULES)
+    shardings = _engine_shardings(state, mesh, spec)
     rows, prompt, new = generate_shapes(spec)
     kv = cache_sharding(mesh, spec.model, SAMPLE_RULES, batch_shards(mesh, SAMPLE_RULES))
     static = GenerateStatic(graphdef, SamplerSpec(), new, True, kv,
@@ -224,6 +225,18 @@ def _generate_lowered(spec: PlanSpec, mesh):
                  in_shardings=(shardings, *(a.sharding for a in args)),
                  out_shardings=(row2, row2, row1, row1))
     return fn.lower(_abstract(state, shardings), *args)
+
+
+def _engine_shardings(state, mesh, spec: PlanSpec):
+    """The engine's variables where a run holds them: the frozen base as the learner placed it
+    (``TRAIN_RULES``: the engine reads the learner's own arrays, ``rlx.run.engines``), the
+    trainable variables by the sampling rules."""
+    frozen = nnx.Not(trainable_filter(spec))
+    train = nnx.to_flat_state(variable_shardings(state, mesh, TRAIN_RULES))
+    sample = nnx.to_flat_state(variable_shardings(state, mesh, SAMPLE_RULES))
+    held = {tuple(p) for p, _ in nnx.to_flat_state(nnx.filter_state(state, frozen))}
+    return nnx.from_flat_state([(p, t if tuple(p) in held else s)
+                                for (p, t), (_, s) in zip(train, sample)])
 
 
 def compile_sample(spec: PlanSpec, topo: Topology) -> XlaMemory:

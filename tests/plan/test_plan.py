@@ -65,13 +65,15 @@ KIMI = os.path.join(ROOT, "configs", "kimi_k2.py")
 GLM = os.path.join(ROOT, "configs", "glm45_air.py")
 
 
-def test_kimi_k2_lora_fits_one_node_synchronous_two_one_step_off():
+def test_kimi_k2_lora_fits_one_node_synchronous_or_one_step_off():
     """configs/kimi_k2.py, a run config planned as the run it describes: Kimi-K2's architecture
-    (1.026T parameters, multi-head latent attention), int4 experts + LoRA on 8 x 141 GB. The run
-    is synchronous: the built-in engine samples from the learner's own arrays, base and adapters,
-    and it fits one node. One-step-off, the engine's copy of the adapters puts it over. Full
-    mode needs 14 nodes synchronous; one-step-off, its engine's copy of every parameter is whole
-    along fsdp and no node count fits it."""
+    (1.026T parameters, multi-head latent attention), int4 experts + LoRA on 8 x 141 GB. The
+    learner keeps the attention, dense and shared-expert weights and the adapters' ``embed``
+    dimensions split over the expert devices (``rlx.mesh.TRAIN_RULES``). The run is synchronous:
+    the built-in engine samples from the learner's own arrays, base and adapters, and it fits one
+    node; one-step-off, the engine's copy of the adapters (whole along ``embed``: the sampling
+    rules) still fits it. Full mode needs 14 nodes synchronous; one-step-off, its engine's copy of
+    every parameter is whole along fsdp and no node count fits it."""
     spec = spec_from_config(load_config_file(KIMI))
     assert 1.0e12 < spec.model.num_params() < 1.1e12 and spec.mesh.num_devices == 8
     assert spec.model.mla is not None and spec.max_staleness == 0
@@ -80,12 +82,12 @@ def test_kimi_k2_lora_fits_one_node_synchronous_two_one_step_off():
     assert b.bytes["frozen"] > 0.5 * b.peak  # the int4 experts, held once
     assert b.bytes["engine"] == 0 and b.fits and nodes_needed(spec, 141) == 1
     off = plan(spec.replace(max_staleness=1), hbm_gb=141)
-    assert off.bytes["engine"] == b.bytes["trainable"]  # fsdp=1: sampling, training layouts agree
-    assert off.train_peak - off.bytes["engine"] == b.train_peak <= 141e9 * 0.92 < off.train_peak
-    assert nodes_needed(spec.replace(max_staleness=1), 141) == 2
+    assert off.bytes["engine"] > b.bytes["trainable"]  # the sampling layout: LoRA A whole
+    assert off.train_peak - off.bytes["engine"] == b.train_peak < off.train_peak <= 141e9 * 0.92
+    assert nodes_needed(spec.replace(max_staleness=1), 141) == 1
     a = plan(spec.replace(mode="full", max_staleness=1), hbm_gb=141)
     assert not a.fits and a.bytes["frozen"] == 60 * 384 * 4  # the f32 correction biases
-    assert a.bytes["optimizer"] == 2 * a.bytes["trainable"] == 2 * a.bytes["engine"]
+    assert a.bytes["optimizer"] == 2 * a.bytes["trainable"] < 2 * a.bytes["engine"]
     two = plan(spec.replace(mode="full", max_staleness=1,
                             mesh=dataclasses.replace(spec.mesh, fsdp=2)), 141)
     assert two.bytes["engine"] == a.bytes["engine"] > two.bytes["trainable"]
