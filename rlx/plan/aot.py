@@ -228,13 +228,14 @@ def _generate_lowered(spec: PlanSpec, mesh):
 
 
 def _engine_shardings(state, mesh, spec: PlanSpec):
-    """The engine's variables where a run holds them: the frozen base as the learner placed it
-    (``TRAIN_RULES``: the engine reads the learner's own arrays, ``rlx.run.engines``), the
-    trainable variables by the sampling rules."""
-    frozen = nnx.Not(trainable_filter(spec))
+    """The engine's variables where a run holds them (``rlx.run.engines``): the frozen base as
+    the learner placed it (``TRAIN_RULES``: the engine reads the learner's own arrays), and so
+    the trainable variables of a synchronous run; an asynchronous run's engine copies those by
+    the sampling rules."""
+    shared = nnx.Not(trainable_filter(spec)) if spec.max_staleness else ...
     train = nnx.to_flat_state(variable_shardings(state, mesh, TRAIN_RULES))
     sample = nnx.to_flat_state(variable_shardings(state, mesh, SAMPLE_RULES))
-    held = {tuple(p) for p, _ in nnx.to_flat_state(nnx.filter_state(state, frozen))}
+    held = {tuple(p) for p, _ in nnx.to_flat_state(nnx.filter_state(state, shared))}
     return nnx.from_flat_state([(p, t if tuple(p) in held else s)
                                 for (p, t), (_, s) in zip(train, sample)])
 

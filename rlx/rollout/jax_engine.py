@@ -245,14 +245,24 @@ class JaxEngine:
         """Whether a ``shared`` variable is held as it is: a device array already."""
         return tuple(path) in self._shared and isinstance(variable.get_value(), jax.Array)
 
+    def _as_placed(self, path: tuple, variable: nnx.Variable) -> bool:
+        """Whether the engine reads ``variable`` on its own sharding: a held shared array, or,
+        when the engine copies no weights, any array already placed on the engine's mesh (the
+        learner's adapters, split by the training rules)."""
+        value = variable.get_value()
+        sharding = getattr(value, "sharding", None)
+        return self._held(path, variable) or (
+            not self.copy_weights and isinstance(sharding, NamedSharding)
+            and sharding.mesh == self.mesh)
+
     def _targets(self, state: nnx.State) -> nnx.State | None:
         """The engine's sharding of each variable (None without a mesh): the sampling rules'
-        (``self.rules``), a held shared array its own."""
+        (``self.rules``), an array read as placed (``_as_placed``) its own."""
         if self.mesh is None:
             return None
         rule = nnx.to_flat_state(variable_shardings(state, self.mesh, self.rules))
         return nnx.from_flat_state([
-            (p, v.get_value().sharding if self._held(p, v) else s)
+            (p, v.get_value().sharding if self._as_placed(p, v) else s)
             for (p, v), (_, s) in zip(nnx.to_flat_state(state), rule)])
 
     def _place(self, state: nnx.State, targets: nnx.State | None, fresh=frozenset()) -> nnx.State:

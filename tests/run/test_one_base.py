@@ -35,7 +35,9 @@ def _held(run) -> tuple[list, list]:
     ("int8", {"mesh.data": 8}, 0),
     pytest.param("int8", {"mesh.data": 8}, 1, marks=pytest.mark.slow),
     pytest.param("int4", {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}, 0,
-                 marks=pytest.mark.slow)])  # CI time
+                 marks=pytest.mark.slow),
+    # the adapters split over the expert devices (training rules), read as placed
+    pytest.param("int8", {"mesh.data": 2, "mesh.expert": 4}, 0, marks=pytest.mark.slow)])
 def test_the_built_run_holds_its_base_once(tmp_path, fmt, mesh, staleness):
     before = jax.live_arrays()  # kept alive: no array made by build reuses one of their ids
     run = build(run_config("tiny", tmp_path, **{"quant.format": fmt, "train.steps": 1,
