@@ -41,7 +41,7 @@ from rlx.learner.state import MODES, variable_shardings
 from rlx.mesh import (SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards, compiling_for,
                       make_mesh)
 from rlx.models.moe import expert_parallel
-from rlx.plan.memory import compiled_bytes, step_features
+from rlx.plan.memory import compiled_bytes, state_bytes, step_features
 from rlx.plan.planner import (GB, Plan, format_plan, load_config_file, parse_mesh, plan,
                               spec_from_config)
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
@@ -53,11 +53,16 @@ GIB = 2 ** 30
 # chip 192 GiB", two TensorCores per chip; v5p 95; v6e 32; v5e 16; v4 32). A device is a chip,
 # or a TensorCore where the topology lists several per chip (TPU7x: 2).
 CHIP_HBM_GIB = {"tpu7x": 192, "v5p": 95, "v6e": 32, "v5e": 16, "v5litepod": 16, "v4": 32}
-# The train step's transient memory on XLA:TPU per feature of rlx.plan.memory.step_features
-# (the XLA:CPU table is rlx.plan.memory.COEFFS).
+# The train step's transient memory on XLA:TPU per feature of ``tpu_features`` (the XLA:CPU
+# table is rlx.plan.memory.COEFFS); still XLA:CPU's values, ``calibrate`` refits them
 TPU_COEFFS = {"resid": 3.6, "qkv": 1.5, "scores": 2.95, "mlp": 6.0, "moe_d": 0.83, "moe_f": 6.45,
               "router": 0.0, "logits": 2.14, "grads": 1.21, "embed": 7.5, "lora": 1.9,
-              "ckpt": 1.0}
+              "ckpt": 1.0, "experts": 0.0}
+# The whole-model train programs ``calibrate`` fits besides ``calibration_specs``: the arguments
+# of ``python -m rlx.plan`` and XLA:TPU's transient GB per device (the program total less its
+# arguments; a refused program's named total less the planned state), rlx/plan/README.md's rows
+WHOLE_MODEL_POINTS: tuple[tuple[str, float], ...] = ()
+WHOLE_MODEL_WEIGHT = 10.0  # each whole-model point's weight against one calibration_specs point
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,16 +261,36 @@ def gathered_rows(spec: PlanSpec) -> int:
     return spec.batch_shards if moe else 1
 
 
+def local_expert_bytes(spec: PlanSpec) -> int:
+    """One MoE layer's routed experts on a device (gate, up and down) in the compute dtype: what
+    a quantized base dequantizes, and a full-parameter step differentiates, a layer at a time."""
+    c, moe = spec.model, spec.model.moe
+    if moe is None:
+        return 0
+    a = 2 if spec.dtype == "bfloat16" else 4
+    local = moe.num_experts // spec.mesh.expert if moe.num_experts % spec.mesh.expert == 0 else (
+        moe.num_experts)
+    return a * local * 3 * c.hidden_size * moe.intermediate_size // spec.mesh.tensor
+
+
+def tpu_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
+    """``rlx.plan.memory.step_features`` as XLA:TPU lays the step out (the activation features
+    times ``gathered_rows``), and ``experts``: ``local_expert_bytes``."""
+    g = gathered_rows(spec)
+    f = {k: v if k in ("grads", "logits") else g * v
+         for k, v in step_features(spec, trainable).items()}
+    return {**f, "experts": float(local_expert_bytes(spec))}
+
+
 def tpu_plan(spec: PlanSpec, topo: Topology) -> Plan:
     """The planner's figures for ``spec`` on ``topo``: exact state, the train step's transient
     memory from ``TPU_COEFFS`` (activations of ``gathered_rows``), each device's HBM."""
     p = plan(spec, topo.device_hbm_gib * GIB / GB)
-    f = step_features(spec, p.bytes["trainable"])
-    g = gathered_rows(spec)
-    acts = g * sum(TPU_COEFFS[k] * v for k, v in f.items() if k not in ("grads", "logits"))
-    return dataclasses.replace(p, bytes={**p.bytes, "grads": int(TPU_COEFFS["grads"] * f["grads"]),
+    part = {k: TPU_COEFFS[k] * v for k, v in tpu_features(spec, p.bytes["trainable"]).items()}
+    acts = sum(v for k, v in part.items() if k not in ("grads", "logits"))
+    return dataclasses.replace(p, bytes={**p.bytes, "grads": int(part["grads"]),
                                          "activations": int(acts),
-                                         "logprob_chunks": int(TPU_COEFFS["logits"] * f["logits"])})
+                                         "logprob_chunks": int(part["logits"])})
 
 
 def _row(name: str, planned: float | None, xla: XlaMemory | int | None, note: str = "") -> str:
@@ -310,8 +335,29 @@ def _args(argv) -> argparse.Namespace:
                    "layers (0: all)")
     p.add_argument("--rows", type=int, default=0, help="sequences per update (0: the config's)")
     p.add_argument("--micro-batches", type=int, default=0, help="0: the config's, scaled")
+    p.add_argument("--capacity-factor", type=float, default=None, help="override "
+                   "model.moe_capacity_factor (0: dropless)")
     p.add_argument("--steps", default="train,sample", help="programs to compile")
     return p.parse_args(argv)
+
+
+def spec_for(args: argparse.Namespace, topo: Topology) -> PlanSpec:
+    """The spec ``main`` compiles: the config's (``--mode``, ``--capacity-factor``), on
+    ``--mesh`` or the config's mesh scaled to ``topo``, its first ``--layers`` layers, ``--rows``
+    and ``--micro-batches``."""
+    spec = spec_from_config(load_config_file(args.config))
+    if args.mode:
+        spec = spec.replace(mode=args.mode)
+    if args.capacity_factor is not None:
+        spec = spec.replace(moe_capacity_factor=args.capacity_factor)
+    spec = (spec.replace(mesh=parse_mesh(args.mesh)) if args.mesh
+            else scale_to(spec, len(topo.devices)))
+    if args.layers:
+        spec = with_layers(spec, args.layers)
+    if args.rows or args.micro_batches:
+        spec = spec.replace(rows=args.rows or spec.rows,
+                            micro_batches=args.micro_batches or spec.micro_batches)
+    return spec
 
 
 def main(argv=None) -> int:
@@ -319,16 +365,7 @@ def main(argv=None) -> int:
     args = _args(argv)
     try:
         topo = topology(args.aot)
-        spec = spec_from_config(load_config_file(args.config))
-        if args.mode:
-            spec = spec.replace(mode=args.mode)
-        spec = (spec.replace(mesh=parse_mesh(args.mesh)) if args.mesh
-                else scale_to(spec, len(topo.devices)))
-        if args.layers:
-            spec = with_layers(spec, args.layers)
-        if args.rows or args.micro_batches:
-            spec = spec.replace(rows=args.rows or spec.rows,
-                                micro_batches=args.micro_batches or spec.micro_batches)
+        spec = spec_for(args, topo)
     except (ValueError, TypeError) as e:
         print(f"rlx.plan: {e}", file=sys.stderr)
         return 2
@@ -342,8 +379,9 @@ def main(argv=None) -> int:
 
 
 def calibration_specs() -> list[PlanSpec]:
-    """The sweep ``TPU_COEFFS`` was fitted on: one device, bf16 compute, dense and MoE (einsum
-    experts), both modes, remat none and per layer; shapes other than the tests'."""
+    """The one-device programs ``TPU_COEFFS`` is fitted on (with ``WHOLE_MODEL_POINTS``): bf16
+    compute, dense and MoE (grouped experts, ``moe_impl="ragged"``), both modes, remat none and
+    per layer; shapes other than the tests'."""
     from rlx.models import ModelConfig, MoEConfig
     from rlx.quant import LoraConfig, QuantConfig
     out = []
@@ -358,28 +396,67 @@ def calibration_specs() -> list[PlanSpec]:
             for mode, remat in (("full", "none"), ("lora", "layer")) if i % 2 else (
                     ("lora", "none"), ("full", "layer")):
                 out.append(PlanSpec(model=model, mode=mode, remat=remat, rows=rows,
-                                    seq_len=seq, logprob_chunk=seq, moe_impl="dense",
+                                    seq_len=seq, logprob_chunk=seq, moe_impl="ragged",
                                     quant=QuantConfig("int8" if i % 2 else "int4",
                                                       group_size=64),
                                     lora=LoraConfig(rank=8)))
     return out
 
 
-def calibrate(topology_name: str = "tpu7x:2x2x1") -> dict[str, float]:
-    """Fit ``TPU_COEFFS`` (non-negative least squares on relative error) to XLA:TPU's transient
-    bytes (everything but the arguments) of ``calibration_specs`` on one device of the topology."""
-    import numpy as np
-    from scipy.optimize import nnls
+def calibration_points(topology_name: str = "tpu7x:2x2x1") -> list[tuple[PlanSpec, int]]:
+    """(spec, XLA:TPU's transient bytes: everything but the arguments) of each of
+    ``calibration_specs``, compiled for one device of the topology."""
     topo = topology(topology_name)
     one = Topology(topo.name, topo.devices[:1], 1)
-    keys, rows, targets = sorted(TPU_COEFFS), [], []
+    out = []
     for spec in calibration_specs():
         xla = compile_train(spec, one)
-        p = plan(spec, 1.0)
-        f = step_features(spec, p.bytes["trainable"])
-        target = xla.total - xla.argument
-        rows.append([f.get(k, 0.0) / target for k in keys])
-        targets.append(1.0)
-        print(spec.model.architecture, spec.mode, spec.remat, target, flush=True)
-    coeffs, _ = nnls(np.asarray(rows), np.asarray(targets))
+        out.append((spec, xla.total - xla.argument))
+    return out
+
+
+def whole_model_points() -> list[tuple[PlanSpec, int]]:
+    """(spec, XLA:TPU's transient bytes) of the whole-model train programs of
+    ``WHOLE_MODEL_POINTS``; a refused program's transient is its named total less the state."""
+    return [(spec_from_argv(argv)[0], int(gb * GB)) for argv, gb in WHOLE_MODEL_POINTS]
+
+
+def spec_from_argv(argv: str) -> tuple[PlanSpec, Topology]:
+    """The spec and topology that ``python -m rlx.plan ARGV`` (``--config ... --aot ...``)
+    compiles."""
+    args = _args(argv.split())
+    topo = topology(args.aot)
+    return spec_for(args, topo), topo
+
+
+def fit_coeffs(points: list[tuple[PlanSpec, int, float]]) -> dict[str, float]:
+    """``TPU_COEFFS`` fitted to (spec, XLA:TPU's transient bytes, weight) points: non-negative
+    least squares on the weighted relative error of the planned transient bytes."""
+    import numpy as np
+    from scipy.optimize import nnls
+    keys, rows = sorted(TPU_COEFFS), []
+    for spec, target, weight in points:
+        f = tpu_features(spec, state_bytes(spec)["trainable"])
+        rows.append([weight * f[k] / target for k in keys])
+    coeffs, _ = nnls(np.asarray(rows), np.asarray([w for *_, w in points]))
     return dict(zip(keys, (round(float(c), 3) for c in coeffs)))
+
+
+def planned_transient(spec: PlanSpec, coeffs: dict[str, float]) -> float:
+    """The train step's planned transient bytes of ``spec`` under ``coeffs``."""
+    f = tpu_features(spec, state_bytes(spec)["trainable"])
+    return sum(coeffs[k] * v for k, v in f.items())
+
+
+def calibrate(topology_name: str = "tpu7x:2x2x1",
+              whole_weight: float = WHOLE_MODEL_WEIGHT) -> dict[str, float]:
+    """Fit ``TPU_COEFFS`` on ``calibration_points`` (compiled now) and ``whole_model_points``
+    (weighted ``whole_weight``); prints each point's residual."""
+    points = [(s, t, 1.0) for s, t in calibration_points(topology_name)]
+    points += [(s, t, whole_weight) for s, t in whole_model_points()]
+    coeffs = fit_coeffs(points)
+    for spec, target, _ in points:
+        print(f"{spec.model.architecture:22s} {spec.model.num_layers:3d} layers {spec.mode:4s} "
+              f"{spec.mesh.num_devices:4d} devices: XLA:TPU {target / GB:9.3f} GB, plan "
+              f"{planned_transient(spec, coeffs) / target - 1:+.1%}", flush=True)
+    return coeffs
