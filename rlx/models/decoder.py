@@ -49,6 +49,7 @@ from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
 from rlx.models.stack import is_stacked, scan
 
+
 class Routes(NamedTuple):
     """The MoE routing of a forward pass: the experts each token went to in every MoE layer, in
     layer order (``[b, t, layers, k]``; None for a model without MoE layers), and the (token,
@@ -304,6 +305,10 @@ class Transformer(nnx.Module):
         log-softmax in f32; rounding [tokens, V] logits to bf16 and back cost time and bits)."""
         if self.lm_head is not None:
             return self.lm_head(h, adapter)
+        if not isinstance(self.embed, nnx.Variable):  # a quantized embedding may read its bytes
+            y = self.embed.head_product(h, h.dtype)
+            if y is not None:
+                return y
         w = weight_value(self.embed, h.dtype)  # [V, D]
         if self.tied_head_out_in:
             return matmul_out_in(h, w, h.dtype)
@@ -322,8 +327,8 @@ class Transformer(nnx.Module):
         if h.shape[0] > FEW_ROWS:
             return None
         if self.lm_head is None:
-            if not self.tied_head_out_in:
-                return None
+            if not self.tied_head_out_in or not isinstance(self.embed, nnx.Variable):
+                return None  # a quantized embedding's own product (``logits``)
             return matmul_feature_major(h, weight_value(self.embed, h.dtype), h.dtype)
         head = self.lm_head
         if head.kernel_layout != "out_in" or head.bias is not None or head.act_quant != "none" or (

@@ -34,7 +34,7 @@ from flax import nnx
 from jaxtyping import Array
 
 from rlx.mesh import target_platform
-from rlx.models.mixed import mixed_einsum
+from rlx.models.mixed import FEW_ROWS, mixed_einsum
 from rlx.quant.config import QuantConfigError
 
 _NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -45,6 +45,7 @@ _NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.394917488098
 # platforms (rlx.mesh.target_platform; XLA:CPU's batched dot takes no bf16 x bf16 -> f32, see
 # rlx.models.mixed)
 GROUPED_ROWS = 32
+CHUNK_ROWS = 128  # QTensor._chunked_product: most K rows decoded per chunk (channel scales)
 GROUPED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 _SCALE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -126,6 +127,10 @@ class QTensor(nnx.Module):
         """Rows ``ids`` of the logical matrix (embedding lookup)."""
         return jnp.take(self.dequantize(dtype), ids, axis=0)
 
+    def head_product(self, h: Array, dtype) -> None:
+        """None: a quantized embedding used as the tied head dequantizes inside the product."""
+        return None
+
     def product(self, x: Array, dtype, out_dtype) -> Array | None:
         """``x @ w`` for a 2-D kernel without materialising ``w``, or None where this format or
         shape keeps the dequantize-then-multiply path.
@@ -137,12 +142,16 @@ class QTensor(nnx.Module):
         128x128 tiles) are ``[rows, G, N]`` products summed over ``G``, used for a decode step's
         few rows on accelerators (``GROUPED_ROWS``, ``GROUPED_BACKENDS``). The compiler then
         reads the packed weights inside the product instead of writing and re-reading a float
-        copy of the matrix on every call.
+        copy of the matrix on every call. On XLA:CPU, which converts a product's operand into a
+        float copy first, a decode step's few f32 rows take ``_chunked_product`` instead.
         """
         k, n = self.kn
         bk, bn = self.block
         rows = math.prod(x.shape[:-1])
         groups = -(-k // bk)
+        if self._chunks(rows, dtype):
+            y = self._chunked_product(x.reshape(rows, k).astype(jnp.float32))
+            return y.astype(out_dtype).reshape(*x.shape[:-1], n)
         if self.transposed or len(self.shape) != 2 or self.fmt == "nf4" or (
                 groups > 1 and (rows > GROUPED_ROWS or k % bk
                                  or target_platform() not in GROUPED_BACKENDS)):
@@ -163,6 +172,58 @@ class QTensor(nnx.Module):
                 acc = acc - jnp.sum(xr.astype(jnp.float32), -1)[..., None] * zero
             y = jnp.sum(acc * scale, axis=1)
         return y.astype(out_dtype).reshape(*x.shape[:-1], n)
+
+    def _chunks(self, rows: int, dtype) -> int:
+        """K rows per chunk of ``_chunked_product`` (0: not used): a decode step's few rows of a
+        2-D kernel, f32 compute, on XLA:CPU; one scale group per chunk where scales are grouped,
+        else the largest divisor of K up to ``CHUNK_ROWS`` (even where two rows share a byte)."""
+        k, _ = self.kn
+        bk = self.block[0]
+        if (self.transposed or len(self.shape) != 2 or rows > FEW_ROWS
+                or jnp.dtype(dtype) != jnp.float32 or target_platform() != "cpu"):
+            return 0
+        if bk < k:
+            return bk if k % bk == 0 and bk % 2 == 0 else 0
+        return max(c for c in range(2, min(k, CHUNK_ROWS) + 1, 2) if k % c == 0) if k % 2 == 0 else 0
+
+    def _chunked_product(self, x: Array) -> Array:
+        """``x @ w`` (f32 ``[R, K]`` -> ``[R, N]``), ``CHUNK_ROWS``-ish rows of K at a time
+        (``jax.lax.scan``): each chunk's stored values are decoded into a float tile that stays
+        in cache and multiplied there, so the packed values are read once and no float copy of
+        ``w`` is written. Grouped scales (and zero points) scale each group's partial product:
+        ``sum_g s_g * (x_g @ q_g - sum(x_g) * z_g)``; channel scales scale the sum."""
+        (k, n), (bk, bn), rows = self.kn, self.block, x.shape[0]
+        c = self._chunks(rows, jnp.float32)
+        packed = 2 if self.fmt in ("int4", "nf4") else 1
+        vals = self.values[...].reshape(k // c, c // packed, n)
+        xs = jnp.moveaxis(x.reshape(rows, k // c, c), 1, 0)  # [K/c, R, c]
+        grouped = bk < k
+        scale = expand_blocks(self.scale[...].astype(jnp.float32), -(-k // bk), n, 1, bn)  # [G, N]
+        zero = None if self.zero is None else expand_blocks(
+            self.zero[...].astype(jnp.float32), -(-k // bk), n, 1, bn)
+
+        def body(acc, chunk):
+            v, xc, s, z = chunk
+            part = jnp.dot(xc, self._decode_values(v))  # [R, N]
+            if z is not None:
+                part = part - jnp.sum(xc, -1, keepdims=True) * z
+            return acc + (part * s if grouped else part), None
+
+        per_chunk = (scale, zero) if grouped else (jnp.zeros((k // c, 1)), None)
+        acc, _ = jax.lax.scan(body, jnp.zeros((rows, n), jnp.float32), (vals, xs, *per_chunk))
+        if grouped:
+            return acc
+        if zero is not None:
+            acc = acc - jnp.sum(x, -1, keepdims=True) * zero
+        return acc * scale
+
+    def _decode_values(self, v: Array) -> Array:
+        """Stored values (a chunk of rows) -> f32 quantized values, as ``decode``."""
+        if self.fmt == "int4":
+            return unpack_nibbles(v).astype(jnp.float32) - 8.0
+        if self.fmt == "nf4":
+            return jnp.asarray(_NF4)[unpack_nibbles(v).astype(jnp.int32)]
+        return v.astype(jnp.float32)
 
     def leaves(self) -> dict[str, Array]:
         out = {"values": self.values[...], "scale": self.scale[...]}

@@ -8,6 +8,7 @@ an expected count under 5 are merged into one).
 
 import dataclasses
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,8 @@ from rlx.learner.batching import pad_rollouts, shard_batch
 from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
-from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
+from rlx.quant import GGUFTensor, LoraConfig, QuantConfig, apply_lora, quantize_model
+from rlx.quant.quantize import linears
 from rlx.rollout.jax_engine import Buckets, JaxEngine
 from rlx.rollout.jax_sampling import segment_ends
 from rlx.rollout.preflight import learner_logprobs
@@ -76,6 +78,30 @@ def test_sampler_logprobs_equal_learner_mode_b(zoo, family, fmt):
     model = quantized_lora_model(zoo, family, QuantConfig(format=fmt, group_size=8))
     sampled, scored, _ = _parity(model)
     print(f"LoRA mode {family} {fmt} + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
+    assert sampled <= TOL and scored <= TOL
+
+
+def _gguf_blocks(w: np.ndarray, qtype: str, kernel: bool) -> GGUFTensor:
+    """``w`` (an rlx kernel ``[in, out]``, or an embedding ``[vocab, d]``) as GGUF blocks."""
+    rows = np.ascontiguousarray(w.T if kernel else w)  # blocks run along the contraction axis
+    blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType[qtype])
+    return GGUFTensor(qtype, rows.shape, jnp.asarray(blocks), None, kernel=kernel)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_sampler_logprobs_equal_learner_on_gguf_blocks(zoo, qtype):
+    """Mode B on a base of GGUF blocks (the tied embedding and every projection whose input size
+    is a multiple of 32): the engine's few-row products read the blocks (``rows_product``), the
+    learner's dequantize them; log-probs agree within 1e-5."""
+    model = from_hf(make_hf_model("llama_tied", zoo))
+    for lin in linears(model):
+        if lin.kernel.shape[0] % 32 == 0:
+            lin.kernel = _gguf_blocks(np.asarray(lin.kernel[...]), qtype, kernel=True)
+    model.embed = _gguf_blocks(np.asarray(model.embed[...]), qtype, kernel=False)
+    apply_lora(model, LoraConfig(rank=3, alpha=5.0), nnx.Rngs(0))
+    randomize_lora_b(model)
+    sampled, scored, _ = _parity(model)
+    print(f"LoRA mode {qtype} blocks + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL
 
 
