@@ -6,7 +6,8 @@ A tiny DeepSeek-V3 (MLA, a dense first layer and MoE after it: two stacks) in mo
 projection, the shared expert and every routed expert, B != 0), stacked and placed as a run places
 it on the 8-device CPU mesh (expert=8; expert=4 x fsdp=2), gives the one-device logits and LoRA
 gradients within 1e-5 (f32), with and without per-layer remat, while each device holds 1/8 of the
-attention and shared-expert weights.
+attention and shared-expert weights and the scan body places every layer weight (one sharding
+constraint each; none without a mesh).
 """
 
 import jax
@@ -71,34 +72,29 @@ def _scan_constraints(jaxpr) -> int:
     return walk(jaxpr.jaxpr, False)
 
 
-def test_the_scan_gathers_each_layer_inside_its_body():
-    """On the mesh, every weight of a layer is placed inside the scan body (one constraint per
-    variable with logical axes, in both stacks); without a mesh there is none."""
-    def forward(model):
-        ids = jnp.zeros((8, 4), jnp.int32)
-        pos = jnp.broadcast_to(jnp.arange(4), (8, 4))
-        return model.run_layers(model.embed_tokens(ids), pos, jnp.ones_like(ids),
-                                model.rope_angles(pos))
-
-    model = _model()
-    assert _scan_constraints(jax.make_jaxpr(forward)(model)) == 0
-    mesh = make_mesh(MeshShape(expert=8))
-    expert_parallel(model, mesh, TRAIN_RULES)
-    per_layer = sum(v.get_metadata().get("logical_axes") is not None
-                    for s in model.stacks for _, v in nnx.to_flat_state(nnx.state(s.block)))
-    assert _scan_constraints(jax.make_jaxpr(forward)(model)) == per_layer > 0
+def _forward(model):
+    ids = jnp.zeros((8, 4), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(4), (8, 4))
+    return model.run_layers(model.embed_tokens(ids), pos, jnp.ones_like(ids),
+                            model.rope_angles(pos))
 
 
 @pytest.mark.parametrize("shape,remat", [
     (MeshShape(expert=8), False),
     pytest.param(MeshShape(fsdp=2, expert=4), True, marks=pytest.mark.slow)])
 def test_sharded_stacks_give_the_one_device_logits_and_grads(shape, remat):
-    ref_logits, ref_grads = _logits_and_grads(_model(), remat)
+    ref = _model()
+    assert _scan_constraints(jax.make_jaxpr(_forward)(ref)) == 0  # no mesh: nothing to gather
+    ref_logits, ref_grads = _logits_and_grads(ref, remat)
     mesh = make_mesh(shape)
     model = _model()
     shard_variables(model, nnx.Variable, mesh, TRAIN_RULES)
     expert_parallel(model, mesh, TRAIN_RULES)
-    assert all(s.gather is not None for s in model.stacks)
+    # every weight of a layer is placed inside the scan body: one constraint per variable with
+    # logical axes, in both stacks
+    per_layer = sum(v.get_metadata().get("logical_axes") is not None
+                    for s in model.stacks for _, v in nnx.to_flat_state(nnx.state(s.block)))
+    assert _scan_constraints(jax.make_jaxpr(_forward)(model)) == per_layer > 0
     attn = model.stacks[1].block.self_attn
     for kernel in (attn.o_proj.kernel, attn.q_b_proj.kernel, model.stacks[1].block.mlp
                    .shared_expert.down_proj.kernel):  # [layers, in, out]: 1/8 on each device
