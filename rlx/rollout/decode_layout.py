@@ -9,7 +9,8 @@ tied to the embedding (already ``[vocab, d]``), multiplies it the same way. Kern
 the learner (LoRA mode's frozen base) keep the learner's ``[in, out]``: one copy of the base
 outweighs a faster product on one backend. The learner's model is never changed.
 
-Quantized kernels (``QTensor``, GGUF blocks) keep their layout: they dequantize ``[in, out]``.
+Quantized kernels (``QTensor``, GGUF blocks) keep their layout; their few-row products read the
+packed values (``rlx.quant``).
 Layer math is unchanged; only the order of the f32 sums inside a product differs, so log-probs
 agree with the learner's to rounding (the engine's parity tests hold at their 1e-5 tolerance).
 
