@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlx.quant.gguf_blocks import PLANAR, GGUFTensor, dequantize_blocks
+from rlx.quant.gguf_blocks import PLANAR, TILE_ROWS, GGUFTensor, dequantize_blocks
 from rlx.quant.tensors import CHUNK_ROWS, quantize_array
 
-K, N = 128, 96  # 4 blocks of 32 per row; 96 output rows
+K, N = 128, 2 * TILE_ROWS  # 4 blocks of 32 per row; two tiles of output rows
 
 
 def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -63,8 +63,8 @@ def test_planar_blocks_keep_the_files_bytes_and_values(qtype):
     ref = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[qtype])  # [N, K]
     assert np.array_equal(np.asarray(jax.jit(t.dequantize)()), ref.T)
     emb, _ = _gguf(qtype, kernel=False)
-    ids = jnp.asarray([[3, 0, 95]])
-    assert np.array_equal(np.asarray(emb.take(ids, jnp.float32))[0], ref[[3, 0, 95]])
+    ids = jnp.asarray([[3, 0, N - 1]])
+    assert np.array_equal(np.asarray(emb.take(ids, jnp.float32))[0], ref[[3, 0, N - 1]])
 
 
 @pytest.mark.parametrize("qtype", sorted(PLANAR))
