@@ -19,7 +19,8 @@ from rlx.learner.step import compiler_options, model_forward
 from rlx.mesh import MeshShape, compiling_for, target_platform
 from rlx.models import ModelConfig, MoEConfig
 from rlx.models.kv_cache import cache_dtype
-from rlx.plan.aot import compile_sample, compile_train, generate_shapes, measure, topology, tpu_plan
+from rlx.plan.aot import (WHOLE_MODEL_POINTS, compile_sample, compile_train, generate_shapes,
+                          measure, spec_from_argv, topology, tpu_plan)
 from rlx.plan.spec import PlanSpec
 from rlx.quant import LoraConfig, QuantConfig
 from rlx.quant.tensors import quantize_array
@@ -94,3 +95,18 @@ def test_a_bf16_all_reduce_compiles_with_the_train_steps_options(topo):
     fn = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, PartitionSpec()),
                  compiler_options=compiler_options(mesh, model_forward))
     assert fn.lower(x).compile().memory_analysis().output_size_in_bytes == 2 * 2 ** 20
+
+
+def test_the_tpu_plan_is_within_10_percent_of_each_whole_model_program(topo):
+    """The train step of each whole-model program ``TPU_COEFFS`` was fitted on
+    (``WHOLE_MODEL_POINTS``: XLA:TPU's transient bytes, rlx/plan/README.md): the TPU plan's
+    program total (exact state + ``TPU_COEFFS`` transient) is within 10% of XLA:TPU's (the
+    same state + its transient)."""
+    assert len(WHOLE_MODEL_POINTS) >= 2
+    for argv, transient_gb in WHOLE_MODEL_POINTS:
+        spec, on = spec_from_argv(argv)
+        p = tpu_plan(spec, on)
+        state = sum(p.bytes[k] for k in ("frozen", "trainable", "optimizer", "batch"))
+        planned = state + p.bytes["grads"] + p.bytes["activations"] + p.bytes["logprob_chunks"]
+        xla = state + transient_gb * 1e9
+        assert abs(planned - xla) <= 0.10 * xla, (argv, planned / 1e9, xla / 1e9)
