@@ -55,13 +55,13 @@ GIB = 2 ** 30
 CHIP_HBM_GIB = {"tpu7x": 192, "v5p": 95, "v6e": 32, "v5e": 16, "v5litepod": 16, "v4": 32}
 # The train step's transient memory on XLA:TPU per feature of ``tpu_features`` (the XLA:CPU
 # table is rlx.plan.memory.COEFFS), fitted by ``calibrate`` on the 16 one-device programs of
-# ``calibration_specs`` (one TPU7x TensorCore) and the two whole-model train programs of
-# ``WHOLE_MODEL_POINTS``. Residuals of the transient bytes: Kimi-K2 mode B +1.9%, mode A on 16
-# nodes -4.4%; the one-device programs -64% to +80% (their 14-274 MB are mostly what the
-# features do not count: tile padding, fixed buffers).
-TPU_COEFFS = {"resid": 0.0, "qkv": 0.0, "scores": 1.167, "mlp": 0.0, "moe_d": 12.403,
-              "moe_f": 0.0, "router": 0.0, "logits": 0.0, "grads": 2.406, "embed": 0.0,
-              "lora": 6.389, "ckpt": 4.22, "experts": 0.0}
+# ``calibration_specs`` (one TPU7x TensorCore) and the three whole-model train programs of
+# ``WHOLE_MODEL_POINTS``. Residuals of the transient bytes: Kimi-K2 mode B -1.5%, mode A on 16
+# nodes -3.7%, Qwen3-235B-A22B +1.4%; the one-device programs -78% to +109% (their 14-274 MB
+# are mostly what the features do not count: tile padding, fixed buffers).
+TPU_COEFFS = {"resid": 0.0, "qkv": 0.0, "scores": 0.656, "mlp": 0.0, "moe_d": 11.094,
+              "moe_f": 0.0, "router": 0.0, "logits": 0.0, "grads": 2.566, "embed": 0.0,
+              "lora": 7.493, "ckpt": 1.035, "experts": 2.54}
 # The whole-model train programs ``calibrate`` fits besides ``calibration_specs``: the arguments
 # of ``python -m rlx.plan`` and XLA:TPU's transient GB per device (the program total less its
 # arguments), rlx/plan/README.md's rows
@@ -69,6 +69,7 @@ WHOLE_MODEL_POINTS: tuple[tuple[str, float], ...] = (
     ("--config configs/kimi_k2.py --aot tpu7x:2x2x2 --capacity-factor 1.25", 18.265),
     ("--config configs/kimi_k2.py --aot tpu7x:4x4x8 --mode full --mesh fsdp=16,expert=16 "
      "--rows 1024 --micro-batches 4 --capacity-factor 1.25", 32.718),
+    ("--config configs/qwen3_235b_a22b_plan.py --aot tpu7x:2x2x2 --capacity-factor 1.25", 6.975),
 )
 WHOLE_MODEL_WEIGHT = 10.0  # each whole-model point's weight against one calibration_specs point
 
