@@ -43,14 +43,15 @@ def topo():
 
 def test_traced_code_takes_the_target_platforms_branches():
     """Inside ``compiling_for("tpu")`` a bf16 decode caches bf16 (XLA:CPU's branch: f32) and a
-    decode step's few rows multiply int4 groups inside the product (XLA:CPU: dequantize first)."""
+    bf16 decode step's few rows multiply int4 groups inside the product (XLA:CPU: dequantize
+    first)."""
     q = quantize_array(jnp.ones((128, 64)), "int4", group_size=32)
     x = jnp.ones((4, 128))
     assert cache_dtype(jnp.bfloat16, "cpu") == jnp.float32
-    assert q.product(x, jnp.float32, jnp.float32) is None
+    assert q.product(x, jnp.bfloat16, jnp.float32) is None
     with compiling_for("tpu"):
         assert target_platform() == "tpu" and cache_dtype(jnp.bfloat16) == jnp.bfloat16
-        assert q.product(x, jnp.float32, jnp.float32) is not None
+        assert q.product(x, jnp.bfloat16, jnp.float32) is not None
     assert target_platform() == jax.default_backend()
 
 
