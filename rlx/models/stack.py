@@ -21,6 +21,7 @@ agree to rounding, ``tests/models/test_scan_layers.py``).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from collections.abc import Callable
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.mesh import LogicalRules, named_sharding
+from rlx.mesh import LogicalRules, named_sharding, target_platform
 
 LAYERS = "layers"  # logical name of the stacked axis (no mesh axis in any rules table)
 
@@ -78,14 +79,34 @@ def is_stacked(model: nnx.Module) -> bool:
     return getattr(model, "stacks", None) is not None
 
 
-def _stack_values(values: list) -> jax.Array:
-    """``jnp.stack(values)`` placed like its inputs with the new axis whole."""
-    sharding = getattr(values[0], "sharding", None)
+def _stack_values(values: list, consume: frozenset = frozenset()) -> jax.Array:
+    """``jnp.stack(values)`` placed like its inputs with the new axis whole. Concrete arrays are
+    written into the stacked buffer one at a time, and those whose ``id`` is in ``consume`` are
+    deleted once written, so a loaded model's weights exist about once while they are stacked,
+    not twice."""
+    first = values[0]
+    sharding = getattr(first, "sharding", None)
+    out = None
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = jax.sharding.PartitionSpec(None, *sharding.spec)
         out = jax.sharding.NamedSharding(sharding.mesh, spec)
-        return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)(*values)
-    return jnp.stack(values)
+    if not all(isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer) for v in values):
+        if out is not None:
+            return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)(*values)
+        return jnp.stack(values)
+    out = out or sharding
+    buf = jax.jit(lambda: jnp.zeros((len(values), *first.shape), first.dtype), out_shardings=out)()
+    for i, v in enumerate(values):
+        buf = _put_layer(buf, v, i)
+        if id(v) in consume:
+            v.delete()
+    return buf
+
+
+@jax.jit(donate_argnums=0)
+def _put_layer(buf: jax.Array, value: jax.Array, i) -> jax.Array:
+    """``buf`` with ``value`` as its layer ``i`` (``buf`` donated: written in place)."""
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
 
 
 def _with_axes(var: nnx.Variable, value, lead: bool) -> nnx.Variable:
@@ -97,8 +118,10 @@ def _with_axes(var: nnx.Variable, value, lead: bool) -> nnx.Variable:
     return var.replace(value, logical_axes=(LAYERS,) + tuple(axes) if lead else tuple(axes)[1:])
 
 
-def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
-    """One block of ``blocks``' common structure whose variables stack theirs on a leading axis."""
+def stack_blocks(blocks: list[nnx.Module], consume: bool = False) -> nnx.Module:
+    """One block of ``blocks``' common structure whose variables stack theirs on a leading axis.
+    ``consume``: the blocks' arrays are owned by them alone (a freshly loaded model), and each one
+    held by a single variable is deleted once copied into its stack."""
     splits = [nnx.split(b) for b in blocks]
     graphdef = splits[0][0]
     if any(g != graphdef for g, _ in splits[1:]):
@@ -109,9 +132,13 @@ def stack_blocks(blocks: list[nnx.Module]) -> nnx.Module:
             raise ValueError(
                 f"cannot scan layers holding random state ({'/'.join(map(str, path))}: LoRA "
                 "dropout); set config.lora.dropout=0 or config.model.scan_layers=False")
+    owned = frozenset()
+    if consume:
+        held = collections.Counter(id(v[...]) for flat in flats for _, v in flat)
+        owned = frozenset(k for k, n in held.items() if n == 1)
     out = []
     for i, (path, var) in enumerate(flats[0]):
-        value = _stack_values([flat[i][1][...] for flat in flats])
+        value = _stack_values([flat[i][1][...] for flat in flats], owned)
         out.append((path, _with_axes(var, value, lead=True)))
     return nnx.merge(graphdef, nnx.from_flat_state(out))
 
@@ -132,14 +159,16 @@ def unstack_block(block: nnx.Module, count: int) -> list[nnx.Module]:
         for i in range(count)]
 
 
-def stack_layers(model: nnx.Module) -> nnx.Module:
+def stack_layers(model: nnx.Module, consume: bool = False) -> nnx.Module:
     """``model`` (a ``Transformer``) with its ``layers`` replaced, in place, by ``stacks``:
-    one ``LayerStack`` per run of same-structure layers. Returns ``model``."""
+    one ``LayerStack`` per run of same-structure layers. ``consume``: nothing else holds the
+    layers' arrays (``stack_blocks``), so they are freed while stacking. Returns ``model``."""
     if is_stacked(model):
         return model
     layers = list(model.layers)
     kinds = [nnx.split(b)[0] for b in layers]
-    stacks = [LayerStack(stack_blocks(layers[f:f + n]), f, n) for f, n in layer_runs(kinds)]
+    stacks = [LayerStack(stack_blocks(layers[f:f + n], consume), f, n)
+              for f, n in layer_runs(kinds)]
     del model.layers
     model.stacks = nnx.List(stacks)
     return model
@@ -180,10 +209,13 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
     graphdef, state = nnx.split(stack.block)
     flat = nnx.to_flat_state(state)
     values = [v[...] for _, v in flat]
+    dtypes = [getattr(x, "dtype", None) for x in values]
+    values = [_as_bits(x) for x in values]
     gather = getattr(stack, "gather", None)
 
     def body(carry, inputs):
         layer_values, x = inputs
+        layer_values = [_from_bits(v, d) for v, d in zip(layer_values, dtypes)]
         if gather is not None:
             layer_values = [gather.place(v, value) for (_, v), value in zip(flat, layer_values)]
         layer = nnx.from_flat_state([(p, _with_axes(v, value, lead=False))
@@ -193,6 +225,24 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
     if remat:
         body = jax.checkpoint(body, policy=policy)
     return jax.lax.scan(body, carry, (values, xs), unroll=unroll)
+
+
+def _as_bits(value):
+    """A stacked 1-byte float array as its ``uint8`` bits on XLA:CPU: XLA:CPU widens fp8
+    arrays to a float type it computes in, and for a loop's stacked input it does so for every
+    layer at once, ahead of the loop (a second, wider copy of the whole stack); it never widens
+    integers. Elsewhere, and for other types, ``value`` itself."""
+    dtype = getattr(value, "dtype", None)
+    if (dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize != 1
+            or target_platform() != "cpu"):
+        return value
+    return jax.lax.bitcast_convert_type(value, jnp.uint8)
+
+
+def _from_bits(value, dtype):
+    """One layer of ``_as_bits``' output in its own ``dtype`` again (the same bits)."""
+    return value if dtype is None or value.dtype == dtype else jax.lax.bitcast_convert_type(
+        value, dtype)
 
 
 class LayerSlice:

@@ -167,7 +167,7 @@ def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | No
     if warm:
         load_peft_adapter(model, warm)
     if cfg.model.scans(model.config.num_layers):  # after quantization and adapters
-        stack_layers(model)  # rlx.models.stack; files on disk stay per layer
+        stack_layers(model, consume=True)  # rlx.models.stack; files on disk stay per layer
     return model, loaded.tokenizer
 
 
