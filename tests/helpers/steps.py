@@ -74,3 +74,21 @@ def random_rollouts(n: int, vocab: int, seed: int = 0, max_prompt: int = 5,
             sampler_logp=-rs.uniform(1.5, 4.0, c).astype(np.float32), weight_version=3,
         ))
     return out
+
+
+def layer_logits_and_grads(model, kind, ids, mask, remat: bool):
+    """Logits of ``ids`` through ``model``'s layers (``run_layers``; remat: each layer
+    checkpointed) and the gradient of ``mean(sin(logits))`` over the unmasked positions (a mean,
+    so gradients are O(1e-2): f32 tolerances are absolute) w.r.t. the ``kind`` variables."""
+    graphdef, params, rest = nnx.split(model, kind, ...)
+
+    def loss(params):
+        m = nnx.merge(graphdef, params, rest)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        x = m.run_layers(m.embed_tokens(ids), positions, mask, m.rope_angles(positions),
+                         remat=remat)
+        logits = m.logits(m.norm(x))
+        return jnp.mean(jnp.sin(logits) * mask[..., None]), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return np.asarray(logits), grads

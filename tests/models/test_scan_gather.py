@@ -21,6 +21,7 @@ from rlx.models.moe import expert_parallel
 from rlx.models.stack import stack_layers
 from rlx.quant import LoraConfig, apply_lora
 from tests.helpers.moe import tiny_deepseek
+from tests.helpers.steps import layer_logits_and_grads
 
 
 def _model():
@@ -35,18 +36,8 @@ def _model():
 def _logits_and_grads(model, remat: bool):
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 97, (8, 9)))
     mask = jnp.ones_like(ids).at[1, :3].set(0)
-    graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
-
-    def loss(params):
-        m = nnx.merge(graphdef, params, rest)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        x = m.run_layers(m.embed_tokens(ids), positions, mask, m.rope_angles(positions),
-                         remat=remat)
-        logits = m.logits(m.norm(x))
-        return jnp.mean(jnp.sin(logits) * mask[..., None]), logits
-
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return np.asarray(logits), {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
+    logits, grads = layer_logits_and_grads(model, nnx.LoRAParam, ids, mask, remat)
+    return logits, {p: np.asarray(v[...]) for p, v in nnx.to_flat_state(grads)}
 
 
 def test_gathered_rules_keep_the_expert_axis_for_experts_and_tokens():

@@ -24,6 +24,7 @@ from rlx.models.stack import (is_stacked, layer_counts, layer_runs, per_layer_tr
                               stacked_tree, unrolled, unstack_layers)
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from tests.helpers.hf_zoo import hf_config
+from tests.helpers.steps import layer_logits_and_grads
 
 ARCHITECTURE = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}
 
@@ -49,22 +50,7 @@ def _batch():
 
 
 def _loss_and_grads(model, kind, remat: bool):
-    """Logits and the gradient of a scalar of them (a mean, so gradients are O(1e-2): the f32
-    tolerance is absolute) w.r.t. the ``kind`` variables (remat: each layer checkpointed, as
-    ``config.train.remat='layer'``)."""
-    ids, mask = _batch()
-    graphdef, params, rest = nnx.split(model, kind, ...)
-
-    def loss(params):
-        m = nnx.merge(graphdef, params, rest)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        x = m.run_layers(m.embed_tokens(ids), positions, mask, m.rope_angles(positions),
-                         remat=remat)
-        logits = m.logits(m.norm(x))
-        return jnp.mean(jnp.sin(logits) * mask[..., None]), logits
-
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return np.asarray(logits), grads
+    return layer_logits_and_grads(model, kind, *_batch(), remat)
 
 
 def _per_layer(grads, model):
