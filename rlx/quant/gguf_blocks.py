@@ -36,6 +36,7 @@ from jaxtyping import Array
 
 from rlx.mesh import target_platform
 from rlx.models.mixed import FEW_ROWS
+from rlx.quant import cpu_kernels
 from rlx.quant.gguf_kquants import DECODERS, f16, rounded
 from rlx.quant.tensors import QuantWeight
 
@@ -193,13 +194,18 @@ class GGUFTensor(nnx.Module):
         return (jnp.swapaxes(w, -1, -2) if self.kernel else w).astype(dtype)
 
     def _few_rows(self, x: Array, dtype, out_dtype) -> Array | None:
-        """``x @ W.T`` for the stored ``[N, K]`` matrix ``W`` by ``rows_product`` where it applies:
-        a 2-D planar tensor, f32 compute, at most ``FEW_ROWS`` rows, on XLA:CPU; else None."""
+        """``x @ W.T`` for the stored ``[N, K]`` matrix ``W`` where it applies: a 2-D planar
+        tensor, f32 compute, at most ``FEW_ROWS`` rows, on XLA:CPU (the native kernel of
+        ``rlx.quant.cpu_kernels`` where it runs, else ``rows_product``); else None."""
         rows = math.prod(x.shape[:-1])
         if (self.qtype not in PLANAR or len(self.hf_shape) != 2 or rows > FEW_ROWS
                 or jnp.dtype(dtype) != jnp.float32 or target_platform() != "cpu"):
             return None
-        y = rows_product(self.blocks[...], self.qtype, x.reshape(rows, -1).astype(jnp.float32))
+        x2 = x.reshape(rows, -1).astype(jnp.float32)
+        if cpu_kernels.available():
+            y = cpu_kernels.gguf_product(self.blocks[...], self.qtype, x2)
+        else:
+            y = rows_product(self.blocks[...], self.qtype, x2)
         return y.astype(out_dtype).reshape(*x.shape[:-1], -1)
 
     def product(self, x: Array, dtype, out_dtype) -> Array | None:

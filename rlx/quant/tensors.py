@@ -35,6 +35,7 @@ from jaxtyping import Array
 
 from rlx.mesh import target_platform
 from rlx.models.mixed import FEW_ROWS, mixed_einsum
+from rlx.quant import cpu_kernels
 from rlx.quant.config import QuantConfigError
 
 _NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -143,12 +144,17 @@ class QTensor(nnx.Module):
         few rows on accelerators (``GROUPED_ROWS``, ``GROUPED_BACKENDS``). The compiler then
         reads the packed weights inside the product instead of writing and re-reading a float
         copy of the matrix on every call. On XLA:CPU, which converts a product's operand into a
-        float copy first, a decode step's few f32 rows take ``_chunked_product`` instead.
+        float copy first, a decode step's few f32 rows take the native int8 channel kernel
+        (``rlx.quant.cpu_kernels``) where it runs, else ``_chunked_product``.
         """
         k, n = self.kn
         bk, bn = self.block
         rows = math.prod(x.shape[:-1])
         groups = -(-k // bk)
+        if self._native(rows, dtype):
+            y = cpu_kernels.int8_channel_product(self.values[...], self.scale[...],
+                                                 x.reshape(rows, k))
+            return y.astype(out_dtype).reshape(*x.shape[:-1], n)
         if self._chunks(rows, dtype):
             y = self._chunked_product(x.reshape(rows, k).astype(jnp.float32))
             return y.astype(out_dtype).reshape(*x.shape[:-1], n)
@@ -172,6 +178,14 @@ class QTensor(nnx.Module):
                 acc = acc - jnp.sum(xr.astype(jnp.float32), -1)[..., None] * zero
             y = jnp.sum(acc * scale, axis=1)
         return y.astype(out_dtype).reshape(*x.shape[:-1], n)
+
+    def _native(self, rows: int, dtype) -> bool:
+        """Whether ``rlx.quant.cpu_kernels`` multiplies these values: int8 with one scale per
+        output and no zero point, a decode step's few f32 rows of a 2-D kernel, on XLA:CPU."""
+        return (self.fmt == "int8" and self.zero is None and self.block == (self.kn[0], 1)
+                and not self.transposed and len(self.shape) == 2 and rows <= FEW_ROWS
+                and jnp.dtype(dtype) == jnp.float32 and target_platform() == "cpu"
+                and cpu_kernels.available())
 
     def _chunks(self, rows: int, dtype) -> int:
         """K rows per chunk of ``_chunked_product`` (0: not used): a decode step's few rows of a

@@ -40,3 +40,25 @@ def token_logprobs(logits, ids):
 
 def ids(batch: int = 2, length: int = 9, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, 97, (batch, length))
+
+
+def check_f32_sum_bound(y, x, w) -> None:
+    """``y`` equals ``x @ w`` (``[R, K] @ [K, N]``) within the worst-case bound of a length-K
+    dot product summed in f32 in any order: ``K * 2**-24 * |x| @ |w|`` of the float64 product."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    err = np.abs(np.asarray(y, np.float64) - x64 @ w64)
+    assert (err <= x64.shape[-1] * 2.0 ** -24 * (np.abs(x64) @ np.abs(w64))).all(), err.max()
+
+
+def jitted_product(tensor, head: bool = False):
+    """``tensor.product(x, f32, f32)`` (``head``: ``tensor.head_product(x, f32)``) jitted with
+    the tensor's arrays as arguments (closed-over arrays would be constants that XLA folds):
+    returns (run(x), optimized HLO text of x)."""
+    graph, state = nnx.split(tensor)
+
+    def call(s, x):
+        t = nnx.merge(graph, s)
+        return t.head_product(x, jnp.float32) if head else t.product(x, jnp.float32, jnp.float32)
+
+    fn = jax.jit(call)
+    return lambda x: fn(state, x), lambda x: fn.lower(state, x).compile().as_text()

@@ -13,36 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from rlx.quant.gguf_blocks import PLANAR, TILE_ROWS, GGUFTensor, dequantize_blocks
 from rlx.quant.tensors import CHUNK_ROWS, quantize_array
+from tests.helpers.quant import check_f32_sum_bound, jitted_product
 
 K, N = 128, 2 * TILE_ROWS  # 4 blocks of 32 per row; two tiles of output rows
-
-
-def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """``K * 2**-24 * |x| @ |w|`` for ``x [R, K]``, ``w [K, N]`` (float64)."""
-    return x.shape[-1] * 2.0 ** -24 * (np.abs(x) @ np.abs(w))
-
-
-def _check(y, x, w) -> None:
-    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    err = np.abs(np.asarray(y, np.float64) - x64 @ w64)
-    assert (err <= _bound(x64, w64)).all(), err.max()
-
-
-def _jitted(tensor, head: bool = False):
-    """``tensor.product(x, f32, f32)`` (``head``: ``tensor.head_product(x, f32)``) jitted with
-    the tensor's arrays as arguments (closed-over arrays would be constants that XLA folds)."""
-    graph, state = nnx.split(tensor)
-
-    def call(s, x):
-        t = nnx.merge(graph, s)
-        return t.head_product(x, jnp.float32) if head else t.product(x, jnp.float32, jnp.float32)
-
-    fn = jax.jit(call)
-    return lambda x: fn(state, x), lambda x: fn.lower(state, x).compile().as_text()
 
 
 def _no_float_copy(hlo: str, k: int, n: int) -> None:
@@ -73,12 +49,12 @@ def test_gguf_few_row_product_reads_the_blocks(qtype, rows):
     t, blocks = _gguf(qtype, kernel=True)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, K)), jnp.float32)
     w = np.asarray(dequantize_blocks(jnp.asarray(blocks), qtype)).T  # [K, N]
-    packed, hlo = _jitted(t)
-    _check(packed(x), x, w)
-    _check(x @ jnp.asarray(w), x, w)  # today's product sits within the same bound
+    packed, hlo = jitted_product(t)
+    check_f32_sum_bound(packed(x), x, w)
+    check_f32_sum_bound(x @ jnp.asarray(w), x, w)  # today's product sits within the same bound
     _no_float_copy(hlo(x), K, N)
     emb, _ = _gguf(qtype, kernel=False)  # the same blocks as a tied head: h @ E^T
-    _check(_jitted(emb, head=True)[0](x), x, w)
+    check_f32_sum_bound(jitted_product(emb, head=True)[0](x), x, w)
 
 
 def test_gguf_product_keeps_the_dequantized_path_for_many_rows_and_bf16():
@@ -98,6 +74,6 @@ def test_qtensor_few_row_product_reads_the_values(fmt, kw, rows):
     q = quantize_array(jnp.asarray(rng.standard_normal((k, N)) * 0.05, jnp.float32), fmt, **kw)
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
     w = np.asarray(q.dequantize())
-    packed, hlo = _jitted(q)
-    _check(packed(x), x, w)
+    packed, hlo = jitted_product(q)
+    check_f32_sum_bound(packed(x), x, w)
     _no_float_copy(hlo(x), k, N)

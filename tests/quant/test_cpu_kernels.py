@@ -1,0 +1,92 @@
+"""The native few-row products of ``rlx.quant.cpu_kernels`` equal ``x @ dequantize(W)`` within
+f32 summation rounding, and the decode products of GGUF planar rows and int8 channel tensors
+call them on XLA:CPU.
+
+Bound (as ``test_decode_products``): a dot product of length K summed in f32 in any order is
+within ``K * 2**-24 * sum_k |x_k w_k|`` of the exact sum; the kernels decode every weight to the
+dequantized f32 value, so only the order of the sums differs. A wrong nibble, header, scale or
+column misses the bound by orders of magnitude. Shapes cover odd N, one and several row groups
+(1, 3, 16 and 32 rows, the kernels handle rows 8 / 4 / 2 / 1 at a time) and a matrix large
+enough to be split over threads (``K * N >= 2**19``).
+"""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.quant import cpu_kernels
+from rlx.quant.gguf_blocks import PLANAR, GGUFTensor, dequantize_blocks, rows_product
+from rlx.quant.tensors import quantize_array
+from tests.helpers.quant import check_f32_sum_bound, jitted_product
+
+SHAPES = [(64, 77), (1024, 517)]  # (K, N): K multiples of 32; the second split over threads
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    reason = cpu_kernels.unavailable_reason()
+    if reason:
+        pytest.skip(f"rlx CPU kernels unavailable: {reason}")
+
+
+def _gguf_blocks(qtype: str, k: int, n: int, seed: int = 0) -> np.ndarray:
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+
+
+@pytest.mark.parametrize("qtype", sorted(PLANAR))
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_gguf_kernel_equals_the_dequantized_product(qtype, k, n):
+    blocks = _gguf_blocks(qtype, k, n)
+    t = GGUFTensor(qtype, (n, k), jnp.asarray(blocks), None, kernel=True)
+    w = np.asarray(dequantize_blocks(jnp.asarray(blocks), qtype)).T  # [K, N]
+    fn = jax.jit(cpu_kernels.gguf_product, static_argnums=1)
+    for rows in (1, 3, 16, 32):
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, k)), jnp.float32)
+        check_f32_sum_bound(fn(t.blocks[...], qtype, x), x, w)
+
+
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_int8_channel_kernel_equals_the_dequantized_product(k, n):
+    rng = np.random.default_rng(3)
+    q = quantize_array(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32), "int8")
+    w = np.asarray(q.dequantize())
+    fn = jax.jit(cpu_kernels.int8_channel_product)
+    for rows in (1, 3, 16, 32):
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        check_f32_sum_bound(fn(q.values[...], q.scale[...], x), x, w)
+
+
+@pytest.mark.parametrize("qtype", sorted(PLANAR))
+def test_gguf_decode_products_call_the_kernel(qtype):
+    t = GGUFTensor(qtype, (96, 64), jnp.asarray(_gguf_blocks(qtype, 64, 96)), None, kernel=True)
+    x = jnp.ones((2, 64), jnp.float32)
+    assert cpu_kernels.GGUF_TARGETS[qtype] in jitted_product(t)[1](x)
+    emb = GGUFTensor(qtype, (96, 64), jnp.asarray(_gguf_blocks(qtype, 64, 96)), None, kernel=False)
+    assert cpu_kernels.GGUF_TARGETS[qtype] in jitted_product(emb, head=True)[1](x)  # the tied head
+
+
+def test_int8_decode_products_call_the_kernel_and_other_formats_do_not():
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((64, 96)) * 0.05, jnp.float32)
+    x = jnp.ones((2, 64), jnp.float32)
+    assert cpu_kernels.INT8_CHANNEL in jitted_product(quantize_array(w, "int8"))[1](x)
+    int4 = quantize_array(w, "int4", group_size=32)
+    assert cpu_kernels.INT8_CHANNEL not in jitted_product(int4)[1](x)
+
+
+@pytest.mark.parametrize("qtype", sorted(PLANAR))
+def test_xla_path_kept_for_machines_without_the_kernel(qtype):
+    """``rows_product`` (the path where the kernels cannot run) stays within the bound."""
+    k, n = 64, 77
+    blocks = _gguf_blocks(qtype, k, n)
+    t = GGUFTensor(qtype, (n, k), jnp.asarray(blocks), None, kernel=True)
+    w = np.asarray(dequantize_blocks(jnp.asarray(blocks), qtype)).T
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, k)), jnp.float32)
+    check_f32_sum_bound(jax.jit(rows_product, static_argnums=1)(t.blocks[...], qtype, x), x, w)
+
+
+def test_a_failing_compiler_raises_naming_it(tmp_path):
+    with pytest.raises(RuntimeError, match="false"):
+        cpu_kernels.build("false", tmp_path)
