@@ -34,8 +34,8 @@ from rlx.models.tokenizer import Tokenizer
 from rlx.quant.config import QuantConfig, QuantConfigError
 from rlx.quant.gguf_blocks import BLOCK_BYTES, GGUFTensor
 from rlx.quant.quantize import linears, quantize_model
-from rlx.quant.shipped import (Shipped, check_quantized, file_position, layout, quantized_params,
-                               read_qtensor, scale_dtype_of, shipped)
+from rlx.quant.shipped import Shipped, layout, quantized_params, shipped
+from rlx.quant.shipped_read import check_quantized, file_position, read_qtensor, scale_dtype_of
 from rlx.quant.tensors import QTensor, QuantWeight, quantize_array
 
 
@@ -92,10 +92,10 @@ def _gguf_tensor(ckpt, src, ax) -> GGUFTensor:
 def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
                  rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged",
                  tensors: SafetensorsFolder | None = None) -> tuple[LoadedModel, Shipped]:
-    """A HF folder with its quantized linears kept as the file stores them (``rlx.quant.shipped``):
-    headers checked first, then every parameter read in file order, each device its slice
-    (``tensors``: the folder's ``SafetensorsFolder`` when the caller has one, e.g. to count the
-    bytes read)."""
+    """A HF folder with its quantized linears kept as the file stores them
+    (``rlx.quant.shipped_read``): headers checked first, then every parameter read in file order,
+    each device its slice (``tensors``: the folder's ``SafetensorsFolder`` when the caller has
+    one, e.g. to count the bytes read)."""
     with open(os.path.join(path, "config.json")) as f:
         hf_cfg = json.load(f)
     cfg = from_hf_config(hf_cfg)

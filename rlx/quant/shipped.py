@@ -20,41 +20,22 @@ compressed-tensors                 ``X.weight`` int8, ``X.weight_scale`` ``[out,
 ``int-quantized`` int8 channel
 =================================  ===============================================================
 
-Each quantized linear becomes a ``QTensor`` whose leaves hold the file's values bit for bit, in
-rlx's storage orientation (``[in, out]``; int4 nibbles re-paired along ``in``, which changes no
-value): ``w = (q - zero) * scale`` per block, exactly the formula of the format. Modules the
-checkpoint leaves unquantized (compressed-tensors ``ignore``, transformers'
+Modules the checkpoint leaves unquantized (compressed-tensors ``ignore``, transformers'
 ``modules_to_not_convert``, and what neither quantizes: embeddings, lm_head, routers, norms) load
-as float parameters. A linear the config quantizes but the file holds otherwise, a missing or
-misshapen scale, or a ``weight_shape`` that disagrees with ``config.json`` is refused naming the
-file and the tensor, after reading only headers (and the 16-byte ``weight_shape`` tensors).
-
-Loading streams (``load_shipped``): the model is built abstractly, then every parameter is read
-one at a time in file order, each process reading only the distinct slices its devices hold
-(``jax.make_array_from_callback``), so the host holds at most the arrays being built plus one
-tensor's slice. On CPU devices the host writes each slice in rlx's layout
-(``rlx.models.host_layout``); an accelerator transposes on the device.
+as float parameters. ``shipped`` resolves a checkpoint to the run-level ``QuantConfig`` whose
+serving export writes its values back, where one does. Checking and reading the tensors of the
+quantized linears is ``rlx.quant.shipped_read``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
-from rlx.mesh import named_sharding
-from rlx.models.hf import ParamSource, read_stored, swapped, to_layout
-from rlx.models.host_layout import on_host, once_per_index, read_transposed
-from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder
+from rlx.models.hf import ParamSource
 from rlx.quant.config import QuantConfig, QuantConfigError
-from rlx.quant.tensors import QTensor
 
 SUPPORTED = (
     "quant_method 'fp8' with weight_block_size [128, 128], e4m3 and dynamic activations "
@@ -66,8 +47,6 @@ SUPPORTED = (
     "compressed-tensors 'int-quantized' int8 (channel, symmetric)",
     "GGUF files (Q4_0 / Q4_1 / Q8_0 blocks)",
 )
-SCALE_DTYPES = ("F32", "BF16", "F16")
-_SCALE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def _refuse(method, why: str) -> QuantConfigError:
@@ -232,7 +211,8 @@ def candidates(cfg) -> dict[str, ParamSource]:
             and not p.endswith(skip)}
 
 
-def _module(hf_name: str) -> str:
+def module_of(hf_name: str) -> str:
+    """The HF module of a weight's name (``X.weight`` -> ``X``)."""
     return hf_name[: -len(".weight")]
 
 
@@ -240,10 +220,10 @@ def quantized_params(cfg, lay: Layout) -> dict[str, ParamSource]:
     """The candidate parameters ``lay`` stores quantized; routed experts all or none."""
     out = {}
     for p, src in candidates(cfg).items():
-        flags = {lay.quantizes(_module(n)) for n in src.hf_names}
+        flags = {lay.quantizes(module_of(n)) for n in src.hf_names}
         if len(flags) > 1:
             raise QuantConfigError(
-                f"quantization_config quantizes some experts of {_module(src.hf_names[0])} but "
+                f"quantization_config quantizes some experts of {module_of(src.hf_names[0])} but "
                 "not others; rlx keeps a layer's routed experts in one representation")
         if flags.pop():
             out[p] = src
@@ -311,200 +291,5 @@ def _nearest(lay: Layout, modules: str | None, scale_dtype: str) -> QuantConfig 
     return None
 
 
-# --- checks of the tensors, headers only -------------------------------------------------------
-def _hf_shape(src: ParamSource, shape) -> tuple[int, int]:
-    """(out, in) of one HF matrix of a kernel / stacked experts of rlx ``shape``."""
-    return (shape[-1], shape[-2])
-
-
-def check_quantized(tensors, quantized: dict[str, ParamSource], shapes: dict, lay: Layout) -> None:
-    """Every quantized linear has its tensors, with the dtypes and shapes ``lay`` and config.json
-    imply; ``weight_shape`` equals config.json's. Errors name the file and the tensor."""
-    for p, src in quantized.items():
-        n, k = _hf_shape(src, shapes[p])
-        for name in src.hf_names:
-            _check_linear(tensors, _module(name), n, k, lay)
-
-
-def _check_linear(tensors, m: str, n: int, k: int, lay: Layout) -> None:
-    def need(name: str, dtypes, shape, what: str):
-        if name not in tensors:
-            near = next((f"{m}.{s}" for s in ("weight", "weight_packed") if f"{m}.{s}" in tensors), None)
-            where = f"{tensors.file_of(near)}: " if near else ""
-            raise CheckpointError(
-                f"{where}tensor {name!r} is missing: quantization_config ({lay.method}) stores "
-                f"{m} quantized, and {what}")
-        got, kind = tensors.shape(name), tensors.dtype_name(name)
-        if kind not in dtypes or (shape is not None and tuple(got) not in shape):
-            raise CheckpointError(
-                f"{tensors.file_of(name)}: tensor {name!r} is {kind} {list(got)}, but "
-                f"quantization_config ({lay.method}) and config.json imply "
-                f"{'/'.join(dtypes)} {' or '.join(str(list(s)) for s in shape or [])}".rstrip())
-
-    per = 32 // lay.bits
-    if lay.kind == "packed":
-        if lay.bits == 4 and k % 2:
-            raise CheckpointError(f"{m}: int4 weights with an odd input width {k} (rlx packs "
-                                  "two per byte along the input)")
-        need(f"{m}.weight_packed", ("I32",), [(n, -(-k // per))], "its packed values are needed")
-        need(f"{m}.weight_shape", ("I64", "I32"), [(2,)], "its shape is needed")
-        shape_name = f"{m}.weight_shape"
-        got = [int(d) for d in np.asarray(tensors[shape_name])]
-        if got != [n, k]:
-            raise CheckpointError(
-                f"{tensors.file_of(shape_name)}: tensor {shape_name!r} is {got}, but config.json "
-                f"implies [out, in] = {[n, k]}; the weights and config.json disagree")
-    else:
-        dtype = ("F8_E4M3",) if lay.kind == "float8" else ("I8",)
-        need(f"{m}.weight", dtype, [(n, k)], "")
-    scale = lay.scale_shape(n, k)
-    shapes = [scale] + ([(1,), ()] if lay.strategy == "tensor" else [])
-    need(f"{m}.{lay.scale_key}", SCALE_DTYPES, shapes,
-         f"the scales of its {lay.fmt} values are needed")
-    if lay.kind == "packed" and not lay.symmetric:
-        need(f"{m}.weight_zero_point", ("I32",), [(-(-n // per), scale[1])],
-             "the zero points of its asymmetric values are needed")
-
-
-# --- reading: each device copies its slice as stored, the device lays it out ---------------------
-def _stored(tensors, names: list[str], stacked: bool, tensor_scale: bool):
-    """Callback: the ``index`` slice of the tensors ``names`` as stored (HF orientation)."""
-    def one(name, index, out=None):
-        if tensor_scale:
-            value = np.array(tensors[name]).reshape(1, 1)[index]
-        elif out is not None and isinstance(tensors, SafetensorsFolder):
-            return tensors.read(name, index, out=out)  # straight into the stacked buffer
-        else:
-            value = read_stored(tensors, name, index)
-        if out is not None:
-            out[...] = value
-        return value
-
-    def read(index):
-        if not stacked:
-            return one(names[0], index)
-        chosen = names[index[0]]
-        first = one(chosen[0], index[1:])
-        out = np.empty((len(chosen),) + first.shape, first.dtype)
-        out[0] = first
-        for i, n in enumerate(chosen[1:], 1):
-            one(n, index[1:], out[i])
-        return out
-    return read
-
-
-@functools.lru_cache(maxsize=None)
-def _unpack_values(bits: int, k: int):
-    """``[..., n, words]`` int32 -> rlx's values ``[..., K', n]`` (int4: nibble pairs along K)."""
-    per = 32 // bits
-
-    def f(words):
-        shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-        u = (jax.lax.bitcast_convert_type(words, jnp.uint32)[..., None] >> shifts) & ((1 << bits) - 1)
-        u = u.reshape(*words.shape[:-1], -1)[..., :k]
-        u = jnp.swapaxes(u, -1, -2).astype(jnp.uint8)  # [..., k, n]
-        if bits == 4:
-            return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
-        return (u.astype(jnp.int16) - 128).astype(jnp.int8)
-    return f
-
-
-@functools.lru_cache(maxsize=None)
-def _unpack_zero(bits: int, n: int):
-    """``[..., ceil(n*bits/32), groups]`` int32 -> signed zero points ``[..., groups, n]``."""
-    per = 32 // bits
-
-    def f(words):
-        w = jnp.swapaxes(words, -1, -2)
-        shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-        u = (jax.lax.bitcast_convert_type(w, jnp.uint32)[..., None] >> shifts) & ((1 << bits) - 1)
-        u = u.reshape(*w.shape[:-1], -1)[..., :n]
-        return (u.astype(jnp.int16) - (1 << (bits - 1))).astype(jnp.int8)
-    return f
-
-
-def _storage_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]:
-    bk, bn = lay.block(k, n)
-    kv = k // 2 if lay.fmt == "int4" else k
-    out = {"values": lead + (kv, n), "scale": lead + (-(-k // bk), -(-n // bn))}
-    if lay.kind == "packed" and not lay.symmetric:
-        out["zero"] = lead + (-(-k // bk), n)
-    return out
-
-
-def _stored_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]:
-    """The file's shapes of each leaf's tensor (HF orientation, per matrix)."""
-    per = 32 // lay.bits
-    scale = lay.scale_shape(n, k)
-    out = {"values": lead + ((n, -(-k // per)) if lay.kind == "packed" else (n, k)),
-           "scale": lead + scale}
-    if lay.kind == "packed" and not lay.symmetric:
-        out["zero"] = lead + (-(-n // per), scale[1])
-    return out
-
-
-def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mesh, rules) -> QTensor:
-    """The ``QTensor`` of one quantized parameter (a kernel or stacked experts of rlx ``shape``),
-    each distinct device slice read once: CPU devices get it laid out by the host
-    (``rlx.models.host_layout``); otherwise (and for packed int32 words) each device copies its
-    slice of the file's tensors as stored and lays it out itself (transposes; unpacks words)."""
-    n, k = _hf_shape(src, shape)
-    stacked = src.layout == "stack_T"
-    modules = [_module(name) for name in src.hf_names]
-    lead = (len(modules),) if stacked else ()
-    stored = _stored_shapes(lay, lead, n, k)
-    suffix = {"values": "weight_packed" if lay.kind == "packed" else "weight",
-              "scale": lay.scale_key, "zero": "weight_zero_point"}
-    leaves = {}
-    for leaf, leaf_shape in _storage_shapes(lay, lead, n, k).items():
-        sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
-                    else named_sharding(mesh, axes, rules, leaf_shape))
-        names = [f"{m}.{suffix[leaf]}" for m in modules]
-        tensor_scale = leaf == "scale" and lay.strategy == "tensor"
-        fn = (_unpack_values(lay.bits, k) if leaf == "values" and lay.kind == "packed" else
-              _unpack_zero(lay.bits, n) if leaf == "zero" else None)
-        if fn is None and not tensor_scale and isinstance(tensors, SafetensorsFolder) \
-                and on_host(sharding):  # CPU devices: laid out on the host, nothing compiled
-            read = once_per_index(_host_leaf(tensors, names, stacked, leaf_shape))
-            leaves[leaf] = jax.make_array_from_callback(leaf_shape, sharding, read)
-            continue
-        read = once_per_index(_stored(tensors, names, stacked, tensor_scale))
-        raw = jax.make_array_from_callback(stored[leaf], swapped(sharding, stored[leaf]), read)
-        leaves[leaf] = to_layout(raw.dtype, sharding, fn)(raw)
-    return QTensor(lay.fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
-                   lay.block(k, n), axes)
-
-
-def _host_leaf(tensors: SafetensorsFolder, names: list[str], stacked: bool, shape: tuple):
-    """Callback: a device's slice of one leaf (values or scales as stored, no cast), transposed
-    into rlx's orientation on the host."""
-    stored = DTYPES[tensors.dtype_name(names[0])]
-
-    def read(name, index, out):
-        return tensors.read(name, index, out=out)
-
-    return lambda index: read_transposed(read, names, stacked, index, shape, stored, stored)
-
-
-def file_position(tensors, src: ParamSource) -> tuple[str, int]:
-    """Where the values of a quantized parameter's first matrix lie (file, offset)."""
-    m = _module(src.hf_names[0])
-    name = f"{m}.weight" if f"{m}.weight" in tensors else f"{m}.weight_packed"
-    return tensors.position(name)
-
-
-def scale_dtype_of(tensors, quantized: dict[str, ParamSource], lay: Layout) -> str:
-    """The ``QuantConfig.scale_dtype`` name of the file's scales (float32 when none)."""
-    for src in quantized.values():
-        return _SCALE_NAMES[tensors.dtype_name(f"{_module(src.hf_names[0])}.{lay.scale_key}")]
-    return "float32"
-
-
-def shard_bytes(model: nnx.Module) -> int:
-    """Bytes this process holds of ``model``'s arrays (every addressable shard)."""
-    return sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model))
-               if hasattr(x, "addressable_shards") for s in x.addressable_shards)
-
-
-__all__ = ["Layout", "SUPPORTED", "Shipped", "check_quantized", "layout", "quantized_params",
-           "read_qtensor", "read_quantization_config", "shipped"]
+__all__ = ["Layout", "SUPPORTED", "Shipped", "candidates", "layout", "module_of", "modules_kind",
+           "quantized_params", "read_quantization_config", "shipped"]
