@@ -32,7 +32,9 @@ last complete checkpoint; the earlier checkpoints are untouched. A save first ch
 disk has room for its arrays, metadata and ``SPACE_MARGIN`` (all processes agreeing) and refuses
 before writing anything; a write that fails anyway (another writer filled the disk) is reported
 from ``save`` or, in the background, from the next ``save`` / ``wait``, and its temporary
-directory is removed (the space is freed, nothing of it is ever listed).
+directory is removed (the space is freed, nothing of it is ever listed) once the threads that
+save started have ended (orbax reports its first failing writer while the others still write;
+one still writing would recreate the directory after it was removed).
 
 Restoring checks the fingerprint (``rlx.io.fingerprint``) before reading any array and names what
 differs (a param's shape, a model hyper-parameter, the base hash, a config section). A checkpoint
@@ -50,6 +52,8 @@ import json
 import logging
 import os
 import shutil
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -69,6 +73,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # bumped when the layout of a checkpoint changes
 TRASH = "deleted"  # old steps are renamed here (atomic), then removed
 SPACE_MARGIN = 1 << 20  # bytes a save needs beyond its arrays and metadata (files, indexes)
+WRITERS_GRACE = 10.0  # seconds a failed save's other writer threads get to end before cleanup
 
 
 class CheckpointCorruptError(CheckpointError):
@@ -192,6 +197,7 @@ class Checkpointer:
             cleanup_tmp_directories=True, todelete_subdir=TRASH)
         self._mgr = ocp.CheckpointManager(self.directory, options=options)
         self._writing: int | None = None  # the step being written (in the background)
+        self._writers: list[threading.Thread] = []  # the threads that write started
         self._failed = False  # a write failed (and was raised)
         self._empty_trash()
 
@@ -249,10 +255,13 @@ class Checkpointer:
             items["data"] = grain_checkpoint.CheckpointSave(data_iter)
         self._writing = step
         self._check_space(tree, meta)
+        before = set(threading.enumerate())
         try:
             started = bool(self._mgr.save(step, args=ocp.args.Composite(**items), force=True))
         except Exception as e:  # noqa: BLE001 - a synchronous part of the write failed
+            self._writers = [t for t in threading.enumerate() if t not in before]
             self._write_failed(e)
+        self._writers = [t for t in threading.enumerate() if t not in before]
         if not self.cfg.async_save:
             self.wait()
         return started
@@ -263,7 +272,7 @@ class Checkpointer:
             self._mgr.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - the background write failed
             self._write_failed(e)
-        self._writing = None
+        self._writing, self._writers = None, []
         self._empty_trash()
 
     def _check_space(self, tree, meta: Mapping[str, Any]) -> None:
@@ -283,6 +292,7 @@ class Checkpointer:
     def _write_failed(self, error: BaseException) -> None:
         """Remove what the failed write left and raise ``CheckpointWriteError`` saying so."""
         step, self._writing, self._failed = self._writing, None, True
+        self._join_writers()
         if jax.process_index() == 0:
             for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
                 shutil.rmtree(partial, ignore_errors=True)
@@ -293,6 +303,14 @@ class Checkpointer:
             f"checkpoint {step} could not be written: {_write_cause(error)}. Nothing of it is "
             f"kept; {last}. Free space (or set config.output_dir elsewhere), then resume with "
             "--config.resume=latest") from error
+
+    def _join_writers(self) -> None:
+        """Wait (``WRITERS_GRACE`` seconds at most) for the threads the failed save started to
+        end: nothing of that save writes any more once its temporary directory is removed."""
+        deadline = time.monotonic() + WRITERS_GRACE
+        for thread in self._writers:  # Thread.join itself: orbax's threads re-raise their error
+            threading.Thread.join(thread, max(deadline - time.monotonic(), 0.0))
+        self._writers = []
 
     def close(self) -> None:
         """Wait for the last write (a failure is raised once: not again on a later close)."""
