@@ -7,7 +7,9 @@ projection kept f32 as servers do, generating exactly ``new`` greedy tokens for 
 The SmolLM2 "GGUF Q4_1" row uses the file's own blocks; other GGUF rows quantize the f32 weights
 with the ``gguf`` package (as the error table does). Quantized bases trade memory for dequantization
 work inside the matmul: on a CPU, where decode reads every weight once per token, fewer bytes can
-win or lose depending on how cheap the dequantization is.
+win or lose depending on how cheap the dequantization is. A CPU decode step's quantized products
+run ``rlx.quant.cpu_kernels`` where it builds (with ``RLX_CPU_KERNELS=0`` in the environment,
+XLA's). Columns: tokens/s and tokens per CPU-second of the worker (every thread), medians.
 """
 
 from __future__ import annotations
@@ -100,8 +102,15 @@ def decode_table(model: str = "smollm2", batch: int = 8, prompt: int = 32, new: 
     with tempfile.TemporaryDirectory(prefix="rlx-bench-quant-") as logs:
         results = interleave(sides, repeats, warmup, logs)
     rate = {label: results.rate(label, "tokens") for label in rows}
-    ref = rate.get("f32")
-    table_rows = [[label, rate[label], "-" if ref is None else f"{rate[label] / ref:.2f}x",
-                   f"{results.median(label, 'weight_bytes') / 1e6:,.1f}"] for label in rows]
-    header = ["format", "decode tokens/s", "vs f32", "base MB (layers + f32 embedding)"]
-    return markdown_table(header, table_rows), {"rate": rate, "results": results.to_json()}
+    per_cpu = {label: results.rate(label, "tokens", "cpu_s") for label in rows}
+
+    def vs_f32(r: dict, label: str) -> str:
+        return "-" if "f32" not in r else f"{r[label] / r['f32']:.2f}x"
+
+    table_rows = [[label, rate[label], vs_f32(rate, label), per_cpu[label], vs_f32(per_cpu, label),
+                   f"{results.median(label, 'weight_bytes') / 1e6:,.1f}",
+                   f"{results.median(label, 'peak_rss_mb'):,.0f}"] for label in rows]
+    header = ["format", "decode tokens/s", "vs f32", "tokens/CPU-s", "vs f32 (per CPU-s)",
+              "base MB (layers + f32 embedding)", "peak RSS MB"]
+    return markdown_table(header, table_rows), {"rate": rate, "per_cpu_s": per_cpu,
+                                                 "results": results.to_json()}

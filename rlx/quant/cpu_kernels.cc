@@ -7,11 +7,14 @@
 //     nibble j of byte i is element 16 j + i of its block), y = x @ W^T;
 //   rlx_int8_channel: int8 values [K, N] with one f32 scale per output, y = (x @ V) * s.
 //
-// Numerics: activations stay f32. Each block's weights are decoded to f32 exactly as the
-// dequantization does (Q8_0 d q; Q4_0 d (q - 8) = fma(d, q, -8 d), exact; Q4_1 fma(d, q, m) =
-// fl(d q + m) since d q is exact), then multiplied and summed in f32 with FMAs in another order
-// than XLA's product: the result differs from x @ dequantize(W) by f32 summation rounding only.
-// int8 channel applies its scale to the f32 sum, as the XLA path does.
+// Numerics: activations stay f32 and every sum is an f32 sum (FMAs), in another order than
+// XLA's product, so results differ from x @ dequantize(W) by f32 summation rounding only. One
+// row of x (a batch-1 decode step) multiplies each GGUF block's values (Q8_0 q, Q4_0 q - 8, Q4_1
+// q) by x's block and applies the block's scale d to that partial sum, plus for Q4_1 its m times
+// the block sum of x: d (q . x) + m sum(x). Several rows decode each weight to the f32 value the
+// dequantization gives (Q8_0 d q; Q4_0 fma(d, q, -8 d) = d (q - 8), exact; Q4_1 fma(d, q, m) =
+// fl(d q + m) as d q is exact) and multiply those. int8 channel scales the f32 sum, as XLA's
+// path does.
 //
 // Threads: the output columns are cut into chunks taken from an atomic counter by the calling
 // thread and by tasks scheduled on XLA's intra-op thread pool; the caller runs every chunk no
@@ -110,41 +113,181 @@ inline void decode_block(const uint8_t* row, int64_t nb, int64_t b, __m256 w[4])
   }
 }
 
-// Output columns [n0, n1) of RG rows of x (row stride K), into y (row stride N).
-template <int Q, int RG>
-void gguf_rows(const float* x, int64_t K, const uint8_t* W, int64_t N, int64_t n0, int64_t n1,
-               float* y) {
-  constexpr int A = RG == 1 ? 4 : RG <= 4 ? 2 : 1;  // independent accumulators per row
+// Block b's 32 values before its scale: Q8_0 q; Q4_0 q - 8; Q4_1 q (its m is added apart).
+template <int Q>
+inline void block_values(const uint8_t* row, int64_t nb, int64_t b, __m256 v[4]) {
+  if constexpr (Q == kQ8_0) {
+    const uint8_t* q = row + 2 * nb + 32 * b;
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
+  } else {
+    const uint8_t* q = row + (Q == kQ4_1 ? 4 : 2) * nb + 16 * b;
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if constexpr (Q == kQ4_0) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtepi32_ps(Q == kQ4_0 ? _mm256_cvtepi8_epi32(parts[i])
+                                           : _mm256_cvtepu8_epi32(parts[i]));
+  }
+}
+
+#if defined(__AVX512F__)
+using Acc = __m512;  // one row of x: a block is two 16-lane halves
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+
+// Block b of x (xb) dotted with its values, lane-wise: 16 partial sums.
+template <int Q>
+inline Acc block_dot(const uint8_t* row, int64_t nb, int64_t b, const float* xb) {
+  __m512i v0, v1;
+  if constexpr (Q == kQ8_0) {
+    const uint8_t* q = row + 2 * nb + 32 * b;
+    v0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    v1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+  } else {
+    const uint8_t* q = row + (Q == kQ4_1 ? 4 : 2) * nb + 16 * b;
+    __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    __m128i mask = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if constexpr (Q == kQ4_0) {
+      v0 = _mm512_cvtepi8_epi32(_mm_sub_epi8(lo, _mm_set1_epi8(8)));
+      v1 = _mm512_cvtepi8_epi32(_mm_sub_epi8(hi, _mm_set1_epi8(8)));
+    } else {
+      v0 = _mm512_cvtepu8_epi32(lo);
+      v1 = _mm512_cvtepu8_epi32(hi);
+    }
+  }
+  __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xb), _mm512_cvtepi32_ps(v0));
+  return _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), _mm512_cvtepi32_ps(v1), t);
+}
+
+inline Acc acc_fma(float d, Acc t, Acc acc) { return _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc); }
+#else
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc a) { return hsum(a); }
+
+template <int Q>
+inline Acc block_dot(const uint8_t* row, int64_t nb, int64_t b, const float* xb) {
+  __m256 v[4];
+  block_values<Q>(row, nb, b, v);
+  __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xb), v[0]);
+  __m256 u = _mm256_mul_ps(_mm256_loadu_ps(xb + 8), v[1]);
+  t = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v[2], t);
+  u = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], u);
+  return _mm256_add_ps(t, u);
+}
+
+inline Acc acc_fma(float d, Acc t, Acc acc) { return _mm256_fmadd_ps(_mm256_set1_ps(d), t, acc); }
+#endif
+
+// One row of x by W's rows [n0, n1): sum_b d_b (v_b . x_b), plus for Q4_1 sum_b m_b xsum_b
+// (xsum_b: the sum of x's block b).
+template <int Q>
+void gguf_one_row(const float* x, const float* xsum, int64_t K, const uint8_t* W, int64_t n0,
+                  int64_t n1, float* y) {
   const int64_t nb = K / 32, row_bytes = nb * block_bytes<Q>();
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = W + n * row_bytes;
-    __m256 acc[RG][A];
-    for (int r = 0; r < RG; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 w[4];
-      decode_block<Q>(row, nb, b, w);
-      for (int r = 0; r < RG; ++r)
-        for (int i = 0; i < 4; ++i)
-          acc[r][i % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + 32 * b + 8 * i), w[i],
-                                          acc[r][i % A]);
+    Acc acc0 = acc_zero(), acc1 = acc_zero();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      acc0 = acc_fma(f16(row + 2 * b), block_dot<Q>(row, nb, b, x + 32 * b), acc0);
+      acc1 = acc_fma(f16(row + 2 * b + 2), block_dot<Q>(row, nb, b + 1, x + 32 * b + 32), acc1);
     }
+    if (b < nb) acc0 = acc_fma(f16(row + 2 * b), block_dot<Q>(row, nb, b, x + 32 * b), acc0);
+    float sum = acc_sum(acc0) + acc_sum(acc1);
+    if constexpr (Q == kQ4_1) {
+      const uint8_t* m = row + 2 * nb;
+      __m256 macc = _mm256_setzero_ps();
+      for (b = 0; b + 8 <= nb; b += 8)
+        macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(
+                                   reinterpret_cast<const __m128i*>(m + 2 * b))),
+                               _mm256_loadu_ps(xsum + b), macc);
+      sum += hsum(macc);
+      for (; b < nb; ++b) sum += f16(m + 2 * b) * xsum[b];
+    }
+    y[n] = sum;
+  }
+}
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16, kTileCols = 4;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8, kTileCols = 3;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return hsum(v); }
+#endif
+
+// RG rows of x by NC decoded f32 rows w (row stride K, K a multiple of 32): y[r, c] (row
+// stride N).
+template <int RG, int NC>
+void dot_tile(const float* x, int64_t K, const float* w, float* y, int64_t N) {
+  Vec acc[RG][NC];
+  for (int r = 0; r < RG; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = Vec{};
+  for (int64_t k = 0; k < K; k += kLanes) {
+    Vec wv[NC];
+    for (int c = 0; c < NC; ++c) wv[c] = vload(w + c * K + k);
     for (int r = 0; r < RG; ++r) {
-      __m256 s = acc[r][0];
-      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[r][a]);
-      y[r * N + n] = hsum(s);
+      Vec xv = vload(x + r * K + k);
+      for (int c = 0; c < NC; ++c) acc[r][c] = vfma(xv, wv[c], acc[r][c]);
     }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int c = 0; c < NC; ++c) y[r * N + c] = vsum(acc[r][c]);
+}
+
+template <int NC>
+void dot_rows(const float* x, int64_t R, int64_t K, const float* w, float* y, int64_t N) {
+  int64_t r = 0;
+  for (; r + 4 <= R; r += 4) dot_tile<4, NC>(x + r * K, K, w, y + r * N, N);
+  if (R - r == 3) dot_tile<3, NC>(x + r * K, K, w, y + r * N, N);
+  if (R - r == 2) dot_tile<2, NC>(x + r * K, K, w, y + r * N, N);
+  if (R - r == 1) dot_tile<1, NC>(x + r * K, K, w, y + r * N, N);
+}
+
+// Several rows of x: W's rows are decoded kTileCols at a time into f32 (the dequantized
+// values) and multiplied by every row of x from cache.
+template <int Q>
+void gguf_many_rows(const float* x, int64_t R, int64_t K, const uint8_t* W, int64_t N,
+                    int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = K / 32, row_bytes = nb * block_bytes<Q>();
+  std::unique_ptr<float[]> w(new float[kTileCols * K]);
+  for (int64_t n = n0; n < n1; n += kTileCols) {
+    const int64_t nc = std::min<int64_t>(kTileCols, n1 - n);
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256 v[4];
+        decode_block<Q>(W + (n + c) * row_bytes, nb, b, v);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w.get() + c * K + 32 * b + 8 * i, v[i]);
+      }
+    if (nc == 4) dot_rows<4>(x, R, K, w.get(), y + n, N);
+    if (nc == 3) dot_rows<3>(x, R, K, w.get(), y + n, N);
+    if (nc == 2) dot_rows<2>(x, R, K, w.get(), y + n, N);
+    if (nc == 1) dot_rows<1>(x, R, K, w.get(), y + n, N);
   }
 }
 
 template <int Q>
-void gguf_all_rows(const float* x, int64_t R, int64_t K, const uint8_t* W, int64_t N,
-                   int64_t n0, int64_t n1, float* y) {
-  int64_t r = 0;
-  for (; r + 8 <= R; r += 8) gguf_rows<Q, 8>(x + r * K, K, W, N, n0, n1, y + r * N);
-  if (r + 4 <= R) gguf_rows<Q, 4>(x + r * K, K, W, N, n0, n1, y + r * N), r += 4;
-  if (r + 2 <= R) gguf_rows<Q, 2>(x + r * K, K, W, N, n0, n1, y + r * N), r += 2;
-  if (r < R) gguf_rows<Q, 1>(x + r * K, K, W, N, n0, n1, y + r * N);
+void gguf_all_rows(const float* x, const float* xsum, int64_t R, int64_t K, const uint8_t* W,
+                   int64_t N, int64_t n0, int64_t n1, float* y) {
+  if (R == 1) gguf_one_row<Q>(x, xsum, K, W, n0, n1, y);
+  else gguf_many_rows<Q>(x, R, K, W, N, n0, n1, y);
 }
 
 template <int Q>
@@ -159,24 +302,33 @@ ffi::Error gguf_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
+  std::unique_ptr<float[]> xsum(new float[K / 32]);  // per block of x's first row (R = 1)
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 s = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) s = _mm256_add_ps(s, _mm256_loadu_ps(xp + 32 * b + 8 * i));
+    xsum[b] = hsum(s);
+  }
+  const float* xs = xsum.get();
   const int64_t step = std::max<int64_t>(16, (N / 8 + 15) / 16 * 16);  // about 8 chunks
   const int64_t count = (N + step - 1) / step;
   parallel_chunks(pool, count, N * K < kSerialWork, [=](int64_t c) {
-    gguf_all_rows<Q>(xp, R, K, wp, N, c * step, std::min(N, (c + 1) * step), yp);
+    gguf_all_rows<Q>(xp, xs, R, K, wp, N, c * step, std::min(N, (c + 1) * step), yp);
   });
   return ffi::Error::Success();
 }
 
 // ---- int8 values [K, N], one scale per output ------------------------------------------------
 
-// Columns [n0, n0 + 8 T) of RG rows.
+// Columns [n0, n0 + 8 T) of RG rows, input rows [k0, k1) added to y (the first block: set).
+// Values stream row by row (k-major), as they lie in memory.
 template <int RG, int T>
-void int8_cols(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0,
-               const float* scale, float* y) {
+void int8_panel(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0, int64_t k0,
+                int64_t k1, float* y) {
   __m256 acc[RG][T];
   for (int r = 0; r < RG; ++r)
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int t = 0; t < T; ++t)
+      acc[r][t] = k0 ? _mm256_loadu_ps(y + r * N + n0 + 8 * t) : _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
     const int8_t* v = V + k * N + n0;
     __m256 w[T];
     for (int t = 0; t < T; ++t)
@@ -187,25 +339,40 @@ void int8_cols(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0
       for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(xr, w[t], acc[r][t]);
     }
   }
-  for (int t = 0; t < T; ++t) {
-    __m256 s = _mm256_loadu_ps(scale + n0 + 8 * t);
-    for (int r = 0; r < RG; ++r) _mm256_storeu_ps(y + r * N + n0 + 8 * t, _mm256_mul_ps(acc[r][t], s));
-  }
+  for (int r = 0; r < RG; ++r)
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + r * N + n0 + 8 * t, acc[r][t]);
 }
 
 template <int RG>
-void int8_rows(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0, int64_t n1,
-               const float* scale, float* y) {
+void int8_block(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0, int64_t n1,
+                int64_t k0, int64_t k1, float* y) {
   constexpr int T = RG == 1 ? 8 : RG == 2 ? 4 : 2;
   int64_t n = n0;
-  for (; n + 8 * T <= n1; n += 8 * T) int8_cols<RG, T>(x, K, V, N, n, scale, y);
-  for (; n + 8 <= n1; n += 8) int8_cols<RG, 1>(x, K, V, N, n, scale, y);
-  for (; n < n1; ++n)
-    for (int r = 0; r < RG; ++r) {
+  for (; n + 8 * T <= n1; n += 8 * T) int8_panel<RG, T>(x, K, V, N, n, k0, k1, y);
+  for (; n + 8 <= n1; n += 8) int8_panel<RG, 1>(x, K, V, N, n, k0, k1, y);
+}
+
+// Columns [n0, n1) of all R rows: blocks of input rows (8 for one row of x, 128 for several),
+// each multiplied by every row of x while in cache; then the scales. Columns past the last multiple of 8 are summed one by one.
+void int8_columns(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t N, int64_t n0,
+                  int64_t n1, const float* scale, float* y) {
+  const int64_t kBlock = R == 1 ? 8 : 128;
+  const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t k1 = std::min(K, k0 + kBlock);
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) int8_block<4>(x + r * K, K, V, N, n0, n8, k0, k1, y + r * N);
+    if (r + 2 <= R) int8_block<2>(x + r * K, K, V, N, n0, n8, k0, k1, y + r * N), r += 2;
+    if (r < R) int8_block<1>(x + r * K, K, V, N, n0, n8, k0, k1, y + r * N);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t n = n0; n < n8; ++n) y[r * N + n] *= scale[n];
+    for (int64_t n = n8; n < n1; ++n) {
       float s = 0.0f;
       for (int64_t k = 0; k < K; ++k) s = std::fma(x[r * K + k], float(V[k * N + n]), s);
       y[r * N + n] = s * scale[n];
     }
+  }
 }
 
 ffi::Error int8_channel_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -219,14 +386,10 @@ ffi::Error int8_channel_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int8_t* vp = v.typed_data();
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
-  const int64_t step = std::max<int64_t>(64, (N / 8 + 63) / 64 * 64);
+  const int64_t step = std::max<int64_t>(64, (N / 4 + 63) / 64 * 64);  // about 4 chunks
   const int64_t count = (N + step - 1) / step;
   parallel_chunks(pool, count, N * K < kSerialWork, [=](int64_t c) {
-    const int64_t n0 = c * step, n1 = std::min(N, n0 + step);
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) int8_rows<4>(xp + r * K, K, vp, N, n0, n1, sp, yp + r * N);
-    if (r + 2 <= R) int8_rows<2>(xp + r * K, K, vp, N, n0, n1, sp, yp + r * N), r += 2;
-    if (r < R) int8_rows<1>(xp + r * K, K, vp, N, n0, n1, sp, yp + r * N);
+    int8_columns(xp, R, K, vp, N, c * step, std::min(N, (c + 1) * step), sp, yp);
   });
   return ffi::Error::Success();
 }

@@ -4,12 +4,13 @@ XLA:CPU emits no kernel that multiplies packed weights: it decodes them into flo
 few G weights per CPU-second before its product. ``cpu_kernels.cc`` (shipped beside this module)
 multiplies a decode step's few f32 rows by GGUF Q8_0 / Q4_0 / Q4_1 planar rows
 (``rlx.quant.gguf_blocks``) and by int8 channel-scale ``QTensor`` values directly, decoding each
-block into registers with AVX2 / FMA / F16C and splitting the output columns over XLA's intra-op
+block into registers with AVX2 / FMA / F16C (AVX-512 where the CPU has it) and splitting the output columns over XLA's intra-op
 threads.
 
-Numerical contract: activations stay f32 and each weight is decoded to the f32 value
-``dequantize`` gives; only the order of the f32 sums differs from ``x @ dequantize(W)``, so the
-products agree within f32 summation rounding (``tests/quant/test_cpu_kernels.py``). Activations
+Numerical contract: activations stay f32 and every sum is an f32 sum; the weights enter as the
+values ``dequantize`` gives (for one row of x, a GGUF block's scale multiplies the block's partial
+sum instead: ``d (q . x) + m sum(x)``), so the products differ from ``x @ dequantize(W)`` by f32
+summation rounding only (``tests/quant/test_cpu_kernels.py`` checks the worst-case bound). Activations
 are not quantized to int8 blocks as llama.cpp does: that changes log-probs far beyond the 1e-5
 engine-vs-learner parity rlx keeps.
 
