@@ -352,13 +352,40 @@ void int8_block(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n
   for (; n + 8 <= n1; n += 8) int8_panel<RG, 1>(x, K, V, N, n, k0, k1, y);
 }
 
-// Columns [n0, n1) of all R rows: blocks of input rows (8 for one row of x, 128 for several),
-// each multiplied by every row of x while in cache; then the scales. Columns past the last multiple of 8 are summed one by one.
+// One row of x, columns [n0, n8) (n8 - n0 a multiple of 8), set in y: one input row of values at
+// a time, so the values stream through memory in order (blocks of several input rows, one
+// stream each, ran at half the speed here from memory).
+void int8_one_row(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0, int64_t n8,
+                  float* y) {
+  std::fill(y + n0, y + n8, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* v = V + k * N;
+    int64_t n = n0;
+#if defined(__AVX512F__)
+    const __m512 xk = _mm512_set1_ps(x[k]);
+    for (; n + 16 <= n8; n += 16) {
+      __m512 w = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + n))));
+      _mm512_storeu_ps(y + n, _mm512_fmadd_ps(xk, w, _mm512_loadu_ps(y + n)));
+    }
+#endif
+    const __m256 xk8 = _mm256_set1_ps(x[k]);
+    for (; n < n8; n += 8) {
+      __m256 w = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + n))));
+      _mm256_storeu_ps(y + n, _mm256_fmadd_ps(xk8, w, _mm256_loadu_ps(y + n)));
+    }
+  }
+}
+
+// Columns [n0, n1) of all R rows (several: blocks of 128 input rows, each multiplied by every
+// row of x while in cache); then the scales. Columns past the last multiple of 8 are summed one by one.
 void int8_columns(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t N, int64_t n0,
                   int64_t n1, const float* scale, float* y) {
-  const int64_t kBlock = R == 1 ? 8 : 128;
+  constexpr int64_t kBlock = 128;
   const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
-  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+  if (R == 1) int8_one_row(x, K, V, N, n0, n8, y);
+  for (int64_t k0 = 0; k0 < K && R > 1; k0 += kBlock) {
     const int64_t k1 = std::min(K, k0 + kBlock);
     int64_t r = 0;
     for (; r + 4 <= R; r += 4) int8_block<4>(x + r * K, K, V, N, n0, n8, k0, k1, y + r * N);
