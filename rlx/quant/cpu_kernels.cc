@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -78,7 +79,12 @@ void parallel_chunks(ffi::ThreadPool& pool, int64_t count, bool serial, Fn fn) {
   };
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work]() { work(); });
   work();
-  while (state->done.load(std::memory_order_acquire) < count) _mm_pause();
+  // a helper still running its last chunk: spin briefly, then give the core up (on a loaded
+  // machine the helper may be waiting for this very core)
+  for (int spins = 0; state->done.load(std::memory_order_acquire) < count; ++spins) {
+    if (spins < 4096) _mm_pause();
+    else std::this_thread::yield();
+  }
 }
 
 // ---- GGUF planar rows ----------------------------------------------------------------------
@@ -270,6 +276,9 @@ void gguf_many_rows(const float* x, int64_t R, int64_t K, const uint8_t* W, int6
   std::unique_ptr<float[]> w(new float[kTileCols * K]);
   for (int64_t n = n0; n < n1; n += kTileCols) {
     const int64_t nc = std::min<int64_t>(kTileCols, n1 - n);
+    const uint8_t* next = W + (n + nc) * row_bytes;  // the next tile's rows: fetch them now
+    for (int64_t i = 0; i < std::min<int64_t>(kTileCols, n1 - n - nc) * row_bytes; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
     for (int64_t c = 0; c < nc; ++c)
       for (int64_t b = 0; b < nb; ++b) {
         __m256 v[4];
