@@ -51,9 +51,7 @@ truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import zlib
 from collections.abc import Sequence
 
 import jax
@@ -65,10 +63,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from rlx.learner.heap import CompiledPerShape
 from rlx.learner.state import variable_shardings
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
-                      round_up, target_platform)
+                      target_platform)
 from rlx.models.hparams import ModelConfig
 from rlx.models.moe import SparseMoE, expert_parallel
 from rlx.models.stack import layer_counts
+from rlx.rollout.batching import Buckets, pack_left, pow2, row_rollout, shared_prompts, uid_hash
 from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
 from rlx.rollout.jax_sampling import (GenerateStatic, KeptPrefix, SamplerSpec, gather_prefix,
@@ -76,32 +75,7 @@ from rlx.rollout.jax_sampling import (GenerateStatic, KeptPrefix, SamplerSpec, g
 from rlx.rollout.prefix_cache import CachedRow, PrefixCache, gather_plan, prompt_slots
 from rlx.types import Prompt, Rollout, SamplingParams
 
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """Shape buckets: powers of two at least these minimums; ``max_rows`` rows per device call."""
-
-    min_prompt: int = 16
-    min_new_tokens: int = 16
-    min_rows: int = 1
-    max_rows: int = 256
-    min_extend: int = 16  # a continued request's new tokens (``JaxEngine.prefix_cache``)
-
-    def rows(self, n: int, multiple: int) -> int:
-        return round_up(_pow2(max(n, self.min_rows)), multiple)
-
-    def prompt(self, n: int) -> int:
-        return _pow2(max(n, self.min_prompt))
-
-    def new_tokens(self, n: int) -> int:
-        return _pow2(max(n, self.min_new_tokens))
-
-    def extend(self, n: int) -> int:
-        return _pow2(max(n, self.min_extend))
-
-
-def _pow2(n: int) -> int:
-    return 1 << (int(n) - 1).bit_length()
+UNROLL_DECODE_BYTES = 1 << 30  # unroll_decode: the most weight bytes a CPU decode unrolls
 
 
 def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None,
@@ -115,13 +89,21 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
-    # scanned layers: XLA:CPU copies a layer's weights and cache out of the stack at every step
-    # of a decode scan (3x fewer SmolLM2 tokens/s); unrolled, its static slices cost nothing
-    copy.unroll_decode = target_platform() == "cpu"
+    copy.unroll_decode = unroll_decode(state)
     expert_parallel(copy, mesh, rules, capacity_factor)
     keep = frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(copy, shared)))
     transposed = to_out_in(copy, keep) if layout == "out_in" else frozenset()
     return (*nnx.split(copy), transposed, keep)
+
+
+def unroll_decode(state: nnx.State) -> bool:
+    """Whether decode steps unroll a scanned model's layers: on XLA:CPU, for weights up to
+    ``UNROLL_DECODE_BYTES``. In a decode scan XLA:CPU copies each layer's weights and cache out
+    of the stack at every step (3x fewer SmolLM2 tokens/s); unrolled, it hoists each layer's
+    float conversions out of the token loop instead, and keeps them all for the whole call: about
+    a float copy of the weights, which a large model cannot afford."""
+    weights = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+    return target_platform() == "cpu" and weights <= UNROLL_DECODE_BYTES
 
 
 def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int) -> NamedSharding:
@@ -132,60 +114,6 @@ def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int) -
         return named_sharding(mesh, ("batch", None, None), rules, (dp, 1, 1))
     return named_sharding(mesh, ("batch", "kv_heads", None, None), rules,
                           (dp, cfg.num_kv_heads, 1, 1))
-
-
-def uid_hash(uid) -> int:
-    """A stable 32-bit hash of a prompt uid (seeds its samples)."""
-    return zlib.crc32(str(uid).encode())
-
-
-def stop_string_cut(tokenizer, ids: Sequence[int], stops: Sequence[str]) -> int | None:
-    """Fewest leading tokens of ``ids`` whose decoded text contains one of ``stops``, or None.
-
-    Binary search over prefixes: containment is monotone in the prefix length.
-    """
-    def hit(k: int) -> bool:
-        text = tokenizer.decode(list(ids[:k]), skip_special_tokens=False)
-        return any(s in text for s in stops)
-
-    if not stops or not len(ids) or not hit(len(ids)):
-        return None
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
-    return lo
-
-
-def _pack_left(seqs: Sequence[Sequence[int]], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded ids [rows, width] and lengths [rows]; missing rows have length 0."""
-    ids = np.zeros((rows, width), np.int32)
-    lens = np.zeros((rows,), np.int32)
-    for r, s in enumerate(seqs):
-        if len(s):
-            ids[r, width - len(s):] = s
-        lens[r] = len(s)
-    return ids, lens
-
-
-def _shared_prompts(reqs: list[tuple[Prompt, int]], rows: int, bucket
-                    ) -> tuple[list[Prompt], int, np.ndarray]:
-    """The prompts to prefill, their row count (``bucket(len)``), and per row the index of its
-    prompt (-1: a padding row). The samples of one prompt share its prefill; when that would not
-    save a row bucket every request keeps its own prompt row, in order."""
-    index: dict[tuple, int] = {}
-    distinct: list[Prompt] = []
-    of_row = np.full((rows,), -1, np.int32)
-    for r, (p, _) in enumerate(reqs):
-        key = (p.uid, tuple(p.token_ids))
-        if key not in index:
-            index[key] = len(distinct)
-            distinct.append(p)
-        of_row[r] = index[key]
-    if bucket(len(distinct)) >= rows:
-        of_row[:len(reqs)] = np.arange(len(reqs))
-        return [p for p, _ in reqs], rows, of_row
-    return distinct, bucket(len(distinct)), of_row
 
 
 class JaxEngine:
@@ -390,7 +318,7 @@ class JaxEngine:
                    seed: int, kept: PrefixCache) -> list[Rollout]:
         b = self.buckets
         rows = b.rows(len(reqs), self._data_parallel())
-        prompts, prompt_rows, of_row = _shared_prompts(
+        prompts, prompt_rows, of_row = shared_prompts(
             reqs, rows, lambda n: b.rows(n, self._data_parallel()))
         prefix, ids, lens, slots = self._prompt_block(prompts, prompt_rows, kept)
         self._prefilled += int(lens.sum())
@@ -399,7 +327,7 @@ class JaxEngine:
         index = np.zeros((rows,), np.int32)
         index[:len(reqs)] = [j for _, j in reqs]
         stops = list(dict.fromkeys(sampling.stop_token_ids))
-        stop_ids = np.full((_pow2(max(len(stops), 4)),), -1, np.int32)
+        stop_ids = np.full((pow2(max(len(stops), 4)),), -1, np.int32)
         stop_ids[:len(stops)] = stops
         spec = SamplerSpec(greedy=sampling.temperature == 0, top_k=sampling.top_k,
                            top_p=sampling.top_p is not None and sampling.top_p < 1,
@@ -412,8 +340,8 @@ class JaxEngine:
                   *(() if prefix is None else (prefix,)))
         buffers = tuple(outs[-2:]) if keep else None  # stays on the device
         tokens, logps, lengths, stopped, *routes = jax.device_get(outs[:-2] if keep else outs)
-        rollouts = [self._rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]),
-                                  sampling, [x[r] for x in routes])
+        rollouts = [row_rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]),
+                                sampling, self.tokenizer, self.weight_version, [x[r] for x in routes])
                     for r, (p, j) in enumerate(reqs)]
         if keep:
             width = ids.shape[1] + (0 if prefix is None else prefix.width)
@@ -455,7 +383,7 @@ class JaxEngine:
         tails = [p.token_ids[k:] for p, k in zip(prompts, done)]
         longest = max(map(len, tails))
         width = self.buckets.extend(longest) if any(done) else self.buckets.prompt(longest)
-        ids, lens = _pack_left(tails, prompt_rows, width)
+        ids, lens = pack_left(tails, prompt_rows, width)
         if not any(done):
             return None, ids, lens, [prompt_slots(width, len(t)) for t in tails]
         before = self.buckets.prompt(max(done))
@@ -472,26 +400,6 @@ class JaxEngine:
                                                    *(() if out is None else (out,)))
         return KeptPrefix(*out, *self._rows(lens))
 
-    def _rollout(self, prompt: Prompt, j: int, tokens, logps, length: int, stopped: bool,
-                 sampling: SamplingParams, routes=()) -> Rollout:
-        """Row ``tokens`` as a Rollout; ``routes``: the row's prompt ([p, l, k], left-padded) and
-        completion ([n, l, k]) experts when recorded."""
-        ids, logp = tokens[:length], logps[:length]
-        cut = stop_string_cut(self.tokenizer, ids, sampling.stop_strings) if sampling.stop_strings else None
-        if cut is not None:
-            ids, logp, stopped = ids[:cut], logp[:cut], True
-        recorded = None
-        if routes:  # the prompt's tokens end at its last slot
-            prompt_routes, completion_routes = routes
-            recorded = np.concatenate([prompt_routes[len(prompt_routes) - len(prompt.token_ids):],
-                                     completion_routes[:len(ids)]])
-        return Rollout(prompt_uid=prompt.uid, prompt_ids=np.asarray(prompt.token_ids, np.int32),
-                       completion_ids=np.asarray(ids, np.int32),
-                       sampler_logp=np.asarray(logp, np.float32),
-                       finish_reason="stop" if stopped else "length",
-                       weight_version=self.weight_version, sample_index=j,
-                       has_logprobs=sampling.logprobs, routes=recorded)
-
     # --- scoring and lifecycle ------------------------------------------------------------
     def score(self, sequences: Sequence[tuple[Sequence[int], int]]) -> list[np.ndarray]:
         """Teacher-forced raw-policy log-probs of the tokens after each prompt (``[len - p]``)."""
@@ -504,7 +412,7 @@ class JaxEngine:
         for start in range(0, len(sequences), step):
             chunk = sequences[start:start + step]
             width = self.buckets.prompt(max(len(s) for s, _ in chunk))
-            ids, lens = _pack_left([list(s) for s, _ in chunk],
+            ids, lens = pack_left([list(s) for s, _ in chunk],
                                    self.buckets.rows(len(chunk), self._data_parallel()), width)
             logp = np.asarray(jax.device_get(self._score_fn()(self._state, *self._rows(ids, lens))))
             out += [logp[r, width - len(s) + p - 1: width - 1] for r, (s, p) in enumerate(chunk)]

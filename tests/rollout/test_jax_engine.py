@@ -401,20 +401,20 @@ def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
 def test_samples_of_a_prompt_share_its_prefill(zoo, temperature, monkeypatch):
     """``n`` samples of each prompt prefill each prompt once (fewer prompt rows than rows) and
     give what one prompt row per request gives: the same tokens, log-probs within 1e-5."""
-    from rlx.rollout import jax_engine
+    from rlx.rollout import batching, jax_engine
 
     model = from_hf(make_hf_model("llama", zoo))
     prompts = _prompts((3, 9, 5))
     reqs = [(p, j) for p in prompts for j in range(4)]
     pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
-    distinct, prompt_rows, of_row = jax_engine._shared_prompts(reqs, 16, pow2)
+    distinct, prompt_rows, of_row = batching.shared_prompts(reqs, 16, pow2)
     assert [p.uid for p in distinct] == ["p0", "p1", "p2"] and prompt_rows == 4
     assert of_row.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [-1] * 4
-    assert jax_engine._shared_prompts([reqs[0], reqs[4]], 2, pow2)[2].tolist() == [0, 1]  # distinct
+    assert batching.shared_prompts([reqs[0], reqs[4]], 2, pow2)[2].tolist() == [0, 1]  # distinct
     sampling = SamplingParams(max_new_tokens=10, n=4, seed=5, temperature=temperature)
     shared = JaxEngine(model).generate(prompts, sampling)
-    real = jax_engine._shared_prompts
-    monkeypatch.setattr(jax_engine, "_shared_prompts",
+    real = batching.shared_prompts
+    monkeypatch.setattr(jax_engine, "shared_prompts",
                         lambda reqs, rows, bucket: real(reqs, rows, lambda n: rows))
     alone = JaxEngine(model).generate(prompts, sampling)  # a prompt row per request
     for a, b in zip(shared, alone):
