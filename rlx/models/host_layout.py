@@ -55,6 +55,13 @@ def aligned_empty(shape: tuple, dtype) -> np.ndarray:
     return raw[start:start + n].view(dtype).reshape(shape)
 
 
+def uint_view(a: np.ndarray) -> np.ndarray:
+    """``a``'s bits as unsigned integers of its item size (numpy copies ml_dtypes' bf16 / fp8
+    element by element, integers as memory); other item sizes: ``a`` itself."""
+    size = a.dtype.itemsize
+    return a.view(_UINT[size]) if size in _UINT else a
+
+
 def transpose_into(src: np.ndarray, out: np.ndarray, work: np.ndarray | None = None) -> None:
     """``out[...] = src.T`` for a C-contiguous ``[r, k]`` ``src`` and a ``[k, r]`` ``out`` (a
     view with any strides; another dtype casts as numpy assignment does). ``work``: a scratch

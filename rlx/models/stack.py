@@ -17,6 +17,12 @@ Stacking happens after a model is loaded, quantized and given its adapters, and
 on disk is the same with and without ``config.model.scan_layers``. The math per layer is that of
 the unrolled loop; only XLA's fusion across layer boundaries differs (f32 logits and gradients
 agree to rounding, ``tests/models/test_scan_layers.py``).
+
+On one CPU device a stack is written layer by layer into host memory that XLA:CPU takes without
+a copy, and 1-byte float (fp8) stacks are stored as their ``uint8`` bits (``stored_bits``): a
+loop over an fp8 stack makes XLA:CPU copy or widen the whole stack ahead of the loop, while a
+``uint8`` argument it slices in place; ``scan`` turns each layer back into fp8 inside the loop,
+and the unrolled view (``unstack_layers``, ``per_layer_tree``) holds fp8 arrays again.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from rlx.mesh import LogicalRules, named_sharding, target_platform
+from rlx.models.host_layout import aligned_empty, on_host, uint_view
 
 LAYERS = "layers"  # logical name of the stacked axis (no mesh axis in any rules table)
+BITS = "stored_bits"  # variable metadata: the float dtype a uint8 stack holds (``stored_bits``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +104,9 @@ def _stack_values(values: list, consume: frozenset = frozenset()) -> jax.Array:
             return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=out)(*values)
         return jnp.stack(values)
     out = out or sharding
+    if (len(first.sharding.device_set) == 1 and on_host(first.sharding)
+            and all(v.dtype == first.dtype for v in values)):
+        return _stack_on_host(values, consume)
     buf = jax.jit(lambda: jnp.zeros((len(values), *first.shape), first.dtype), out_shardings=out)()
     for i, v in enumerate(values):
         buf = _put_layer(buf, v, i)
@@ -103,19 +115,62 @@ def _stack_values(values: list, consume: frozenset = frozenset()) -> jax.Array:
     return buf
 
 
+def _stack_on_host(values: list[jax.Array], consume: frozenset) -> jax.Array:
+    """``_stack_values`` for arrays on one CPU device: the stack is host memory whose pages exist
+    only once written (``aligned_empty``), each layer copied in as bits and deleted once copied
+    where consumed, then taken by the device without a copy. A whole zero-filled stack first
+    would cost the largest variable's stacked bytes on top of the model while stacking."""
+    first = values[0]
+    host = aligned_empty((len(values), *first.shape), first.dtype)
+    bits = uint_view(host)
+    for i, v in enumerate(values):
+        bits[i] = uint_view(np.asarray(v))
+        if id(v) in consume:
+            v.delete()
+    return jax.device_put(bits if _byte_float(first.dtype) else host, first.sharding)
+
+
+def _byte_float(dtype) -> bool:
+    """Whether ``dtype`` is a 1-byte float (fp8), which XLA:CPU widens ahead of a loop."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+
+
+def stored_bits(var: nnx.Variable):
+    """The float dtype a stacked variable's ``uint8`` value holds the bits of, or None: on
+    XLA:CPU 1-byte float stacks are stored as their bits (``BITS``), and read as floats one
+    layer at a time inside ``scan``'s loop, since XLA:CPU copies or widens a whole 1-byte float
+    stack that a loop takes (even when the program bitcasts it first); an argument that already
+    is ``uint8`` it reads in place."""
+    name = var.get_metadata().get(BITS)
+    return None if name is None else jnp.dtype(name)
+
+
+def _as_stored(value, bits) -> jax.Array:
+    """``value`` (a stored layer or slice) in its float dtype ``bits`` (None: as it is)."""
+    if bits is None:
+        return value
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, bits, sharding=value.sharding)
+    return jax.lax.bitcast_convert_type(value, bits)
+
+
 @jax.jit(donate_argnums=0)
 def _put_layer(buf: jax.Array, value: jax.Array, i) -> jax.Array:
     """``buf`` with ``value`` as its layer ``i`` (``buf`` donated: written in place)."""
     return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), i, 0)
 
 
-def _with_axes(var: nnx.Variable, value, lead: bool) -> nnx.Variable:
+def _with_axes(var: nnx.Variable, value, lead: bool, bits=None) -> nnx.Variable:
     """``var`` holding ``value``, its logical axes with the layer axis added (``lead``) or
-    removed."""
-    axes = var.get_metadata().get("logical_axes")
-    if axes is None:
-        return var.replace(value)
-    return var.replace(value, logical_axes=(LAYERS,) + tuple(axes) if lead else tuple(axes)[1:])
+    removed; ``bits``: the float dtype whose bits ``value`` stores (``stored_bits``; a layer
+    taken out of a stack holds its floats again)."""
+    had = var.get_metadata()
+    meta = {BITS: jnp.dtype(bits).name} if bits is not None else (
+        {BITS: None} if had.get(BITS) is not None else {})
+    axes = had.get("logical_axes")
+    if axes is not None:
+        meta["logical_axes"] = (LAYERS,) + tuple(axes) if lead else tuple(axes)[1:]
+    return var.replace(value, **meta)
 
 
 def stack_blocks(blocks: list[nnx.Module], consume: bool = False) -> nnx.Module:
@@ -138,8 +193,10 @@ def stack_blocks(blocks: list[nnx.Module], consume: bool = False) -> nnx.Module:
         owned = frozenset(k for k, n in held.items() if n == 1)
     out = []
     for i, (path, var) in enumerate(flats[0]):
+        dtype = getattr(var[...], "dtype", None)
         value = _stack_values([flat[i][1][...] for flat in flats], owned)
-        out.append((path, _with_axes(var, value, lead=True)))
+        bits = dtype if dtype is not None and value.dtype != dtype else None
+        out.append((path, _with_axes(var, value, lead=True, bits=bits)))
     return nnx.merge(graphdef, nnx.from_flat_state(out))
 
 
@@ -155,7 +212,8 @@ def unstack_block(block: nnx.Module, count: int) -> list[nnx.Module]:
     graphdef, state = nnx.split(block)
     flat = nnx.to_flat_state(state)
     return [nnx.merge(graphdef, nnx.from_flat_state(
-        [(p, _with_axes(v, _layer(v.get_value(), i), lead=False)) for p, v in flat]))
+        [(p, _with_axes(v, _as_stored(_layer(v.get_value(), i), stored_bits(v)), lead=False))
+         for p, v in flat]))
         for i in range(count)]
 
 
@@ -209,8 +267,8 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
     graphdef, state = nnx.split(stack.block)
     flat = nnx.to_flat_state(state)
     values = [v[...] for _, v in flat]
-    dtypes = [getattr(x, "dtype", None) for x in values]
-    values = [_as_bits(x) for x in values]
+    dtypes = [stored_bits(v) or getattr(x, "dtype", None) for (_, v), x in zip(flat, values)]
+    values = [x if stored_bits(v) is not None else _as_bits(x) for (_, v), x in zip(flat, values)]
     gather = getattr(stack, "gather", None)
 
     def body(carry, inputs):
@@ -228,13 +286,12 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
 
 
 def _as_bits(value):
-    """A stacked 1-byte float array as its ``uint8`` bits on XLA:CPU: XLA:CPU widens fp8
-    arrays to a float type it computes in, and for a loop's stacked input it does so for every
-    layer at once, ahead of the loop (a second, wider copy of the whole stack); it never widens
-    integers. Elsewhere, and for other types, ``value`` itself."""
+    """A stacked 1-byte float array not stored as its bits (a stack sharded over several
+    devices) as its ``uint8`` bits on XLA:CPU, bitcast in the program: XLA:CPU then copies the
+    stack's bytes once ahead of the loop instead of widening every layer to a wider float.
+    Elsewhere, and for other types, ``value`` itself."""
     dtype = getattr(value, "dtype", None)
-    if (dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize != 1
-            or target_platform() != "cpu"):
+    if dtype is None or not _byte_float(dtype) or target_platform() != "cpu":
         return value
     return jax.lax.bitcast_convert_type(value, jnp.uint8)
 
@@ -249,11 +306,11 @@ class LayerSlice:
     """Layer ``index`` of a stacked array, read when asked (``value``): a leaf of a lazy
     ``per_layer_tree`` (``take=LayerSlice``), e.g. for hashing a base one layer at a time."""
 
-    def __init__(self, array, index: int):
-        self.array, self.index = array, index
+    def __init__(self, array, index: int, bits=None):
+        self.array, self.index, self.bits = array, index, bits
 
     def value(self):
-        return self.array[self.index]
+        return _as_stored(self.array[self.index], self.bits)
 
 
 def per_layer_tree(tree, take: Callable = lambda x, i: x[i]):
@@ -277,13 +334,29 @@ def _has_stacks(tree) -> bool:
                for p, _ in jax.tree_util.tree_leaves_with_path(tree))
 
 
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _take_layer(x, i: int, take):
+    """``take(x, i)`` for a stacked leaf or variable; a variable stored as bits gives its floats
+    (``stored_bits``)."""
+    if not _is_var(x):
+        return take(x, i)
+    bits, got = stored_bits(x), take(x.get_value(), i)
+    if bits is not None:
+        got = LayerSlice(got.array, got.index, bits) if isinstance(got, LayerSlice) else (
+            _as_stored(got, bits))
+    return x.replace(got) if bits is None else x.replace(got, **{BITS: None})
+
+
 def _per_layer(tree, take):
     if isinstance(tree, (nnx.State, dict)):
         items = {k: _per_layer(v, take) for k, v in tree.items() if k != "stacks"}
         if "stacks" in tree:
             stacks = [tree["stacks"][k]["block"] for k in sorted(tree["stacks"].keys())]
-            layers = [jax.tree.map(lambda x, i=i: take(x, i), s) for s in stacks
-                      for i in range(jax.tree.leaves(s)[0].shape[0])]
+            layers = [jax.tree.map(lambda x, i=i: _take_layer(x, i, take), s, is_leaf=_is_var)
+                      for s in stacks for i in range(jax.tree.leaves(s)[0].shape[0])]
             items["layers"] = type(tree)({i: _per_layer(b, take) for i, b in enumerate(layers)})
         return type(tree)(items)
     if isinstance(tree, tuple) and hasattr(tree, "_fields"):
