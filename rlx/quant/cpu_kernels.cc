@@ -149,9 +149,9 @@ using Acc = __m512;  // one row of x: a block is two 16-lane halves
 inline Acc acc_zero() { return _mm512_setzero_ps(); }
 inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
 
-// Block b of x (xb) dotted with its values, lane-wise: 16 partial sums.
+// Block b's 32 values before its scale (as block_values) in two 16-lane halves.
 template <int Q>
-inline Acc block_dot(const uint8_t* row, int64_t nb, int64_t b, const float* xb) {
+inline void block_values16(const uint8_t* row, int64_t nb, int64_t b, __m512 v[2]) {
   __m512i v0, v1;
   if constexpr (Q == kQ8_0) {
     const uint8_t* q = row + 2 * nb + 32 * b;
@@ -171,8 +171,27 @@ inline Acc block_dot(const uint8_t* row, int64_t nb, int64_t b, const float* xb)
       v1 = _mm512_cvtepu8_epi32(hi);
     }
   }
-  __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xb), _mm512_cvtepi32_ps(v0));
-  return _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), _mm512_cvtepi32_ps(v1), t);
+  v[0] = _mm512_cvtepi32_ps(v0);
+  v[1] = _mm512_cvtepi32_ps(v1);
+}
+
+// Block b of x (xb) dotted with its values, lane-wise: 16 partial sums.
+template <int Q>
+inline Acc block_dot(const uint8_t* row, int64_t nb, int64_t b, const float* xb) {
+  __m512 v[2];
+  block_values16<Q>(row, nb, b, v);
+  return _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v[1], _mm512_mul_ps(_mm512_loadu_ps(xb), v[0]));
+}
+
+// Block b's 32 weights as the dequantization gives them (as decode_block) into w[0..31].
+template <int Q>
+inline void store_block(const uint8_t* row, int64_t nb, int64_t b, float* w) {
+  __m512 v[2];
+  block_values16<Q>(row, nb, b, v);
+  __m512 d = _mm512_set1_ps(f16(row + 2 * b));
+  __m512 c = _mm512_set1_ps(Q == kQ4_1 ? f16(row + 2 * nb + 2 * b) : 0.0f);
+  for (int i = 0; i < 2; ++i)
+    _mm512_storeu_ps(w + 16 * i, Q == kQ4_1 ? _mm512_fmadd_ps(d, v[i], c) : _mm512_mul_ps(d, v[i]));
 }
 
 inline Acc acc_fma(float d, Acc t, Acc acc) { return _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc); }
@@ -193,6 +212,13 @@ inline Acc block_dot(const uint8_t* row, int64_t nb, int64_t b, const float* xb)
 }
 
 inline Acc acc_fma(float d, Acc t, Acc acc) { return _mm256_fmadd_ps(_mm256_set1_ps(d), t, acc); }
+
+template <int Q>
+inline void store_block(const uint8_t* row, int64_t nb, int64_t b, float* w) {
+  __m256 v[4];
+  decode_block<Q>(row, nb, b, v);
+  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + 8 * i, v[i]);
+}
 #endif
 
 // One row of x by W's rows [n0, n1): sum_b d_b (v_b . x_b), plus for Q4_1 sum_b m_b xsum_b
@@ -280,11 +306,7 @@ void gguf_many_rows(const float* x, int64_t R, int64_t K, const uint8_t* W, int6
     for (int64_t i = 0; i < std::min<int64_t>(kTileCols, n1 - n - nc) * row_bytes; i += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
     for (int64_t c = 0; c < nc; ++c)
-      for (int64_t b = 0; b < nb; ++b) {
-        __m256 v[4];
-        decode_block<Q>(W + (n + c) * row_bytes, nb, b, v);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w.get() + c * K + 32 * b + 8 * i, v[i]);
-      }
+      for (int64_t b = 0; b < nb; ++b) store_block<Q>(W + (n + c) * row_bytes, nb, b, w.get() + c * K + 32 * b);
     if (nc == 4) dot_rows<4>(x, R, K, w.get(), y + n, N);
     if (nc == 3) dot_rows<3>(x, R, K, w.get(), y + n, N);
     if (nc == 2) dot_rows<2>(x, R, K, w.get(), y + n, N);
