@@ -35,10 +35,12 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
@@ -129,6 +131,29 @@ def available() -> bool:
         warnings.warn(f"rlx CPU kernels off ({reason}); decode products keep XLA's packed-read "
                       "path", RuntimeWarning, stacklevel=2)
     return reason is None
+
+
+def with_reference_gradient(fast: Callable, reference: Callable, x: Array, *weights) -> Array:
+    """``fast(x, *weights)``, a native product JAX cannot differentiate, whose vector-Jacobian
+    product with respect to ``x`` is ``reference``'s (the same linear map computed by XLA): a
+    learner's gradient through a few-row product on CPU. ``weights`` are frozen (zero
+    cotangents); ``fast`` and ``reference`` close over no traced value."""
+
+    @jax.custom_vjp
+    def run(x, *weights):
+        return fast(x, *weights)
+
+    def forward(x, *weights):
+        return fast(x, *weights), (x, weights)
+
+    def backward(saved, dy):
+        x, weights = saved
+        dx, = jax.vjp(lambda v: reference(v, *weights), x)[1](dy)
+        return (dx, *(jnp.zeros_like(w) if jnp.issubdtype(w.dtype, jnp.inexact)
+                      else np.zeros(w.shape, jax.dtypes.float0) for w in weights))
+
+    run.defvjp(forward, backward)
+    return run(x, *weights)
 
 
 def gguf_product(planar: Array, qtype: str, x: Array) -> Array:

@@ -202,10 +202,14 @@ class GGUFTensor(nnx.Module):
                 or jnp.dtype(dtype) != jnp.float32 or target_platform() != "cpu"):
             return None
         x2 = x.reshape(rows, -1).astype(jnp.float32)
+        blocks = self.blocks[...]
         if cpu_kernels.available():
-            y = cpu_kernels.gguf_product(self.blocks[...], self.qtype, x2)
+            qtype = self.qtype
+            y = cpu_kernels.with_reference_gradient(
+                lambda v, b: cpu_kernels.gguf_product(b, qtype, v),
+                lambda v, b: rows_product(b, qtype, v), x2, blocks)
         else:
-            y = rows_product(self.blocks[...], self.qtype, x2)
+            y = rows_product(blocks, self.qtype, x2)
         return y.astype(out_dtype).reshape(*x.shape[:-1], -1)
 
     def product(self, x: Array, dtype, out_dtype) -> Array | None:

@@ -152,8 +152,10 @@ class QTensor(nnx.Module):
         rows = math.prod(x.shape[:-1])
         groups = -(-k // bk)
         if self._native(rows, dtype):
-            y = cpu_kernels.int8_channel_product(self.values[...], self.scale[...],
-                                                 x.reshape(rows, k))
+            y = cpu_kernels.with_reference_gradient(
+                lambda v, q, s: cpu_kernels.int8_channel_product(q, s, v),
+                lambda v, q, s: (v @ q.astype(jnp.float32)) * s.reshape(1, -1).astype(v.dtype),
+                x.reshape(rows, k).astype(jnp.float32), self.values[...], self.scale[...])
             return y.astype(out_dtype).reshape(*x.shape[:-1], n)
         if self._chunks(rows, dtype):
             y = self._chunked_product(x.reshape(rows, k).astype(jnp.float32))

@@ -90,3 +90,20 @@ def test_xla_path_kept_for_machines_without_the_kernel(qtype):
 def test_a_failing_compiler_raises_naming_it(tmp_path):
     with pytest.raises(RuntimeError, match="false"):
         cpu_kernels.build("false", tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "int8"])
+def test_gradients_through_a_kernel_product_are_xlas(kind):
+    """A learner's few rows through a kernel product differentiate: the gradient with respect
+    to the rows is the one XLA's own product gives (``with_reference_gradient``), within 1e-5."""
+    k, n, rng = 64, 77, np.random.default_rng(5)
+    if kind == "int8":
+        t = quantize_array(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32), "int8")
+    else:
+        t = GGUFTensor(kind, (n, k), jnp.asarray(_gguf_blocks(kind, k, n)), None, kernel=True)
+    w = t.dequantize(jnp.float32)  # [K, N]
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+    loss = lambda x: jnp.sum(jnp.sin(t.product(x, jnp.float32, jnp.float32)))  # noqa: E731
+    ref = lambda x: jnp.sum(jnp.sin(x @ w))  # noqa: E731
+    assert "custom_call" in jax.jit(loss).lower(x).as_text()  # the kernel runs forward
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(x), jax.grad(ref)(x), atol=1e-5, rtol=0)
