@@ -409,19 +409,69 @@ void int8_one_row(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t
   }
 }
 
+#if defined(__AVX512F__)
+// RG rows of x by a decoded f32 panel w [kb, 32] (input rows k0.., columns n..n+32), added to y
+// (the first block: set).
+template <int RG>
+void int8_tile512(const float* x, int64_t K, const float* w, int64_t k0, int64_t kb, float* y,
+                  int64_t N, int64_t n) {
+  __m512 acc[RG][2];
+  for (int r = 0; r < RG; ++r)
+    for (int t = 0; t < 2; ++t)
+      acc[r][t] = k0 ? _mm512_loadu_ps(y + r * N + n + 16 * t) : _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < kb; ++kk) {
+    __m512 w0 = _mm512_loadu_ps(w + 32 * kk), w1 = _mm512_loadu_ps(w + 32 * kk + 16);
+    for (int r = 0; r < RG; ++r) {
+      __m512 xr = _mm512_set1_ps(x[r * K + k0 + kk]);
+      acc[r][0] = _mm512_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int t = 0; t < 2; ++t) _mm512_storeu_ps(y + r * N + n + 16 * t, acc[r][t]);
+}
+
+// Several rows of x, columns [n0, n32) (a multiple of 32): each block of up to 128 input rows x
+// 32 columns is decoded once into f32 and multiplied by every row of x, 8 rows at a time.
+void int8_many512(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t N, int64_t n0,
+                  int64_t n32, float* y) {
+  constexpr int64_t kBlock = 128;
+  alignas(64) float w[kBlock * 32];
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t kb = std::min(kBlock, K - k0);
+    for (int64_t n = n0; n < n32; n += 32) {
+      for (int64_t kk = 0; kk < kb; ++kk)
+        for (int t = 0; t < 2; ++t)
+          _mm512_store_ps(w + 32 * kk + 16 * t,
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                              reinterpret_cast<const __m128i*>(V + (k0 + kk) * N + n + 16 * t)))));
+      int64_t r = 0;
+      for (; r + 8 <= R; r += 8) int8_tile512<8>(x + r * K, K, w, k0, kb, y + r * N, N, n);
+      if (r + 4 <= R) int8_tile512<4>(x + r * K, K, w, k0, kb, y + r * N, N, n), r += 4;
+      if (r + 2 <= R) int8_tile512<2>(x + r * K, K, w, k0, kb, y + r * N, N, n), r += 2;
+      if (r < R) int8_tile512<1>(x + r * K, K, w, k0, kb, y + r * N, N, n);
+    }
+  }
+}
+#endif
+
 // Columns [n0, n1) of all R rows (several: blocks of 128 input rows, each multiplied by every
-// row of x while in cache); then the scales. Columns past the last multiple of 8 are summed one by one.
+// row of x while in cache; AVX-512: decoded once per block); then the scales. Columns past the last multiple of 8 are summed one by one.
 void int8_columns(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t N, int64_t n0,
                   int64_t n1, const float* scale, float* y) {
   constexpr int64_t kBlock = 128;
   const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
-  if (R == 1) int8_one_row(x, K, V, N, n0, n8, y);
-  for (int64_t k0 = 0; k0 < K && R > 1; k0 += kBlock) {
+  int64_t nv = n0;  // columns before nv done by the AVX-512 path
+  if (R == 1) int8_one_row(x, K, V, N, n0, n8, y), nv = n8;
+#if defined(__AVX512F__)
+  if (R > 1) nv = n0 + (n8 - n0) / 32 * 32, int8_many512(x, R, K, V, N, n0, nv, y);
+#endif
+  for (int64_t k0 = 0; k0 < K && nv < n8; k0 += kBlock) {
     const int64_t k1 = std::min(K, k0 + kBlock);
     int64_t r = 0;
-    for (; r + 4 <= R; r += 4) int8_block<4>(x + r * K, K, V, N, n0, n8, k0, k1, y + r * N);
-    if (r + 2 <= R) int8_block<2>(x + r * K, K, V, N, n0, n8, k0, k1, y + r * N), r += 2;
-    if (r < R) int8_block<1>(x + r * K, K, V, N, n0, n8, k0, k1, y + r * N);
+    for (; r + 4 <= R; r += 4) int8_block<4>(x + r * K, K, V, N, nv, n8, k0, k1, y + r * N);
+    if (r + 2 <= R) int8_block<2>(x + r * K, K, V, N, nv, n8, k0, k1, y + r * N), r += 2;
+    if (r < R) int8_block<1>(x + r * K, K, V, N, nv, n8, k0, k1, y + r * N);
   }
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t n = n0; n < n8; ++n) y[r * N + n] *= scale[n];
@@ -444,9 +494,13 @@ ffi::Error int8_channel_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int8_t* vp = v.typed_data();
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
-  const int64_t step = std::max<int64_t>(64, (N / 4 + 63) / 64 * 64);  // about 4 chunks
+  // one chunk per thread: each reads long runs of every input row (narrower column chunks read
+  // short strided runs, which streamed from memory at half the speed)
+  const bool serial = N * K < kSerialWork;
+  const int64_t parts = serial ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t step = std::max<int64_t>(64, (N / parts + 63) / 64 * 64);
   const int64_t count = (N + step - 1) / step;
-  parallel_chunks(pool, count, N * K < kSerialWork, [=](int64_t c) {
+  parallel_chunks(pool, count, serial, [=](int64_t c) {
     int8_columns(xp, R, K, vp, N, c * step, std::min(N, (c + 1) * step), sp, yp);
   });
   return ffi::Error::Success();
