@@ -30,6 +30,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "bfloat16"  # float leaves: embeddings, lm_head, norms, float kernels
     c.model.moe_impl = "ragged"  # expert axis > 1: tokens dispatched to their experts' devices
+    # token dispatch with room for 1.25x each device pair's even share of the (token, expert)
+    # pairs; the rest are dropped and counted (learner/moe_dropped_pairs). Dropless (0) does not
+    # fit one node: its train step plans 101.2 GB per device on tpu7x:2x2x2, over the 94.8 usable,
+    # and XLA:TPU does not compile it (scoped VMEM; rlx/plan/README.md)
+    c.model.moe_capacity_factor = 1.25
 
     c.quant = ml_collections.ConfigDict()
     c.quant.format = "fp8"  # frozen base: float8 e4m3
