@@ -66,9 +66,9 @@ TPU_COEFFS = {"resid": 0.0, "qkv": 0.0, "scores": 0.656, "mlp": 0.0, "moe_d": 11
 # of ``python -m rlx.plan`` and XLA:TPU's transient GB per device (the program total less its
 # arguments), rlx/plan/README.md's rows
 WHOLE_MODEL_POINTS: tuple[tuple[str, float], ...] = (
-    ("--config configs/kimi_k2.py --aot tpu7x:2x2x2 --capacity-factor 1.25", 18.265),
+    ("--config configs/kimi_k2.py --aot tpu7x:2x2x2", 18.265),  # capacity 1.25, the config's
     ("--config configs/kimi_k2.py --aot tpu7x:4x4x8 --mode full --mesh fsdp=16,expert=16 "
-     "--rows 1024 --micro-batches 4 --capacity-factor 1.25", 32.718),
+     "--rows 1024 --micro-batches 4", 32.718),
     ("--config configs/qwen3_235b_a22b_plan.py --aot tpu7x:2x2x2 --capacity-factor 1.25", 6.975),
 )
 WHOLE_MODEL_WEIGHT = 10.0  # each whole-model point's weight against one calibration_specs point
