@@ -306,7 +306,8 @@ void gguf_many_rows(const float* x, int64_t R, int64_t K, const uint8_t* W, int6
     for (int64_t i = 0; i < std::min<int64_t>(kTileCols, n1 - n - nc) * row_bytes; i += 64)
       _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
     for (int64_t c = 0; c < nc; ++c)
-      for (int64_t b = 0; b < nb; ++b) store_block<Q>(W + (n + c) * row_bytes, nb, b, w.get() + c * K + 32 * b);
+      for (int64_t b = 0; b < nb; ++b)
+        store_block<Q>(W + (n + c) * row_bytes, nb, b, w.get() + c * K + 32 * b);
     if (nc == 4) dot_rows<4>(x, R, K, w.get(), y + n, N);
     if (nc == 3) dot_rows<3>(x, R, K, w.get(), y + n, N);
     if (nc == 2) dot_rows<2>(x, R, K, w.get(), y + n, N);
@@ -385,7 +386,7 @@ void int8_block(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n
 
 // One row of x, columns [n0, n8) (n8 - n0 a multiple of 8), set in y: one input row of values at
 // a time, so the values stream through memory in order (blocks of several input rows, one
-// stream each, ran at half the speed here from memory).
+// stream each, were slower from memory).
 void int8_one_row(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0, int64_t n8,
                   float* y) {
   std::fill(y + n0, y + n8, 0.0f);
@@ -456,7 +457,8 @@ void int8_many512(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t
 #endif
 
 // Columns [n0, n1) of all R rows (several: blocks of 128 input rows, each multiplied by every
-// row of x while in cache; AVX-512: decoded once per block); then the scales. Columns past the last multiple of 8 are summed one by one.
+// row of x while in cache; AVX-512: decoded once per block); then the scales. Columns past the
+// last multiple of 8 are summed one by one.
 void int8_columns(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t N, int64_t n0,
                   int64_t n1, const float* scale, float* y) {
   constexpr int64_t kBlock = 128;
@@ -495,7 +497,7 @@ ffi::Error int8_channel_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
   // one chunk per thread: each reads long runs of every input row (narrower column chunks read
-  // short strided runs, which streamed from memory at half the speed)
+  // short strided runs, slower from memory)
   const bool serial = N * K < kSerialWork;
   const int64_t parts = serial ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t step = std::max<int64_t>(64, (N / parts + 63) / 64 * 64);
