@@ -32,6 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "bfloat16"  # float leaves: embeddings, lm_head, norms, routers
     c.model.moe_impl = "ragged"  # expert axis > 1: tokens dispatched to their experts' devices
+    # dropless token dispatch: its train step fits one node (XLA:TPU: 35.7 GB per device on
+    # tpu7x:2x2x2, rlx/plan/README.md), where Kimi-K2's and DeepSeek-V3's need capacity 1.25
+    c.model.moe_capacity_factor = 0.0
 
     c.quant = ml_collections.ConfigDict()
     c.quant.format = "int4"  # frozen base: 4-bit integers
