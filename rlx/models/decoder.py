@@ -264,26 +264,28 @@ class Transformer(nnx.Module):
     def decode_routed(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
                       segment_ids: Int[Array, "b t"], cache: KVCache, adapter: bool = True
                       ) -> tuple[Float[Array, "b t d"], KVCache, Routes]:
-        """``decode`` and the MoE routing of the new tokens (``routed_layers``)."""
+        """``decode`` and the MoE routing of the new tokens (``routed_layers``): their experts and
+        the (token, expert) pairs a dispatch capacity dropped."""
         cache = cache.record(positions, segment_ids)
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
 
         def call(layer, x, kv):
-            x, experts, _, kv = layer.decode_routed(x, positions, segment_ids, angles, kv, cache,
-                                                    adapter)
-            return x, (kv, experts)
+            x, experts, drops, kv = layer.decode_routed(x, positions, segment_ids, angles, kv,
+                                                        cache, adapter)
+            return x, (kv, experts, drops)
 
-        keys, values, parts = [], [], []
+        keys, values, parts, dropped = [], [], [], jnp.zeros((), jnp.int32)
         for (unit, _), k, v in zip(self._units(), cache.keys, cache.values):
             if is_stacked(self):  # a stack: its layers' buffers
-                x, ((k, v), experts) = scan(unit, x, (k, v), call, unroll=self.unroll_decode)
+                x, ((k, v), experts, drops) = scan(unit, x, (k, v), call, unroll=self.unroll_decode)
             else:
-                x, ((k, v), experts) = call(unit, x, (k, v))
+                x, ((k, v), experts, drops) = call(unit, x, (k, v))
             keys.append(k)
             values.append(v)
             if experts is not None:
                 parts.append(jnp.moveaxis(experts, 0, 2) if is_stacked(self) else experts[:, :, None])
-        routes = Routes(jnp.concatenate(parts, axis=2) if parts else None, jnp.zeros((), jnp.int32))
+                dropped = dropped + jnp.sum(drops)
+        routes = Routes(jnp.concatenate(parts, axis=2) if parts else None, dropped)
         return self.norm(x), cache.advance(keys, values, input_ids.shape[1]), routes
 
     def rope_angles(self, positions: Int[Array, "b t"]) -> tuple[Array, Array]:

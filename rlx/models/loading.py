@@ -63,7 +63,8 @@ class ModelSection:
     scan_layers: str = "auto"
     # MoE token dispatch over the expert mesh axis (rlx.models.moe_dispatch): 0 dropless; c > 0
     # gives each device room for c times its even share of (token, expert) pairs and drops the
-    # rest (counted in learner/moe_dropped_pairs); "ragged" experts only
+    # rest (counted in learner/moe_dropped_pairs, and rollout/moe_dropped_pairs for the built-in
+    # engine's rollouts); "ragged" experts only
     moe_capacity_factor: float = 0.0
 
     def __post_init__(self):

@@ -20,7 +20,8 @@ sharded over the batch only (``cache_sharding``), and decode steps absorb ``kv_b
 (``rlx.models.mla``). With the experts of an MoE model split
 over the mesh's ``expert`` axis, prefill and decode steps dispatch each token to its experts'
 devices, as the learner does (``rlx.models.moe_dispatch``, dropless unless
-``capacity_factor`` > 0). ``record_routes=True`` (routing replay, ``config.train.router_replay``)
+``capacity_factor`` > 0; ``dropped_pairs()`` counts the pairs a capacity drops, which a run logs
+per batch as ``rollout/moe_dropped_pairs``). ``record_routes=True`` (routing replay, ``config.train.router_replay``)
 puts on each rollout the experts every MoE layer chose for its prompt and completion tokens
 (``Rollout.routes``, -1 on the completion's last token, which is never fed).
 
@@ -127,7 +128,8 @@ class JaxEngine:
                  copy_weights: bool = True, score_chunk: int = 256, weight_layout: str = "auto",
                  shared=nnx.filterlib.Nothing(), record_routes: bool = False,
                  capacity_factor: float | None = None):
-        if record_routes and not any(isinstance(n, SparseMoE) for _, n in nnx.iter_graph(model)):
+        moe = any(isinstance(n, SparseMoE) for _, n in nnx.iter_graph(model))
+        if record_routes and not moe:
             raise ValueError("JaxEngine(record_routes=True) records MoE routing, but the model "
                              "has no MoE layer; leave it off (config.train.router_replay=False)")
         self.record_routes, self.capacity_factor = record_routes, capacity_factor
@@ -139,6 +141,7 @@ class JaxEngine:
         self._seed, self._calls = seed, 0
         self._fns: dict = {}
         self._prefix, self._prefilled = PrefixCache(), 0
+        self._dropped = 0 if moe and capacity_factor else None  # (token, expert) pairs
         self._graphdef, self._state = None, None
         self.update_weights(model, weight_version)
 
@@ -244,20 +247,22 @@ class JaxEngine:
             kv = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
             rows = batch_sharding(self.mesh, 2, self.rules)
         static = GenerateStatic(self._graphdef, spec, new_tokens, self.adapter, kv, rows,
-                                self.record_routes, keep)
+                                self.record_routes, keep_cache=keep,
+                                count_dropped=self._dropped is not None)
         if (static, continued) not in self._fns:
             fn = functools.partial(generate_batch, static=static)
             # ids [u, p], lens [u]; prompt of row, uid hash, sample index [b];
             # seed, temperature, top_p, max_new, stops (, kept prefix); out: tokens, logps,
             # lengths, stopped (and the prompt and completion routes, [b, p | n, l, k])
-            # (and the cache's keys and values)
+            # (and the pairs a capacity dropped) (and the cache's keys and values)
             outs = (2, 2, 1, 1) + ((4, 4) if self.record_routes else ())
             buffers = self._buffer_shardings()
             more_in = more_out = ()
             if buffers is not None:
                 more_in = (KeptPrefix(*buffers, batch_sharding(self.mesh, 1, self.rules)),
                            ) if continued else ()
-                more_out = buffers if keep else ()
+                more_out = ((NamedSharding(self.mesh, PartitionSpec()),)
+                            if self._dropped is not None else ()) + (buffers if keep else ())
             self._fns[static, continued] = self._jit(fn, (2, 1, 1, 1, 1), 5, outs, more_in,
                                                      more_out)
         return self._fns[static, continued]
@@ -340,6 +345,8 @@ class JaxEngine:
                   *(() if prefix is None else (prefix,)))
         buffers = tuple(outs[-2:]) if keep else None  # stays on the device
         tokens, logps, lengths, stopped, *routes = jax.device_get(outs[:-2] if keep else outs)
+        if self._dropped is not None:
+            self._dropped += int(routes.pop())
         rollouts = [row_rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]),
                                 sampling, self.tokenizer, self.weight_version, [x[r] for x in routes])
                     for r, (p, j) in enumerate(reqs)]
@@ -368,6 +375,12 @@ class JaxEngine:
         """Prompt tokens fed through prefills so far (a prompt shared by ``n`` samples once; a
         continued request only its new tokens)."""
         return self._prefilled
+
+    def dropped_pairs(self) -> int | None:
+        """(token, expert) pairs that the MoE dispatch capacity (``capacity_factor``) dropped in
+        this engine's prefills and decode steps so far, padding rows included; None when nothing
+        can be dropped (a dense model, or dropless)."""
+        return self._dropped
 
     def cached_sequences(self) -> int:
         """Sequences whose KV-cache rows the prefix cache holds now."""

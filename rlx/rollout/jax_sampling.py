@@ -247,7 +247,8 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static,
     handed to the rows that continue them. Returns the rows' last hidden states [b, d], their
     cache, their prompt lengths [b] (0 for padding rows, marked ``prompt_of_row < 0``) and, with
     ``static.record_routes``, the experts of their prompt tokens ``[b, p, moe layers, k]`` (-1 on
-    the left padding; else None).
+    the left padding; else None), and the (token, expert) pairs a dispatch capacity dropped
+    (counted with ``static.count_dropped``, else 0).
 
     With fewer prompts than rows (``n`` samples of each prompt) each prompt is prefilled once and
     its cache rows are copied to its samples: a GRPO group of 8 prefills 1 row, not 8.
@@ -260,11 +261,14 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static,
     positions, segments = left_padded(prompt_lens, p)  # [u, p] each
     before = jnp.zeros_like(prompt_lens) if kept is None else kept.lens  # [u]
     positions = positions + before[:, None]
-    experts = None
-    if static.record_routes:
+    experts, dropped = None, jnp.zeros((), jnp.int32)
+    if static.record_routes or static.count_dropped:
         h, cache, routes = model.decode_routed(prompt_ids, positions, segments, cache,
                                                static.adapter)
-        experts = jnp.where(segments[:, :, None, None] > 0, routes.experts, -1).astype(ROUTE_DTYPE)
+        dropped = routes.dropped
+        if static.record_routes:
+            experts = jnp.where(segments[:, :, None, None] > 0, routes.experts,
+                                -1).astype(ROUTE_DTYPE)
     else:
         h, cache = model.decode(prompt_ids, positions, segments, cache, static.adapter)
     last, lens = h[:, -1], prompt_lens + before  # [u, d], [u]
@@ -273,7 +277,7 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static,
         cache = _constrain(cache.take_rows(src), static.kv_sharding, static.row_sharding)
         last, lens = jnp.take(last, src, axis=0), lens[src]
         experts = None if experts is None else jnp.take(experts, src, axis=0)  # [b, p, l, k]
-    return last, cache, jnp.where(prompt_of_row < 0, 0, lens), experts
+    return last, cache, jnp.where(prompt_of_row < 0, 0, lens), experts, dropped
 
 
 def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int[Array, "u k"],
@@ -318,6 +322,7 @@ class GenerateStatic:
     kv_sharding: NamedSharding | None = None
     row_sharding: NamedSharding | None = None
     record_routes: bool = False  # also return each fed token's experts (routing replay)
+    count_dropped: bool = False  # also return the (token, expert) pairs a MoE capacity dropped
     keep_cache: bool = False  # also return the final cache's keys and values (a prefix cache)
 
 
@@ -354,6 +359,9 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     ``static.record_routes`` adds the experts every MoE layer chose for each token fed: the
     prompts' ``[b, p, l, k]`` (left-padded like ``prompt_ids``) and the completions' ``[b, n,
     l, k]``, -1 where nothing was fed (padding, a row's last token, which is never fed back).
+    ``static.count_dropped`` adds the number of (token, expert) pairs that a MoE dispatch capacity
+    dropped in the prefill and the decode steps (every row fed, padding rows included: they take
+    capacity too).
     """
     model = nnx.merge(static.graphdef, state)
     b = prompt_of_row.shape[0]
@@ -361,8 +369,8 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     n = static.new_tokens
     ends = segment_ends(n)
     keys = row_keys(seed, uid_hash, sample_index)
-    last, cache, prompt_lens, prompt_routes = _prefill(model, prompt_ids, prompt_lens,
-                                                       prompt_of_row, p + ends[0], static, kept)
+    last, cache, prompt_lens, prompt_routes, dropped = _prefill(
+        model, prompt_ids, prompt_lens, prompt_of_row, p + ends[0], static, kept)
     tok, logp = _next_tokens(model, last, keys, 0, temperature, top_p, static.spec, static.adapter)
     inactive = prompt_lens == 0
     stopped = jnp.isin(tok, stop_ids) & ~inactive
@@ -373,6 +381,8 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
                  done=stopped | inactive)
     if static.record_routes:
         carry["routes"] = jnp.full((b, n, *prompt_routes.shape[2:]), -1, ROUTE_DTYPE)
+    if static.count_dropped:
+        carry["dropped"] = dropped
     body = functools.partial(_decode_step, model=model, keys=keys, prompt_lens=prompt_lens,
                              temperature=temperature, top_p=top_p, stop_ids=stop_ids, static=static)
     limit = jnp.minimum(max_new, n)
@@ -386,6 +396,8 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     out = carry["tokens"], carry["logps"], carry["lengths"], carry["stopped"]
     if static.record_routes:
         out = (*out, prompt_routes, carry["routes"])
+    if static.count_dropped:
+        out = (*out, carry["dropped"])
     if static.keep_cache:
         out = (*out, carry["cache"].keys, carry["cache"].values)
     return out
@@ -398,11 +410,15 @@ def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, s
     segments = jnp.ones_like(positions)
     live = ~c["done"]  # [b]
     out = {}
-    if static.record_routes:  # the fed token is the completion's token step - 1
+    if static.record_routes or static.count_dropped:
         h, cache, routes = model.decode_routed(c["last"][:, None], positions, segments,
                                                c["cache"], static.adapter)
-        fed = jnp.where(live[:, None, None], routes.experts[:, 0], -1).astype(ROUTE_DTYPE)
-        out["routes"] = jax.lax.dynamic_update_index_in_dim(c["routes"], fed, step - 1, axis=1)
+        if static.record_routes:  # the fed token is the completion's token step - 1
+            fed = jnp.where(live[:, None, None], routes.experts[:, 0], -1).astype(ROUTE_DTYPE)
+            out["routes"] = jax.lax.dynamic_update_index_in_dim(c["routes"], fed, step - 1,
+                                                                axis=1)
+        if static.count_dropped:
+            out["dropped"] = c["dropped"] + routes.dropped
     else:
         h, cache = model.decode(c["last"][:, None], positions, segments, c["cache"],
                                 static.adapter)

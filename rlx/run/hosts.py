@@ -190,14 +190,19 @@ class Hosts:
             return tuple(examples)
         return tuple(e for part in multihost.allgather_objects(tuple(examples)) for e in part)
 
-    def share(self, rollouts: list[Rollout], seconds: float) -> tuple[list[Rollout], float]:
-        """The global rollouts (process order) and generation seconds, on every process."""
+    def share(self, rollouts: list[Rollout], seconds: float, dropped: int | None = None
+              ) -> tuple[list[Rollout], float, int | None]:
+        """The global rollouts (process order), generation seconds (the slowest process's) and
+        MoE pairs dropped (summed over the processes that generated; None where none counts),
+        on every process."""
         if not self.multi:
-            return rollouts, seconds
+            return rollouts, seconds, dropped
         if self.rollouts == "primary":
-            return multihost.broadcast_object((list(rollouts), seconds))
-        parts = multihost.allgather_objects((list(rollouts), seconds))
-        return [r for part, _ in parts for r in part], max(t for _, t in parts)
+            return multihost.broadcast_object((list(rollouts), seconds, dropped))
+        parts = multihost.allgather_objects((list(rollouts), seconds, dropped))
+        counts = [d for *_, d in parts if d is not None]
+        return ([r for part, *_ in parts for r in part], max(t for _, t, _ in parts),
+                sum(counts) if counts else None)
 
     def gather_scores(self, total: int, own: Sequence[int], scores: Sequence[float],
                       texts: Sequence[str], reasons: Sequence[str]

@@ -62,7 +62,7 @@ from rlx.run.hosts import Hosts
 from rlx.run.learn import StepLearner
 from rlx.run.lifecycle import StopSignals
 from rlx.run.preference import learn_preferences
-from rlx.run.rollouts import RolloutQueue
+from rlx.run.rollouts import GenerationCost, RolloutQueue
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,8 @@ class Run:
         timer = _Timer()
         with timer("step"):
             with timer("wait_rollouts"):
-                batch, rollouts, gen_time = self._rollouts()
-            timer.times["time/generate"] = gen_time
+                batch, rollouts, cost = self._rollouts()
+            timer.times["time/generate"] = cost.seconds
             with timer("score"):
                 rewards, texts, reasons = self._score(rollouts, batch)
             uids = np.array([r.prompt_uid for r in rollouts])
@@ -132,7 +132,7 @@ class Run:
             with timer("sync"):
                 self.step_count += 1
                 self.queue.sync(self.hosts.engine_weights(self.compiled), self.step_count)
-        record = {**learned, **self._record(rollouts, rewards, keep, timer.times)}
+        record = {**learned, **self._record(rollouts, rewards, keep, timer.times, cost)}
         self._log(record, rollouts, texts, rewards, reasons)
         self._check_numerics(record)
         return record
@@ -193,14 +193,14 @@ class Run:
             self._resume_in_flight()
         if not q.in_flight:
             self._start(self.step_count)
-        batch, rollouts, seconds = q.take()
+        batch, rollouts, cost = q.take()
         q.advance()
         while q.in_flight < self.cfg.train.max_staleness:
             step = self.step_count + q.in_flight + 1  # the step that will train on it
             if self._horizon is not None and step >= self._horizon:
                 break
             self._start(step)
-        return batch, rollouts, seconds
+        return batch, rollouts, cost
 
     def _start(self, step: int) -> None:
         position = self.data.get_state()
@@ -254,7 +254,7 @@ class Run:
         return StepLearner(self.cfg, self.mesh, self.compiled, self.hosts)
 
     # --- metrics --------------------------------------------------------------------------
-    def _record(self, rollouts, rewards, keep, times) -> dict[str, float]:
+    def _record(self, rollouts, rewards, keep, times, cost: GenerationCost) -> dict[str, float]:
         lengths = np.array([len(r.completion_ids) for r in rollouts], np.float64)
         tokens = float(sum(len(r.completion_ids) for r in rollouts))
         record = {}
@@ -270,6 +270,8 @@ class Run:
             "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
             **self._env_metrics, **times,
         })
+        if cost.moe_dropped_pairs is not None:  # the engine's MoE capacity (learner/...: the update's)
+            record["rollout/moe_dropped_pairs"] = float(cost.moe_dropped_pairs)
         return record
 
     def _log(self, record, rollouts, texts, rewards, reasons) -> None:

@@ -53,6 +53,20 @@ from rlx.run.progress import decode_rollout, encode_rollout
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationCost:
+    """What generating one batch took: wall seconds, and the (token, expert) pairs that the
+    engine's MoE dispatch capacity dropped (None: nothing can be dropped, or not counted)."""
+
+    seconds: float
+    moe_dropped_pairs: int | None = None
+
+
+def _dropped_pairs(engine: RolloutEngine) -> int | None:
+    counter = getattr(engine, "dropped_pairs", None)
+    return None if counter is None else counter()
+
+
 @dataclasses.dataclass
 class _Completion:
     """A completion being sampled, segment by segment."""
@@ -87,6 +101,7 @@ class _Generation:
         self.done: list[Rollout] | None = [] if not prompts else None
         self.parts = [_Completion(p, j) for p in self.prompts for j in range(sampling.n)]
         self.seconds = 0.0
+        self.dropped: int | None = None  # MoE pairs the engine's capacity dropped (``_count``)
         self.error: BaseException | None = None  # the first failure, raised again by later calls
 
     def advance(self, engine: RolloutEngine) -> None:
@@ -96,7 +111,7 @@ class _Generation:
             raise self.error
         if self.done is not None:
             return
-        t = time.perf_counter()
+        t, before = time.perf_counter(), _dropped_pairs(engine)
         try:
             if not self.partial:
                 version = engine.weight_version
@@ -111,6 +126,13 @@ class _Generation:
             raise
         finally:
             self.seconds += time.perf_counter() - t
+            self._count(before, _dropped_pairs(engine))
+
+    def _count(self, before: int | None, after: int | None) -> None:
+        """Add the engine's dropped (token, expert) pairs between two readings of its counter
+        (``JaxEngine.dropped_pairs``; None: an engine that drops none or does not count)."""
+        if before is not None and after is not None:
+            self.dropped = (self.dropped or 0) + after - before
 
     def _segment(self, engine: RolloutEngine) -> None:
         budget = self.sampling.max_new_tokens
@@ -134,10 +156,10 @@ class _Generation:
         if all(c.stopped or len(c.ids) >= budget for c in self.parts):
             self.done = [c.rollout(budget) for c in self.parts]
 
-    def finish(self, engine: RolloutEngine) -> tuple[list[Rollout], float]:
+    def finish(self, engine: RolloutEngine) -> tuple[list[Rollout], GenerationCost]:
         while self.done is None:
             self.advance(engine)
-        return self.done, self.seconds
+        return self.done, GenerationCost(self.seconds, self.dropped)
 
     def progress(self) -> dict[str, Any]:
         """What a checkpoint records (JSON, exact): the finished rollouts, or each completion's
@@ -238,12 +260,14 @@ class RolloutQueue:
             if self.partial:
                 self._submit(flight.generation.advance, self.engine)
 
-    def take(self) -> tuple[PromptBatch, list[Rollout], float]:
+    def take(self) -> tuple[PromptBatch, list[Rollout], GenerationCost]:
         """The oldest batch, finished with the engine's newest weights (waits for it)."""
         flight = self._flight.popleft()
-        rollouts, seconds = self._submit(flight.generation.finish, self.engine).result()
+        rollouts, cost = self._submit(flight.generation.finish, self.engine).result()
         self._jobs = [j for j in self._jobs if not j.done()]
-        return flight.batch, *self.hosts.share(rollouts, seconds)
+        rollouts, seconds, dropped = self.hosts.share(rollouts, cost.seconds,
+                                                      cost.moe_dropped_pairs)
+        return flight.batch, rollouts, GenerationCost(seconds, dropped)
 
     def sync(self, weights: Any, version: int) -> None:
         """Queue the engine's update to ``weights`` as ``version``."""

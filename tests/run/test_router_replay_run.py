@@ -1,8 +1,9 @@
 """One RL step of the shrunken Kimi-K2 recipe (int4 experts + LoRA, experts split 8 ways, the
 built-in engine) with ``train.router_replay=True`` and a dispatch capacity
 (``model.moe_capacity_factor=0.5``): the engine's rollouts carry their routes, the step's metrics
-are finite, and the capacity drops (token, expert) pairs that ``learner/moe_dropped_pairs``
-counts (dropless runs report 0: tests/learner/test_router_replay.py and the config tests).
+are finite, and the capacity drops (token, expert) pairs that ``learner/moe_dropped_pairs`` and
+``rollout/moe_dropped_pairs`` count (dropless runs report 0: tests/learner/test_router_replay.py
+and the config tests; the engine's count: tests/rollout/test_engine_dropped_pairs.py).
 """
 
 import os
@@ -27,6 +28,8 @@ def test_one_step_with_router_replay_and_a_capacity(tmp_path):
         for key in ("learner/loss", "learner/grad_norm", "learner/mismatch_abs_max"):
             assert np.isfinite(record[key]), (key, record[key])
         assert record["learner/moe_dropped_pairs"] > 0
+        assert record["rollout/moe_dropped_pairs"] > 0  # the engine's rollouts drop pairs too
+        run.queue.wait()  # the step's weight sync runs on the rollout worker: let it finish
         rollouts = run.engine.generate(next(run.data).prompts[:1], run._sampling())
         moe = run.compiled.model().config.moe
         layers, k = len(moe.sparse_layers), moe.top_k
