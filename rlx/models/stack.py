@@ -273,7 +273,8 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
 
     def body(carry, inputs):
         layer_values, x = inputs
-        layer_values = [_from_bits(v, d) for v, d in zip(layer_values, dtypes)]
+        layer_values = [_as_stored(v, None if d == v.dtype else d)
+                        for v, d in zip(layer_values, dtypes)]
         if gather is not None:
             layer_values = [gather.place(v, value) for (_, v), value in zip(flat, layer_values)]
         layer = nnx.from_flat_state([(p, _with_axes(v, value, lead=False))
@@ -294,12 +295,6 @@ def _as_bits(value):
     if dtype is None or not _byte_float(dtype) or target_platform() != "cpu":
         return value
     return jax.lax.bitcast_convert_type(value, jnp.uint8)
-
-
-def _from_bits(value, dtype):
-    """One layer of ``_as_bits``' output in its own ``dtype`` again (the same bits)."""
-    return value if dtype is None or value.dtype == dtype else jax.lax.bitcast_convert_type(
-        value, dtype)
 
 
 class LayerSlice:

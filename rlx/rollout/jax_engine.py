@@ -100,7 +100,7 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
 def unroll_decode(state: nnx.State) -> bool:
     """Whether decode steps unroll a scanned model's layers: on XLA:CPU, for weights up to
     ``UNROLL_DECODE_BYTES``. In a decode scan XLA:CPU copies each layer's weights and cache out
-    of the stack at every step (3x fewer SmolLM2 tokens/s); unrolled, it hoists each layer's
+    of the stack at every step, which slows decode down; unrolled, it hoists each layer's
     float conversions out of the token loop instead, and keeps them all for the whole call: about
     a float copy of the weights, which a large model cannot afford."""
     weights = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
