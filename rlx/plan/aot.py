@@ -19,34 +19,28 @@ expert axis first (where the experts divide), else FSDP; micro-batches keep the 
 device sees per piece.
 
 The train step's transient memory on TPU has its own calibration (``TPU_COEFFS``, fitted to
-XLA:TPU's own figures by ``calibrate``); ``rlx.plan.memory.COEFFS`` stays the XLA:CPU one.
+XLA:TPU's own figures by ``calibrate``), and so has the generate step's
+(``rlx.plan.aot_sample.SAMPLE_TPU_COEFFS``, fitted by ``calibrate_sample``);
+``rlx.plan.memory.COEFFS`` and ``step_bytes``' sampling figures stay the XLA:CPU ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import re
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
-
-from rlx.learner.state import MODES, variable_shardings
-from rlx.mesh import (SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards, compiling_for,
-                      make_mesh)
-from rlx.models.moe import expert_parallel
+from rlx.learner.state import MODES
+from rlx.mesh import batch_shards, compiling_for, make_mesh
+from rlx.plan.aot_sample import (SAMPLE_CALIBRATION, SAMPLE_WHOLE_MODEL_POINTS, fit_sample_coeffs,
+                                 generate_lowered, local_expert_bytes, sample_temp)
 from rlx.plan.memory import compiled_bytes, state_bytes, step_features
 from rlx.plan.planner import (GB, Plan, format_plan, load_config_file, parse_mesh, plan,
                               spec_from_config)
-from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
-from rlx.rollout.jax_engine import Buckets, cache_sharding
-from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch
+from rlx.plan.spec import PlanSpec
 
 GIB = 2 ** 30
 # HBM per chip (GiB) by TPU generation, from Google Cloud's TPU pages (TPU7x: "HBM capacity per
@@ -135,7 +129,8 @@ def scale_to(spec: PlanSpec, devices: int) -> PlanSpec:
 
 
 def with_layers(spec: PlanSpec, layers: int) -> PlanSpec:
-    """``spec`` with its first ``layers`` decoder layers (the same kinds, in order)."""
+    """``spec`` with its first ``layers`` decoder layers (the same kinds, in order), scanned or
+    unrolled as the whole model is (unrolled, XLA lays out a layer's products differently)."""
     c = spec.model
     if not 1 <= layers <= c.num_layers:
         raise ValueError(f"--layers {layers} must be in [1, {c.num_layers}]")
@@ -143,7 +138,8 @@ def with_layers(spec: PlanSpec, layers: int) -> PlanSpec:
     if moe is not None:
         moe = dataclasses.replace(moe, sparse_layers=tuple(
             i for i in range(layers) if c.is_sparse_layer(i)))
-    return spec.replace(model=dataclasses.replace(c, num_layers=layers, moe=moe))
+    return spec.replace(model=dataclasses.replace(c, num_layers=layers, moe=moe),
+                        scan_layers="on" if spec.scanned else "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,66 +193,9 @@ def compile_train(spec: PlanSpec, topo: Topology) -> XlaMemory:
     return measure(lambda: compiled_bytes(spec, topo.devices))
 
 
-def _abstract(tree, shardings):
-    """``tree``'s leaves as ShapeDtypeStructs on ``shardings`` (a prefix tree: one per variable)."""
-    def one(sharding, sub):
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                            sub)
-
-    return jax.tree.map(one, shardings, tree)
-
-
-def generate_shapes(spec: PlanSpec) -> tuple[int, int, int]:
-    """(rows, prompt width, new-token buffer) of the engine's bucket for ``spec``'s rollouts:
-    ``rollout_len`` split as a quarter prompt, three quarters completion (the 1T recipes: 512 +
-    1536), each rounded up as ``rlx.rollout.jax_engine.Buckets`` rounds them."""
-    b, dp = Buckets(max_rows=spec.rollout_rows), batch_shards(spec.mesh, SAMPLE_RULES)
-    prompt = spec.rollout_len // 4
-    return b.rows(spec.rollout_rows, dp), b.prompt(prompt), b.new_tokens(spec.rollout_len - prompt)
-
-
-def _generate_lowered(spec: PlanSpec, mesh):
-    """The engine's generate function for ``spec``, lowered on abstract arguments: every row its
-    own prompt, sampled at temperature with log-probs (the training rollouts)."""
-    model = expert_parallel(abstract_model(spec), mesh, SAMPLE_RULES,
-                            spec.moe_capacity_factor or None)  # as the engine's _eval_split
-    model.eval()
-    graphdef, state = nnx.split(model)
-    shardings = _engine_shardings(state, mesh, spec)
-    rows, prompt, new = generate_shapes(spec)
-    kv = cache_sharding(mesh, spec.model, SAMPLE_RULES, batch_shards(mesh, SAMPLE_RULES))
-    static = GenerateStatic(graphdef, SamplerSpec(), new, True, kv,
-                            batch_sharding(mesh, 2, SAMPLE_RULES))
-    row1, row2 = (batch_sharding(mesh, n, SAMPLE_RULES) for n in (1, 2))
-    rep = NamedSharding(mesh, PartitionSpec())
-    args = [jax.ShapeDtypeStruct((rows, prompt), jnp.int32, sharding=row2)]
-    args += [jax.ShapeDtypeStruct((rows,), dt, sharding=row1)
-             for dt in (jnp.int32, jnp.int32, jnp.uint32, jnp.int32)]
-    args += [jax.ShapeDtypeStruct((), dt, sharding=rep)
-             for dt in (jnp.int32, jnp.float32, jnp.float32, jnp.int32)]
-    args.append(jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep))  # stop ids
-    fn = jax.jit(functools.partial(generate_batch, static=static),
-                 in_shardings=(shardings, *(a.sharding for a in args)),
-                 out_shardings=(row2, row2, row1, row1))
-    return fn.lower(_abstract(state, shardings), *args)
-
-
-def _engine_shardings(state, mesh, spec: PlanSpec):
-    """The engine's variables where a run holds them (``rlx.run.engines``): the frozen base as
-    the learner placed it (``TRAIN_RULES``: the engine reads the learner's own arrays), and so
-    the trainable variables of a synchronous run; an asynchronous run's engine copies those by
-    the sampling rules."""
-    shared = nnx.Not(trainable_filter(spec)) if spec.max_staleness else ...
-    train = nnx.to_flat_state(variable_shardings(state, mesh, TRAIN_RULES))
-    sample = nnx.to_flat_state(variable_shardings(state, mesh, SAMPLE_RULES))
-    held = {tuple(p) for p, _ in nnx.to_flat_state(nnx.filter_state(state, shared))}
-    return nnx.from_flat_state([(p, t if tuple(p) in held else s)
-                                for (p, t), (_, s) in zip(train, sample)])
-
-
 def compile_sample(spec: PlanSpec, topo: Topology) -> XlaMemory:
     """XLA:TPU's memory analysis of the built-in engine's generate step of ``spec`` on ``topo``."""
-    return measure(lambda: _generate_lowered(spec, make_mesh(spec.mesh, list(topo.devices)))
+    return measure(lambda: generate_lowered(spec, make_mesh(spec.mesh, list(topo.devices)))
                    .compile().memory_analysis())
 
 
@@ -270,18 +209,6 @@ def gathered_rows(spec: PlanSpec) -> int:
     return spec.batch_shards if moe else 1
 
 
-def local_expert_bytes(spec: PlanSpec) -> int:
-    """One MoE layer's routed experts on a device (gate, up and down) in the compute dtype: what
-    a quantized base dequantizes, and a full-parameter step differentiates, a layer at a time."""
-    c, moe = spec.model, spec.model.moe
-    if moe is None:
-        return 0
-    a = 2 if spec.dtype == "bfloat16" else 4
-    local = moe.num_experts // spec.mesh.expert if moe.num_experts % spec.mesh.expert == 0 else (
-        moe.num_experts)
-    return a * local * 3 * c.hidden_size * moe.intermediate_size // spec.mesh.tensor
-
-
 def tpu_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
     """``rlx.plan.memory.step_features`` as XLA:TPU lays the step out (the activation features
     times ``gathered_rows``), and ``experts``: ``local_expert_bytes``."""
@@ -293,13 +220,17 @@ def tpu_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
 
 def tpu_plan(spec: PlanSpec, topo: Topology) -> Plan:
     """The planner's figures for ``spec`` on ``topo``: exact state, the train step's transient
-    memory from ``TPU_COEFFS`` (activations of ``gathered_rows``), each device's HBM."""
+    memory from ``TPU_COEFFS`` (activations of ``gathered_rows``), the generate step's
+    temporaries from ``rlx.plan.aot_sample.SAMPLE_TPU_COEFFS`` (``kv_cache`` exact, the rest
+    ``decode_temp``), each device's HBM."""
     p = plan(spec, topo.device_hbm_gib * GIB / GB)
     part = {k: TPU_COEFFS[k] * v for k, v in tpu_features(spec, p.bytes["trainable"]).items()}
     acts = sum(v for k, v in part.items() if k not in ("grads", "logits"))
+    decode = max(0, sample_temp(spec) - p.bytes["kv_cache"])
     return dataclasses.replace(p, bytes={**p.bytes, "grads": int(part["grads"]),
                                          "activations": int(acts),
-                                         "logprob_chunks": int(part["logits"])})
+                                         "logprob_chunks": int(part["logits"]),
+                                         "decode_temp": decode})
 
 
 def _row(name: str, planned: float | None, xla: XlaMemory | int | None, note: str = "") -> str:
@@ -346,14 +277,18 @@ def _args(argv) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=0, help="0: the config's, scaled")
     p.add_argument("--capacity-factor", type=float, default=None, help="override "
                    "model.moe_capacity_factor (0: dropless)")
+    p.add_argument("--rollout-rows", type=int, default=0, help="sequences the engine decodes "
+                   "at once (0: the config's)")
+    p.add_argument("--rollout-len", type=int, default=0, help="the engine's prompt + "
+                   "completion slots per sequence (0: the config's)")
     p.add_argument("--steps", default="train,sample", help="programs to compile")
     return p.parse_args(argv)
 
 
 def spec_for(args: argparse.Namespace, topo: Topology) -> PlanSpec:
     """The spec ``main`` compiles: the config's (``--mode``, ``--capacity-factor``), on
-    ``--mesh`` or the config's mesh scaled to ``topo``, its first ``--layers`` layers, ``--rows``
-    and ``--micro-batches``."""
+    ``--mesh`` or the config's mesh scaled to ``topo``, its first ``--layers`` layers, ``--rows``,
+    ``--micro-batches``, ``--rollout-rows`` and ``--rollout-len``."""
     spec = spec_from_config(load_config_file(args.config))
     if args.mode:
         spec = spec.replace(mode=args.mode)
@@ -366,7 +301,8 @@ def spec_for(args: argparse.Namespace, topo: Topology) -> PlanSpec:
     if args.rows or args.micro_batches:
         spec = spec.replace(rows=args.rows or spec.rows,
                             micro_batches=args.micro_batches or spec.micro_batches)
-    return spec
+    return spec.replace(rollout_rows=args.rollout_rows or spec.rollout_rows,
+                        rollout_len=args.rollout_len or spec.rollout_len)
 
 
 def main(argv=None) -> int:
@@ -468,4 +404,21 @@ def calibrate(topology_name: str = "tpu7x:2x2x1",
         print(f"{spec.model.architecture:22s} {spec.model.num_layers:3d} layers {spec.mode:4s} "
               f"{spec.mesh.num_devices:4d} devices: XLA:TPU {target / GB:9.3f} GB, plan "
               f"{planned_transient(spec, coeffs) / target - 1:+.1%}", flush=True)
+    return coeffs
+
+
+def calibrate_sample(whole_weight: float = WHOLE_MODEL_WEIGHT) -> dict[str, float]:
+    """Fit ``rlx.plan.aot_sample.SAMPLE_TPU_COEFFS`` to XLA:TPU's generate-step temporaries:
+    the ``SAMPLE_CALIBRATION`` programs (compiled now) and ``SAMPLE_WHOLE_MODEL_POINTS``
+    (weighted ``whole_weight``); prints each point's residual."""
+    points = []
+    for argv in SAMPLE_CALIBRATION:
+        spec, topo = spec_from_argv(argv)
+        points.append((argv, spec, compile_sample(spec, topo).temp, 1.0))
+    points += [(argv, spec_from_argv(argv)[0], int(gb * GB), whole_weight)
+               for argv, gb in SAMPLE_WHOLE_MODEL_POINTS]
+    coeffs = fit_sample_coeffs([(s, t, w) for _, s, t, w in points])
+    for argv, spec, target, _ in points:
+        print(f"{argv}: XLA:TPU {target / GB:8.3f} GB, plan "
+              f"{sample_temp(spec, coeffs) / target - 1:+.1%}", flush=True)
     return coeffs

@@ -84,7 +84,7 @@ def _representative(spec: PlanSpec) -> tuple[PlanSpec, dict[int, int]]:
         sparse = tuple(new for new, old in enumerate(firsts) if kinds[old])
         moe = dataclasses.replace(moe, sparse_layers=sparse)
     small = dataclasses.replace(c, num_layers=len(firsts), moe=moe)
-    return spec.replace(model=small, mesh=MeshShape()), weight
+    return spec.replace(model=small, mesh=MeshShape(), scan_layers="off"), weight  # per layer
 
 
 @functools.lru_cache(maxsize=16)

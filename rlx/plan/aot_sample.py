@@ -1,0 +1,262 @@
+"""The built-in engine's generate step for XLA:TPU (``python -m rlx.plan --aot``): its lowering on
+abstract arguments, and the TPU plan of its temporaries.
+
+``generate_lowered`` jits ``rlx.rollout.jax_sampling.generate_batch`` as the engine does (its
+sampling shardings, every row its own prompt, sampled with log-probs) on ``nnx.eval_shape``
+state. ``sample_temp`` is the TPU plan of that program's temporaries per device: the features of
+``sample_features`` (bytes of the physical buffers it holds: the KV cache, the prefill's
+activations and attention scores over its rows x prompt tokens, the token-dispatch exchange
+buffers, one layer's dequantized experts, the sampling logits) times
+``SAMPLE_TPU_COEFFS``, fitted by ``rlx.plan.aot.calibrate_sample`` (non-negative least squares on
+relative error) to XLA:TPU's own ``memory_analysis()`` of small ``--layers`` programs and the
+whole-model programs of ``SAMPLE_WHOLE_MODEL_POINTS``. The XLA:CPU plan's sampling figures stay
+``rlx.plan.memory.step_bytes``' (``kv_cache`` + ``decode_temp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from rlx.learner.state import variable_shardings
+from rlx.mesh import SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards
+from rlx.models.moe import expert_parallel
+from rlx.models.moe_dispatch import capacity
+from rlx.plan.memory import kv_cache_per_token
+from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
+from rlx.quant.tensors import QTensor
+from rlx.rollout.jax_engine import Buckets, cache_sharding
+from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, segment_ends
+
+# XLA:TPU's generate-step temporaries per feature of ``sample_features`` (bytes per byte),
+# fitted by ``rlx.plan.aot.calibrate_sample``
+SAMPLE_TPU_COEFFS = {"kv": 1.603, "resid": 0.0, "qkv": 0.0, "scores": 0.0, "moe_d": 2.526,
+                     "moe_f": 0.0, "experts": 2.145, "logits": 0.0, "expand": 0.0,
+                     "layer_w": 0.0, "moe_q": 1.122, "unpack": 0.72}
+# The whole-model generate programs ``calibrate_sample`` fits besides ``SAMPLE_CALIBRATION``: the
+# arguments of ``python -m rlx.plan`` and XLA:TPU's temporaries in GB per device
+# (rlx/plan/README.md's generate rows)
+SAMPLE_WHOLE_MODEL_POINTS: tuple[tuple[str, float], ...] = (
+    ("--config configs/kimi_k2.py --aot tpu7x:2x2x2 --capacity-factor 0", 16.0),
+    ("--config configs/deepseek_v3_fp8.py --aot tpu7x:2x2x2", 7.92),
+    ("--config configs/qwen3_235b_a22b_plan.py --aot tpu7x:2x2x2", 7.55),
+)
+# The small programs ``calibrate_sample`` compiles and fits (first layers at full width)
+SAMPLE_CALIBRATION: tuple[str, ...] = (
+    "--config configs/deepseek_v3_fp8.py --aot tpu7x:2x2x2 --layers 4",
+    "--config configs/deepseek_v3_fp8.py --aot tpu7x:2x2x2 --layers 5 --capacity-factor 0",
+    "--config configs/kimi_k2.py --aot tpu7x:2x2x2 --capacity-factor 0 --layers 2",
+    "--config configs/qwen3_235b_a22b_plan.py --aot tpu7x:2x2x2 --layers 2",
+)
+
+
+def generate_shapes(spec: PlanSpec) -> tuple[int, int, int]:
+    """(rows, prompt width, new-token buffer) of the engine's bucket for ``spec``'s rollouts:
+    ``rollout_len`` split as a quarter prompt, three quarters completion (the 1T recipes: 512 +
+    1536), each rounded up as ``rlx.rollout.jax_engine.Buckets`` rounds them."""
+    b, dp = Buckets(max_rows=spec.rollout_rows), batch_shards(spec.mesh, SAMPLE_RULES)
+    prompt = spec.rollout_len // 4
+    return b.rows(spec.rollout_rows, dp), b.prompt(prompt), b.new_tokens(spec.rollout_len - prompt)
+
+
+def _abstract(tree, shardings):
+    """``tree``'s leaves as ShapeDtypeStructs on ``shardings`` (a prefix tree: one per variable)."""
+    def one(sharding, sub):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            sub)
+
+    return jax.tree.map(one, shardings, tree)
+
+
+def generate_lowered(spec: PlanSpec, mesh):
+    """The engine's generate function for ``spec``, lowered on abstract arguments: every row its
+    own prompt, sampled at temperature with log-probs (the training rollouts)."""
+    model = expert_parallel(abstract_model(spec), mesh, SAMPLE_RULES,
+                            spec.moe_capacity_factor or None)  # as the engine's _eval_split
+    model.eval()
+    graphdef, state = nnx.split(model)
+    shardings = engine_shardings(state, mesh, spec)
+    rows, prompt, new = generate_shapes(spec)
+    kv = cache_sharding(mesh, spec.model, SAMPLE_RULES, batch_shards(mesh, SAMPLE_RULES))
+    static = GenerateStatic(graphdef, SamplerSpec(), new, True, kv,
+                            batch_sharding(mesh, 2, SAMPLE_RULES))
+    row1, row2 = (batch_sharding(mesh, n, SAMPLE_RULES) for n in (1, 2))
+    rep = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct((rows, prompt), jnp.int32, sharding=row2)]
+    args += [jax.ShapeDtypeStruct((rows,), dt, sharding=row1)
+             for dt in (jnp.int32, jnp.int32, jnp.uint32, jnp.int32)]
+    args += [jax.ShapeDtypeStruct((), dt, sharding=rep)
+             for dt in (jnp.int32, jnp.float32, jnp.float32, jnp.int32)]
+    args.append(jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep))  # stop ids
+    fn = jax.jit(functools.partial(generate_batch, static=static),
+                 in_shardings=(shardings, *(a.sharding for a in args)),
+                 out_shardings=(row2, row2, row1, row1))
+    return fn.lower(_abstract(state, shardings), *args)
+
+
+def engine_shardings(state, mesh, spec: PlanSpec):
+    """The engine's variables where a run holds them (``rlx.run.engines``): the frozen base as
+    the learner placed it (``TRAIN_RULES``: the engine reads the learner's own arrays), and so
+    the trainable variables of a synchronous run; an asynchronous run's engine copies those by
+    the sampling rules."""
+    shared = nnx.Not(trainable_filter(spec)) if spec.max_staleness else ...
+    train = nnx.to_flat_state(variable_shardings(state, mesh, TRAIN_RULES))
+    sample = nnx.to_flat_state(variable_shardings(state, mesh, SAMPLE_RULES))
+    held = {tuple(p) for p, _ in nnx.to_flat_state(nnx.filter_state(state, shared))}
+    return nnx.from_flat_state([(p, t if tuple(p) in held else s)
+                                for (p, t), (_, s) in zip(train, sample)])
+
+
+def local_expert_bytes(spec: PlanSpec) -> int:
+    """One MoE layer's routed experts on a device (gate, up and down) in the compute dtype: what
+    a quantized base dequantizes, and a full-parameter step differentiates, a layer at a time."""
+    c, moe = spec.model, spec.model.moe
+    if moe is None:
+        return 0
+    a = 2 if spec.dtype == "bfloat16" else 4
+    local = moe.num_experts // spec.mesh.expert if moe.num_experts % spec.mesh.expert == 0 else (
+        moe.num_experts)
+    return a * local * 3 * c.hidden_size * moe.intermediate_size // spec.mesh.tensor
+
+
+def _qkv_width(spec: PlanSpec) -> float:
+    """Per-token width (per device) of one layer's attention projections in a prefill: GQA's q,
+    k and v; MLA's query (and its low-rank bottleneck), latent and shared rotary key."""
+    c, t = spec.model, spec.mesh.tensor
+    if c.mla is None:
+        return (c.num_heads + 2 * c.num_kv_heads) * c.head_dim / t
+    m = c.mla
+    return (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim + (
+        c.num_heads * m.qk_head_dim / t)
+
+
+def _layer_weights(spec: PlanSpec, sparse: bool) -> float:
+    """Parameters of one layer's non-expert weights on a device as a scanned stack gathers them
+    (``rlx.models.stack.LayerGather``): attention and the dense (or shared-expert) MLP."""
+    c, t = spec.model, spec.mesh.tensor
+    d, h = c.hidden_size, c.num_heads
+    if c.mla is None:
+        attn = d * (h + 2 * c.num_kv_heads) * c.head_dim + h * c.head_dim * d
+    else:
+        m = c.mla
+        q = d * m.q_lora_rank + m.q_lora_rank * h * m.qk_head_dim if m.q_lora_rank else (
+            d * h * m.qk_head_dim)
+        attn = (q + d * (m.kv_lora_rank + m.qk_rope_head_dim)
+                + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d)
+    width = c.moe.shared_intermediate_size if sparse else c.intermediate_size
+    return (attn + 3 * d * width) / t
+
+
+def _moe_rows(spec: PlanSpec, n: int) -> int:
+    """Rows of a MoE layer's expert products for ``n`` prefill tokens on a device: the
+    token-dispatch exchange's ``P * C`` (``rlx.models.moe_dispatch.capacity``), ``n * k`` on one
+    expert shard, every local expert's ``n`` on the einsum path (``moe_impl="dense"``)."""
+    e, p = spec.model.moe, spec.mesh.expert
+    if spec.moe_impl == "dense":  # the einsum path: every local expert over every token
+        return n * (e.num_experts // p if e.num_experts % p == 0 else e.num_experts)
+    if p == 1:
+        return n * e.top_k
+    return p * capacity(n, e.top_k, e.num_experts // p, p, spec.moe_capacity_factor or None)
+
+
+def _one_layer(spec: PlanSpec):
+    """The abstract model of ``spec`` cut to one layer (a MoE layer where the model has any)."""
+    c = spec.model
+    moe = c.moe and dataclasses.replace(c.moe, sparse_layers=(0,))
+    one = spec.replace(model=dataclasses.replace(c, num_layers=1, moe=moe), scan_layers="off")
+    return abstract_model(one).layers[0]
+
+
+def _absorbed(layer) -> bool:
+    """Whether the engine's decode steps absorb MLA's ``kv_b_proj`` (``rlx.models.mla``): not
+    where an adapter on a W8A8 ``kv_b_proj`` sees the unquantized latent; then every decode step
+    expands the whole cache into per-head keys and values."""
+    return not hasattr(layer.self_attn, "absorbable") or layer.self_attn.absorbable(True)
+
+
+def _copy_bytes(spec: PlanSpec, w, float_copy: bool) -> int:
+    """Bytes per element of weight ``w``'s working copy in a prefill: a quantized one's
+    dequantized copy, f32 where ``QTensor.dequantize`` computes in f32 (f32 scales, as fp8
+    blocks have, or zero points), else the compute dtype; a float one's gathered copy where
+    ``float_copy``, else none."""
+    a = 2 if spec.dtype == "bfloat16" else 4
+    if not isinstance(w, QTensor):
+        return a if float_copy else 0
+    return 4 if w.zero is not None or w.scale.get_value().dtype == jnp.float32 else a
+
+
+def sample_features(spec: PlanSpec) -> dict[str, float]:
+    """Bytes per device of the generate step's buffers, one unit of each ``SAMPLE_TPU_COEFFS``.
+
+    ``kv``: the cache of the bucket's rows as the prefill writes it (prompt + first segment
+    slots; the programs' peak is in the prefill, the cache grows by segments after it). Of the
+    prefill (rows x prompt tokens per device, one layer at a time): ``resid`` its hidden states,
+    ``qkv`` its attention projections (MLA: also the per-head keys and values expanded over the
+    first segment's slots), ``scores`` its f32 attention scores over those slots, ``layer_w``
+    the largest layer's non-expert weights as the scan gathers (and dequantizes) them, and the
+    MoE terms of ``_moe_features``. ``logits``: one step's f32 logits; ``expand``: MLA's cache
+    expanded into per-head keys and values by decode steps that cannot absorb ``kv_b_proj``."""
+    c, m, layer = spec.model, spec.mesh, _one_layer(spec)
+    a = 2 if spec.dtype == "bfloat16" else 4
+    rows, p, new = generate_shapes(spec)
+    r = math.ceil(rows / batch_shards(m, SAMPLE_RULES))
+    slots, n = p + segment_ends(new)[0], r * p
+    per_token = kv_cache_per_token(c) if c.mla is not None else kv_cache_per_token(c) / m.tensor
+    kv_bytes = 2 if spec.kv_dtype == "bfloat16" else 4
+    f = {"kv": c.num_layers * r * slots * per_token * kv_bytes,
+         "resid": a * n * c.hidden_size, "qkv": a * n * _qkv_width(spec),
+         "scores": 4 * r * c.num_heads / m.tensor * p * slots,
+         "logits": 4 * r * c.vocab_size / m.tensor, "expand": 0.0}
+    if c.mla is not None:
+        kv_width = c.num_heads / m.tensor * (c.mla.qk_nope_head_dim + c.mla.v_head_dim)
+        f["qkv"] += a * r * slots * kv_width
+        f["expand"] = 0.0 if _absorbed(layer) else a * r * (p + new) * kv_width
+    kinds = {c.is_sparse_layer(i) for i in range(c.num_layers)}
+    f["layer_w"] = _copy_bytes(spec, layer.self_attn.o_proj.kernel, True) * max(
+        _layer_weights(spec, k) for k in kinds)
+    return {**f, **_moe_features(spec, layer, n)}
+
+
+def _moe_features(spec: PlanSpec, layer, n: int) -> dict[str, float]:
+    """A MoE layer's prefill of ``n`` tokens per device (zeros for a dense model): ``moe_d`` /
+    ``moe_f`` the exchange's rows (``_moe_rows``) of ``hidden`` / of the expert width, ``moe_q``
+    their f32 copy that W8A8 experts quantize, ``experts`` the local experts dequantized
+    (``_copy_bytes``), ``unpack`` int4's unpacked values (``unpack_nibbles``)."""
+    f = dict.fromkeys(("moe_d", "moe_f", "moe_q", "experts", "unpack"), 0.0)
+    c = spec.model
+    if c.moe is None:
+        return f
+    a = 2 if spec.dtype == "bfloat16" else 4
+    rows, w = _moe_rows(spec, n), layer.mlp.experts.gate_proj
+    f["moe_d"] = a * rows * c.hidden_size
+    f["moe_f"] = a * rows * c.moe.intermediate_size / spec.mesh.tensor
+    if layer.mlp.experts.act_quant != "none":
+        f["moe_q"] = 4 * rows * c.hidden_size
+    f["experts"] = local_expert_bytes(spec) / a * _copy_bytes(spec, w, False)
+    if isinstance(w, QTensor) and w.fmt in ("int4", "nf4"):  # two values per stored byte
+        f["unpack"] = float(local_expert_bytes(spec))
+    return f
+
+
+def sample_temp(spec: PlanSpec, coeffs: dict[str, float] | None = None) -> int:
+    """The TPU plan of the generate step's temporaries per device (``coeffs``: default
+    ``SAMPLE_TPU_COEFFS``)."""
+    coeffs = SAMPLE_TPU_COEFFS if coeffs is None else coeffs
+    return int(sum(coeffs[k] * v for k, v in sample_features(spec).items()))
+
+
+def fit_sample_coeffs(points: list[tuple[PlanSpec, int, float]]) -> dict[str, float]:
+    """``SAMPLE_TPU_COEFFS`` fitted to (spec, XLA:TPU's temporaries in bytes, weight) points:
+    non-negative least squares on the weighted relative error of ``sample_temp``."""
+    import numpy as np
+    from scipy.optimize import nnls
+    keys = sorted(SAMPLE_TPU_COEFFS)
+    rows = [[w * sample_features(s)[k] / target for k in keys] for s, target, w in points]
+    coeffs, _ = nnls(np.asarray(rows), np.asarray([w for *_, w in points]))
+    return dict(zip(keys, (round(float(x), 3) for x in coeffs)))
