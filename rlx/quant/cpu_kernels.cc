@@ -16,9 +16,10 @@
 // fl(d q + m) as d q is exact) and multiply those. int8 channel scales the f32 sum, as XLA's
 // path does.
 //
-// Threads: the output columns are cut into chunks taken from an atomic counter by the calling
-// thread and by tasks scheduled on XLA's intra-op thread pool; the caller runs every chunk no
-// task has taken, so a busy pool never blocks it.
+// Threads: the work is cut into chunks (output columns; for int8 with one row of x, ranges of
+// input rows by column blocks, summed apart and added in a fixed order) taken from an atomic
+// counter by the calling thread and by tasks scheduled on XLA's intra-op thread pool; the caller
+// runs every chunk no task has taken, so a busy pool never blocks it.
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "rlx CPU kernels need AVX2, FMA and F16C"
@@ -384,29 +385,77 @@ void int8_block(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n
   for (; n + 8 <= n1; n += 8) int8_panel<RG, 1>(x, K, V, N, n, k0, k1, y);
 }
 
-// One row of x, columns [n0, n8) (n8 - n0 a multiple of 8), set in y: one input row of values at
-// a time, so the values stream through memory in order (blocks of several input rows, one
-// stream each, were slower from memory).
-void int8_one_row(const float* x, int64_t K, const int8_t* V, int64_t N, int64_t n0, int64_t n8,
-                  float* y) {
-  std::fill(y + n0, y + n8, 0.0f);
-  for (int64_t k = 0; k < K; ++k) {
-    const int8_t* v = V + k * N;
-    int64_t n = n0;
+// y[n] += x[k] v[k, n] for k = k0, k0 + 1, ... in order, columns [n0, n8) (a multiple of 8):
+// four input rows at a time (four streams of values in memory order, y read and written once per
+// four rows), the last rows one at a time.
+template <int S>
+inline void int8_rows_into(const float* x, const int8_t* V, int64_t N, int64_t k0, int64_t n0,
+                           int64_t n8, float* y) {
+  const int8_t* v[4];
+  for (int i = 0; i < S; ++i) v[i] = V + (k0 + i) * N;
+  int64_t n = n0;
 #if defined(__AVX512F__)
-    const __m512 xk = _mm512_set1_ps(x[k]);
-    for (; n + 16 <= n8; n += 16) {
-      __m512 w = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + n))));
-      _mm512_storeu_ps(y + n, _mm512_fmadd_ps(xk, w, _mm512_loadu_ps(y + n)));
-    }
+  __m512 x16[4];
+  for (int i = 0; i < S; ++i) x16[i] = _mm512_set1_ps(x[k0 + i]);
+  for (; n + 16 <= n8; n += 16) {
+    __m512 a = _mm512_loadu_ps(y + n);
+    for (int i = 0; i < S; ++i)
+      a = _mm512_fmadd_ps(x16[i], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(v[i] + n)))),
+                          a);
+    _mm512_storeu_ps(y + n, a);
+  }
 #endif
-    const __m256 xk8 = _mm256_set1_ps(x[k]);
-    for (; n < n8; n += 8) {
-      __m256 w = _mm256_cvtepi32_ps(
-          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + n))));
-      _mm256_storeu_ps(y + n, _mm256_fmadd_ps(xk8, w, _mm256_loadu_ps(y + n)));
-    }
+  __m256 x8[4];
+  for (int i = 0; i < S; ++i) x8[i] = _mm256_set1_ps(x[k0 + i]);
+  for (; n < n8; n += 8) {
+    __m256 a = _mm256_loadu_ps(y + n);
+    for (int i = 0; i < S; ++i)
+      a = _mm256_fmadd_ps(x8[i], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v[i] + n)))),
+                          a);
+    _mm256_storeu_ps(y + n, a);
+  }
+}
+
+// One row of x by input rows [k0, k1) of V, columns [n0, n8), set in y.
+void int8_one_row(const float* x, const int8_t* V, int64_t N, int64_t k0, int64_t k1, int64_t n0,
+                  int64_t n8, float* y) {
+  std::fill(y + n0, y + n8, 0.0f);
+  int64_t k = k0;
+  for (; k + 4 <= k1; k += 4) int8_rows_into<4>(x, V, N, k, n0, n8, y);
+  for (; k < k1; ++k) int8_rows_into<1>(x, V, N, k, n0, n8, y);
+}
+
+constexpr int64_t kRowParts = 4;       // one row of x: input-row ranges summed apart, then added
+constexpr int64_t kColumnBlock = 4096;  // ... and at most this many columns per task
+
+// One row of x (a batch-1 decode step): tasks of contiguous input rows (whole rows of values
+// where N <= kColumnBlock, so each task streams one region of memory) by column blocks. Part p
+// of the input rows sums into its own buffer (part 0: y); the parts are added in order, then
+// scaled, so the result does not depend on which thread ran what.
+void int8_row_product(ffi::ThreadPool& pool, const float* x, int64_t K, const int8_t* V,
+                      int64_t N, const float* scale, float* y) {
+  const int64_t n8 = N / 8 * 8;
+  const bool serial = N * K < kSerialWork;
+  const int64_t rows = serial ? std::max<int64_t>(K, 1) : std::max<int64_t>(4, (K / kRowParts + 3) / 4 * 4);
+  const int64_t parts = (K + rows - 1) / rows;
+  const int64_t width = std::min<int64_t>(kColumnBlock, n8);
+  const int64_t blocks = width ? (n8 + width - 1) / width : 0;
+  std::unique_ptr<float[]> part(new float[(parts - 1) * N + 1]);
+  float* pp = part.get();
+  parallel_chunks(pool, parts * blocks, serial, [=](int64_t t) {
+    const int64_t p = t / blocks, b = t % blocks;
+    int8_one_row(x, V, N, p * rows, std::min(K, (p + 1) * rows), b * width,
+                 std::min(n8, (b + 1) * width), p ? pp + (p - 1) * N : y);
+  });
+  for (int64_t p = 1; p < parts; ++p)
+    for (int64_t n = 0; n < n8; ++n) y[n] += pp[(p - 1) * N + n];
+  for (int64_t n = 0; n < n8; ++n) y[n] *= scale[n];
+  for (int64_t n = n8; n < N; ++n) {
+    float s = 0.0f;
+    for (int64_t k = 0; k < K; ++k) s = std::fma(x[k], float(V[k * N + n]), s);
+    y[n] = s * scale[n];
   }
 }
 
@@ -456,7 +505,7 @@ void int8_many512(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t
 }
 #endif
 
-// Columns [n0, n1) of all R rows (several: blocks of 128 input rows, each multiplied by every
+// Columns [n0, n1) of R > 1 rows (blocks of 128 input rows, each multiplied by every
 // row of x while in cache; AVX-512: decoded once per block); then the scales. Columns past the
 // last multiple of 8 are summed one by one.
 void int8_columns(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t N, int64_t n0,
@@ -464,7 +513,6 @@ void int8_columns(const float* x, int64_t R, int64_t K, const int8_t* V, int64_t
   constexpr int64_t kBlock = 128;
   const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
   int64_t nv = n0;  // columns before nv done by the AVX-512 path
-  if (R == 1) int8_one_row(x, K, V, N, n0, n8, y), nv = n8;
 #if defined(__AVX512F__)
   if (R > 1) nv = n0 + (n8 - n0) / 32 * 32, int8_many512(x, R, K, V, N, n0, nv, y);
 #endif
@@ -496,6 +544,10 @@ ffi::Error int8_channel_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int8_t* vp = v.typed_data();
   const float* sp = scale.typed_data();
   float* yp = y->typed_data();
+  if (R == 1) {
+    int8_row_product(pool, xp, K, vp, N, sp, yp);
+    return ffi::Error::Success();
+  }
   // one chunk per thread: each reads long runs of every input row (narrower column chunks read
   // short strided runs, slower from memory)
   const bool serial = N * K < kSerialWork;

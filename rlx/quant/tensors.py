@@ -90,28 +90,28 @@ class QTensor(nnx.Module):
 
     def decode(self) -> Array:
         """Quantized values as f32 ``[..., K, N]`` (before zero point and scale)."""
-        v = self.values[...]
-        if self.fmt == "int4":
-            return unpack_nibbles(v).astype(jnp.float32) - 8.0
-        if self.fmt == "nf4":
-            return jnp.asarray(_NF4)[unpack_nibbles(v).astype(jnp.int32)]
-        return v.astype(jnp.float32)
+        return self._decode_values(self.values[...])
 
     def dequantize(self, dtype=jnp.float32) -> Array:
         """The logical matrix in ``dtype`` (computed in f32, one rounding at the end; or in bf16
         where that is the same rounding, ``_exact_in``)."""
-        k, n = self.kn
+        zero = None if self.zero is None else self.zero[...]
+        return self._dequantize(self.values[...], self.scale[...], zero, self.kn[1], dtype)
+
+    def _dequantize(self, v: Array, scale: Array, zero: Array | None, n: int, dtype) -> Array:
+        """``dequantize`` of stored values, scales and zero points with ``n`` columns (all of
+        them, or the columns ``take`` gathered)."""
+        k = self.kn[0]
         bk, bn = self.block
         if self._exact_in(dtype):
-            v = self.values[...]
             v = unpack_nibbles(v).astype(jnp.int8) - 8 if self.fmt == "int4" else v
             q = v.astype(dtype)  # integers of at most 8 bits / e4m3 values: exact in bf16
-            w = q * expand_blocks(self.scale[...], k, n, bk, bn)
+            w = q * expand_blocks(scale, k, n, bk, bn)
             return jnp.swapaxes(w, -1, -2) if self.transposed else w
-        q = self.decode()
-        if self.zero is not None:
-            q = q - expand_blocks(self.zero[...].astype(jnp.float32), k, n, bk, bn)
-        w = q * expand_blocks(self.scale[...].astype(jnp.float32), k, n, bk, bn)
+        q = self._decode_values(v)
+        if zero is not None:
+            q = q - expand_blocks(zero.astype(jnp.float32), k, n, bk, bn)
+        w = q * expand_blocks(scale.astype(jnp.float32), k, n, bk, bn)
         w = jnp.swapaxes(w, -1, -2) if self.transposed else w
         return w.astype(dtype)
 
@@ -125,12 +125,27 @@ class QTensor(nnx.Module):
                 and self.fmt in ("int8", "int4", "fp8") and self.scale[...].dtype == jnp.bfloat16)
 
     def take(self, ids: Array, dtype) -> Array:
-        """Rows ``ids`` of the logical matrix (embedding lookup)."""
+        """Rows ``ids`` of the logical matrix (embedding lookup). A ``[vocab, d]`` embedding with
+        one scale block per vocabulary row (int8 / fp8 channel, int4 / nf4 groups) gathers the
+        stored columns of those rows and dequantizes only them, to the same values."""
+        if self.transposed and self.block[1] == 1 and len(self.shape) == 2:
+            flat = ids.reshape(-1)
+            cols = lambda a: jnp.take(a, flat, axis=-1)  # noqa: E731
+            zero = None if self.zero is None else cols(self.zero[...])
+            w = self._dequantize(cols(self.values[...]), cols(self.scale[...]), zero, flat.shape[0],
+                                 dtype)  # [ids, d]
+            return w.reshape(*ids.shape, w.shape[-1])
         return jnp.take(self.dequantize(dtype), ids, axis=0)
 
-    def head_product(self, h: Array, dtype) -> None:
-        """None: a quantized embedding used as the tied head dequantizes inside the product."""
-        return None
+    def head_product(self, h: Array, dtype) -> Array | None:
+        """``h @ W.T`` for an int8 channel ``[vocab, d]`` embedding used as the tied output head:
+        its stored ``[d, vocab]`` values with one scale per vocabulary row are the native int8
+        kernel's operands (``rlx.quant.cpu_kernels``), for a decode step's few f32 rows on
+        XLA:CPU; None (dequantize inside the product) elsewhere."""
+        rows = math.prod(h.shape[:-1])
+        if not self._native(rows, dtype, head=True):
+            return None
+        return self._native_product(h, rows, dtype)
 
     def product(self, x: Array, dtype, out_dtype) -> Array | None:
         """``x @ w`` for a 2-D kernel without materialising ``w``, or None where this format or
@@ -152,11 +167,7 @@ class QTensor(nnx.Module):
         rows = math.prod(x.shape[:-1])
         groups = -(-k // bk)
         if self._native(rows, dtype):
-            y = cpu_kernels.with_reference_gradient(
-                lambda v, q, s: cpu_kernels.int8_channel_product(q, s, v),
-                lambda v, q, s: (v @ q.astype(jnp.float32)) * s.reshape(1, -1).astype(v.dtype),
-                x.reshape(rows, k).astype(jnp.float32), self.values[...], self.scale[...])
-            return y.astype(out_dtype).reshape(*x.shape[:-1], n)
+            return self._native_product(x, rows, out_dtype)
         if self._chunks(rows, dtype):
             y = self._chunked_product(x.reshape(rows, k).astype(jnp.float32))
             return y.astype(out_dtype).reshape(*x.shape[:-1], n)
@@ -181,13 +192,23 @@ class QTensor(nnx.Module):
             y = jnp.sum(acc * scale, axis=1)
         return y.astype(out_dtype).reshape(*x.shape[:-1], n)
 
-    def _native(self, rows: int, dtype) -> bool:
+    def _native(self, rows: int, dtype, head: bool = False) -> bool:
         """Whether ``rlx.quant.cpu_kernels`` multiplies these values: int8 with one scale per
-        output and no zero point, a decode step's few f32 rows of a 2-D kernel, on XLA:CPU."""
+        output and no zero point, a decode step's few f32 rows of a 2-D kernel (``head``: of a
+        transposed embedding's stored ``[d, vocab]``), on XLA:CPU."""
         return (self.fmt == "int8" and self.zero is None and self.block == (self.kn[0], 1)
-                and not self.transposed and len(self.shape) == 2 and rows <= FEW_ROWS
+                and self.transposed == head and len(self.shape) == 2 and rows <= FEW_ROWS
                 and jnp.dtype(dtype) == jnp.float32 and target_platform() == "cpu"
                 and cpu_kernels.available())
+
+    def _native_product(self, x: Array, rows: int, out_dtype) -> Array:
+        """``(x @ values) * scale`` by the native int8 kernel, XLA's product for gradients."""
+        k, n = self.kn
+        y = cpu_kernels.with_reference_gradient(
+            lambda v, q, s: cpu_kernels.int8_channel_product(q, s, v),
+            lambda v, q, s: (v @ q.astype(jnp.float32)) * s.reshape(1, -1).astype(v.dtype),
+            x.reshape(rows, k).astype(jnp.float32), self.values[...], self.scale[...])
+        return y.astype(out_dtype).reshape(*x.shape[:-1], n)
 
     def _chunks(self, rows: int, dtype) -> int:
         """K rows per chunk of ``_chunked_product`` (0: not used): a decode step's few rows of a
@@ -234,7 +255,7 @@ class QTensor(nnx.Module):
         return acc * scale
 
     def _decode_values(self, v: Array) -> Array:
-        """Stored values (a chunk of rows) -> f32 quantized values, as ``decode``."""
+        """Stored values (all, a chunk of rows, gathered columns) -> f32 quantized values."""
         if self.fmt == "int4":
             return unpack_nibbles(v).astype(jnp.float32) - 8.0
         if self.fmt == "nf4":

@@ -22,6 +22,9 @@ from rlx.quant.tensors import quantize_array
 from tests.helpers.quant import check_f32_sum_bound, jitted_product
 
 SHAPES = [(64, 77), (1024, 517)]  # (K, N): K multiples of 32; the second split over threads
+# int8, one row of x: input rows split into parts (K not a multiple of the 4 rows taken at once)
+# and, past 4096 columns, column blocks (N not a multiple of 8)
+INT8_SHAPES = SHAPES + [(1030, 517), (130, 4500)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +51,7 @@ def test_gguf_kernel_equals_the_dequantized_product(qtype, k, n):
         check_f32_sum_bound(fn(t.blocks[...], qtype, x), x, w)
 
 
-@pytest.mark.parametrize("k,n", SHAPES)
+@pytest.mark.parametrize("k,n", INT8_SHAPES)
 def test_int8_channel_kernel_equals_the_dequantized_product(k, n):
     rng = np.random.default_rng(3)
     q = quantize_array(jnp.asarray(rng.standard_normal((k, n)) * 0.05, jnp.float32), "int8")
@@ -74,6 +77,21 @@ def test_int8_decode_products_call_the_kernel_and_other_formats_do_not():
     assert cpu_kernels.INT8_CHANNEL in jitted_product(quantize_array(w, "int8"))[1](x)
     int4 = quantize_array(w, "int4", group_size=32)
     assert cpu_kernels.INT8_CHANNEL not in jitted_product(int4)[1](x)
+
+
+def test_int8_tied_head_calls_the_kernel_within_the_bound():
+    """An int8 ``[vocab, d]`` embedding (``quantize_embed``, one scale per vocabulary row) used
+    as the tied head multiplies a decode step's rows by its stored ``[d, vocab]`` values."""
+    rng = np.random.default_rng(6)
+    emb = quantize_array(jnp.asarray(rng.standard_normal((4500, 64)) * 0.05, jnp.float32), "int8",
+                         transposed=True)
+    w = np.asarray(emb.dequantize()).T  # [d, vocab]
+    for rows in (1, 3):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        run, hlo = jitted_product(emb, head=True)
+        assert cpu_kernels.INT8_CHANNEL in hlo(x)
+        check_f32_sum_bound(run(x), x, w)
+    assert emb.head_product(jnp.ones((33, 64), jnp.float32), jnp.float32) is None  # a prefill
 
 
 @pytest.mark.parametrize("qtype", sorted(PLANAR))
