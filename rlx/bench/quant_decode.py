@@ -2,8 +2,11 @@
 
 Every format is one side of the harness (its own worker, interleaved rounds, medians): SmolLM2-135M
 (or the tiny model, or ``llama8b-wide`` for accelerators: Llama-3-8B's widths, 8 random layers,
-bf16, its "f32" row then bf16) with its decoder-layer linears in that format, the embedding / tied output
-projection kept f32 as servers do, generating exactly ``new`` greedy tokens for ``batch`` prompts.
+bf16, its "f32" row then bf16) with its decoder-layer linears in that format, generating exactly
+``new`` greedy tokens for ``batch`` prompts. Each row is what that ``QuantConfig`` gives a user: the
+embedding / tied output projection stays f32 (``quantize_embed=False``, the default) except in the
+"+ int8 embedding" row (``quantize_embed=True``: one int8 scale per vocabulary row, for the lookup
+and the head product, as llama.cpp and int8 servers quantize the head).
 The SmolLM2 "GGUF Q4_1" row uses the file's own blocks; other GGUF rows quantize the f32 weights
 with the ``gguf`` package (as the error table does). Quantized bases trade memory for dequantization
 work inside the matmul: on a CPU, where decode reads every weight once per token, fewer bytes can
@@ -19,7 +22,12 @@ import time
 
 from rlx.bench.harness import Side, interleave, markdown_table
 
-DECODE_ROWS = ("f32", "int8 channel", "int4 g64 sym", "nf4 g64", "fp8 channel", "GGUF Q8_0", "GGUF Q4_1")
+DECODE_ROWS = ("f32", "int8 channel", "int8 channel + int8 embedding", "int4 g64 sym", "nf4 g64",
+               "fp8 channel", "GGUF Q8_0", "GGUF Q4_1")
+# decode rows beyond the error table's formats (rlx.bench.formats.ROWS): the QuantConfig fields a
+# user sets, here the tied embedding / head quantized too (QuantConfig.quantize_embed)
+DECODE_ONLY = {"int8 channel + int8 embedding": dict(format="int8", quantize_embed=True)}
+
 # An accelerator-sized model: Llama-3-8B's widths and vocabulary, random, bf16, few layers (each
 # layer reads the same bytes per token, so the per-format ratios do not depend on the depth)
 LLAMA8B_WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -30,25 +38,32 @@ LLAMA8B_WIDE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 MODELS = ("smollm2", "tiny", "llama8b-wide")
 
 
+def _spec(label: str):
+    """A row's QuantConfig or GGUF block type."""
+    from rlx.bench.formats import ROWS
+    from rlx.quant import QuantConfig
+
+    return QuantConfig(**DECODE_ONLY[label]) if label in DECODE_ONLY else dict(ROWS)[label]
+
+
 def _llama8b_wide(label: str):
     """``LLAMA8B_WIDE`` in bf16 with its decoder linears in ``label``'s format ("f32": bf16)."""
     import jax.numpy as jnp
     from flax import nnx
 
-    from rlx.bench.formats import ROWS
     from rlx.models import Precision, Transformer, from_hf_config
     from rlx.quant import quantize_model
 
     bf16 = Precision(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     m = Transformer(from_hf_config(LLAMA8B_WIDE), bf16, rngs=nnx.Rngs(0))
-    spec = None if label == "f32" else dict(ROWS)[label]
+    spec = None if label == "f32" else _spec(label)
     if isinstance(spec, str):
         raise SystemExit(f"--decode-model llama8b-wide: {label} is a GGUF row; pick rlx's formats")
     return m if spec is None else quantize_model(m, spec)
 
 
 def _model(model: str, label: str, hf_config: dict | None):
-    from rlx.bench.formats import ROWS, gguf_model
+    from rlx.bench.formats import gguf_model
     from rlx.bench.workloads import load_model
     from rlx.quant import quantize_model
 
@@ -59,7 +74,7 @@ def _model(model: str, label: str, hf_config: dict | None):
     m = load_model(model, "f32", hf_config=hf_config)[0]
     if label == "f32":
         return m
-    spec = dict(ROWS)[label]
+    spec = _spec(label)
     return gguf_model(m, spec) if isinstance(spec, str) else quantize_model(m, spec)
 
 
@@ -111,6 +126,6 @@ def decode_table(model: str = "smollm2", batch: int = 8, prompt: int = 32, new: 
                    f"{results.median(label, 'weight_bytes') / 1e6:,.1f}",
                    f"{results.median(label, 'peak_rss_mb'):,.0f}"] for label in rows]
     header = ["format", "decode tokens/s", "vs f32", "tokens/CPU-s", "vs f32 (per CPU-s)",
-              "base MB (layers + f32 embedding)", "peak RSS MB"]
+              "base MB (layers + embedding)", "peak RSS MB"]
     return markdown_table(header, table_rows), {"rate": rate, "per_cpu_s": per_cpu,
                                                  "results": results.to_json()}
