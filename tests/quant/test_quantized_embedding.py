@@ -14,7 +14,7 @@ from rlx.quant import LoraConfig, QuantConfig, apply_lora, cpu_kernels, quantize
 from rlx.quant.tensors import QTensor, quantize_array
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.quant import randomize_lora_b
-from tests.rollout.test_jax_engine import TOL, _parity
+from tests.helpers.parity import TOL, parity
 
 
 @pytest.mark.parametrize("fmt,kw", [("int8", {}), ("int4", dict(group_size=16)),
@@ -42,6 +42,6 @@ def test_int8_embedding_head_keeps_learner_parity(tmp_path):
         assert cpu_kernels.INT8_CHANNEL in jax.jit(model.logits).lower(h).as_text()
     apply_lora(model, LoraConfig(rank=3, alpha=5.0), nnx.Rngs(0))
     randomize_lora_b(model)
-    sampled, scored, _ = _parity(model)
+    sampled, scored, _ = parity(model)
     print(f"LoRA mode int8 + int8 embedding + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL

@@ -15,20 +15,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlx.learner.batching import pad_rollouts, shard_batch
-from rlx.learner.step import StepConfig, make_logprob_step
+from rlx.learner.batching import pad_rollouts
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.quant import GGUFTensor, LoraConfig, QuantConfig, apply_lora, quantize_model
 from rlx.quant.quantize import linears
 from rlx.rollout.jax_engine import Buckets, JaxEngine
 from rlx.rollout.jax_sampling import segment_ends
-from rlx.rollout.preflight import learner_logprobs
-from rlx.types import Prompt, SamplingParams
+from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
+from tests.helpers.parity import TOL, max_diff, parity, sample_prompts, step_logprobs
 from tests.helpers.quant import quantized_lora_model, randomize_lora_b
-
-TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -36,39 +33,9 @@ def zoo(tmp_path_factory):
     return str(tmp_path_factory.mktemp("zoo"))
 
 
-def _prompts(lengths=(3, 11, 6), seed=0, vocab=97):
-    rs = np.random.RandomState(seed)
-    return [Prompt(f"p{i}", tuple(int(t) for t in rs.randint(0, vocab, n))) for i, n in enumerate(lengths)]
-
-
-def _step_logprobs(model, rollouts) -> list[np.ndarray]:
-    """The learner's compiled log-prob step on the rollouts' sequences (1-device mesh)."""
-    mesh = make_mesh(MeshShape(), devices=jax.devices()[:1])
-    trainable = nnx.LoRAParam if jax.tree.leaves(nnx.state(model, nnx.LoRAParam)) else nnx.Param
-    graphdef, params, frozen = nnx.split(model, trainable, ...)
-    step = make_logprob_step(graphdef, params, frozen, mesh, StepConfig(logprob_chunk=64))
-    batch = pad_rollouts(rollouts, np.zeros(len(rollouts)))
-    logp = np.asarray(step(params, frozen, shard_batch(batch, mesh)).logp)  # aligned with ids
-    return [logp[i, len(r.prompt_ids):r.length] for i, r in enumerate(rollouts)]
-
-
-def _max_diff(a, b) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
-
-
-def _parity(model, sampling=SamplingParams(max_new_tokens=12, n=2, seed=3)):
-    engine = JaxEngine(model)
-    rollouts = engine.generate(_prompts(), sampling)
-    assert all(len(r.completion_ids) == sampling.max_new_tokens for r in rollouts)
-    learner = _step_logprobs(model, rollouts)
-    seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in rollouts]
-    return (_max_diff(learner, [r.sampler_logp for r in rollouts]), _max_diff(learner, engine.score(seqs)),
-            _max_diff(learner, learner_logprobs(model, seqs)))
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
-    sampled, scored, preflight = _parity(from_hf(make_hf_model(family, zoo)))
+    sampled, scored, preflight = parity(from_hf(make_hf_model(family, zoo)))
     print(f"full mode {family} f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
@@ -76,7 +43,7 @@ def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
 @pytest.mark.parametrize("family,fmt", [("llama", "int4"), ("qwen3_moe", "int8")])
 def test_sampler_logprobs_equal_learner_mode_b(zoo, family, fmt):
     model = quantized_lora_model(zoo, family, QuantConfig(format=fmt, group_size=8))
-    sampled, scored, _ = _parity(model)
+    sampled, scored, _ = parity(model)
     print(f"LoRA mode {family} {fmt} + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL
 
@@ -100,7 +67,7 @@ def test_sampler_logprobs_equal_learner_on_gguf_blocks(zoo, qtype):
     model.embed = _gguf_blocks(np.asarray(model.embed[...]), qtype, kernel=False)
     apply_lora(model, LoraConfig(rank=3, alpha=5.0), nnx.Rngs(0))
     randomize_lora_b(model)
-    sampled, scored, _ = _parity(model)
+    sampled, scored, _ = parity(model)
     print(f"LoRA mode {qtype} blocks + LoRA f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL
 
@@ -112,10 +79,10 @@ def test_a_cache_grown_per_segment_samples_what_the_learner_scores(zoo):
     assert segment_ends(128) == (32, 64, 96, 128) and segment_ends(16) == (16,)
     path = make_hf_model("llama", zoo)
     model = from_hf(path)
-    sampled, scored, _ = _parity(model, SamplingParams(max_new_tokens=100, n=2, seed=4))
+    sampled, scored, _ = parity(model, SamplingParams(max_new_tokens=100, n=2, seed=4))
     print(f"four-segment decode, llama f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL
-    prompts = _prompts((5, 9), seed=2)
+    prompts = sample_prompts((5, 9), seed=2)
     refs = [_hf_greedy(path, list(p.token_ids), 100) for p in prompts]
     greedy = JaxEngine(model).generate(
         prompts, SamplingParams(max_new_tokens=100, temperature=0.0, stop_token_ids=refs[0][1]))
@@ -132,7 +99,7 @@ def test_bf16_logprob_figures(zoo, mode):
         quantize_model(model, QuantConfig(format="int4", group_size=8))
         apply_lora(model, LoraConfig(rank=3, alpha=5.0, param_dtype="bfloat16"), nnx.Rngs(0))
         randomize_lora_b(model)
-    sampled, scored, _ = _parity(model)
+    sampled, scored, _ = parity(model)
     print(f"mode {mode} llama bf16: sampler max |diff| {sampled:.3e}, score {scored:.3e}")
     assert sampled < 0.1 and scored < 0.1
 
@@ -162,11 +129,12 @@ def test_out_in_weights_sample_what_the_learner_layout_samples(zoo, family):
     np.testing.assert_array_equal(held, gate.kernel[...].T)
     assert gate.kernel_layout == "in_out"  # the learner's model is left as it was
     sampling = SamplingParams(max_new_tokens=10, n=2, seed=6)
-    rows, cols = (engines[layout].generate(_prompts(), sampling) for layout in ("in_out", "out_in"))
+    rows, cols = (engines[layout].generate(sample_prompts(), sampling)
+                  for layout in ("in_out", "out_in"))
     for a, b in zip(rows, cols):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
-    assert _max_diff(_step_logprobs(model, cols), [r.sampler_logp for r in cols]) <= TOL
+    assert max_diff(step_logprobs(model, cols), [r.sampler_logp for r in cols]) <= TOL
     with pytest.raises(ValueError, match="weight layout 'rows' is not one of"):
         JaxEngine(model, weight_layout="rows")
 
@@ -209,15 +177,15 @@ def test_shared_variables_are_the_callers_arrays(zoo, fmt):
         assert held[path][...].unsafe_buffer_pointer() != var[...].unsafe_buffer_pointer()
         np.testing.assert_array_equal(held[path][...], var[...])
     sampling = SamplingParams(max_new_tokens=8, n=2, seed=4)
-    rollouts = engine.generate(_prompts(), sampling)
-    assert _max_diff(_step_logprobs(model, rollouts), [r.sampler_logp for r in rollouts]) <= TOL
+    rollouts = engine.generate(sample_prompts(), sampling)
+    assert max_diff(step_logprobs(model, rollouts), [r.sampler_logp for r in rollouts]) <= TOL
     randomize_lora_b(model, seed=7)
     engine.update_weights(nnx.state(model, nnx.LoRAParam), version=1)
     after = dict(nnx.to_flat_state(engine._state))
     assert all(after[p][...] is v[...] for p, v in frozen.items())
-    tuned = engine.generate(_prompts(), sampling)
+    tuned = engine.generate(sample_prompts(), sampling)
     assert engine.compilations() == 1
-    assert _max_diff(_step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
+    assert max_diff(step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
 
 
 def test_every_weight_layout_of_the_config_is_an_engine_layout():
@@ -234,7 +202,7 @@ def test_every_weight_layout_of_the_config_is_an_engine_layout():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_greedy_equals_transformers(zoo, family):
     path = make_hf_model(family, zoo)
-    prompts = _prompts((5, 2, 9), seed=1)
+    prompts = sample_prompts((5, 2, 9), seed=1)
     engine = JaxEngine(from_hf(path))
     refs = [_hf_greedy(path, list(p.token_ids), 12) for p in prompts]
     sampling = SamplingParams(max_new_tokens=12, temperature=0.0, stop_token_ids=refs[0][1])
@@ -271,7 +239,7 @@ def test_sampling_matches_model_distribution(zoo, case):
     """First-token samples vs the (tempered, truncated) softmax; support restricted exactly."""
     model = from_hf(make_hf_model("llama", zoo))
     engine = JaxEngine(model, buckets=Buckets(max_rows=2048))
-    prompt = _prompts((4,), seed=5)[0]
+    prompt = sample_prompts((4,), seed=5)[0]
     temperature = 0.7 if case == "t0.7" else 1.0
     top_k = 5 if "top_k" in case else None
     top_p = 0.6 if "top_p" in case else None
@@ -304,7 +272,7 @@ class _DigitTokenizer:
 def test_stop_token_ids_and_stop_strings(zoo):
     model = from_hf(make_hf_model("llama", zoo))
     engine = JaxEngine(model, tokenizer=_DigitTokenizer())
-    prompts = _prompts((4, 7), seed=2)
+    prompts = sample_prompts((4, 7), seed=2)
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
     free = engine.generate(prompts, greedy)
     ids = free[0].completion_ids.tolist()
@@ -328,7 +296,7 @@ def test_stop_token_ids_and_stop_strings(zoo):
 def test_padded_prompts_equal_prompts_alone(zoo):
     """Greedy and seeded sampling: batching/padding (prompt buckets 16 and 32) changes nothing."""
     engine = JaxEngine(from_hf(make_hf_model("qwen2", zoo)))
-    prompts = _prompts((2, 9, 20), seed=3)
+    prompts = sample_prompts((2, 9, 20), seed=3)
     for sampling in (SamplingParams(max_new_tokens=10, temperature=0.0),
                      SamplingParams(max_new_tokens=10, n=2, top_k=20, seed=7)):
         together = engine.generate(prompts, sampling)
@@ -343,25 +311,25 @@ def test_one_compilation_per_bucket_and_weight_updates(zoo):
     model = from_hf(make_hf_model("llama", zoo))
     engine = JaxEngine(model, weight_version=3)
     s = SamplingParams(max_new_tokens=8, n=1, seed=0)
-    engine.generate(_prompts((3, 5, 7)), s)  # rows 4, prompt 16, new 16
-    engine.generate(_prompts((9, 2, 4, 12), seed=1), s)  # same bucket
-    engine.generate(_prompts((5, 6, 7, 8), seed=2), SamplingParams(max_new_tokens=12, seed=1))
+    engine.generate(sample_prompts((3, 5, 7)), s)  # rows 4, prompt 16, new 16
+    engine.generate(sample_prompts((9, 2, 4, 12), seed=1), s)  # same bucket
+    engine.generate(sample_prompts((5, 6, 7, 8), seed=2), SamplingParams(max_new_tokens=12, seed=1))
     assert engine.compilations() == 1
-    engine.generate(_prompts((2,)), SamplingParams(max_new_tokens=12, n=3, seed=1))  # rows 4
+    engine.generate(sample_prompts((2,)), SamplingParams(max_new_tokens=12, n=3, seed=1))  # rows 4
     assert engine.compilations() == 2  # 4 rows from 1 prefilled prompt row: another program
-    engine.generate(_prompts((20, 3)), s)  # rows 2, prompt bucket 32
+    engine.generate(sample_prompts((20, 3)), s)  # rows 2, prompt bucket 32
     assert engine.compilations() == 3
-    before = engine.generate(_prompts((3,)), s)[0]  # rows 1
+    before = engine.generate(sample_prompts((3,)), s)[0]  # rows 1
     assert engine.compilations() == 4
     params = nnx.state(model, nnx.Param)
     new = jax.tree.map(lambda x: x * 1.1, params)  # same shapes and dtypes
     engine.update_weights(new, version=4)
-    after = engine.generate(_prompts((3,)), s)[0]
+    after = engine.generate(sample_prompts((3,)), s)[0]
     assert engine.compilations() == 4  # new weights, same program
     assert after.weight_version == 4 and before.weight_version == 3
     assert np.abs(after.sampler_logp - before.sampler_logp).max() > 1e-3
     nnx.update(model, new)
-    assert _max_diff(_step_logprobs(model, [after]), [after.sampler_logp]) <= TOL
+    assert max_diff(step_logprobs(model, [after]), [after.sampler_logp]) <= TOL
 
 
 def test_mode_b_adapter_update_without_recompilation(zoo):
@@ -369,13 +337,13 @@ def test_mode_b_adapter_update_without_recompilation(zoo):
                                  LoraConfig(rank=3, alpha=5.0), randomize=False)
     engine = JaxEngine(model)
     s = SamplingParams(max_new_tokens=8, temperature=0.0)
-    base = engine.generate(_prompts(), s)
+    base = engine.generate(sample_prompts(), s)
     randomize_lora_b(model, scale=0.5)
     engine.update_weights(nnx.state(model, nnx.LoRAParam), version=1)
-    tuned = engine.generate(_prompts(), s)
+    tuned = engine.generate(sample_prompts(), s)
     assert engine.compilations() == 1
     assert any(a.completion_ids.tolist() != b.completion_ids.tolist() for a, b in zip(base, tuned))
-    assert _max_diff(_step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
+    assert max_diff(step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
 
 
 @pytest.mark.parametrize("family,shape", [
@@ -383,10 +351,10 @@ def test_mode_b_adapter_update_without_recompilation(zoo):
 def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
     path = make_hf_model(family, zoo)
     sampling = SamplingParams(max_new_tokens=10, n=2, top_p=0.9, seed=5)
-    single = JaxEngine(from_hf(path)).generate(_prompts(), sampling)
+    single = JaxEngine(from_hf(path)).generate(sample_prompts(), sampling)
     mesh = make_mesh(shape)
     engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh)
-    sharded = engine.generate(_prompts(), sampling)
+    sharded = engine.generate(sample_prompts(), sampling)
     kernel = engine._state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
     heads = 0 if engine.weight_layout == "out_in" else 1  # the engine's copy: [heads, embed] on CPU
     assert kernel.addressable_shards[0].data.shape[heads] == kernel.shape[heads] // 2  # over tensor
@@ -394,7 +362,7 @@ def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
     seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in sharded]
-    assert _max_diff(engine.score(seqs), [r.sampler_logp for r in sharded]) <= TOL
+    assert max_diff(engine.score(seqs), [r.sampler_logp for r in sharded]) <= TOL
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -404,7 +372,7 @@ def test_samples_of_a_prompt_share_its_prefill(zoo, temperature, monkeypatch):
     from rlx.rollout import batching, jax_engine
 
     model = from_hf(make_hf_model("llama", zoo))
-    prompts = _prompts((3, 9, 5))
+    prompts = sample_prompts((3, 9, 5))
     reqs = [(p, j) for p in prompts for j in range(4)]
     pow2 = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
     distinct, prompt_rows, of_row = batching.shared_prompts(reqs, 16, pow2)
@@ -421,7 +389,7 @@ def test_samples_of_a_prompt_share_its_prefill(zoo, temperature, monkeypatch):
         assert a.sample_index == b.sample_index
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
-    assert _max_diff(_step_logprobs(model, shared), [r.sampler_logp for r in shared]) <= TOL
+    assert max_diff(step_logprobs(model, shared), [r.sampler_logp for r in shared]) <= TOL
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -432,8 +400,8 @@ def test_without_logprobs_the_same_tokens_and_nan_logprobs(zoo, temperature):
     model = from_hf(make_hf_model("llama", zoo))
     engine = JaxEngine(model)
     sampling = SamplingParams(max_new_tokens=10, n=2, seed=7, temperature=temperature)
-    with_lp = engine.generate(_prompts(), sampling)
-    without = engine.generate(_prompts(), dataclasses.replace(sampling, logprobs=False))
+    with_lp = engine.generate(sample_prompts(), sampling)
+    without = engine.generate(sample_prompts(), dataclasses.replace(sampling, logprobs=False))
     for a, b in zip(with_lp, without):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.isfinite(a.sampler_logp).all() and np.isnan(b.sampler_logp).all()
