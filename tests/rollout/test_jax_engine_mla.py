@@ -23,16 +23,15 @@ import torch
 import transformers
 from flax import nnx
 
-from rlx.learner.batching import pad_rollouts, shard_batch
-from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.quant import LoRA, LoraConfig, quantize_array
 from rlx.rollout.jax_engine import JaxEngine
 from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch
 from rlx.rollout.preflight import learner_logprobs
-from rlx.types import Prompt, SamplingParams
+from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import hf_config, make_hf_model
+from tests.helpers.parity import max_diff, sample_prompts, step_logprobs
 
 TOL = 1e-5
 INTERLEAVED_PLAIN_Q = "deepseek_v2_lite_interleaved"  # q_lora_rank=None with interleaved rope
@@ -61,26 +60,6 @@ def _model_path(zoo: str, family: str) -> str:
                     p.add_(0.3 * torch.randn_like(p))
         model.save_pretrained(path)
     return path
-
-
-def _prompts(lengths=(3, 11, 6), seed=0, vocab=97):
-    rs = np.random.RandomState(seed)
-    return [Prompt(f"p{i}", tuple(int(t) for t in rs.randint(0, vocab, n)))
-            for i, n in enumerate(lengths)]
-
-
-def _step_logprobs(model, rollouts) -> list[np.ndarray]:
-    """The learner's compiled log-prob step on the rollouts' sequences (1-device mesh)."""
-    mesh = make_mesh(MeshShape(), devices=jax.devices()[:1])
-    graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
-    step = make_logprob_step(graphdef, params, frozen, mesh, StepConfig(logprob_chunk=64))
-    batch = pad_rollouts(rollouts, np.zeros(len(rollouts)))
-    logp = np.asarray(step(params, frozen, shard_batch(batch, mesh)).logp)  # aligned with ids
-    return [logp[i, len(r.prompt_ids):r.length] for i, r in enumerate(rollouts)]
-
-
-def _max_diff(a, b) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
 def _hf_greedy(path: str, prompts, n: int) -> tuple[list[list[int]], tuple[int, ...]]:
@@ -112,18 +91,18 @@ def test_latent_cache_sampler_matches_learner_and_greedy_matches_transformers(zo
     model = from_hf(path)
     engine = JaxEngine(model)
     sampling = SamplingParams(max_new_tokens=12, n=2, seed=3)
-    rollouts = engine.generate(_prompts(), sampling)
+    rollouts = engine.generate(sample_prompts(), sampling)
     assert all(len(r.completion_ids) == sampling.max_new_tokens for r in rollouts)
-    learner = _step_logprobs(model, rollouts)
+    learner = step_logprobs(model, rollouts)
     seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in rollouts]
-    sampled = _max_diff(learner, [r.sampler_logp for r in rollouts])
-    scored = _max_diff(learner, engine.score(seqs))
-    preflight = _max_diff(learner, learner_logprobs(model, seqs))
+    sampled = max_diff(learner, [r.sampler_logp for r in rollouts])
+    scored = max_diff(learner, engine.score(seqs))
+    preflight = max_diff(learner, learner_logprobs(model, seqs))
     print(f"latent cache {family} f32: sampler {sampled:.2e}, score {scored:.2e}, "
           f"preflight {preflight:.2e}")
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
-    prompts = _prompts((5, 2, 9), seed=1)
+    prompts = sample_prompts((5, 2, 9), seed=1)
     refs, eos = _hf_greedy(path, prompts, 12)
     greedy = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0,
                                                      stop_token_ids=eos))
@@ -163,8 +142,8 @@ def test_the_cache_holds_the_latent_and_the_rope_key_only(zoo):
 def test_without_logprobs_the_same_tokens(zoo):
     engine = JaxEngine(from_hf(make_hf_model("deepseek_v3", zoo)))
     sampling = SamplingParams(max_new_tokens=8, n=2, seed=7)
-    with_lp = engine.generate(_prompts(), sampling)
-    without = engine.generate(_prompts(), dataclasses.replace(sampling, logprobs=False))
+    with_lp = engine.generate(sample_prompts(), sampling)
+    without = engine.generate(sample_prompts(), dataclasses.replace(sampling, logprobs=False))
     for a, b in zip(with_lp, without):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.isfinite(a.sampler_logp).all() and np.isnan(b.sampler_logp).all()
@@ -174,9 +153,9 @@ def test_sharded_mesh_gives_the_same_tokens(zoo):
     """8 devices (data 2, fsdp 2, tensor 2): the latent cache is split over the batch only."""
     path = make_hf_model("deepseek_v3", zoo)
     sampling = SamplingParams(max_new_tokens=8, n=2, top_p=0.9, seed=5)
-    single = JaxEngine(from_hf(path)).generate(_prompts(), sampling)
+    single = JaxEngine(from_hf(path)).generate(sample_prompts(), sampling)
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
-    sharded = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh).generate(_prompts(), sampling)
+    sharded = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh).generate(sample_prompts(), sampling)
     for a, b in zip(single, sharded):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
@@ -194,7 +173,7 @@ def _adapt(lin, seed: int, scale: float = 0.3) -> None:
 
 def _engine_vs_learner(engine: JaxEngine, model, prompts, sampling) -> float:
     rollouts = engine.generate(prompts, sampling)
-    return _max_diff(_step_logprobs(model, rollouts), [r.sampler_logp for r in rollouts])
+    return max_diff(step_logprobs(model, rollouts), [r.sampler_logp for r in rollouts])
 
 
 @pytest.mark.parametrize("act_quant", ["none", "int8_token"])
@@ -219,7 +198,7 @@ def test_adapters_and_quantized_kv_b_match_the_learner(zoo, act_quant):
     assert absorbs == ([True, True] if act_quant == "none" else [False, True])
     engine = JaxEngine(model)
     sampling = SamplingParams(max_new_tokens=10, n=2, seed=11)
-    first = _engine_vs_learner(engine, model, _prompts(), sampling)
+    first = _engine_vs_learner(engine, model, sample_prompts(), sampling)
     compiled = engine.compilations()
     for i, layer in enumerate(model.layers):  # a learner step's worth of change
         for j, lin in enumerate(layer.self_attn.linears()):
@@ -228,7 +207,7 @@ def test_adapters_and_quantized_kv_b_match_the_learner(zoo, act_quant):
                 b.set_value(b[...] + 0.2 * jax.random.normal(jax.random.key(100 + 10 * i + j),
                                                              b.shape, b.dtype))
     engine.update_weights(nnx.state(model, nnx.LoRAParam), 1)
-    second = _engine_vs_learner(engine, model, _prompts(), sampling)
+    second = _engine_vs_learner(engine, model, sample_prompts(), sampling)
     print(f"latent cache, LoRA + int8/int4 kv_b, act_quant {act_quant}: engine vs learner "
           f"{first:.2e}, after an adapter update {second:.2e}")
     assert engine.compilations() == compiled
