@@ -7,14 +7,24 @@ counts and that each tensor's data lies inside the file; only then does the pack
 Every problem raises ``GGUFError`` with the path first. What the file means (architecture,
 tensors, tokenizer) is read by ``rlx.models.gguf`` and ``rlx.models.tokenizer``, which both open
 files through here.
+
+A file is parsed once per process while it is unchanged: ``open_gguf`` keeps the last few readers
+(the package's parse of a real vocabulary, tens of thousands of strings, costs seconds, and a run
+reads the same file for its architecture, weights and tokenizer). A kept reader is used again only
+if the file's size and modification time are the same and its header bytes (everything before the
+tensor data) hash the same, so a file rewritten in place is parsed again; tensor data is a
+read-only map of the file either way.
 """
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import math
 import mmap
 import os
 import struct
+import threading
 from typing import Any
 
 import gguf
@@ -32,9 +42,48 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no GGUF file at {path!r}")
     try:
-        return _open(path)
+        key = os.path.abspath(path)
+        return _READERS.get(key) or _READERS.put(key, _open(path))
     except GGUFError as err:
         raise GGUFError(f"{path}: {err}") from err.__cause__
+
+
+class _Readers:
+    """The last ``size`` readers opened, by path, each with what identifies its file's header."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.lock = size, threading.Lock()
+        self.kept: collections.OrderedDict[str, tuple[tuple, gguf.GGUFReader]] = (
+            collections.OrderedDict())
+
+    def get(self, path: str) -> gguf.GGUFReader | None:
+        with self.lock:
+            kept = self.kept.get(path)
+        if kept is None or _identity(path, kept[1].data_offset) != kept[0]:
+            return None
+        with self.lock:
+            self.kept.move_to_end(path)
+        return kept[1]
+
+    def put(self, path: str, reader: gguf.GGUFReader) -> gguf.GGUFReader:
+        identity = _identity(path, reader.data_offset)
+        with self.lock:
+            self.kept[path] = (identity, reader)
+            self.kept.move_to_end(path)
+            while len(self.kept) > self.size:
+                self.kept.popitem(last=False)
+        return reader
+
+
+def _identity(path: str, header_bytes: int) -> tuple:
+    """Size, modification time and a hash of the first ``header_bytes`` bytes of ``path``."""
+    stat = os.stat(path)
+    with open(path, "rb") as f:
+        digest = hashlib.blake2b(f.read(header_bytes), digest_size=16).digest()
+    return stat.st_size, stat.st_mtime_ns, digest
+
+
+_READERS = _Readers(4)
 
 
 def _open(path: str) -> gguf.GGUFReader:

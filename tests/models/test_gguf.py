@@ -287,3 +287,22 @@ def test_not_a_gguf_file(tmp_path):
         read_gguf(tmp_path / "junk.gguf")
     with pytest.raises(FileNotFoundError):
         read_gguf(tmp_path / "absent.gguf")
+
+
+def test_a_file_rewritten_in_place_is_parsed_again(tmp_path):
+    """``open_gguf`` hands back its kept reader while the file is unchanged, and parses the file
+    again when its header bytes change in place (same path, same size, same modification time)."""
+    from rlx.models.gguf_file import open_gguf
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path)
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first and read_gguf(path).hf_config["num_hidden_layers"] == 2
+    stat, data = os.stat(path), bytearray(path.read_bytes())
+    at = data.index(b"llama.block_count")
+    data[at:at + 5] = b"LLAMA"  # the key no longer names the architecture's block count
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert open_gguf(path) is not first
+    with pytest.raises(GGUFError, match="tiny.gguf"):
+        read_gguf(path)
