@@ -18,18 +18,19 @@ int4 and nf4 are packed two per byte along K (XLA:CPU would spend a byte on an i
 row ``2i`` in the low nibble, row ``2i + 1`` in the high nibble.
 
 The quantize math (calibration, scales, zero points, rounding, NF4 buckets) is qwix's
-(``qwix.quantize``); qwix has no packed storage, no ceil-divided 128x128 tiles and no sharding
+(the three stages of ``qwix.quantize``: calibrate, scale and zero point, values); qwix has no packed storage, no ceil-divided 128x128 tiles and no sharding
 metadata, which is what this module adds. GGUF blocks live in ``rlx.quant.gguf_blocks``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import qwix
+from qwix._src.core import qarray  # qwix's stages: not re-exported
 from flax import nnx
 from jaxtyping import Array
 
@@ -293,58 +294,89 @@ def quantize_array(w: Array, fmt: str, *, group_size: int = 64, symmetric: bool 
         leaves = {k: jnp.stack([p.leaves()[k] for p in parts]) for k in parts[0].leaves()}
         return QTensor(fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
                        parts[0].block, _storage_axes(axes, transposed), transposed)
-    x = jnp.asarray(w, jnp.float32)
-    x = jnp.swapaxes(x, -1, -2) if transposed else x  # [..., K, N]
-    k, n = x.shape[-2:]
-    lead = tuple(range(x.ndim - 2))
-    if fmt == "int8":
-        block, how = (k, 1), dict(qtype=jnp.int8, channelwise_axes=lead + (x.ndim - 1,))
-    elif fmt in ("int4", "nf4"):
+    k = shape[-1] if transposed else shape[-2]
+    block = _block(fmt, shape, k, group_size, fp8_granularity)
+    values, scale, zero = _quantized_leaves(w, fmt, group_size, symmetric, fp8_granularity,
+                                            scale_dtype, transposed)
+    return QTensor(fmt, shape, values, scale, zero, block, _storage_axes(axes, transposed),
+                   transposed)
+
+
+def _block(fmt: str, shape: tuple, k: int, group_size: int, fp8_granularity: str) -> tuple:
+    """The (input, output) extent one scale covers; refuses what ``fmt`` cannot quantize."""
+    if fmt in ("int8", "fp8") and not (fmt == "fp8" and fp8_granularity == "block128"):
+        return (k, 1)
+    if fmt == "fp8":
+        return (128, 128)
+    if fmt in ("int4", "nf4"):
         if k % group_size:
             raise QuantConfigError(
                 f"group_size={group_size} does not divide the input dimension {k} of a {shape} "
                 "matrix; pick a group size that divides every layer's input size")
-        qtype = jnp.int4 if fmt == "int4" else "nf4"
-        block = (group_size, 1)
-        how = dict(qtype=qtype, channelwise_axes=lead + (x.ndim - 1,), tiled_axes={x.ndim - 2: group_size})
-        if not symmetric:
-            how["calibration_method"] = "minmax"
-    elif fmt == "fp8":
-        if fp8_granularity == "block128":
-            return _quantize_fp8_blocks(x, shape, scale_dtype, axes, transposed)
-        block, how = (k, 1), dict(qtype=jnp.float8_e4m3fn, channelwise_axes=lead + (x.ndim - 1,))
-    else:
-        raise QuantConfigError(f"cannot quantize to format {fmt!r}")
-    qa = _qwix_quantize(x, how, scale_dtype)
+        return (group_size, 1)
+    raise QuantConfigError(f"cannot quantize to format {fmt!r}")
+
+
+def _quantized_leaves(w: Array, fmt: str, group_size: int, symmetric: bool, fp8_granularity: str,
+                      scale_dtype: str, transposed: bool) -> tuple[Array, Array, Array | None]:
+    """(values, scale, zero point) of ``quantize_array`` by qwix's three stages: the calibration
+    (ranges) and the values each one compiled program per shape and format (qwix run op by op
+    compiles every one of its operations for each new shape); the scales between them op by op,
+    as qwix computes them: a compiled program would multiply by the reciprocal of the constant
+    bound instead of dividing by it and round some scales, then values, differently."""
+    how = _how(fmt, w.ndim, group_size, symmetric, fp8_granularity)
+    calibration = _calibrate(w, how, transposed)
+    scale, zero = qarray.compute_scale_zero_point(calibration, how[0])
+    if scale_dtype != "float32":  # the values are computed with the scale as it is stored
+        scale = scale.astype(_SCALE_DTYPES[scale_dtype]).astype(jnp.float32)
+    values, zero = _values(w, scale, zero, how, fmt, transposed)
+    return values, scale.astype(_SCALE_DTYPES[scale_dtype]), zero
+
+
+def _how(fmt: str, ndim: int, group_size: int, symmetric: bool, fp8_granularity: str) -> tuple:
+    """qwix's ``HowToQuantize`` fields as a hashable tuple: (qtype, channelwise axes, tiled axes,
+    calibration method), for a ``[..., K, N]`` matrix (``fp8`` blocks: zero-padded to 128s)."""
+    lead = tuple(range(ndim - 2))
+    if fmt == "fp8" and fp8_granularity == "block128":
+        return jnp.float8_e4m3fn, lead, ((ndim - 2, 128), (ndim - 1, 128)), "absmax"
+    qtype = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4", "fp8": jnp.float8_e4m3fn}[fmt]
+    tiled = ((ndim - 2, group_size),) if fmt in ("int4", "nf4") else ()
+    method = "minmax" if tiled and not symmetric else "absmax"
+    return qtype, lead + (ndim - 1,), tiled, method
+
+
+def _matrix(w: Array, how: tuple, transposed: bool) -> Array:
+    """``w`` as f32 ``[..., K, N]``, zero-padded to whole 128 x 128 tiles for fp8 blocks
+    (padding never sets a maximum)."""
+    x = jnp.asarray(w, jnp.float32)
+    x = jnp.swapaxes(x, -1, -2) if transposed else x
+    if len(how[2]) == 2:
+        k, n = x.shape[-2:]
+        pad = [(0, 0)] * (x.ndim - 2) + [(0, -k % 128), (0, -n % 128)]
+        x = jnp.pad(x, pad)
+    return x
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _calibrate(w: Array, how: tuple, transposed: bool) -> dict:
+    qtype, channelwise, tiled, method = how
+    return qarray.calibrate(_matrix(w, how, transposed), qarray.HowToQuantize(
+        qtype=qtype, channelwise_axes=channelwise, tiled_axes=dict(tiled),
+        calibration_method=method))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _values(w: Array, scale: Array, zero: Array | None, how: tuple, fmt: str,
+            transposed: bool) -> tuple[Array, Array | None]:
+    """The stored values (int4 and nf4 packed two per byte) and int8 zero points."""
+    x = _matrix(w, how, transposed)
+    qa = qarray.quantize_with_scale_zero_point(x, how[0], scale, zero)
     values = qa.qvalue
     if fmt == "int4":
         values = pack_nibbles(values.astype(jnp.int8) + 8)
     elif fmt == "nf4":
         values = pack_nibbles(values.astype(jnp.uint8))
-    zero = None if qa.zero_point is None else qa.zero_point.astype(jnp.int8)
-    return QTensor(fmt, shape, values, qa.scale.astype(_SCALE_DTYPES[scale_dtype]), zero, block,
-                   _storage_axes(axes, transposed), transposed)
-
-
-def _qwix_quantize(x: Array, how: dict, scale_dtype: str):
-    """qwix quantization whose qvalues are computed with the scale rounded to ``scale_dtype``."""
-    from qwix._src.core import qarray  # the scale-given quantizer is not re-exported by qwix
-
-    qa = qwix.quantize(x, **how)
-    if scale_dtype == "float32":
-        return qa
-    scale = qa.scale.astype(_SCALE_DTYPES[scale_dtype]).astype(jnp.float32)
-    return qarray.quantize_with_scale_zero_point(x, how["qtype"], scale, qa.zero_point)
-
-
-def _quantize_fp8_blocks(x: Array, shape, scale_dtype: str, axes, transposed: bool) -> QTensor:
-    """fp8 e4m3 with one scale per 128x128 tile; edges are zero-padded (padding never sets a max)."""
-    k, n = x.shape[-2:]
-    pk, pn = math.ceil(k / 128) * 128, math.ceil(n / 128) * 128
-    pad = [(0, 0)] * (x.ndim - 2) + [(0, pk - k), (0, pn - n)]
-    lead = tuple(range(x.ndim - 2))
-    qa = _qwix_quantize(jnp.pad(x, pad), dict(qtype=jnp.float8_e4m3fn, channelwise_axes=lead,
-                                              tiled_axes={x.ndim - 2: 128, x.ndim - 1: 128}), scale_dtype)
-    values = qa.qvalue[..., :k, :n]
-    return QTensor("fp8", shape, values, qa.scale.astype(_SCALE_DTYPES[scale_dtype]), None, (128, 128),
-                   _storage_axes(axes, transposed), transposed)
+    elif len(how[2]) == 2:  # fp8 blocks: the padding dropped
+        k, n = w.shape[-1:-3:-1] if transposed else w.shape[-2:]
+        values = values[..., :k, :n]
+    return values, None if qa.zero_point is None else qa.zero_point.astype(jnp.int8)
