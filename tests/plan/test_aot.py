@@ -115,12 +115,12 @@ def test_the_tpu_plan_is_within_10_percent_of_each_whole_model_program(topo):
 
 
 # a small MoE whose generate step holds about 1 GB per device: 128 rows of 256 + 1024 slots over 8
-# devices, tokens dispatched dropless to 16 int4 experts split 8 ways (width 2048). Not one of the
+# devices, tokens dispatched dropless to 16 int4 experts split 8 ways (width 2048, one layer). Not one of the
 # programs SAMPLE_TPU_COEFFS was fitted on (SAMPLE_CALIBRATION, SAMPLE_WHOLE_MODEL_POINTS).
 WIDE = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=8192, hidden_size=2048,
-                   intermediate_size=4096, num_layers=2, num_heads=16, num_kv_heads=2,
+                   intermediate_size=4096, num_layers=1, num_heads=16, num_kv_heads=2,
                    head_dim=128, qk_norm=True,
-                   moe=MoEConfig(16, 4, 1024, True, sparse_layers=(0, 1)))
+                   moe=MoEConfig(16, 4, 1024, True, sparse_layers=(0,)))
 SAMPLE_SPEC = PlanSpec(model=WIDE, mode="lora", moe_impl="ragged",
                        quant=QuantConfig("int4", group_size=64), lora=LoraConfig(rank=8),
                        mesh=MeshShape(expert=8), rollout_rows=128, rollout_len=1024)
@@ -130,7 +130,7 @@ def test_the_sample_step_plan_agrees_with_xla_tpu(topo):
     """The TPU plan of the generate step (exact state + ``SAMPLE_TPU_COEFFS`` times
     ``sample_features``, printed as the plan's ``kv_cache + decode_temp``) of a model it was not
     fitted on is within 25% of XLA:TPU's compiled program, temporaries and total (measured:
-    -18.7% and -18.3%; this program's peak is the exchange buffers alone, which the linear
+    -17.0% and -16.7%; this program's peak is the exchange buffers alone, which the linear
     fit, whose points also hold the dequantized experts at their peak, weighs low). The old plan
     (KV cache + one step's logits) was 97% under."""
     xla = compile_sample(SAMPLE_SPEC, topo)
