@@ -3,8 +3,8 @@
 Compiled programs, every one however quick to compile, go to a persistent JAX compilation cache
 shared by the pytest-xdist workers of one run and by the processes the tests launch (the
 environment is inherited): many tests build the same tiny runs, and a resumed or second process
-then loads what the first one compiled. The
-directory is removed when the run ends. Set ``JAX_COMPILATION_CACHE_DIR`` to use another one.
+then loads what the first one compiled. The directory is removed when the run ends. Set
+``JAX_COMPILATION_CACHE_DIR`` to use another one.
 """
 
 import os

@@ -304,10 +304,10 @@ def quantize_array(w: Array, fmt: str, *, group_size: int = 64, symmetric: bool 
 
 def _block(fmt: str, shape: tuple, k: int, group_size: int, fp8_granularity: str) -> tuple:
     """The (input, output) extent one scale covers; refuses what ``fmt`` cannot quantize."""
-    if fmt in ("int8", "fp8") and not (fmt == "fp8" and fp8_granularity == "block128"):
-        return (k, 1)
-    if fmt == "fp8":
+    if fmt == "fp8" and fp8_granularity == "block128":
         return (128, 128)
+    if fmt in ("int8", "fp8"):
+        return (k, 1)
     if fmt in ("int4", "nf4"):
         if k % group_size:
             raise QuantConfigError(

@@ -22,8 +22,9 @@ over the mesh's ``expert`` axis, prefill and decode steps dispatch each token to
 devices, as the learner does (``rlx.models.moe_dispatch``, dropless unless
 ``capacity_factor`` > 0; ``dropped_pairs()`` counts the pairs a capacity drops, which a run logs
 per batch as ``rollout/moe_dropped_pairs``). ``record_routes=True`` (routing replay,
-``config.train.router_replay``) puts on each rollout the experts every MoE layer chose for its prompt and completion tokens
-(``Rollout.routes``, -1 on the completion's last token, which is never fed).
+``config.train.router_replay``) puts on each rollout the experts every MoE layer chose for its
+prompt and completion tokens (``Rollout.routes``, -1 on the completion's last token, which is
+never fed).
 
 Requests are expanded to ``n`` rows per prompt, sorted by prompt length and cut into device batches
 of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, prompt width and

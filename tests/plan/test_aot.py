@@ -115,8 +115,9 @@ def test_the_tpu_plan_is_within_10_percent_of_each_whole_model_program(topo):
 
 
 # a small MoE whose generate step holds about 1 GB per device: 128 rows of 256 + 1024 slots over 8
-# devices, tokens dispatched dropless to 16 int4 experts split 8 ways (width 2048, one layer). Not one of the
-# programs SAMPLE_TPU_COEFFS was fitted on (SAMPLE_CALIBRATION, SAMPLE_WHOLE_MODEL_POINTS).
+# devices, tokens dispatched dropless to 16 int4 experts split 8 ways (width 2048, one layer).
+# Not one of the programs SAMPLE_TPU_COEFFS was fitted on (SAMPLE_CALIBRATION,
+# SAMPLE_WHOLE_MODEL_POINTS).
 WIDE = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=8192, hidden_size=2048,
                    intermediate_size=4096, num_layers=1, num_heads=16, num_kv_heads=2,
                    head_dim=128, qk_norm=True,
