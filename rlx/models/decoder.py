@@ -47,7 +47,7 @@ from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, 
                               mixed_einsum)
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
-from rlx.models.stack import is_stacked, scan
+from rlx.models.stack import is_stacked, layer_counts, scan
 
 
 class Routes(NamedTuple):
@@ -192,7 +192,7 @@ class Transformer(nnx.Module):
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,
             dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
         self.tied_head_out_in = False  # set by the rollout engine (rlx.rollout.decode_layout)
-        self.unroll_decode = False  # stacked layers: decode unrolls the scan (rollout engine, CPU)
+        self.unroll_decode = False  # decode unstacks the layers (rlx.models.stack.decode_model)
 
     def hidden_states(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
@@ -274,10 +274,14 @@ class Transformer(nnx.Module):
                                                         cache, adapter)
             return x, (kv, experts, drops)
 
+        if cache.stacks != layer_counts(self):
+            raise ValueError(f"Transformer.decode: the cache's layers per stack {cache.stacks} "
+                             f"are not the model's {layer_counts(self)}; make the cache with "
+                             "KVCache.zeros(..., rlx.models.stack.layer_counts(model))")
         keys, values, parts, dropped = [], [], [], jnp.zeros((), jnp.int32)
         for (unit, _), k, v in zip(self._units(), cache.keys, cache.values):
             if is_stacked(self):  # a stack: its layers' buffers
-                x, ((k, v), experts, drops) = scan(unit, x, (k, v), call, unroll=self.unroll_decode)
+                x, ((k, v), experts, drops) = scan(unit, x, (k, v), call)
             else:
                 x, ((k, v), experts, drops) = call(unit, x, (k, v))
             keys.append(k)

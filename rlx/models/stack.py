@@ -256,14 +256,13 @@ def unrolled(model: nnx.Module, only=...) -> nnx.Module:
     return unstack_layers(nnx.merge(graphdef, kept, rest))
 
 
-def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = False,
-         unroll: bool = False):
+def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = False):
     """``jax.lax.scan`` of ``fn(block, carry, x) -> (carry, y)`` over the layers of ``stack``:
     ``block`` is one layer (its variables sliced, their logical axes those of an unstacked
     layer), ``x`` that layer's slice of ``xs``; with ``stack.gather`` each layer's weights are
-    gathered inside the loop body (under remat: again in the backward pass). ``remat``: each layer is a ``jax.checkpoint``
-    (with checkpoint ``policy``), as ``rlx.learner.step.remat_forward`` does unrolled.
-    ``unroll``: the scan unrolled (static slices; one layer copy per layer in the program)."""
+    gathered inside the loop body (under remat: again in the backward pass). ``remat``: each
+    layer is a ``jax.checkpoint`` (with checkpoint ``policy``), as
+    ``rlx.learner.step.remat_forward`` does unrolled."""
     graphdef, state = nnx.split(stack.block)
     flat = nnx.to_flat_state(state)
     values = [v[...] for _, v in flat]
@@ -283,7 +282,7 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
 
     if remat:
         body = jax.checkpoint(body, policy=policy)
-    return jax.lax.scan(body, carry, (values, xs), unroll=unroll)
+    return jax.lax.scan(body, carry, (values, xs))
 
 
 def _as_bits(value):
@@ -400,6 +399,19 @@ def layer_counts(model: nnx.Module) -> tuple[int, ...] | None:
     return tuple(s.count for s in model.stacks) if is_stacked(model) else None
 
 
+def decode_model(model: nnx.Module) -> nnx.Module:
+    """The model a decode program runs: ``model``, or with ``unroll_decode`` its stacks as
+    per-layer blocks, sliced inside the program once, ahead of its token loop (in place)."""
+    return unstack_layers(model) if getattr(model, "unroll_decode", False) else model
+
+
+def cache_stacks(model: nnx.Module) -> tuple[int, ...] | None:
+    """The ``stacks`` of the cache that ``decode_model(model)`` decodes with (``KVCache.zeros``):
+    its layers per stack when it scans them, None (one buffer per layer) for an unrolled model
+    or a stacked one whose decode unstacks it (``Transformer.unroll_decode``)."""
+    return None if getattr(model, "unroll_decode", False) else layer_counts(model)
+
+
 def scan_default(num_layers: int) -> bool:
     """Whether ``config.model.scan_layers`` defaults to on for a model of ``num_layers``:
     from ``SCAN_FROM_LAYERS`` layers on, where the unrolled program's size starts to dominate
@@ -409,6 +421,7 @@ def scan_default(num_layers: int) -> bool:
 
 SCAN_FROM_LAYERS = 16
 
-__all__ = ["LAYERS", "LayerGather", "LayerStack", "layer_runs", "is_stacked", "stack_blocks", "unstack_block",
-           "stack_layers", "unstack_layers", "unrolled", "scan", "layer_counts", "LayerSlice", "per_layer_tree",
-           "stacked_tree", "scan_default", "SCAN_FROM_LAYERS"]
+__all__ = ["LAYERS", "LayerGather", "LayerStack", "layer_runs", "is_stacked", "stack_blocks",
+           "unstack_block", "stack_layers", "unstack_layers", "unrolled", "scan", "decode_model",
+           "layer_counts", "cache_stacks", "LayerSlice", "per_layer_tree", "stacked_tree",
+           "scan_default", "SCAN_FROM_LAYERS"]

@@ -68,7 +68,7 @@ from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, 
                       target_platform)
 from rlx.models.hparams import ModelConfig
 from rlx.models.moe import SparseMoE, expert_parallel
-from rlx.models.stack import layer_counts
+from rlx.models.stack import cache_stacks
 from rlx.rollout.batching import Buckets, pack_left, pow2, row_rollout, shared_prompts, uid_hash
 from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
@@ -82,12 +82,12 @@ UNROLL_DECODE_BYTES = 1 << 30  # unroll_decode: the most weight bytes a CPU deco
 
 def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None,
                 rules: LogicalRules = SAMPLE_RULES, capacity_factor: float | None = None
-                ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset]:
+                ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset, tuple | None]:
     """Split a copy of ``model`` in eval mode (LoRA dropout off), its MoE layers dispatching
     tokens to experts split over ``mesh`` (``rlx.models.moe.expert_parallel``), and in the
     engine's weight ``layout`` (``rlx.rollout.decode_layout``; ``shared`` variables keep theirs),
     leaving ``model`` untouched; also the paths of the kernels held transposed and of the
-    ``shared`` variables."""
+    ``shared`` variables, and the copy's cache layout (``rlx.models.stack.cache_stacks``)."""
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
@@ -95,15 +95,17 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
     expert_parallel(copy, mesh, rules, capacity_factor)
     keep = frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(copy, shared)))
     transposed = to_out_in(copy, keep) if layout == "out_in" else frozenset()
-    return (*nnx.split(copy), transposed, keep)
+    return (*nnx.split(copy), transposed, keep, cache_stacks(copy))
 
 
 def unroll_decode(state: nnx.State) -> bool:
-    """Whether decode steps unroll a scanned model's layers: on XLA:CPU, for weights up to
-    ``UNROLL_DECODE_BYTES``. In a decode scan XLA:CPU copies each layer's weights and cache out
-    of the stack at every step, which slows decode down; unrolled, it hoists each layer's
-    float conversions out of the token loop instead, and keeps them all for the whole call: about
-    a float copy of the weights, which a large model cannot afford."""
+    """Whether decode programs unstack a scanned model's layers (``rlx.models.stack.decode_model``:
+    the stacks sliced per layer inside the program, once ahead of its token loop; one cache
+    buffer per layer): on XLA:CPU, for weights up to ``UNROLL_DECODE_BYTES``. Scanning a stack
+    at every token makes XLA:CPU copy each layer's weights and cache out of the stack, and the
+    cache's layers back in; unstacked, the program holds the sliced weights (and each layer's
+    float conversions, hoisted out of the token loop) for the whole call: about a float copy of
+    the weights, which a large model cannot afford."""
     weights = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
     return target_platform() == "cpu" and weights <= UNROLL_DECODE_BYTES
 
@@ -152,10 +154,10 @@ class JaxEngine:
         the prefix cache's rows (the old version's) are dropped."""
         self._prefix.clear()
         if isinstance(weights, nnx.Module):
-            graphdef, state, self._transposed, self._shared = _eval_split(
+            graphdef, state, self._transposed, self._shared, self._stacks = _eval_split(
                 weights, self.weight_layout, self.shared, self.mesh, self.rules,
                 self.capacity_factor)
-            self._config, self._stacks = weights.config, layer_counts(weights)
+            self._config = weights.config
             targets = self._targets(state)
             self._state = self._place(state, targets, fresh=self._transposed)
             if graphdef != self._graphdef:

@@ -40,7 +40,7 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rlx.learner.logprobs import token_logprobs
 from rlx.models.kv_cache import KVCache
-from rlx.models.stack import layer_counts
+from rlx.models.stack import decode_model, layer_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +363,7 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     dropped in the prefill and the decode steps (every row fed, padding rows included: they take
     capacity too).
     """
-    model = nnx.merge(static.graphdef, state)
+    model = decode_model(nnx.merge(static.graphdef, state))
     b = prompt_of_row.shape[0]
     p = prompt_ids.shape[1] + (0 if kept is None else kept.width)  # slots before the completions
     n = static.new_tokens
@@ -440,7 +440,7 @@ def sequence_logprobs(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array,
 
     ``out[:, s]`` is log p(ids[:, s + 1] | ids[:, <= s]) for ``s < t - 1``; the last column is 0.
     """
-    model = nnx.merge(graphdef, state)
+    model = decode_model(nnx.merge(graphdef, state))
     b, t = ids.shape
     cache = KVCache.zeros(model.config, b, t, model.precision.dtype, layer_counts(model))
     positions, segments = left_padded(lens, t)

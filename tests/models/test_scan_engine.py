@@ -1,9 +1,11 @@
-"""The built-in engine over a scanned model (``rlx.models.stack``): its stacked KV cache samples
-what the learner's log-prob step scores on the same stacked model (<= 1e-5 f32, as
-tests/rollout/test_jax_engine.py), in full mode (llama) and in LoRA mode on DeepSeek-V3 (an int8
-base with LoRA on attention, dense MLP and experts; MLA's latent cache; a dense-prefix stack and
-a MoE stack), and on a sharded mesh (data x tensor) the same tokens as on one device; on an
-expert=4 x fsdp=2 mesh tokens are dispatched to the experts' devices from inside the scan.
+"""The built-in engine over a scanned model (``rlx.models.stack``) samples what the learner's
+log-prob step scores on the same stacked model (<= 1e-5 f32, as tests/rollout/test_jax_engine.py),
+whether its decode unstacks the layers inside the program (XLA:CPU, a small model: one cache
+buffer per layer) or scans them over a stacked cache: in full mode (llama) and in LoRA mode on
+DeepSeek-V3 (an int8 base with LoRA on attention, dense MLP and experts; MLA's latent cache; a
+dense-prefix stack and a MoE stack), and on a sharded mesh (data x tensor) the same tokens as on
+one device; on an expert=4 x fsdp=2 mesh tokens are dispatched to the experts' devices by the
+engine and from inside the learner's scan.
 The longer variants are marked ``slow`` (``python -m pytest -m slow``).
 """
 
@@ -18,6 +20,7 @@ from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.models.stack import layer_counts, stack_layers
 from rlx.quant import QuantConfig
+from rlx.rollout import jax_engine
 from rlx.rollout.jax_engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
@@ -54,10 +57,19 @@ def _parity(model) -> float:
     return max(float(np.abs(a - r.sampler_logp).max()) for a, r in zip(learner, rollouts))
 
 
-def test_full_mode_llama(zoo):
+@pytest.mark.parametrize("unstacked", [True, False], ids=["unstacked_decode", "scanned_decode"])
+def test_full_mode_llama(zoo, monkeypatch, unstacked):
+    """On XLA:CPU a small model's decode unstacks its layers inside the program (one cache buffer
+    per layer); a model over ``UNROLL_DECODE_BYTES`` (here: any) scans them over a stacked cache."""
+    if not unstacked:
+        monkeypatch.setattr(jax_engine, "UNROLL_DECODE_BYTES", 0)
     model = stack_layers(from_hf(make_hf_model("llama", zoo)))
     assert layer_counts(model) == (2,)
-    assert _parity(model) <= TOL
+    engine = JaxEngine(model)
+    assert engine._stacks == (None if unstacked else (2,))
+    rollouts = engine.generate(_prompts(), SAMPLING)
+    learner = _learner(model, rollouts)
+    assert max(float(np.abs(a - r.sampler_logp).max()) for a, r in zip(learner, rollouts)) <= TOL
 
 
 @pytest.mark.slow
@@ -81,9 +93,9 @@ def test_sharded_mesh_gives_the_same_tokens(zoo):
 
 @pytest.mark.slow
 def test_expert_dispatch_inside_the_scan(zoo):
-    """qwen3_moe, int4 base with per-expert LoRA, stacked, on expert=4 x fsdp=2: the engine and
-    the learner both dispatch tokens to the experts' devices from inside the layer scan, and the
-    sampler's log-probs equal the learner's."""
+    """qwen3_moe, int4 base with per-expert LoRA, stacked, on expert=4 x fsdp=2: the engine (its
+    layers unstacked in the program) and the learner (inside its layer scan) both dispatch tokens
+    to the experts' devices, and the sampler's log-probs equal the learner's."""
     import optax
 
     from rlx.learner.state import create_train_state

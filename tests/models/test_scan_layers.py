@@ -4,7 +4,8 @@ The same random weights, stacked and unstacked: f32 logits and gradients agree t
 per-layer math; only XLA's fusion across layer boundaries differs) for a dense model (llama,
 qwen3), DeepSeek-V3 (MLA; a dense first layer and MoE after it: two stacks) and mode B (an int8
 base with LoRA adapters, which stack too), with and without per-layer remat; the cached decode
-over a stacked cache equals the unrolled decode; stacking then unstacking gives back every
+over a stacked cache equals the unrolled decode, and so does the rollout engine's CPU decode of
+a stacked model, which unstacks its layers inside the program (one cache buffer per layer); stacking then unstacking gives back every
 variable exactly.
 The longer variants are marked ``slow`` (``python -m pytest -m slow``).
 """
@@ -20,8 +21,8 @@ from flax import nnx
 from rlx.models import Transformer, from_hf_config
 from rlx.models.hparams import SUPPORTED_ARCHITECTURES
 from rlx.models.kv_cache import KVCache
-from rlx.models.stack import (is_stacked, layer_counts, layer_runs, per_layer_tree, stack_layers,
-                              stacked_tree, unrolled, unstack_layers)
+from rlx.models.stack import (cache_stacks, decode_model, is_stacked, layer_counts, layer_runs, per_layer_tree,
+                              stack_layers, stacked_tree, unrolled, unstack_layers)
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from tests.helpers.hf_zoo import hf_config
 from tests.helpers.steps import layer_logits_and_grads
@@ -112,8 +113,14 @@ def _decode(model):
     """Logits of a 5-token prefill then 4 one-token steps of left-padded rows."""
     ids, mask = _batch()
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    step = jax.jit(lambda m, x, p, s, c: (lambda h, c: (m.logits(h), c))(*m.decode(x, p, s, c)))
-    cache = KVCache.zeros(model.config, 2, 9, jnp.float32, layer_counts(model))
+
+    def step(m, x, p, s, c):
+        m = decode_model(m)
+        h, c = m.decode(x, p, s, c)
+        return m.logits(h), c
+
+    step = jax.jit(step)
+    cache = KVCache.zeros(model.config, 2, 9, jnp.float32, cache_stacks(model))
     outs = []
     for a, b in ((0, 5), (5, 6), (6, 7), (7, 8), (8, 9)):
         logits, cache = step(model, ids[:, a:b], positions[:, a:b], mask[:, a:b], cache)
@@ -123,16 +130,27 @@ def _decode(model):
 
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
-def test_decode_over_a_stacked_cache(family):
+@pytest.mark.parametrize("one_by_one", [False, True], ids=["scanned", "layer_by_layer"])
+def test_decode_over_a_stacked_cache(family, one_by_one):
     model = _model(family, layers=3)
     stacked = stack_layers(_copy(model))
+    stacked.unroll_decode = one_by_one  # the engine's CPU decode: the stacks sliced per layer
     ref, ref_cache = _decode(model)
     got, cache = _decode(stacked)
     np.testing.assert_allclose(got, ref, atol=1e-6, rtol=0)
-    unstacked = [k for s in cache.keys for k in s]  # per layer, rows taken on the batch axis
-    assert len(unstacked) == len(ref_cache.keys)
-    for a, b in zip(unstacked, ref_cache.keys):
+    assert cache.stacks == (None if one_by_one else layer_counts(stacked))
+    per_layer = list(cache.keys) if one_by_one else [k for s in cache.keys for k in s]
+    assert len(per_layer) == len(ref_cache.keys)
+    for a, b in zip(per_layer, ref_cache.keys):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+
+
+def test_decode_refuses_a_cache_of_another_layout():
+    stacked = stack_layers(_model("llama", layers=3))
+    ids = jnp.ones((2, 3), jnp.int32)
+    cache = KVCache.zeros(stacked.config, 2, 4, jnp.float32)  # one buffer per layer
+    with pytest.raises(ValueError, match="layer_counts"):
+        stacked.decode(ids, jnp.zeros_like(ids), ids, cache)
 
 
 def test_unstack_gives_back_every_variable():
