@@ -20,7 +20,8 @@ slot ``[B, S]`` (segment 0 = empty or padding, never attended to):
 
 A scanned model (``rlx.models.stack``) keeps one buffer per stack of layers, ``[n, b, ...]`` with
 the stack's layer axis first (``stacks`` records the counts), which its decode scans over with
-the layer's variables.
+the layer's variables; one whose decode unstacks its layers (the engine on XLA:CPU,
+``rlx.models.stack.decode_model``) keeps one buffer per layer, as an unrolled model does.
 
 All rows write at the same slot ``index``; rows differ only in their positions, so left-padded
 prompts of different lengths decode exactly: a row's padding slots carry segment 0 and its tokens
