@@ -58,7 +58,7 @@ def test_engine_head_gives_vocabulary_major_logits(tmp_path, family):
     from rlx.rollout.jax_engine import _eval_split
 
     model = from_hf(make_hf_model(family, str(tmp_path)))
-    graphdef, state, _, _ = _eval_split(model, "out_in", nnx.filterlib.Nothing())  # nothing shared
+    graphdef, state, *_ = _eval_split(model, "out_in", nnx.filterlib.Nothing())  # nothing shared
     engine_model = nnx.merge(graphdef, state)
     h = jnp.asarray(np.random.RandomState(2).randn(6, model.config.hidden_size), jnp.float32)
     logits_t = engine_model.vocab_major_logits(h)
