@@ -51,8 +51,8 @@ def _learner(model, rollouts) -> list[np.ndarray]:
     return [logp[i, len(r.prompt_ids):r.length] for i, r in enumerate(rollouts)]
 
 
-def _parity(model) -> float:
-    rollouts = JaxEngine(model).generate(_prompts(), SAMPLING)
+def _parity(model, engine: JaxEngine | None = None) -> float:
+    rollouts = (engine or JaxEngine(model)).generate(_prompts(), SAMPLING)
     learner = _learner(model, rollouts)
     return max(float(np.abs(a - r.sampler_logp).max()) for a, r in zip(learner, rollouts))
 
@@ -67,9 +67,7 @@ def test_full_mode_llama(zoo, monkeypatch, unstacked):
     assert layer_counts(model) == (2,)
     engine = JaxEngine(model)
     assert engine._stacks == (None if unstacked else (2,))
-    rollouts = engine.generate(_prompts(), SAMPLING)
-    learner = _learner(model, rollouts)
-    assert max(float(np.abs(a - r.sampler_logp).max()) for a, r in zip(learner, rollouts)) <= TOL
+    assert _parity(model, engine) <= TOL
 
 
 @pytest.mark.slow
