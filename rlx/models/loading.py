@@ -15,6 +15,7 @@ from rlx.errors import ConfigError, one_of
 from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import DTYPES, Precision, Transformer
+from rlx.models.hparams import ModelConfig
 from rlx.models.hf import check_float_checkpoint, load_model, read_hf_config
 from rlx.models.hub import parse_hub_id, resolve_hub
 from rlx.models.moe import MOE_IMPLS, CorrectionBias
@@ -58,8 +59,10 @@ class ModelSection:
     moe_impl: str = "ragged"  # "ragged" (sorted grouped matmul) | "dense" (all experts, einsum)
     shrink: ShrinkSection = ShrinkSection()  # random shrunken copy instead of the weights
     # decoder layers stacked and run with lax.scan (rlx.models.stack): one compiled layer body
-    # instead of one per layer. "auto": on for models of SCAN_FROM_LAYERS (16) layers or more;
-    # "on"; "off" (a Python loop over the layers). Files on disk are the same either way
+    # instead of one per layer. "auto": on for models of SCAN_FROM_LAYERS (16) layers or more,
+    # except on CPU from CPU_UNROLL_FROM_PARAMS (50M) parameters without train.remat
+    # (stack.scan_default); "on"; "off" (a Python loop over the layers). Files on disk are the
+    # same either way
     scan_layers: str = "auto"
     # MoE token dispatch over the expert mesh axis (rlx.models.moe_dispatch): 0 dropless; c > 0
     # gives each device room for c times its even share of (token, expert) pairs and drops the
@@ -102,9 +105,12 @@ class ModelSection:
         dropless)."""
         return self.moe_capacity_factor or None
 
-    def scans(self, num_layers: int) -> bool:
-        """Whether a model of ``num_layers`` layers runs them scanned (``scan_layers``)."""
-        return self.scan_layers == "on" or (self.scan_layers == "auto" and scan_default(num_layers))
+    def scans(self, arch: ModelConfig, platform: str, recompute: bool = False) -> bool:
+        """Whether a model of architecture ``arch`` runs its layers scanned on ``platform``, its
+        train step recomputing activations or not (``scan_layers``; "auto":
+        ``rlx.models.stack.scan_default``)."""
+        return self.scan_layers == "on" or (self.scan_layers == "auto" and scan_default(
+            arch.num_layers, arch.num_params(), platform, recompute))
 
     @property
     def resolved_format(self) -> str:

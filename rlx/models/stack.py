@@ -412,16 +412,24 @@ def cache_stacks(model: nnx.Module) -> tuple[int, ...] | None:
     return None if getattr(model, "unroll_decode", False) else layer_counts(model)
 
 
-def scan_default(num_layers: int) -> bool:
-    """Whether ``config.model.scan_layers`` defaults to on for a model of ``num_layers``:
-    from ``SCAN_FROM_LAYERS`` layers on, where the unrolled program's size starts to dominate
-    compile time (``python -m rlx.bench compile``)."""
+def scan_default(num_layers: int, params: int = 0, platform: str = "",
+                 recompute: bool = False) -> bool:
+    """Whether ``config.model.scan_layers="auto"`` scans the layers of a model of ``num_layers``
+    layers and ``params`` parameters trained on ``platform``: from ``SCAN_FROM_LAYERS`` layers
+    on, where the unrolled program's size starts to dominate compile time (``python -m rlx.bench
+    compile``). Except on XLA:CPU, for a model of ``CPU_UNROLL_FROM_PARAMS`` parameters or more
+    whose train step keeps its activations (no ``recompute``, ``train.remat='none'``): there the
+    unrolled step runs faster by more than its longer compile costs once (rlx/bench/README.md,
+    "Train-step compile time")."""
+    if platform == "cpu" and params >= CPU_UNROLL_FROM_PARAMS and not recompute:
+        return False
     return num_layers >= SCAN_FROM_LAYERS
 
 
 SCAN_FROM_LAYERS = 16
+CPU_UNROLL_FROM_PARAMS = 50_000_000
 
 __all__ = ["LAYERS", "LayerGather", "LayerStack", "layer_runs", "is_stacked", "stack_blocks",
            "unstack_block", "stack_layers", "unstack_layers", "unrolled", "scan", "decode_model",
            "layer_counts", "cache_stacks", "LayerSlice", "per_layer_tree", "stacked_tree",
-           "scan_default", "SCAN_FROM_LAYERS"]
+           "scan_default", "SCAN_FROM_LAYERS", "CPU_UNROLL_FROM_PARAMS"]

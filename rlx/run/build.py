@@ -166,7 +166,8 @@ def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | No
         apply_lora(model, cfg.lora, nnx.Rngs(cfg.seed), mesh=mesh)
     if warm:
         load_peft_adapter(model, warm)
-    if cfg.model.scans(model.config.num_layers):  # after quantization and adapters
+    platform, recompute = mesh.devices.flat[0].platform, cfg.train.remat != "none"
+    if cfg.model.scans(model.config, platform, recompute):  # after quantization and adapters
         stack_layers(model, consume=True)  # rlx.models.stack; files on disk stay per layer
     return model, loaded.tokenizer
 

@@ -60,9 +60,9 @@ def test_peft_and_quantized_base_exports_are_the_same(zoo):
 
 @pytest.mark.slow
 def test_smollm2_gguf_base_with_lora_stacked():
-    """SmolLM2-135M's Q4_1 GGUF blocks with LoRA (30 layers: what scan_layers='auto' stacks):
-    the same logits as unrolled (the same products, bit for bit here) and the same GGUF LoRA
-    file tensors."""
+    """SmolLM2-135M's Q4_1 GGUF blocks with LoRA (30 layers: what scan_layers='auto' stacks
+    off CPU): the same logits as unrolled (the same products, bit for bit here) and the same GGUF
+    LoRA file tensors."""
     import os
 
     from rlx.io.gguf_lora import gguf_lora_tensors

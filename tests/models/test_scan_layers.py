@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from rlx.models import Transformer, from_hf_config
-from rlx.models.hparams import SUPPORTED_ARCHITECTURES
+from rlx.models.hparams import SUPPORTED_ARCHITECTURES, ModelConfig
+from rlx.models.loading import ModelSection
 from rlx.models.kv_cache import KVCache
 from rlx.models.stack import (cache_stacks, decode_model, is_stacked, layer_counts, layer_runs, per_layer_tree,
                               stack_layers, stacked_tree, unrolled, unstack_layers)
@@ -187,3 +188,24 @@ def test_checkpoint_trees_hold_the_unrolled_paths():
     assert back.keys() == flat(tree).keys()
     for k, v in flat(tree).items():
         np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+def test_auto_scans_deep_models_but_not_large_ones_on_cpu():
+    """``scan_layers="auto"``: SmolLM2-135M's 30 layers scan on accelerators and run unrolled on
+    XLA:CPU without recomputation (a faster train step there, rlx/bench/README.md); a tiny
+    30-layer model stays scanned on CPU (its compile time would dominate); 8 layers never scan;
+    "on" always does."""
+    smollm2 = ModelConfig("LlamaForCausalLM", vocab_size=49152, hidden_size=576,
+                          intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                          head_dim=64, tie_word_embeddings=True)
+    assert smollm2.num_params() == 134_515_008  # transformers' num_parameters()
+    tiny = dataclasses.replace(smollm2, vocab_size=256, hidden_size=64, intermediate_size=128,
+                               num_heads=4, num_kv_heads=2, head_dim=16)
+    auto = ModelSection(path="m", scan_layers="auto")
+    assert auto.scans(smollm2, "tpu") and auto.scans(smollm2, "gpu")
+    assert not auto.scans(smollm2, "cpu")
+    assert auto.scans(smollm2, "cpu", recompute=True)  # train.remat: measured there as scanned
+    assert auto.scans(tiny, "cpu")
+    assert not auto.scans(dataclasses.replace(smollm2, num_layers=8), "tpu")
+    assert ModelSection(path="m", scan_layers="on").scans(smollm2, "cpu")
+    assert not ModelSection(path="m", scan_layers="off").scans(smollm2, "tpu")
