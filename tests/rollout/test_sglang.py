@@ -28,26 +28,27 @@ pytestmark = [pytest.mark.sglang,
 PROMPTS = [Prompt("p0", (1, 2, 3, 4, 5)), Prompt("p1", (9, 8, 7)), Prompt("p2", (11,))]
 
 
-def _spec(model_path, tmp, name):
+def _spec(model_path, tmp, name, lora_rank=0):
     return ServerSpec(python=SGLANG_PYTHON, model_path=model_path,
-                      extra_args=cpu_server_args() + ("--skip-tokenizer-init",),
+                      extra_args=cpu_server_args(lora_rank) + ("--skip-tokenizer-init",),
                       env=cpu_server_env(os.path.join(tmp, "harness")),
                       log_path=os.path.join(tmp, f"{name}.log"))
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """An rlx model and its rlx export (the folder SGLang serves)."""
+    """An rlx model and its rlx export (the folder SGLang serves, with and without adapters)."""
     tmp = str(tmp_path_factory.mktemp("sglang"))
-    model = from_hf(make_hf_model("llama", os.path.join(tmp, "zoo")))
+    model = from_hf(make_hf_model("llama_wide", os.path.join(tmp, "zoo")))
     to_hf(model, os.path.join(tmp, "v0"))
     return tmp, model
 
 
 @pytest.fixture(scope="module")
 def server(exported):
+    """One server for the module: LoRA enabled, so the same process serves the base and adapters."""
     tmp, _ = exported
-    with SGLangServer(_spec(os.path.join(tmp, "v0"), tmp, "main")) as s:
+    with SGLangServer(_spec(os.path.join(tmp, "v0"), tmp, "main", lora_rank=4)) as s:
         yield s
 
 
@@ -182,32 +183,14 @@ def _with_random_adapter(base_path, seed):
     return nnx.merge(graphdef, lora, rest), lcfg
 
 
-@pytest.fixture(scope="module")
-def lora_base(exported):
-    tmp, _ = exported
-    path = os.path.join(tmp, "lora-base")
-    to_hf(from_hf(make_hf_model("llama_wide", os.path.join(tmp, "zoo"))), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def lora_server(exported, lora_base):
-    tmp, _ = exported
-    spec = _spec(lora_base, tmp, "lora")
-    spec = ServerSpec(**{**spec.__dict__, "extra_args": cpu_server_args(lora_rank=4)
-                         + ("--skip-tokenizer-init",)})
-    with SGLangServer(spec) as s:
-        yield s
-
-
-def test_lora_adapter_exported_hot_loaded_used_and_unloaded(exported, lora_base, lora_server):
+def test_lora_adapter_exported_hot_loaded_used_and_unloaded(exported, server):
     from rlx.io.export import export_peft
 
     tmp, _ = exported
-    base = lora_base
+    base = os.path.join(tmp, "v0")
     policy1, lcfg = _with_random_adapter(base, seed=1)
     policy2, _ = _with_random_adapter(base, seed=2)
-    engine = SGLangEngine([lora_server.url], weight_version=0)
+    engine = SGLangEngine([server.url], weight_version=0)
     engine.load_adapter(export_peft(policy1, lcfg, os.path.join(tmp, "adapter-1"), "1"), version=1)
     rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=7))
     assert {r.weight_version for r in rollouts} == {1}
@@ -227,4 +210,4 @@ def test_lora_adapter_exported_hot_loaded_used_and_unloaded(exported, lora_base,
     run_preflight(policy2, engine.score, probe, engine_name="sglang", base_format="f32+lora",
                   threshold=5e-3)
     # the first adapter was unloaded when the second arrived
-    assert engine.loaded_adapters() == {lora_server.url: {"policy-2"}}
+    assert engine.loaded_adapters() == {server.url: {"policy-2"}}
