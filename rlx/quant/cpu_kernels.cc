@@ -41,7 +41,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kSerialWork = 1 << 19;  // below this many weights one thread does it all
+constexpr int64_t kSerialWork = 1 << 16;  // below this many weights one thread does it all
+constexpr int64_t kPrefetchBytes = 2048;  // one-row GGUF products read this far ahead
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -146,10 +147,6 @@ inline void block_values(const uint8_t* row, int64_t nb, int64_t b, __m256 v[4])
 }
 
 #if defined(__AVX512F__)
-using Acc = __m512;  // one row of x: a block is two 16-lane halves
-inline Acc acc_zero() { return _mm512_setzero_ps(); }
-inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
-
 // Block b's 32 values before its scale (as block_values) in two 16-lane halves.
 template <int Q>
 inline void block_values16(const uint8_t* row, int64_t nb, int64_t b, __m512 v[2]) {
@@ -176,14 +173,6 @@ inline void block_values16(const uint8_t* row, int64_t nb, int64_t b, __m512 v[2
   v[1] = _mm512_cvtepi32_ps(v1);
 }
 
-// Block b of x (xb) dotted with its values, lane-wise: 16 partial sums.
-template <int Q>
-inline Acc block_dot(const uint8_t* row, int64_t nb, int64_t b, const float* xb) {
-  __m512 v[2];
-  block_values16<Q>(row, nb, b, v);
-  return _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v[1], _mm512_mul_ps(_mm512_loadu_ps(xb), v[0]));
-}
-
 // Block b's 32 weights as the dequantization gives them (as decode_block) into w[0..31].
 template <int Q>
 inline void store_block(const uint8_t* row, int64_t nb, int64_t b, float* w) {
@@ -195,7 +184,89 @@ inline void store_block(const uint8_t* row, int64_t nb, int64_t b, float* w) {
     _mm512_storeu_ps(w + 16 * i, Q == kQ4_1 ? _mm512_fmadd_ps(d, v[i], c) : _mm512_mul_ps(d, v[i]));
 }
 
-inline Acc acc_fma(float d, Acc t, Acc acc) { return _mm512_fmadd_ps(_mm512_set1_ps(d), t, acc); }
+// Block b's 32 values before its scale, as block_values16, with the nibbles mapped to floats by a
+// lane permutation of a 16-entry table (one shuffle per 16 values, no integer conversion).
+template <int Q>
+inline void block_values_lut(const uint8_t* q, int64_t b, __m512 table, __m512 v[2]) {
+  if constexpr (Q == kQ8_0) {
+    v[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q + 32 * b))));
+    v[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q + 32 * b + 16))));
+  } else {
+    __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q + 16 * b)));
+    v[0] = _mm512_permutexvar_ps(bytes, table);  // the low nibble: bits 0-3 index the table
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  }
+}
+
+// count (<= 16) f16 values at p -> f32 in out[0..16), zeros past count.
+inline void halves16(const uint8_t* p, int64_t count, float* out) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __mmask16 mask = count == 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+  _mm512_store_ps(out, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p)));
+#else
+  if (count == 16) {
+    _mm512_store_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+    return;
+  }
+  for (int64_t j = 0; j < 16; ++j) out[j] = j < count ? f16(p + 2 * j) : 0.0f;
+#endif
+}
+
+// One row of x by W's rows [n0, n1), AVX-512: the scales of 16 blocks are converted at once and
+// broadcast from memory; Q4_1's m sum(x) terms are summed lane-wise beside the blocks.
+template <int Q>
+void gguf_one_row(const float* x, const float* xsum, int64_t K, const uint8_t* W, int64_t n0,
+                  int64_t n1, float* y) {
+  const int64_t nb = K / 32, row_bytes = nb * block_bytes<Q>();
+  const __m512 table = Q == kQ4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3,
+                                                   4, 5, 6, 7)
+                                  : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                   14, 15);
+  alignas(64) float d[16], m[16];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = W + n * row_bytes;
+    // ask for the rows kPrefetchBytes ahead now: one stream per thread is not enough to keep
+    // the memory busy (a hint only: never faults past the end of W)
+    for (int64_t i = 0; i < row_bytes; i += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchBytes + i), _MM_HINT_T0);
+    const uint8_t* q = row + (Q == kQ4_1 ? 4 : 2) * nb;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), macc = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+      const int64_t count = std::min<int64_t>(16, nb - b0);
+      halves16(row + 2 * b0, count, d);
+      if constexpr (Q == kQ4_1) {  // xsum is zero past its nb blocks
+        halves16(row + 2 * nb + 2 * b0, count, m);
+        macc = _mm512_fmadd_ps(_mm512_load_ps(m), _mm512_loadu_ps(xsum + b0), macc);
+      }
+      int64_t j = 0;
+      for (; j + 2 <= count; j += 2) {
+        const int64_t b = b0 + j;
+        __m512 v[2], u[2];
+        block_values_lut<Q>(q, b, table, v);
+        block_values_lut<Q>(q, b + 1, table, u);
+        const float* xb = x + 32 * b;
+        __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v[1],
+                                   _mm512_mul_ps(_mm512_loadu_ps(xb), v[0]));
+        __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 48), u[1],
+                                   _mm512_mul_ps(_mm512_loadu_ps(xb + 32), u[0]));
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[j]), t, acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[j + 1]), s, acc1);
+      }
+      if (j < count) {
+        __m512 v[2];
+        block_values_lut<Q>(q, b0 + j, table, v);
+        const float* xb = x + 32 * (b0 + j);
+        __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v[1],
+                                   _mm512_mul_ps(_mm512_loadu_ps(xb), v[0]));
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[j]), t, acc0);
+      }
+    }
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), macc));
+  }
+}
 #else
 using Acc = __m256;
 inline Acc acc_zero() { return _mm256_setzero_ps(); }
@@ -220,7 +291,6 @@ inline void store_block(const uint8_t* row, int64_t nb, int64_t b, float* w) {
   decode_block<Q>(row, nb, b, v);
   for (int i = 0; i < 4; ++i) _mm256_storeu_ps(w + 8 * i, v[i]);
 }
-#endif
 
 // One row of x by W's rows [n0, n1): sum_b d_b (v_b . x_b), plus for Q4_1 sum_b m_b xsum_b
 // (xsum_b: the sum of x's block b).
@@ -251,6 +321,7 @@ void gguf_one_row(const float* x, const float* xsum, int64_t K, const uint8_t* W
     y[n] = sum;
   }
 }
+#endif
 
 #if defined(__AVX512F__)
 using Vec = __m512;
@@ -335,7 +406,8 @@ ffi::Error gguf_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const float* xp = x.typed_data();
   const uint8_t* wp = w.typed_data();
   float* yp = y->typed_data();
-  std::unique_ptr<float[]> xsum(new float[K / 32]);  // per block of x's first row (R = 1)
+  // per block of x's first row (R = 1), zeros past the last block for 16-wide reads
+  std::unique_ptr<float[]> xsum(new float[K / 32 + 16]());
   for (int64_t b = 0; b < K / 32; ++b) {
     __m256 s = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) s = _mm256_add_ps(s, _mm256_loadu_ps(xp + 32 * b + 8 * i));
@@ -398,6 +470,9 @@ inline void int8_rows_into(const float* x, const int8_t* V, int64_t N, int64_t k
   __m512 x16[4];
   for (int i = 0; i < S; ++i) x16[i] = _mm512_set1_ps(x[k0 + i]);
   for (; n + 16 <= n8; n += 16) {
+    if (((n - n0) & 63) == 0)  // the next four input rows' line of these columns (a hint)
+      for (int i = 0; i < S; ++i) _mm_prefetch(reinterpret_cast<const char*>(v[i] + 4 * N + n),
+                                               _MM_HINT_T0);
     __m512 a = _mm512_loadu_ps(y + n);
     for (int i = 0; i < S; ++i)
       a = _mm512_fmadd_ps(x16[i], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(

@@ -6,8 +6,9 @@ Bound (as ``test_decode_products``): a dot product of length K summed in f32 in 
 within ``K * 2**-24 * sum_k |x_k w_k|`` of the exact sum; the kernels decode every weight to the
 dequantized f32 value, so only the order of the sums differs. A wrong nibble, header, scale or
 column misses the bound by orders of magnitude. Shapes cover odd N, one and several row groups
-(1, 3, 16 and 32 rows, the kernels handle rows 8 / 4 / 2 / 1 at a time) and a matrix large
-enough to be split over threads (``K * N >= 2**19``).
+(1, 3, 16 and 32 rows, the kernels handle rows 8 / 4 / 2 / 1 at a time), a row of blocks that
+is not a whole number of the 16 blocks whose scales one row of x reads at once (an odd count left
+over), and a matrix large enough to be split over threads (``K * N >= 2**16``).
 """
 
 import gguf
@@ -21,7 +22,7 @@ from rlx.quant.gguf_blocks import PLANAR, GGUFTensor, dequantize_blocks, rows_pr
 from rlx.quant.tensors import quantize_array
 from tests.helpers.quant import check_f32_sum_bound, jitted_product
 
-SHAPES = [(64, 77), (1024, 517)]  # (K, N): K multiples of 32; the second split over threads
+SHAPES = [(64, 77), (608, 45), (1024, 517)]  # (K, N): K multiples of 32; the last split over threads
 # int8, one row of x: input rows split into parts (K not a multiple of the 4 rows taken at once)
 # and, past 4096 columns, column blocks (N not a multiple of 8)
 INT8_SHAPES = SHAPES + [(1030, 517), (130, 4500)]
