@@ -35,7 +35,8 @@ import os
 import sys
 import tempfile
 
-from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
+from rlx.bench.harness import (OMP_DEFAULT_ENV, Side, add_run_args, interleave, markdown_table,
+                               write_json)
 from rlx.bench.peer_envs import TUNIX
 from rlx.bench.rl_models import MODELS, ModelSource, resolve_model, smollm2_gguf, work_dir
 from rlx.learner.heap import release_free_heap
@@ -161,7 +162,7 @@ def build_sides(names, spec: E2ESpec, src: ModelSource, tunix_python: str = "") 
         if name in ("rlx-f32", "rlx-bf16", "rlx-int8", "rlx-gguf"):
             out.append(Side(name, "rlx.bench.e2e:rlx_side", {**kw, "base": name[4:]}))
         elif name == PEER:
-            out.append(Side(name, "rlx.bench.trl_peer:e2e_side", kw, TORCH_ENV))
+            out.append(Side(name, "rlx.bench.trl_peer:e2e_side", kw, OMP_DEFAULT_ENV))
         elif name == "tunix":
             out.append(Side(name, "rlx.bench.tunix_peer:e2e_side",
                             {**kw, "prompts": e2e_prompts(spec, src.path)},

@@ -39,12 +39,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # Every worker's environment. rlx's workers run with OpenMP threads that sleep as soon as they are
-# idle (a library loaded beside jax brings libgomp); PyTorch's workers get OpenMP's default wait
-# policy (``TORCH_ENV``), since its kernels run in OpenMP regions and waking sleeping threads for
-# every small product slows HF ``generate`` down (figures: README.md, "Design measurements").
+# idle (a library loaded beside jax brings libgomp); the peers whose kernels run in OpenMP regions
+# (PyTorch, llama.cpp) get OpenMP's default wait policy (``OMP_DEFAULT_ENV``): waking sleeping
+# threads for every small product slows HF ``generate`` down (figures: README.md, "Design
+# measurements") and llama.cpp's batch-1 decode to a third.
 BASE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false",
             "TF_CPP_MIN_LOG_LEVEL": "2"}
-TORCH_ENV = {"OMP_WAIT_POLICY": None}  # a side's ``env`` value None: the variable is unset
+OMP_DEFAULT_ENV = {"OMP_WAIT_POLICY": None}  # a side's ``env`` value None: the variable is unset
 
 
 class BenchError(RuntimeError):

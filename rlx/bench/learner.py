@@ -40,7 +40,8 @@ import time
 
 import numpy as np
 
-from rlx.bench.harness import TORCH_ENV, Side, add_run_args, interleave, markdown_table, write_json
+from rlx.bench.harness import (OMP_DEFAULT_ENV, Side, add_run_args, interleave, markdown_table,
+                               write_json)
 from rlx.bench.peer_envs import TUNIX
 from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, resolve_model,
                                  work_dir)
@@ -221,7 +222,7 @@ def build_sides(names, spec: LearnerSpec, src: ModelSource, tunix_python: str = 
             out.append(Side(name, "rlx.bench.learner:rlx_side", {**kw, "base": base, "remat": remat}))
         elif name in ("peft", "peft-nogc"):
             out.append(Side(name, "rlx.bench.trl_peer:learner_side",
-                            {**kw, "gradient_checkpointing": name == "peft"}, TORCH_ENV))
+                            {**kw, "gradient_checkpointing": name == "peft"}, OMP_DEFAULT_ENV))
         elif name == "tunix":
             out.append(Side(name, "rlx.bench.tunix_peer:learner_side", kw,
                             python=TUNIX.interpreter(tunix_python)))

@@ -7,7 +7,9 @@ virtual environment of their own, created once and cached by path, as SGLang's i
 (``rlx.bench.harness.Side.python``); the worker there imports rlx from this checkout
 (``PYTHONPATH``), so an environment holds the peer and what the peer's side itself calls:
 
-- ``llama.cpp``: ``llama-cpp-python`` only.
+- ``llama.cpp``: ``llama-cpp-python`` only, compiled without AMX tile instructions (its AMX
+  product crashes on the Q4_1 file on an AMX CPU with llama-cpp-python 0.3.36; its AVX-512 / VNNI
+  products are kept). The build never reuses pip's cached wheel, which may hold other flags.
 - ``tunix``: ``google-tunix`` with the JAX stack pinned to the versions rlx is measured with (one
   XLA for both sides), and ``math-verify``, which grades rlx's math reward inside the Tunix side's
   process as TRL's side calls it.
@@ -36,6 +38,7 @@ class PeerEnv:
     folder: str  # under ~/.cache/rlx
     requirements: tuple[str, ...]
     check: str  # modules (``import`` syntax) that import only when the environment works
+    build_env: tuple[tuple[str, str], ...] = ()  # variables for building its source distributions
 
     @property
     def variable(self) -> str:
@@ -58,7 +61,10 @@ class PeerEnv:
                 f"`python -m rlx.bench.peer_envs {self.name}` or set ${self.variable}")
 
 
-LLAMA_CPP = PeerEnv("llama.cpp", "llama-cpp-0.3.36", ("llama-cpp-python==0.3.36",), "llama_cpp")
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CPP = PeerEnv("llama.cpp", "llama-cpp-0.3.36-noamx", ("llama-cpp-python==0.3.36",),
+                    "llama_cpp", build_env=(("CMAKE_ARGS", f"-DCMAKE_C_FLAGS='{_NO_AMX}' "
+                                                            f"-DCMAKE_CXX_FLAGS='{_NO_AMX}'"),))
 TUNIX = PeerEnv("tunix", "tunix-0.1.7",
                 ("google-tunix==0.1.7", "jax[cpu]==0.10.2", "jaxlib==0.10.2", "flax==0.12.8",
                  "qwix==0.1.8", "optax==0.2.8", "math-verify==0.9.0"),
@@ -83,8 +89,9 @@ def create(env: PeerEnv) -> str:
     if not os.path.exists(python):
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", root], check=True)
-    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    *env.requirements], check=True)
+    fresh = ("--no-cache-dir",) if env.build_env else ()
+    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *fresh,
+                    *env.requirements], check=True, env={**os.environ, **dict(env.build_env)})
     if not works(env, python):
         raise RuntimeError(f"{env.name}: `import {env.check}` fails in {root} after installing")
     return python

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from rlx.bench.harness import TORCH_ENV, Side, interleave, markdown_table, write_json
+from rlx.bench.harness import OMP_DEFAULT_ENV, Side, interleave, markdown_table, write_json
 from rlx.bench.workloads import MODELS
 
 SIDES = ("xla", "xla-feature-major", "xla-out-in", "xla-in-out-features", "xla-engine", "xla-fused",
@@ -202,7 +202,7 @@ def build_sides(names, shapes: Shapes, batch: int, steps: int) -> list[Side]:
                "xla-engine": ("rlx.bench.products:xla_side", {"layout": "engine"}),
                "xla-fused": ("rlx.bench.products:xla_side", {"fused": True}),
                "torch": ("rlx.bench.products:torch_side", {})}
-    return [Side(n, targets[n][0], {**kw, **targets[n][1]}, TORCH_ENV if n == "torch" else {})
+    return [Side(n, targets[n][0], {**kw, **targets[n][1]}, OMP_DEFAULT_ENV if n == "torch" else {})
             for n in names]
 
 

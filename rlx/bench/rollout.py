@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from rlx.bench.harness import (TORCH_ENV, BenchError, Results, Side, call_once, interleave,
+from rlx.bench.harness import (OMP_DEFAULT_ENV, BenchError, Results, Side, call_once, interleave,
                                markdown_table, write_json)
 from rlx.bench.peer_envs import LLAMA_CPP
 from rlx.bench.rollout_sides import CASES
@@ -111,7 +111,7 @@ def build_sides(plan: Plan, prompts: list[list[int]], folder: str, url: str | No
         elif name == "hf":
             out.append(Side(HF, "rlx.bench.rollout_sides:hf_rollout",
                             dict(folder=folder, prompts=prompts, new=w.new, threads=plan.torch_threads),
-                            TORCH_ENV))
+                            OMP_DEFAULT_ENV))
         elif name == "sglang" and url:
             out.append(Side(SGLANG, "rlx.bench.rollout_sides:sglang_rollout",
                             dict(url=url, prompts=prompts, new=w.new,
@@ -121,7 +121,7 @@ def build_sides(plan: Plan, prompts: list[list[int]], folder: str, url: str | No
             out.append(Side(LLAMA, "rlx.bench.llama_cpp_peer:llama_cpp_rollout",
                             dict(gguf=gguf_path(), prompts=prompts, new=w.new,
                                  threads=plan.llama.threads),
-                            python=LLAMA_CPP.interpreter(plan.llama.python)))
+                            OMP_DEFAULT_ENV, python=LLAMA_CPP.interpreter(plan.llama.python)))
     return out
 
 

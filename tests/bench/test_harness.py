@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from rlx.bench.harness import TORCH_ENV, Side, Worker, interleave, stolen_cpu_s
+from rlx.bench.harness import OMP_DEFAULT_ENV, Side, Worker, interleave, stolen_cpu_s
 from tests.helpers import ROOT
 
 
@@ -26,7 +26,7 @@ def _env_of(side_env: dict) -> dict:
 def test_torch_sides_get_openmp_defaults_and_rlx_sides_sleeping_threads(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the caller's own setting does not leak in
     assert _env_of({}) == {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"}
-    assert _env_of(TORCH_ENV) == {"OMP_WAIT_POLICY": None, "TOKENIZERS_PARALLELISM": "false"}
+    assert _env_of(OMP_DEFAULT_ENV) == {"OMP_WAIT_POLICY": None, "TOKENIZERS_PARALLELISM": "false"}
 
 
 def test_a_side_of_another_interpreter_imports_rlx_from_this_checkout(tmp_path):
@@ -57,7 +57,7 @@ def test_every_torch_peer_runs_under_the_torch_environment():
              *e2e.build_sides(["rlx-f32", "trl"], e2e.E2ESpec(), src),
              *products.build_sides(["xla", "torch"], products.model_shapes("tiny"), 4, 1),
              *rollout.build_sides(plan, [[1, 2]], "unused", "http://127.0.0.1:1")]
-    torch = {s.label for s in sides if s.env == TORCH_ENV}
+    torch = {s.label for s in sides if s.env == OMP_DEFAULT_ENV}
     assert torch == {"peft", "peft-nogc", "trl", "torch", rollout.HF}
     assert all(s.env == {} for s in sides if s.label not in torch)
     assert all(s.python == "" for s in sides)  # all of them run in rlx's own interpreter
@@ -75,7 +75,8 @@ def test_the_peers_of_other_environments_run_their_interpreters():
     [rlx_side, llama] = rollout.build_sides(plan, [[1, 2]], "unused", None)
     [tunix] = learner.build_sides(["tunix"], learner.LearnerSpec(), ModelSource("tiny", "unused"),
                                   tunix_python="/elsewhere/python")
-    assert rlx_side.python == "" and llama.python == sys.executable and llama.env == {}
+    assert rlx_side.python == "" and llama.python == sys.executable
+    assert rlx_side.env == {} and llama.env == OMP_DEFAULT_ENV  # llama.cpp's OpenMP pool spins
     assert llama.kwargs["gguf"].endswith(".gguf") and tunix.python == "/elsewhere/python"
     assert rollout.LlamaSetup().python == "" and LLAMA_CPP.interpreter() and TUNIX.interpreter()
 

@@ -7,11 +7,14 @@ from rlx.bench.peer_envs import ENVS, LLAMA_CPP, TUNIX, main
 
 
 def test_each_environment_is_cached_by_its_pinned_version():
-    assert LLAMA_CPP.default_python.endswith("/.cache/rlx/llama-cpp-0.3.36/bin/python")
+    assert LLAMA_CPP.default_python.endswith("/.cache/rlx/llama-cpp-0.3.36-noamx/bin/python")
     assert TUNIX.default_python.endswith("/.cache/rlx/tunix-0.1.7/bin/python")
     assert "llama-cpp-python==0.3.36" in LLAMA_CPP.requirements
     assert "google-tunix==0.1.7" in TUNIX.requirements
     assert sorted(ENVS) == ["llama.cpp", "tunix"]
+    # llama.cpp's AMX product crashes on the Q4_1 file: built without it, never from a cached wheel
+    assert dict(LLAMA_CPP.build_env)["CMAKE_ARGS"].count("-mno-amx-tile -mno-amx-int8") == 2
+    assert TUNIX.build_env == ()
 
 
 def test_the_interpreter_comes_from_the_flag_then_the_variable_then_the_cache(monkeypatch):
