@@ -201,6 +201,14 @@ inline void block_values_lut(const uint8_t* q, int64_t b, __m512 table, __m512 v
   }
 }
 
+// Block b's values dotted with x's block xb, lane-wise: 16 partial sums.
+template <int Q>
+inline __m512 block_dot_lut(const uint8_t* q, int64_t b, __m512 table, const float* xb) {
+  __m512 v[2];
+  block_values_lut<Q>(q, b, table, v);
+  return _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v[1], _mm512_mul_ps(_mm512_loadu_ps(xb), v[0]));
+}
+
 // count (<= 16) f16 values at p -> f32 in out[0..16), zeros past count.
 inline void halves16(const uint8_t* p, int64_t count, float* out) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -242,27 +250,16 @@ void gguf_one_row(const float* x, const float* xsum, int64_t K, const uint8_t* W
         macc = _mm512_fmadd_ps(_mm512_load_ps(m), _mm512_loadu_ps(xsum + b0), macc);
       }
       int64_t j = 0;
-      for (; j + 2 <= count; j += 2) {
+      for (; j + 2 <= count; j += 2) {  // two chains of sums, one per accumulator
         const int64_t b = b0 + j;
-        __m512 v[2], u[2];
-        block_values_lut<Q>(q, b, table, v);
-        block_values_lut<Q>(q, b + 1, table, u);
-        const float* xb = x + 32 * b;
-        __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v[1],
-                                   _mm512_mul_ps(_mm512_loadu_ps(xb), v[0]));
-        __m512 s = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 48), u[1],
-                                   _mm512_mul_ps(_mm512_loadu_ps(xb + 32), u[0]));
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[j]), t, acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[j + 1]), s, acc1);
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[j]),
+                               block_dot_lut<Q>(q, b, table, x + 32 * b), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_set1_ps(d[j + 1]),
+                               block_dot_lut<Q>(q, b + 1, table, x + 32 * b + 32), acc1);
       }
-      if (j < count) {
-        __m512 v[2];
-        block_values_lut<Q>(q, b0 + j, table, v);
-        const float* xb = x + 32 * (b0 + j);
-        __m512 t = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), v[1],
-                                   _mm512_mul_ps(_mm512_loadu_ps(xb), v[0]));
-        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[j]), t, acc0);
-      }
+      if (j < count)
+        acc0 = _mm512_fmadd_ps(_mm512_set1_ps(d[j]),
+                               block_dot_lut<Q>(q, b0 + j, table, x + 32 * (b0 + j)), acc0);
     }
     y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), macc));
   }
