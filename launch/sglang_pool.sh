@@ -6,7 +6,7 @@
 # MODE=servers (default): one `python -m sglang.launch_server` per group of TP GPUs (pinned with
 # CUDA_VISIBLE_DEVICES, ports BASE_PORT, BASE_PORT+1, ...), then
 # `python -m sglang_router.launch_router --worker-urls ...` in front of them. rlx's SGLang engine
-# talks to the router URL; weight updates go to every server (see rlx.rollout.sglang_engine).
+# talks to the router URL; weight updates go to every server (see rlx.rollout.sglang.engine).
 # MODE=dp: a single `python -m sglang_router.launch_server --dp-size N --tp-size TP`, which
 # starts N data-parallel replicas and the router in one process.
 # Also usable as an sbatch script (SLURM runs it on the first node of the allocation).

@@ -219,6 +219,13 @@ class RunConfig:
                           "'true', or a checkpoint step number]")
 
     @property
+    def engine_copies_trainables(self) -> bool:
+        """Whether the built-in engine keeps its own copy of the trainable variables: an
+        asynchronous run (``train.max_staleness >= 1``) samples while the learner updates (and
+        donates) them; a synchronous one samples from the learner's arrays after each sync."""
+        return self.train.max_staleness > 0
+
+    @property
     def step_config(self) -> StepConfig:
         """The learner steps' settings of this run (loss, micro-batches, log-prob chunks)."""
         return StepConfig(loss=self.loss, micro_batches=self.train.micro_batches,

@@ -229,3 +229,23 @@ def shard_variables(model: nnx.Module, kind, mesh: Mesh, rules: LogicalRules) ->
         if isinstance(var, kind):
             axes = var.get_metadata().get("logical_axes")
             var.set_value(jax.device_put(var[...], named_sharding(mesh, axes, rules, var.shape)))
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def variable_shardings(tree, mesh: Mesh, rules: LogicalRules = TRAIN_RULES):
+    """A sharding per variable of an nnx State: from its `logical_axes`, else replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(v):
+        if not _is_variable(v):
+            return replicated
+        axes = v.get_metadata().get("logical_axes")
+        shape = jax.tree.leaves(v)[0].shape
+        if axes is None or len(axes) != len(shape):
+            return replicated
+        return named_sharding(mesh, axes, rules, shape)
+
+    return jax.tree.map(one, tree, is_leaf=_is_variable)

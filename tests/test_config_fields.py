@@ -38,13 +38,15 @@ from rlx.config import EnvSection, RunConfig, TrainSection, parse_config
 from rlx.errors import ConfigError
 from rlx.learner.losses import LossConfig, policy_loss
 from rlx.mesh import make_mesh
-from rlx.rollout.config import RolloutSection, SGLangSection
+from rlx.rollout.config import RolloutSection
+from rlx.rollout.sglang.config import SGLangSection
 from rlx.rollout.preflight import PreflightError, learner_logprobs
-from rlx.rollout.sglang_policy import client_options, launch_specs, loads_export
+from rlx.rollout.sglang.policy import client_options, launch_specs, loads_export
 from rlx.run.build import (compile_steps, eval_examples, load_policy, make_env_runner, make_logger,
                            make_reward, prompt_data, prompt_format)
 from rlx.run.checks import read_architecture
-from rlx.run.engines import ENGINE_BUILDERS, make_engine, serving
+from rlx.rollout.registry import BACKENDS
+from rlx.run.engines import make_engine, serving
 from rlx.run.hosts import Hosts
 from rlx.run.lifecycle import open_checkpointer
 from rlx.run.loop import NonFiniteError, Run
@@ -273,7 +275,7 @@ def _loss(cfg: RunConfig) -> tuple:
 
 
 def _engine(cfg: RunConfig) -> tuple:
-    builder = ENGINE_BUILDERS[cfg.rollout.engine]
+    builder = BACKENDS[cfg.rollout.engine]
     if cfg.rollout.engine != "jax":
         return (builder,)
     mesh, model, tokenizer = _policy(_shape_of(cfg))

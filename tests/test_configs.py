@@ -11,7 +11,7 @@ Configs with a ``plan`` section are memory plans for ``python -m rlx.plan`` (no 
 the planner runs on them instead.
 
 Configs with ``rollout.engine = "sglang"`` run twice: with the engine swapped for the built-in one
-(always), and against a real CPU SGLang server launched by ``rlx.rollout.sglang_policy`` (marker
+(always), and against a real CPU SGLang server launched by ``rlx.rollout.sglang.policy`` (marker
 ``sglang``; skipped without the SGLang environment). The CPU server cannot run quantized kernels
 (w8a8_int8 and fp8 need SGLang's GPU kernels), so that copy serves the base dequantized
 (``quant.serving = "hf"``), and the step's sampler/learner mismatch must stay at the

@@ -14,22 +14,26 @@ from tests.helpers import ROOT
 # What each part of rlx may import (besides itself), lowest layer first. The package docstrings
 # say the same in words; this table is what holds them to it.
 FOUNDATION = {"rlx.errors", "rlx.types", "rlx.mesh"}
+# beneath the model code: the platform policy and compile cache, the numerical kernels
+LOW = FOUNDATION | {"rlx.platform", "rlx.kernels"}
 ALLOWED = {
     "rlx.errors": set(),
     "rlx.types": set(),
     "rlx.mesh": {"rlx.errors"},
-    "rlx.models": FOUNDATION,
-    "rlx.quant": FOUNDATION | {"rlx.models"},
-    "rlx.learner": FOUNDATION | {"rlx.models", "rlx.quant"},
+    "rlx.platform": FOUNDATION,
+    "rlx.kernels": FOUNDATION | {"rlx.platform"},
+    "rlx.models": LOW,
+    "rlx.quant": LOW | {"rlx.models"},
+    "rlx.learner": LOW | {"rlx.models", "rlx.quant"},
     "rlx.rewards": FOUNDATION,
     "rlx.data": FOUNDATION | {"rlx.models", "rlx.rewards"},
     "rlx.envs": FOUNDATION | {"rlx.models", "rlx.rewards", "rlx.data"},
-    "rlx.io": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner"},
-    "rlx.rollout": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io"},
-    "rlx.config": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
-    "rlx.run": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
-                             "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
-    "rlx.plan": FOUNDATION | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout"},
+    "rlx.io": LOW | {"rlx.models", "rlx.quant", "rlx.learner"},
+    "rlx.rollout": LOW | {"rlx.models", "rlx.quant", "rlx.io"},
+    "rlx.config": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
+    "rlx.run": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
+                      "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
+    "rlx.plan": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout"},
     "rlx.launch": FOUNDATION | {"rlx.config", "rlx.run", "rlx.io", "rlx.rollout"},
     "rlx.eval": FOUNDATION | {"rlx.config", "rlx.run"},
     "rlx": {"rlx.run"},  # rlx/__init__.py: build

@@ -118,7 +118,7 @@ def test_quickstart_notebook_trains_and_plots(tmp_path):
     assert "held-out greedy accuracy at step 2" in text and "before:" in text
 
 
-@pytest.mark.slow  # CI: the per-format sampler == learner checks are in tests/rollout/test_jax_engine.py
+@pytest.mark.slow  # CI: the per-format sampler == learner checks are in tests/rollout/jax/test_engine.py
 def test_consistency_notebook_compares_every_format(tmp_path):
     out = tmp_path / "run"
     nb = _execute("consistency.ipynb", tmp_path, {**CONSISTENCY_PARAMS, "OUTPUT_DIR": str(out)})

@@ -39,7 +39,7 @@ from rlx.bench.harness import (OMP_DEFAULT_ENV, Side, add_run_args, interleave, 
                                write_json)
 from rlx.bench.peer_envs import TUNIX
 from rlx.bench.rl_models import MODELS, ModelSource, resolve_model, smollm2_gguf, work_dir
-from rlx.learner.heap import release_free_heap
+from rlx.platform.compiled import release_free_heap
 
 SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8", "rlx-gguf", "trl", "tunix")
 PEER = "trl"

@@ -45,7 +45,7 @@ from rlx.bench.harness import (OMP_DEFAULT_ENV, Side, add_run_args, interleave, 
 from rlx.bench.peer_envs import TUNIX
 from rlx.bench.rl_models import (MODELS, ModelSource, llama_linears, lora_a_init, resolve_model,
                                  work_dir)
-from rlx.learner.heap import release_free_heap
+from rlx.platform.compiled import release_free_heap
 
 RLX_SIDES = ("rlx-f32", "rlx-bf16", "rlx-int8")  # each also as "<side>-remat" and "<side>-proj"
 REMAT_SUFFIXES = {"": "none", "remat": "layer", "proj": "projections"}  # suffix -> train.remat

@@ -82,7 +82,7 @@ def decode_side(model: str, label: str, prompts: list[list[int]], new: int,
                 hf_config: dict | None = None):
     """Harness factory: greedy generation of ``new`` tokens per prompt on one base format."""
     from rlx.quant import state_bytes
-    from rlx.rollout.jax_engine import JaxEngine
+    from rlx.rollout.jax.engine import JaxEngine
     from rlx.types import Prompt, SamplingParams
 
     m = _model(model, label, hf_config)

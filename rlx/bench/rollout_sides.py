@@ -66,7 +66,7 @@ def rlx_rollout(model: str, base: str, lora_rank: int, prompts: list[list[int]],
                 hf_config: dict | None = None, logprobs: bool = True):
     """rlx's built-in engine on ``model`` with its base in ``base`` (+ LoRA when ``lora_rank``)."""
     from rlx.bench.workloads import load_model
-    from rlx.rollout.jax_engine import JaxEngine
+    from rlx.rollout.jax.engine import JaxEngine
     from rlx.types import Prompt, SamplingParams
 
     m, tokenizer = load_model(model, base, lora_rank, hf_config=hf_config)

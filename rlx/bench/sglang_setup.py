@@ -68,7 +68,7 @@ def sglang_server(setup: SGLangSetup, model_path: str, root: str,
     if setup.url:
         yield setup.url.rstrip("/"), None
         return
-    from rlx.rollout.sglang_server import SGLangServer, ServerSpec
+    from rlx.rollout.sglang.server import SGLangServer, ServerSpec
 
     env, args = _launch_settings(setup, root, lora_rank)
     spec = ServerSpec(python=setup.interpreter, model_path=model_path, extra_args=args, env=env,

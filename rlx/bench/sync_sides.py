@@ -69,7 +69,7 @@ def rlx_sync(model: str, kind: str, lora_rank: int, probe: list[int], hf_config:
     from flax import nnx
 
     from rlx.bench.workloads import load_model
-    from rlx.rollout.jax_engine import JaxEngine
+    from rlx.rollout.jax.engine import JaxEngine
     from rlx.types import Prompt, SamplingParams
 
     m, tokenizer = load_model(model, "f32", lora_rank if kind == "adapter" else 0, hf_config=hf_config)

@@ -31,7 +31,7 @@ from transformers import TrainerCallback
 
 from rlx.bench.learner import LearnerSpec, make_rollouts
 from rlx.bench.rl_models import ModelSource, llama_linears, lora_a_init
-from rlx.learner.heap import release_free_heap
+from rlx.platform.compiled import release_free_heap
 
 _MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
             "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

@@ -198,7 +198,7 @@ def e2e_side(spec: dict, model: dict, prompts: list[dict]):
     """Worker factory: ``GRPOLearner.train()`` in a thread, released one step per repetition.
     ``prompts``: the run's rendered prompts with their answers, in rlx's order."""
     from rlx.bench.e2e import e2e_spec
-    from rlx.learner.heap import release_free_heap
+    from rlx.platform.compiled import release_free_heap
 
     s = e2e_spec(spec)
     actor, tokenizer, mesh = load_actor(model["path"], s.lora_rank, s.lora_alpha, s.dtype)
@@ -230,7 +230,7 @@ def e2e_side(spec: dict, model: dict, prompts: list[dict]):
 def learner_side(spec: dict, model: dict):
     """Worker factory: one update = ``RLCluster.update_actor`` over the benchmark's micro-batches."""
     from rlx.bench.learner import LearnerSpec, make_rollouts
-    from rlx.learner.heap import release_free_heap
+    from rlx.platform.compiled import release_free_heap
     from tunix.rl.grpo import grpo_learner
 
     s = LearnerSpec(**spec)

@@ -18,7 +18,7 @@ calls are error turns, cut episodes are scored 0 with their reason.
 Each turn is one `engine.generate` request holding the whole sequence so far (prompt, earlier
 turns, tool turns). SGLang's radix cache reuses the prefix it has seen. The built-in engine runs a
 batch's episodes inside its `prefix_cache()` (`rlx.envs.episode.run_episodes`,
-`rlx.rollout.prefix_cache`): a turn continues from the KV-cache row of the episode's previous turn
+`rlx.rollout.jax.prefix_cache`): a turn continues from the KV-cache row of the episode's previous turn
 and prefills only the tokens after it (the last sampled token and the tool turn's), with the same
 tokens and log-probs as a prefill of the whole sequence; the rows are freed as episodes end and
 all of them when the batch is done. An engine

@@ -40,7 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from rlx.errors import ConfigError
-from rlx.learner.heap import CompiledPerShape, UpdatePerShape
+from rlx.learner.compiled import UpdatePerShape
+from rlx.platform.compiled import CompiledPerShape
 from rlx.learner.losses import value_loss
 from rlx.learner.state import CriticState, TrainState, state_shardings
 from rlx.learner.step import ApplyFn, model_forward, predicted, split_micro

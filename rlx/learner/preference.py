@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
 from rlx.learner.batching import pad_rollouts
-from rlx.learner.heap import UpdatePerShape
+from rlx.learner.compiled import UpdatePerShape
 from rlx.learner.losses import DPOMetrics, dpo_loss
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import (ApplyFn, StepConfig, for_mesh, model_forward, predicted,

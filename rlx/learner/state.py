@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Int, Key
 
 from rlx.errors import one_of
-from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
+from rlx.mesh import TRAIN_RULES, LogicalRules, variable_shardings
 from rlx.models.moe import expert_parallel
 
 SCHEDULES = ("cosine", "constant")
@@ -114,26 +114,6 @@ class TrainState:
     critic: CriticState | None = None  # PPO with a learned critic; None without
 
 
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def variable_shardings(tree, mesh: Mesh, rules: LogicalRules = TRAIN_RULES):
-    """A sharding per variable of an nnx State: from its `logical_axes`, else replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-
-    def one(v):
-        if not _is_variable(v):
-            return replicated
-        axes = v.get_metadata().get("logical_axes")
-        shape = jax.tree.leaves(v)[0].shape
-        if axes is None or len(axes) != len(shape):
-            return replicated
-        return named_sharding(mesh, axes, rules, shape)
-
-    return jax.tree.map(one, tree, is_leaf=_is_variable)
-
-
 def state_shardings(
     state: TrainState, optimizer: optax.GradientTransformation, mesh: Mesh,
     rules: LogicalRules = TRAIN_RULES,
@@ -151,7 +131,7 @@ def _optimizer_shardings(optimizer, opt_state, params, mesh: Mesh):
     """Optimizer moments on their parameter's sharding, everything else replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     return optax.tree_map_params(optimizer, lambda _, s: s, opt_state, params,
-                                 transform_non_params=lambda _: replicated, is_leaf=_is_variable)
+                                 transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _critic_shardings(critic: CriticState | None, mesh: Mesh, rules: LogicalRules):

@@ -34,8 +34,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
-from rlx.learner.heap import CompiledPerShape, UpdatePerShape
-from rlx.learner.logprobs import LMHead, Projection, token_logprobs
+from rlx.learner.compiled import UpdatePerShape
+from rlx.platform.compiled import CompiledPerShape
+from rlx.kernels.logprobs import LMHead, Projection, token_logprobs
 from rlx.learner.losses import LossConfig, LossMetrics, policy_loss, sequence_count
 from rlx.learner.state import (OptimizerConfig, TrainState, make_optimizer, make_schedule,
                                state_shardings, variable_shardings)
@@ -359,7 +360,7 @@ def make_train_step(
     """Compile `(state, batch) -> (state, metrics)`; `state` (concrete or abstract) fixes the
     shardings. The state argument is donated, except its frozen part (``UpdatePerShape``): do not
     reuse it after the call; its frozen arrays live on in the new state. One program per batch
-    shape, compiled ahead of its first run (`rlx.learner.heap.CompiledPerShape`)."""
+    shape, compiled ahead of its first run (`rlx.platform.compiled.CompiledPerShape`)."""
     cfg = for_mesh(cfg, mesh)
     optimizer = make_optimizer(optimizer_cfg)
     shardings = state_shardings(state, optimizer, mesh, rules)

@@ -3,8 +3,8 @@ DeepSeek-V3 with multi-head latent attention, GLM-4.5), its checkpoint I/O (HF s
 GGUF), the tokenizer and chat templates, and the ``config.model`` section
 (``loading.ModelSection``).
 
-May import only the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``); every other
-package builds on this one.
+May import ``rlx.platform``, ``rlx.kernels`` and the foundation (``rlx.types``, ``rlx.errors``,
+``rlx.mesh``); every other package above them builds on this one.
 """
 
 from rlx.models.config import (MLAConfig, ModelConfig, ModelConfigError, MoEConfig, RopeConfig,

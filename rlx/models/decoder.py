@@ -191,7 +191,7 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,
             dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
-        self.tied_head_out_in = False  # set by the rollout engine (rlx.rollout.decode_layout)
+        self.tied_head_out_in = False  # set by the rollout engine (rlx.rollout.jax.decode_layout)
         self.unroll_decode = False  # decode unstacks the layers (rlx.models.stack.decode_model)
 
     def hidden_states(

@@ -77,7 +77,7 @@ class Linear(nnx.Module):
     """``y = x @ kernel (+ bias) (+ lora(x))`` with ``kernel: [in, out]``.
 
     ``kernel_layout="out_in"`` (set only by the built-in rollout engine on its own copy of float
-    weights, ``rlx.rollout.decode_layout``) holds the kernel transposed, ``[out, in]``, and
+    weights, ``rlx.rollout.jax.decode_layout``) holds the kernel transposed, ``[out, in]``, and
     multiplies it as ``(kernel @ x^T)^T`` (``rlx.models.mixed.matmul_out_in``).
     """
 

@@ -3,7 +3,7 @@
 
 Compiles, on any host (libtpu from PyPI, no TPU attached), rlx's real train step
 (``rlx.learner.step.make_train_step``, via ``rlx.plan.memory.compiled_bytes``) and the built-in
-engine's generate step (``rlx.rollout.jax_sampling.generate_batch``: prefill and the decode
+engine's generate step (``rlx.rollout.jax.sampling.generate_batch``: prefill and the decode
 loops over the KV cache, jitted with the engine's sampling shardings) for a TPU topology
 (``jax.experimental.topologies``; e.g. ``tpu7x:2x2x2``), on abstract inputs: the model is built
 with ``nnx.eval_shape`` (quantized base leaves as ``QTensor`` shapes, LoRA adapters, optax

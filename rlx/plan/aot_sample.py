@@ -1,7 +1,7 @@
 """The built-in engine's generate step for XLA:TPU (``python -m rlx.plan --aot``): its lowering on
 abstract arguments, and the TPU plan of its temporaries.
 
-``generate_lowered`` jits ``rlx.rollout.jax_sampling.generate_batch`` as the engine does (its
+``generate_lowered`` jits ``rlx.rollout.jax.sampling.generate_batch`` as the engine does (its
 sampling shardings, every row its own prompt, sampled with log-probs) on ``nnx.eval_shape``
 state. ``sample_temp`` is the TPU plan of that program's temporaries per device: the features of
 ``sample_features`` (bytes of the physical buffers it holds: the KV cache, the prefill's
@@ -24,15 +24,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlx.learner.state import variable_shardings
-from rlx.mesh import SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards
+from rlx.mesh import SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards, variable_shardings
 from rlx.models.moe import expert_parallel
 from rlx.models.moe_dispatch import capacity
 from rlx.plan.memory import kv_cache_per_token
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
 from rlx.quant.tensors import QTensor
-from rlx.rollout.jax_engine import Buckets, cache_sharding
-from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch, segment_ends
+from rlx.rollout.jax.engine import Buckets, cache_sharding
+from rlx.rollout.jax.sampling import GenerateStatic, SamplerSpec, generate_batch, segment_ends
 
 # XLA:TPU's generate-step temporaries per feature of ``sample_features`` (bytes per byte),
 # fitted by ``rlx.plan.aot.calibrate_sample``
@@ -59,7 +58,7 @@ SAMPLE_CALIBRATION: tuple[str, ...] = (
 def generate_shapes(spec: PlanSpec) -> tuple[int, int, int]:
     """(rows, prompt width, new-token buffer) of the engine's bucket for ``spec``'s rollouts:
     ``rollout_len`` split as a quarter prompt, three quarters completion (the 1T recipes: 512 +
-    1536), each rounded up as ``rlx.rollout.jax_engine.Buckets`` rounds them."""
+    1536), each rounded up as ``rlx.rollout.jax.engine.Buckets`` rounds them."""
     b, dp = Buckets(max_rows=spec.rollout_rows), batch_shards(spec.mesh, SAMPLE_RULES)
     prompt = spec.rollout_len // 4
     return b.rows(spec.rollout_rows, dp), b.prompt(prompt), b.new_tokens(spec.rollout_len - prompt)

@@ -3,7 +3,7 @@
 * ``state_bytes``: frozen base, trainable params and AdamW moments per device, from the abstract
   model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size), and
   PPO's critic with its AdamW moments when the spec has one. Also the built-in engine's weights:
-  it samples from the learner's own frozen arrays (``rlx.rollout.jax_engine``, ``shared``), and
+  it samples from the learner's own frozen arrays (``rlx.rollout.jax.engine``, ``shared``), and
   in a synchronous run (``max_staleness`` 0) from its trainable arrays too; an asynchronous run's
   engine copies the trainable variables (LoRA mode the adapters, full mode every parameter),
   under ``SAMPLE_RULES`` (whole along ``fsdp``); and the load transient, the
@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from rlx.learner.logprobs import balanced_chunk
+from rlx.kernels.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import FORWARDS, StepConfig, make_train_step
 from rlx.mesh import (MESH_AXES, SAMPLE_RULES, TRAIN_RULES, LogicalRules, MeshShape,

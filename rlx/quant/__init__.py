@@ -9,7 +9,7 @@
 - ``apply_lora`` attaches ``nnx.LoRAParam`` adapters; ``model(ids, adapter=False)`` is the reference.
 - ``state_bytes`` reports frozen and trainable bytes. Export lives in ``rlx.io.export``.
 
-May import ``rlx.models`` and the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``).
+May import ``rlx.models``, ``rlx.platform``, ``rlx.kernels`` and the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``).
 """
 
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx.learner.logprobs import token_logprobs
+from rlx.kernels.logprobs import token_logprobs
 
 Sequences = Sequence[tuple[Sequence[int], int]]  # (token ids, prompt length)
 

@@ -6,7 +6,7 @@ a multi-host job, ``lifecycle`` checkpoints, resumes and stops on signals, ``che
 cannot work before any weight is read, ``summary`` describes a model for ``--dry_run``.
 
 May import every stage (``rlx.models``, ``rlx.quant``, ``rlx.learner``, ``rlx.rewards``,
-``rlx.data``, ``rlx.envs``, ``rlx.rollout``), ``rlx.io``, ``rlx.config`` and the foundation
+``rlx.data``, ``rlx.envs``, ``rlx.rollout``), ``rlx.io``, ``rlx.config``, ``rlx.platform``, ``rlx.kernels`` and the foundation
 (``rlx.types``, ``rlx.errors``, ``rlx.mesh``); only ``rlx.launch``, the benchmarks and notebooks
 import it.
 """

@@ -16,7 +16,7 @@ what is wrong and the values that would work:
   ``quant.format='shipped'``, whose layout must be one rlx reads (``rlx.quant.shipped``, refused
   naming the method); ``quant.format='gguf'`` needs a GGUF file holding
   Q4_0/Q4_1/Q8_0 linear weights (and real weights, not ``model.shrink``), int4/nf4 group sizes must
-  divide every layer's input size; what SGLang cannot serve (``rlx.rollout.sglang_policy.
+  divide every layer's input size; what SGLang cannot serve (``rlx.rollout.sglang.policy.
   check_servable``: LoRA on MoE experts only over a float or fp8 base, ...).
 """
 
@@ -37,7 +37,7 @@ from rlx.models.loading import resolve_path
 from rlx.quant.config import LORA_TARGETS, MLP_TARGETS
 from rlx.quant.loading import resolve_quant
 from rlx.quant.lora import target_counts
-from rlx.rollout.sglang_policy import check_servable
+from rlx.rollout.sglang.policy import check_servable
 from rlx.run.engines import serving
 
 

@@ -18,7 +18,7 @@ def sglang_url(tmp_path_factory):
     if not sglang_available():
         pytest.skip(f"no SGLang at {SGLANG_PYTHON}")
     from rlx.bench.workloads import export_hf, smollm2_config
-    from rlx.rollout.sglang_server import SGLangServer, ServerSpec
+    from rlx.rollout.sglang.server import SGLangServer, ServerSpec
 
     root = str(tmp_path_factory.mktemp("bench-sglang"))
     folder = os.path.join(root, "tiny-hf")

@@ -42,7 +42,7 @@ from rlx.data.sources import user_example
 from rlx.envs import Calculator, ToolEnv, ToolEnvConfig, run_episodes
 from rlx.models import ModelConfig, Transformer
 from rlx.rewards import get_reward
-from rlx.rollout.jax_engine import Buckets, JaxEngine
+from rlx.rollout.jax.engine import Buckets, JaxEngine
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import SamplingParams
 from tests.helpers.envs import ScriptedEngine, call, solver

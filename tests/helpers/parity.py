@@ -8,7 +8,7 @@ from flax import nnx
 from rlx.learner.batching import pad_rollouts, shard_batch
 from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax.engine import JaxEngine
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import Prompt, SamplingParams
 

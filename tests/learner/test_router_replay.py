@@ -10,7 +10,7 @@ group-limited routers) with an int4 base and random LoRA adapters.
   ``TrainBatch.routes`` the learner uses exactly the recorded experts there (its own choice at
   -1), or any other experts given there.
 * Sampler log-probs vs the learner's compiled log-prob step with replay on: <= 1e-5 (f32), the
-  engine parity bound of ``tests/rollout/test_jax_engine_mla.py``.
+  engine parity bound of ``tests/rollout/jax/test_engine_mla.py``.
 """
 
 
@@ -25,7 +25,7 @@ from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import Transformer
 from rlx.quant import LoraConfig, apply_lora, quantize_model
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.moe import tiny_deepseek
 from tests.helpers.quant import INT4, randomize_lora_b

@@ -31,7 +31,7 @@ from rlx.models.layers import rope_inv_freq
 from rlx.models.loading import ShrinkSection, shrunk
 from rlx.models.moe import CorrectionBias
 from rlx.quant import LoRA, LoraConfig, quantize_array
-from rlx.rollout.decode_layout import to_out_in
+from rlx.rollout.jax.decode_layout import to_out_in
 from tests.helpers.hf_zoo import FAMILIES, hf_config, make_hf_model
 
 ARCHITECTURE = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}  # by model_type

@@ -1,5 +1,5 @@
 """The built-in engine over a scanned model (``rlx.models.stack``) samples what the learner's
-log-prob step scores on the same stacked model (<= 1e-5 f32, as tests/rollout/test_jax_engine.py),
+log-prob step scores on the same stacked model (<= 1e-5 f32, as tests/rollout/jax/test_engine.py),
 whether its decode unstacks the layers inside the program (XLA:CPU, a small model: one cache
 buffer per layer) or scans them over a stacked cache: in full mode (llama) and in LoRA mode on
 DeepSeek-V3 (an int8 base with LoRA on attention, dense MLP and experts; MLA's latent cache; a
@@ -20,8 +20,8 @@ from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.models.stack import layer_counts, stack_layers
 from rlx.quant import QuantConfig
-from rlx.rollout import jax_engine
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax import engine as jax_engine
+from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.quant import quantized_lora_model

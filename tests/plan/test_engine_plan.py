@@ -18,7 +18,7 @@ from rlx.models import from_hf
 from rlx.plan.memory import load_tensor_bytes, state_bytes
 from rlx.plan.spec import PlanSpec
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax.engine import JaxEngine
 from tests.helpers.hf_zoo import make_hf_model
 
 QUANT = QuantConfig(format="int4", group_size=8)

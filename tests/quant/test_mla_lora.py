@@ -34,7 +34,7 @@ from rlx.quant import (LoraConfig, QuantConfig, QuantWeight, apply_lora, load_qu
                        quantize_model)
 from rlx.quant.config import GQA_TARGETS, MLA_TARGETS, TARGET_MODULES
 from rlx.quant.lora import lora_targets, target_counts
-from rlx.rollout.sglang_policy import lora_server_args
+from rlx.rollout.sglang.policy import lora_server_args
 from rlx.run.checks import check_lora_targets, group_inputs
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.quant import ids, quantized_lora_model, token_logprobs

@@ -251,7 +251,7 @@ def test_a_checkpoint_of_2_processes_resumes_on_1(uninterrupted, two_process_che
     # fixed, so the one process reads both shards: the same global batches. The 3 resumed steps
     # sample with weights that differ from the uninterrupted run's in their last bits (another
     # per-device batch sums in another order). The sampler's draw is steady under such changes
-    # (rlx.rollout.jax_sampling.categorical; tests/rollout/test_jax_sampling.py): the same
+    # (rlx.rollout.jax.sampling.categorical; tests/rollout/jax/test_sampling.py): the same
     # tokens are drawn and the run ends within 1e-5.
     tmp, want = uninterrupted
     config, first = two_process_checkpoint

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from rlx.rollout.errors import RolloutError
-from rlx.rollout.sglang_engine import SGLangEngine
+from rlx.rollout.sglang.engine import SGLangEngine
 from rlx.run.rollouts import check_rollouts
 from rlx.types import Prompt, Rollout
 

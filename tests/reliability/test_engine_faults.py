@@ -218,7 +218,7 @@ def _sequences(h: Harness):
 
 def test_foreign_weights_are_detected_and_replaced_before_any_rollout_is_used(harness, tmp_path):
     from rlx.rollout.preflight import PreflightError, run_preflight
-    from rlx.rollout.sglang_engine import SGLangEngine
+    from rlx.rollout.sglang.engine import SGLangEngine
 
     h = harness
     a, _ = h.servers

@@ -182,7 +182,7 @@ def test_ctrl_c_to_the_process_group_checkpoints_and_stops_every_child(tmp_path)
 
 _HOLDER = """
 import sys, time
-from rlx.rollout.sglang_server import SGLangServer, ServerSpec
+from rlx.rollout.sglang.server import SGLangServer, ServerSpec
 spec = ServerSpec(python=sys.executable, model_path=sys.argv[1], log_path=sys.argv[2],
                   env=(("PYTHONPATH", sys.argv[1]),))
 server = SGLangServer(spec)

@@ -3,8 +3,8 @@ built-in engine, in SGLang's request, and from ``config.rollout.ignore_eos`` in 
 
 import pytest
 
-from rlx.rollout.jax_engine import JaxEngine
-from rlx.rollout.sglang_engine import sampling_payload
+from rlx.rollout.jax.engine import JaxEngine
+from rlx.rollout.sglang.engine import sampling_payload
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.steps import tiny_model
 

@@ -5,8 +5,8 @@ import ast
 import inspect
 import os
 
-from rlx.rollout.jax_engine import JaxEngine
-from rlx.rollout.sglang_policy import SGLangPolicy
+from rlx.rollout.jax.engine import JaxEngine
+from rlx.rollout.sglang.policy import SGLangPolicy
 from rlx.types import RolloutEngine
 from tests.helpers import ROOT
 from tests.helpers.steps import tiny_model

@@ -3,7 +3,7 @@ built-in engine) with ``train.router_replay=True`` and a dispatch capacity
 (``model.moe_capacity_factor=0.5``): the engine's rollouts carry their routes, the step's metrics
 are finite, and the capacity drops (token, expert) pairs that ``learner/moe_dropped_pairs`` and
 ``rollout/moe_dropped_pairs`` count (dropless runs report 0: tests/learner/test_router_replay.py
-and the config tests; the engine's count: tests/rollout/test_engine_dropped_pairs.py).
+and the config tests; the engine's count: tests/rollout/jax/test_engine_dropped_pairs.py).
 """
 
 import os

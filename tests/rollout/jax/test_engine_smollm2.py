@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax.engine import JaxEngine
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import Prompt, SamplingParams
 
@@ -23,7 +23,7 @@ N = 32
 
 
 # CI: about a minute (HF generate as the oracle); the engine == learner on tiny models of every
-# family is in tests/rollout/test_jax_engine.py
+# family is in tests/rollout/jax/test_engine.py
 pytestmark = pytest.mark.slow
 
 

@@ -38,7 +38,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rlx.learner.logprobs import token_logprobs
+from rlx.kernels.logprobs import token_logprobs
 from rlx.models.kv_cache import KVCache
 from rlx.models.stack import decode_model, layer_counts
 

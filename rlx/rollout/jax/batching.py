@@ -1,4 +1,4 @@
-"""Host-side batching of the built-in engine's requests (``rlx.rollout.jax_engine``): shape
+"""Host-side batching of the built-in engine's requests (``rlx.rollout.jax.engine``): shape
 buckets, left-padded prompt rows, the prompt rows that samples of one prompt share, seeds from
 prompt uids, stop strings cut on the host, and a device row turned into a ``Rollout``."""
 

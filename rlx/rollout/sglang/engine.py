@@ -1,7 +1,7 @@
 """Rollouts from SGLang servers through the native ``/generate`` API.
 
 Requests go out concurrently (a thread pool; one HTTP request per sample) and are dispatched
-round-robin over the servers in rotation (``rlx.rollout.sglang_dispatch``: a dead, hung or
+round-robin over the servers in rotation (``rlx.rollout.dispatch``: a dead, hung or
 failing server's requests are re-sent to another with exponential backoff, an answer made with
 other weights than rlx's is discarded and that server re-synced, and a ``RolloutError`` naming
 every server and what happened to it is raised when none is left). Results are keyed by
@@ -27,7 +27,7 @@ import numpy as np
 import requests
 
 from rlx.rollout.errors import RolloutError
-from rlx.rollout.sglang_dispatch import Call, ServerSet
+from rlx.rollout.dispatch import Call, ServerSet
 from rlx.types import Prompt, Rollout, SamplingParams
 
 

@@ -20,8 +20,8 @@ from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.quant import GGUFTensor, LoraConfig, QuantConfig, apply_lora, quantize_model
 from rlx.quant.quantize import linears
-from rlx.rollout.jax_engine import Buckets, JaxEngine
-from rlx.rollout.jax_sampling import segment_ends
+from rlx.rollout.jax.engine import Buckets, JaxEngine
+from rlx.rollout.jax.sampling import segment_ends
 from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.parity import TOL, max_diff, parity, sample_prompts, step_logprobs
@@ -142,7 +142,7 @@ def test_out_in_weights_sample_what_the_learner_layout_samples(zoo, family):
 def test_the_engine_copies_each_learner_weight_once(zoo):
     """The engine owns its weights (the learner may donate its buffers), and a kernel it has just
     transposed into a new buffer is not copied a second time."""
-    from rlx.rollout.decode_layout import transpose_update
+    from rlx.rollout.jax.decode_layout import transpose_update
 
     model = from_hf(make_hf_model("llama", zoo))
     engine = JaxEngine(model, weight_layout="out_in")
@@ -191,7 +191,7 @@ def test_shared_variables_are_the_callers_arrays(zoo, fmt):
 def test_every_weight_layout_of_the_config_is_an_engine_layout():
     from rlx.errors import ConfigError
     from rlx.rollout.config import RolloutSection
-    from rlx.rollout.decode_layout import LAYOUTS
+    from rlx.rollout.jax.decode_layout import LAYOUTS
 
     for layout in LAYOUTS:
         RolloutSection(weight_layout=layout).validate()
@@ -369,7 +369,8 @@ def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
 def test_samples_of_a_prompt_share_its_prefill(zoo, temperature, monkeypatch):
     """``n`` samples of each prompt prefill each prompt once (fewer prompt rows than rows) and
     give what one prompt row per request gives: the same tokens, log-probs within 1e-5."""
-    from rlx.rollout import batching, jax_engine
+    from rlx.rollout.jax import batching
+    from rlx.rollout.jax import engine as jax_engine
 
     model = from_hf(make_hf_model("llama", zoo))
     prompts = sample_prompts((3, 9, 5))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.learner.logprobs import LMHead, token_logprobs, token_logprobs_dense
+from rlx.kernels.logprobs import LMHead, token_logprobs, token_logprobs_dense
 
 B, T, D, V = 2, 7, 8, 13  # T * B = 14 tokens, not a multiple of the chunk sizes below
 

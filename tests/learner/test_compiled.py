@@ -1,4 +1,4 @@
-"""rlx.learner.heap: freed heap pages go back to the OS; steps compiled once per argument signature."""
+"""rlx.platform.compiled: freed heap pages go back to the OS; steps compiled once per argument signature."""
 
 import sys
 
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.learner.heap import CompiledPerShape, UpdatePerShape, release_free_heap
+from rlx.learner.compiled import UpdatePerShape
+from rlx.platform.compiled import CompiledPerShape, release_free_heap
 
 
 def _rss_mb() -> float:

@@ -17,7 +17,7 @@ import pytest
 
 from rlx.models import from_hf
 from rlx.models.stack import stack_layers
-from rlx.rollout.jax_engine import Buckets, JaxEngine
+from rlx.rollout.jax.engine import Buckets, JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.moe import tiny_deepseek

@@ -15,7 +15,7 @@ from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models.moe import SparseMoE
 from rlx.quant import LoraConfig
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.quant import quantized_lora_model
 

@@ -17,9 +17,9 @@ After every update (``update_weights(model, version)``) mode "lora" exports the 
 previous one; mode "full" re-exports ``serving/policy`` and reloads it with
 ``/update_weights_from_disk``. ``SGLangEngine`` checks the ``weight_version`` of every response.
 ``close()`` stops the servers this object launched (their whole process groups); launched
-from the main thread they also die with the rlx process if it is killed (``sglang_server``).
+from the main thread they also die with the rlx process if it is killed (``rlx.rollout.sglang.server``).
 A server that dies, hangs or serves other weights mid-run is handled by ``SGLangEngine``
-(``rlx.rollout.sglang_dispatch``): its requests go to the other servers and it is re-synced
+(``rlx.rollout.dispatch``): its requests go to the other servers and it is re-synced
 when it answers again; with none left the run stops with a ``RolloutError``.
 
 Multi-host runs are refused for now: every JAX process would send its own requests; use the
@@ -29,7 +29,6 @@ built-in engine there (``rollout.engine = "jax"``).
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import os
 import shutil
 from collections.abc import Sequence
@@ -40,26 +39,15 @@ import numpy as np
 from rlx.errors import ConfigError
 from rlx.io.export import export_base, export_merged, export_peft
 from rlx.models.config import ModelConfig
-from rlx.models.loading import ModelSection, resolve_path
-from rlx.quant.config import MLP_TARGETS, TARGET_MODULES, LoraConfig, QuantConfig
-from rlx.rollout.config import SGLangSection
-from rlx.rollout.sglang_engine import SGLangEngine
-from rlx.rollout.sglang_server import ServerSpec, SGLangServer
+from rlx.models.loading import resolve_path
+from rlx.quant.config import MLP_TARGETS, TARGET_MODULES, LoraConfig
+from rlx.rollout.serving import Serving
+from rlx.rollout.sglang.engine import SGLangEngine
+from rlx.rollout.sglang.server import ServerSpec, SGLangServer
 from rlx.types import Prompt, Rollout, SamplingParams
 
 # SGLang serves MoE LoRA only on these bases (bf16 weights or fp8).
 _MOE_LORA_SERVING = ("hf", "fp8")
-
-
-@dataclasses.dataclass(frozen=True)
-class Serving:
-    """What a run asks SGLang to serve (``rlx.run.build.serving`` makes it from the run config)."""
-
-    sglang: SGLangSection  # config.rollout.sglang: servers to attach to or launch
-    model: ModelSection  # config.model: the checkpoint (PEFT base name, a GGUF base's file)
-    quant: QuantConfig  # config.quant: the base representation and its serving format
-    lora: LoraConfig | None  # config.lora in train.mode "lora"; None in "full" (whole weights)
-    output_dir: str  # exports go to <output_dir>/serving
 
 
 def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1) -> None:
@@ -179,7 +167,7 @@ class SGLangPolicy:
     def _launch(self, model_path: str, model: ModelConfig) -> list[str]:
         specs = launch_specs(self.serving, model, model_path)
         self.servers = [SGLangServer(spec) for spec in specs]
-        for server in self.servers:  # on this thread: servers die with it (sglang_server)
+        for server in self.servers:  # on this thread: servers die with it (rlx.rollout.sglang.server)
             server.spawn()
         with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
             starts = [pool.submit(server.wait_healthy) for server in self.servers]  # in parallel
@@ -238,5 +226,5 @@ def _bfloat16():
     return ml_dtypes.bfloat16
 
 
-__all__ = ["SGLangPolicy", "Serving", "check_servable", "client_options", "launch_specs", "loads_export",
+__all__ = ["SGLangPolicy", "check_servable", "client_options", "launch_specs", "loads_export",
            "lora_server_args", "server_args"]

@@ -19,7 +19,7 @@ cache or vLLM's automatic prefix caching, restricted to what the engine produced
   and its prefilled ones in two blocks); the gather puts them in position order.
 
 The host side lives here (``PrefixCache``, the slot bookkeeping); the device side is
-``rlx.rollout.jax_sampling.gather_prefix`` and ``KeptPrefix``.
+``rlx.rollout.jax.sampling.gather_prefix`` and ``KeptPrefix``.
 """
 
 from __future__ import annotations

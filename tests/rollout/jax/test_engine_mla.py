@@ -26,8 +26,8 @@ from flax import nnx
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.quant import LoRA, LoraConfig, quantize_array
-from rlx.rollout.jax_engine import JaxEngine
-from rlx.rollout.jax_sampling import GenerateStatic, SamplerSpec, generate_batch
+from rlx.rollout.jax.engine import JaxEngine
+from rlx.rollout.jax.sampling import GenerateStatic, SamplerSpec, generate_batch
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import hf_config, make_hf_model

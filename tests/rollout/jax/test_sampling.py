@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from rlx.models import from_hf
-from rlx.rollout.jax_sampling import (CDF_BLOCK, SamplerSpec, _next_tokens, _pick, categorical,
+from rlx.rollout.jax.sampling import (CDF_BLOCK, SamplerSpec, _next_tokens, _pick, categorical,
                                       first_argmax)
 from tests.helpers.hf_zoo import make_hf_model
 
@@ -55,7 +55,7 @@ def test_vocabulary_major_greedy_pick_equals_the_row_pick():
 def test_engine_head_gives_vocabulary_major_logits(tmp_path, family):
     """The engine's ``out_in`` copy multiplies its head vocabulary-major (few rows, no adapter on
     the head); the learner's layout and many rows fall back to rows. Same tokens, log-probs."""
-    from rlx.rollout.jax_engine import _eval_split
+    from rlx.rollout.jax.engine import _eval_split
 
     model = from_hf(make_hf_model(family, str(tmp_path)))
     graphdef, state, *_ = _eval_split(model, "out_in", nnx.filterlib.Nothing())  # nothing shared

@@ -15,8 +15,8 @@ import pytest
 from rlx.models import from_hf, to_hf
 from rlx.rollout.errors import RolloutError
 from rlx.rollout.preflight import PreflightError, learner_logprobs, run_preflight
-from rlx.rollout.sglang_engine import SGLangEngine
-from rlx.rollout.sglang_server import ServerSpec, SGLangServer
+from rlx.rollout.sglang.engine import SGLangEngine
+from rlx.rollout.sglang.server import ServerSpec, SGLangServer
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.sglang_harness import (SGLANG_PYTHON, cpu_server_args, cpu_server_env,

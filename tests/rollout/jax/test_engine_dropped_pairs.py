@@ -14,7 +14,7 @@ import pytest
 
 from rlx.mesh import MeshShape, make_mesh
 from rlx.quant import LoraConfig
-from rlx.rollout.jax_engine import JaxEngine
+from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.quant import quantized_lora_model
 

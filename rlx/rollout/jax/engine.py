@@ -8,11 +8,11 @@ variables (e.g. only the ``nnx.LoRAParam`` adapters in LoRA mode), in memory; wi
 dtypes nothing is recompiled. Weights are copied by default, so that the learner may donate its
 buffers to its next step while the engine still samples from the previous version. Variables that
 match ``shared`` (an nnx filter; a run passes its frozen part, which no update donates:
-``rlx.learner.heap.UpdatePerShape``) are never copied: the engine samples from the very arrays the
+``rlx.platform.compiled.UpdatePerShape``) are never copied: the engine samples from the very arrays the
 caller holds, on their own shardings, so LoRA mode's frozen base exists once and each update copies
 only the adapters (full mode: every parameter, as each update donates them). On XLA:CPU the
 engine's own copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a
-decode step's products there (``weight_layout``, ``rlx.rollout.decode_layout``); updates in the
+decode step's products there (``weight_layout``, ``rlx.rollout.jax.decode_layout``); updates in the
 learner's layout are transposed on arrival. Shared kernels keep the learner's layout: a transposed
 copy of them would be the second copy of the base that sharing avoids. For multi-head latent
 attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and shared rotary key,
@@ -31,12 +31,12 @@ of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, 
 new-token budget rounded up to powers of two (rows also to a multiple of the data-parallel size), so
 one compilation serves every batch of a bucket; ``compilations()`` counts them. Prompts are left
 padded; each row keeps its own positions, so padding does not change any row's tokens
-(``rlx.rollout.jax_sampling``).
+(``rlx.rollout.jax.sampling``).
 
 Multi-turn requests: inside ``prefix_cache()`` each call keeps the cache rows of the sequences it
 returned, and a request of the next call that extends one of them (an episode's next turn) gets
 that row's keys and values gathered into its batch's cache and prefills only its new tokens
-(``rlx.rollout.prefix_cache``: same tokens and log-probs as a whole prefill; rows are dropped
+(``rlx.rollout.jax.prefix_cache``: same tokens and log-probs as a whole prefill; rows are dropped
 by the next call, a weight update and leaving the context). ``prefilled_tokens()`` counts them.
 
 Stopping: a row ends on any of ``sampling.stop_token_ids`` (kept as its last token; end-of-sequence
@@ -46,7 +46,7 @@ stop string (token granularity: that token is kept whole) and its finish reason 
 Rows with stop strings still run on device until a stop token or the budget.
 
 ``sampler_logp`` is the raw policy's log-prob of each sampled token (temperature 1, no top-k/top-p
-truncation): the quantity the learner recomputes, see ``rlx.rollout.jax_sampling``.
+truncation): the quantity the learner recomputes, see ``rlx.rollout.jax.sampling``.
 ``SamplingParams(logprobs=False)`` skips computing it: NaN throughout, ``has_logprobs`` False.
 """
 
@@ -62,19 +62,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from rlx.learner.heap import CompiledPerShape
-from rlx.learner.state import variable_shardings
+from rlx.platform.compiled import CompiledPerShape
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
-                      target_platform)
+                      target_platform, variable_shardings)
 from rlx.models.hparams import ModelConfig
 from rlx.models.moe import SparseMoE, expert_parallel
 from rlx.models.stack import cache_stacks
-from rlx.rollout.batching import Buckets, pack_left, pow2, row_rollout, shared_prompts, uid_hash
-from rlx.rollout.decode_layout import resolve_layout, to_out_in, transpose_update
+from rlx.rollout.jax.batching import Buckets, pack_left, pow2, row_rollout, shared_prompts, uid_hash
+from rlx.rollout.jax.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
-from rlx.rollout.jax_sampling import (GenerateStatic, KeptPrefix, SamplerSpec, gather_prefix,
+from rlx.rollout.jax.sampling import (GenerateStatic, KeptPrefix, SamplerSpec, gather_prefix,
                                       generate_batch, sequence_logprobs)
-from rlx.rollout.prefix_cache import CachedRow, PrefixCache, gather_plan, prompt_slots
+from rlx.rollout.jax.prefix_cache import CachedRow, PrefixCache, gather_plan, prompt_slots
 from rlx.types import Prompt, Rollout, SamplingParams
 
 UNROLL_DECODE_BYTES = 1 << 30  # unroll_decode: the most weight bytes a CPU decode unrolls
@@ -85,7 +84,7 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
                 ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset, tuple | None]:
     """Split a copy of ``model`` in eval mode (LoRA dropout off), its MoE layers dispatching
     tokens to experts split over ``mesh`` (``rlx.models.moe.expert_parallel``), and in the
-    engine's weight ``layout`` (``rlx.rollout.decode_layout``; ``shared`` variables keep theirs),
+    engine's weight ``layout`` (``rlx.rollout.jax.decode_layout``; ``shared`` variables keep theirs),
     leaving ``model`` untouched; also the paths of the kernels held transposed and of the
     ``shared`` variables, and the copy's cache layout (``rlx.models.stack.cache_stacks``)."""
     graphdef, state = nnx.split(model)
@@ -364,7 +363,7 @@ class JaxEngine:
     def prefix_cache(self):
         """Within it, a request that extends a sequence the previous ``generate`` call produced
         continues from that sequence's KV-cache row and prefills only its new tokens; leaving
-        it frees the kept rows (``rlx.rollout.prefix_cache``; nested, the outermost). Routing
+        it frees the kept rows (``rlx.rollout.jax.prefix_cache``; nested, the outermost). Routing
         replay (``record_routes``) keeps no rows: every request is prefilled whole."""
         self._prefix.depth += 1
         try:

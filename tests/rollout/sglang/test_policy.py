@@ -20,7 +20,7 @@ from rlx.config import parse_config
 from rlx.errors import ConfigError
 from rlx.models import from_hf_config
 from rlx.models.presets import PRESETS
-from rlx.rollout.sglang_policy import check_servable, lora_server_args, server_args
+from rlx.rollout.sglang.policy import check_servable, lora_server_args, server_args
 from rlx.run.engines import serving
 from tests.helpers.runs import config_dict
 from tests.helpers.sglang_harness import (SGLANG_PYTHON, cpu_server_args, cpu_server_env,
@@ -129,7 +129,7 @@ def _process_group_gone(pid: int, timeout_s: float = 60.0) -> bool:
 @pytest.mark.skipif(not sglang_available(), reason=f"no SGLang at {SGLANG_PYTHON}")
 def test_full_weights_launched_synced_attached_and_stopped(tmp_path):
     from rlx.rollout.preflight import PreflightError, run_preflight
-    from rlx.rollout.sglang_policy import SGLangPolicy
+    from rlx.rollout.sglang.policy import SGLangPolicy
     from rlx.run.build import build
 
     env = [f"{k}={v}" for k, v in cpu_server_env(str(tmp_path / "harness"))]
