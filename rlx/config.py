@@ -27,7 +27,6 @@ from rlx.learner.step import FORWARDS, StepConfig
 from rlx.mesh import MeshShape
 from rlx.models.loading import ModelSection, resolve_path
 from rlx.quant.config import LoraConfig, QuantConfig
-from rlx.quant.peft_import import peft_lora_config
 from rlx.rollout.config import RolloutSection
 
 
@@ -197,14 +196,6 @@ class RunConfig:
     output_dir: str = "runs/default"  # tensorboard logs, metrics, checkpoints, exports
     resume: str = ""  # "" fresh | "latest" (or "true") newest complete checkpoint | a step number
 
-    def __post_init__(self):
-        """``lora.init_from``: the adapter's rank, alpha and targets are the PEFT folder's."""
-        if self.lora.init_from:
-            if self.train.mode != "lora":
-                raise ConfigError(f"config.lora.init_from={self.lora.init_from!r} warm-starts a LoRA "
-                                  f"adapter, which needs train.mode='lora' (got {self.train.mode!r})")
-            object.__setattr__(self, "lora", peft_lora_config(self.lora))
-
     @property
     def resume_step(self) -> int | str | None:
         """None (fresh), "latest", or the checkpoint step to resume from."""
@@ -231,7 +222,15 @@ class RunConfig:
         return StepConfig(loss=self.loss, micro_batches=self.train.micro_batches,
                           logprob_chunk=self.train.logprob_chunk, compute_entropy=True)
 
+    def check_warm_start(self) -> None:
+        """``lora.init_from`` warm-starts a LoRA adapter: it needs ``train.mode="lora"``. (The
+        PEFT folder itself is read before the build: ``rlx.run.checks.with_warm_start``.)"""
+        if self.lora.init_from and self.train.mode != "lora":
+            raise ConfigError(f"config.lora.init_from={self.lora.init_from!r} warm-starts a LoRA "
+                              f"adapter, which needs train.mode='lora' (got {self.train.mode!r})")
+
     def validate(self) -> None:
+        self.check_warm_start()
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):

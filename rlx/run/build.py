@@ -43,7 +43,7 @@ from rlx.quant import apply_lora, load_base
 from rlx.quant.peft_import import (abstract_lora_model, check_peft_adapter, load_peft_adapter,
                                    read_peft_adapter)
 from rlx.rewards import RewardFn, get_reward
-from rlx.run.checks import check_before_build, read_architecture
+from rlx.run.checks import check_before_build, read_architecture, with_warm_start
 from rlx.run.engines import make_engine
 from rlx.run.hosts import Hosts
 from rlx.run.learn import needs_old_logprobs
@@ -55,7 +55,7 @@ from rlx.types import RolloutEngine
 
 def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: bool = True) -> Run:
     """Validate ``config`` (if needed) and assemble a ready-to-step ``Run``."""
-    cfg = config if isinstance(config, RunConfig) else parse_config(config)
+    cfg = with_warm_start(config if isinstance(config, RunConfig) else parse_config(config))
     initialize_from(cfg.distributed, checkpoint_dir(cfg))  # its watchdog names the last one
     hosts = Hosts.from_config(cfg)  # which processes sample, which data shards each reads
     check_before_build(cfg, jax.device_count())  # before any weight is read or compiled
@@ -153,7 +153,8 @@ def _logged(output_dir: str) -> list[dict]:
 
 def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | None]:
     """Mode "lora": the base in its serving representation + adapters (``lora.init_from``: those
-    of a PEFT folder, checked against the base's shapes before any weight is read); "full": the
+    of a PEFT folder, its rank, alpha and targets in ``cfg`` (``rlx.run.checks.with_warm_start``),
+    checked against the base's shapes before any weight is read); "full": the
     float model. The base streams in (``rlx.quant.load_base``): a shipped quantized checkpoint as
     stored, a float one quantized tensor by tensor, never whole in float."""
     warm = cfg.lora.init_from if cfg.train.mode == "lora" else ""

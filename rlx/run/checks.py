@@ -1,9 +1,11 @@
 """Checks of a parsed config against the devices and the model's architecture, before any work.
 
-``check_before_build(cfg, n_devices)`` runs in ``rlx.build`` before weights are read, anything is
-compiled or any server is launched. It reads only the model's architecture (``config.json`` or the
-GGUF header, with ``model.shrink`` applied) and raises a one-line ``ConfigError`` naming the field,
-what is wrong and the values that would work:
+``with_warm_start(cfg)`` reads a PEFT folder's rank, alpha and targets (``lora.init_from``) into
+the config the run is built from, refusing a folder rlx's adapters cannot hold (parsing the config
+reads no adapter folder). ``check_before_build(cfg, n_devices)`` runs in ``rlx.build`` after it,
+before weights are read, anything is compiled or any server is launched. It reads only the
+model's architecture (``config.json`` or the GGUF header, with ``model.shrink`` applied) and
+raises a one-line ``ConfigError`` naming the field, what is wrong and the values that would work:
 
 - the mesh against the visible devices, and against the model (tensor parallelism must divide the
   attention heads, expert parallelism the experts);
@@ -37,8 +39,20 @@ from rlx.models.loading import resolve_path
 from rlx.quant.config import LORA_TARGETS, MLP_TARGETS
 from rlx.quant.loading import resolve_quant
 from rlx.quant.lora import target_counts
+from rlx.quant.peft_import import peft_lora_config
 from rlx.rollout.sglang.policy import check_servable
 from rlx.run.engines import serving
+
+
+def with_warm_start(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with the adapter of its PEFT folder ``lora.init_from``: that folder's rank, alpha and
+    targets (``rlx.quant.peft_import.peft_lora_config``; rsLoRA as the equal ``alpha * sqrt(r)``
+    over ``r``), read from ``adapter_config.json`` and the tensor names; ``cfg`` itself without
+    one. The run's build, ``python -m rlx.eval`` and the dry run take the config from here."""
+    if not cfg.lora.init_from:
+        return cfg
+    cfg.check_warm_start()
+    return dataclasses.replace(cfg, lora=peft_lora_config(cfg.lora))
 
 
 def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:

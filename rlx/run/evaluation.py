@@ -26,7 +26,7 @@ from rlx.data.eval import EvalReport, evaluate
 from rlx.errors import ConfigError
 from rlx.mesh import make_mesh
 from rlx.run.build import compile_steps, eval_examples, load_policy, make_reward, prompt_format
-from rlx.run.checks import check_before_build
+from rlx.run.checks import check_before_build, with_warm_start
 from rlx.run.engines import make_engine
 from rlx.run.lifecycle import CHECKPOINT_DIR, open_checkpointer
 from rlx.types import SamplingParams
@@ -71,11 +71,13 @@ class _Policy:
 
 
 def eval_config(cfg: RunConfig, opts: EvalOptions) -> RunConfig:
-    """The config evaluated: ``adapter`` as ``lora.init_from``, ``problems`` as the eval size."""
+    """The config evaluated: ``adapter`` as ``lora.init_from`` (its rank, alpha and targets read
+    from the folder: ``rlx.run.checks.with_warm_start``), ``problems`` as the eval size."""
     if opts.adapter:
         if not os.path.isdir(opts.adapter):
             raise ConfigError(f"--adapter={opts.adapter!r} is not a folder (a PEFT LoRA folder)")
         cfg = dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, init_from=opts.adapter))
+    cfg = with_warm_start(cfg)
     if opts.problems:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_size=opts.problems))
     if not cfg.data.eval_size:

@@ -19,9 +19,10 @@ from rlx.run.multihost import initialize_from
 
 
 def build_and_summarize(cfg: RunConfig) -> str:
-    initialize_from(cfg.distributed)
-    from rlx.run.checks import check_before_build
+    from rlx.run.checks import check_before_build, with_warm_start
 
+    cfg = with_warm_start(cfg)  # a PEFT folder's adapter is checked as the run would take it
+    initialize_from(cfg.distributed)
     check_before_build(cfg, jax.device_count())
     mesh = make_mesh(cfg.mesh)
     start = time.perf_counter()

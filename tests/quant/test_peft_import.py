@@ -3,7 +3,7 @@
 peft writes a randomly initialised LoRA (``init_lora_weights=False``: B is not zero, so a wrong
 layout, scale or target shows) for a tiny random HF model; rlx loads the base with that adapter
 through the run's own path (``rlx.run.build.load_policy``, the config's rank / alpha / targets
-taken from ``adapter_config.json``), and its logits must equal peft's on the same base within
+taken from ``adapter_config.json`` by ``rlx.run.checks.with_warm_start``), and its logits must equal peft's on the same base within
 1e-4, plain LoRA and rsLoRA. An adapter of another base (other widths, more layers), a module rlx
 does not adapt and a DoRA adapter are refused with one line naming them, before any weight is read.
 """
@@ -18,6 +18,7 @@ from rlx.config import parse_config
 from rlx.errors import ConfigError
 from rlx.mesh import make_mesh
 from rlx.run.build import load_policy
+from rlx.run.checks import with_warm_start
 from tests.helpers.hf_zoo import hf_config, make_hf_model
 from tests.helpers.quant import ids
 
@@ -49,8 +50,9 @@ def peft_logits(base: str, adapter: str, tokens: np.ndarray) -> np.ndarray:
 
 
 def run_config(base: str, adapter: str, **lora):
-    return parse_config({"model": {"path": base}, "quant": {"format": "none"},
-                         "mesh": {"data": 8}, "lora": {"init_from": adapter, **lora}})
+    """The run's config as the build takes it: parsed, then the PEFT folder's adapter read."""
+    return with_warm_start(parse_config({"model": {"path": base}, "quant": {"format": "none"},
+                                         "mesh": {"data": 8}, "lora": {"init_from": adapter, **lora}}))
 
 
 @pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
@@ -104,6 +106,10 @@ def test_adapters_rlx_cannot_hold_are_refused_naming_them(zoo, tmp_path):
         run_config(base, dora)
     with pytest.raises(ConfigError, match="is not a PEFT adapter folder"):
         run_config(base, str(tmp_path))
+    unread = parse_config({"model": {"path": base}, "lora": {"init_from": str(tmp_path / "none")}})
+    assert unread.lora.rank == 8  # parsing reads no adapter folder: the build's checks do
+    with pytest.raises(ConfigError, match="is not a PEFT adapter folder"):
+        with_warm_start(unread)
     with pytest.raises(ConfigError, match="needs train.mode='lora'"):
         parse_config({"model": {"path": base}, "quant": {"format": "none"}, "loss": {"kl_coef": 0.0},
                       "train": {"mode": "full"}, "lora": {"init_from": head}})
