@@ -131,7 +131,7 @@ def _expert_tensors(lg, lu, ld, prefix: str, nested: bool) -> dict[str, np.ndarr
 def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     """(PEFT-named adapter tensors, the shape facts ``adapter_config.json`` needs)."""
     model = unrolled(model, nnx.LoRAParam)  # scanned layers: per-layer adapters, base abstract
-    tensors, modules, params, fused_rank = {}, set(), set(), 0
+    tensors, modules, params, gate_up = {}, set(), set(), False
     remapped = model.config.model_type in PEFT_REMAPS_MLP_NAMES
     for name, lo in dense_adapters(model).items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = _np(lo.lora_a[...]).T.copy()
@@ -151,11 +151,11 @@ def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
         tensors.update(_expert_tensors(ex.gate_lora, ex.up_lora, ex.down_lora, prefix, nested))
         if has_gu:
             params.add("mlp.experts.gate_up_proj")
-            fused_rank = sum(p.lora_a.shape[-1] for p in (ex.gate_lora, ex.up_lora) if p is not None)
+            gate_up = True
         if ex.down_lora is not None:
             params.add("mlp.experts.down_proj")
     return tensors, {"target_modules": sorted(modules), "target_parameters": sorted(params),
-                     "fused_rank": fused_rank}
+                     "gate_up": gate_up}
 
 
 def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
@@ -169,9 +169,9 @@ def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
     modules_to_save = sorted({name.split(".")[0] for name in head or {}}) or None
     tensors.update({f"base_model.model.{name}": value for name, value in (head or {}).items()})
     rank_pattern, alpha_pattern = {}, {}
-    if facts["fused_rank"] and facts["fused_rank"] != lora.rank:
-        rank_pattern["gate_up_proj"] = facts["fused_rank"]
-        alpha_pattern["gate_up_proj"] = lora.alpha * facts["fused_rank"] / lora.rank
+    if facts["gate_up"] and lora.gate_up_rank != lora.rank:  # experts' gate + up as one adapter
+        rank_pattern["gate_up_proj"] = lora.gate_up_rank
+        alpha_pattern["gate_up_proj"] = lora.alpha * lora.gate_up_rank / lora.rank
     config = {
         "peft_type": "LORA", "task_type": "TOKEN_CLS" if head else "CAUSAL_LM", "r": lora.rank,
         "lora_alpha": lora.alpha,

@@ -144,3 +144,14 @@ class LoraConfig:
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def gate_up_rank(self) -> int:
+        """The rank of MoE experts' gate and up adapters as exported: one block-diagonal adapter on
+        HF's fused ``gate_up_proj`` (``rlx.io.export``), ``rank`` for each of gate and up adapted."""
+        return self.rank * len({"gate", "up"} & set(self.targets))
+
+    def served_rank(self, moe: bool) -> int:
+        """The largest adapter rank a server loads for this adapter on a model with MoE experts
+        (``moe``) or without: experts' gate + up as one adapter (``gate_up_rank``) or ``rank``."""
+        return max(self.rank, self.gate_up_rank) if moe and self.experts else self.rank

@@ -74,8 +74,7 @@ def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1)
 def lora_server_args(lora: LoraConfig, model: ModelConfig) -> tuple[str, ...]:
     """``--enable-lora`` flags for an adapter ``lora`` on ``model``."""
     modules = [TARGET_MODULES[t] for t in lora.targets]
-    fused = model.moe is not None and lora.experts and {"gate", "up"} <= set(lora.targets)
-    rank = 2 * lora.rank if fused else lora.rank  # experts' gate+up export as one rank-2r
+    rank = lora.served_rank(model.moe is not None)  # experts' gate+up export as one adapter
     return ("--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules)
 
 

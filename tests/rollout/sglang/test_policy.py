@@ -9,6 +9,7 @@ after every update with ``/update_weights_from_disk``, a second policy attached 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 
@@ -81,6 +82,9 @@ def test_lora_server_flags(tmp_path):
                                             "--lora-target-modules", "q_proj", "v_proj",
                                             "gate_proj", "up_proj")
     assert lora_server_args(cfg.lora, moe)[2] == "16"  # experts' gate+up export as one rank-2r adapter
+    gate_only = dataclasses.replace(cfg.lora, targets=("q", "gate"))  # a rank-r gate_up adapter
+    no_experts = dataclasses.replace(cfg.lora, experts=False)  # no expert adapter exported
+    assert [lora_server_args(lo, moe)[2] for lo in (gate_only, no_experts)] == ["8", "8"]
 
 
 def test_launch_flags_place_servers_on_their_gpus(tmp_path):
