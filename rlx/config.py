@@ -305,9 +305,16 @@ class RunConfig:
 
 def parse_config(cd: ml_collections.ConfigDict | dict, cls: type = RunConfig) -> Any:
     """Convert and validate; raises ``ConfigError`` naming the offending field."""
-    cfg = _convert(cls, cd, "")
+    cfg = read_config(cd, cls)
     cfg.validate()
     return cfg
+
+
+def read_config(cd: ml_collections.ConfigDict | dict, cls: type = RunConfig) -> Any:
+    """Convert only: known keys, types and each section's own checks of its values, without
+    ``validate`` (which also looks the run up on this machine: the checkpoint, SGLang's python,
+    the trackers). The memory planner reads a run it need not be able to start here."""
+    return _convert(cls, cd, "")
 
 
 def _convert(cls: type, data: Any, prefix: str) -> Any:

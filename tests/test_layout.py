@@ -33,7 +33,7 @@ ALLOWED = {
     "rlx.config": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
     "rlx.run": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
                       "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
-    "rlx.plan": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout"},
+    "rlx.plan": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout", "rlx.config"},
     "rlx.launch": FOUNDATION | {"rlx.config", "rlx.run", "rlx.io", "rlx.rollout"},
     "rlx.eval": FOUNDATION | {"rlx.config", "rlx.run"},
     "rlx": {"rlx.run"},  # rlx/__init__.py: build

@@ -104,7 +104,7 @@ def engine_shardings(state, mesh, spec: PlanSpec):
     the learner placed it (``TRAIN_RULES``: the engine reads the learner's own arrays), and so
     the trainable variables of a synchronous run; an asynchronous run's engine copies those by
     the sampling rules."""
-    shared = nnx.Not(trainable_filter(spec)) if spec.max_staleness else ...
+    shared = nnx.Not(trainable_filter(spec)) if spec.engine_copies_trainables else ...
     train = nnx.to_flat_state(variable_shardings(state, mesh, TRAIN_RULES))
     sample = nnx.to_flat_state(variable_shardings(state, mesh, SAMPLE_RULES))
     held = {tuple(p) for p, _ in nnx.to_flat_state(nnx.filter_state(state, shared))}

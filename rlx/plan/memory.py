@@ -4,10 +4,10 @@
   model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size), and
   PPO's critic with its AdamW moments when the spec has one. Also the built-in engine's weights:
   it samples from the learner's own frozen arrays (``rlx.rollout.jax.engine``, ``shared``), and
-  in a synchronous run (``max_staleness`` 0) from its trainable arrays too; an asynchronous run's
-  engine copies the trainable variables (LoRA mode the adapters, full mode every parameter),
-  under ``SAMPLE_RULES`` (whole along ``fsdp``); and the load transient, the
-  checkpoint's largest tensor (``load_tensor_bytes``).
+  in a synchronous run from its trainable arrays too; an asynchronous run's engine
+  (``engine_copies_trainables``) copies the trainable variables (LoRA mode the adapters, full
+  mode every parameter), under ``SAMPLE_RULES`` (whole along ``fsdp``); and the load transient,
+  the checkpoint's largest tensor (``load_tensor_bytes``).
 * ``step_bytes``: the train step's transient memory per device (gradients, saved activations,
   log-prob chunks, the batch) from a layer-by-layer count of what the backward pass keeps (see
   ``_layer_features`` and ``COEFFS``), and the built-in engine's KV cache.
@@ -113,8 +113,8 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     key = repr(spec.replace(mesh=MeshShape()))
     for trainable, shape, dtype, axes, times in _abstract_leaves(key, spec):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
-        if trainable and spec.max_staleness:  # an asynchronous engine's own copy; the frozen
-            # base (and a synchronous run's trainable variables) it shares with the learner
+        if trainable and spec.engine_copies_trainables:  # an asynchronous engine's own copy;
+            # the frozen base (and a synchronous run's trainable variables) it shares with the learner
             engine += times * _shard_elems(shape, axes, sizes, SAMPLE_RULES) * np.dtype(
                 dtype).itemsize
     # PPO's critic (rlx.learner.critic): a copy of the trainable variables, sharded alike, and

@@ -14,8 +14,10 @@ models can also be compiled (``--compiled``) and XLA's memory analysis is printe
 The config file's ``get_config()`` supplies ``model.hf_config`` (a transformers ``config.json``
 dict; or ``model.path`` to a folder holding one, or naming an ``rlx.models.presets`` entry),
 ``mesh.*``, ``quant.*``, ``lora.*`` and a ``plan`` section with the remaining ``PlanSpec`` fields
-(mode, dtypes, rows, seq_len, ...). A run config (no ``plan`` section) is planned as the run it
-describes (``run_plan_fields``); ``--hbm-gb`` and ``--devices`` then name the machine.
+(mode, dtypes, rows, seq_len, ...). Every section but ``plan`` is read as the run's own
+(``rlx.config.read_config``: a ``RunConfig``, its defaults where the file is silent). A run config
+(no ``plan`` section) is planned as the run it describes (``run_plan_fields``); ``--hbm-gb`` and
+``--devices`` then name the machine.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ import os
 import sys
 from typing import Any
 
+from rlx.config import RunConfig, read_config
 from rlx.learner.state import MODES
 from rlx.mesh import MESH_AXES, MeshShape
 from rlx.models import from_hf_config
 from rlx.models.presets import PRESETS, find_preset, preset_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
 from rlx.plan.spec import PlanSpec
-from rlx.quant import LoraConfig, QuantConfig
 
 GB = 1e9
 RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmentation
@@ -171,48 +173,50 @@ def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
     return preset_config(preset)
 
 
-def run_plan_fields(cfg: Any) -> dict[str, Any]:
+def run_sections(cfg: Any) -> RunConfig:
+    """The run sections of a ``get_config()`` (all but ``plan`` and ``model.hf_config``) as
+    ``rlx.config`` reads them (``read_config``: known keys, types, each section's checks; nothing
+    is looked up on this machine)."""
+    raw = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    raw.pop("plan", None)
+    if "model" in raw:
+        raw["model"] = {k: v for k, v in dict(raw["model"]).items() if k != "hf_config"}
+    return read_config(raw)
+
+
+def run_plan_fields(run: RunConfig) -> dict[str, Any]:
     """``PlanSpec`` fields of a run config (one without a ``plan`` section): one optimizer
     update's rows (``prompts_per_step x group_size / minibatches``) of ``max_prompt_tokens +
-    max_new_tokens`` tokens, the train section's mode, micro-batches, log-prob chunk, remat and
-    staleness (whether the built-in engine copies the trainable variables),
-    and the built-in engine decoding the whole batch at once (KV cache in the compute dtype).
-    Fields the run config leaves out keep ``PlanSpec``'s defaults."""
-    data, rollout, train = (_section(cfg, k) for k in ("data", "rollout", "train"))
-    out = {k: train[k] for k in ("mode", "micro_batches", "logprob_chunk", "remat",
-                                 "max_staleness") if k in train}
-    if "prompts_per_step" in data and "group_size" in rollout:
-        out["rollout_rows"] = int(data["prompts_per_step"]) * int(rollout["group_size"])
-        out["rows"] = out["rollout_rows"] // int(train.get("minibatches", 1))
-    if "max_prompt_tokens" in data and "max_new_tokens" in rollout:
-        out["seq_len"] = out["rollout_len"] = (int(data["max_prompt_tokens"])
-                                               + int(rollout["max_new_tokens"]))
-    if "dtype" in _section(cfg, "model"):
-        out["kv_dtype"] = _section(cfg, "model")["dtype"]
-    return out
+    max_new_tokens`` tokens, the train section's mode, micro-batches, log-prob chunk and remat,
+    whether the built-in engine copies the trainable variables (``engine_copies_trainables``),
+    and the built-in engine decoding the whole batch at once (KV cache in the compute dtype)."""
+    data, rollout, train = run.data, run.rollout, run.train
+    rows = data.prompts_per_step * rollout.group_size
+    length = data.max_prompt_tokens + rollout.max_new_tokens
+    return {"mode": train.mode, "micro_batches": train.micro_batches,
+            "logprob_chunk": train.logprob_chunk, "remat": train.remat,
+            "engine_copies_trainables": run.engine_copies_trainables, "rollout_rows": rows,
+            "rows": rows // train.minibatches, "seq_len": length, "rollout_len": length,
+            "kv_dtype": run.model.dtype}
 
 
 def spec_from_config(cfg: Any) -> PlanSpec:
-    """Build a ``PlanSpec`` from a ``get_config()`` ConfigDict (or nested dict)."""
-    model = _section(cfg, "model")
-    quant, lora = _section(cfg, "quant"), _section(cfg, "lora")
-    if "targets" in lora:
-        lora["targets"] = tuple(lora["targets"])
+    """Build a ``PlanSpec`` from a ``get_config()`` ConfigDict (or nested dict): the architecture
+    (``_hf_config``), the run's sections as ``rlx.config`` reads them (``run_sections``), and the
+    ``plan`` section's fields or, for a run config, those of the run it describes."""
     fields = {f.name for f in dataclasses.fields(PlanSpec)}
-    extra = {k: v for k, v in _section(cfg, "plan").items() if k in fields}
-    if not _section(cfg, "plan"):  # a run config: the plan of the run it describes
-        extra = run_plan_fields(cfg)
-    unknown = set(_section(cfg, "plan")) - fields - {"hbm_gb", "devices_per_node"}
+    plan_section = _section(cfg, "plan")
+    unknown = set(plan_section) - fields - {"hbm_gb", "devices_per_node"}
     if unknown:
         raise ValueError(f"unknown key config.plan.{sorted(unknown)[0]}; known: {sorted(fields)}")
+    arch = from_hf_config(_hf_config(_section(cfg, "model")))
+    run = run_sections(cfg)
+    extra = ({k: v for k, v in plan_section.items() if k in fields} if plan_section
+             else run_plan_fields(run))  # a run config: the plan of the run it describes
     for key in ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "scan_layers"):
-        if key in model and key not in extra:
-            extra[key] = model[key]
-    if "critic" not in extra:  # PPO's critic, as the run would build it
-        extra["critic"] = bool(_section(cfg, "critic").get("enabled", False))
-    mesh = MeshShape(**{a: int(_section(cfg, "mesh").get(a, 1)) for a in MESH_AXES})
-    return PlanSpec(model=from_hf_config(_hf_config(model)), quant=QuantConfig(**quant),
-                    lora=LoraConfig(**lora), mesh=mesh, **extra)
+        extra.setdefault(key, getattr(run.model, key))
+    extra.setdefault("critic", run.critic.enabled)  # PPO's critic, as the run would build it
+    return PlanSpec(model=arch, quant=run.quant, lora=run.lora, mesh=run.mesh, **extra)
 
 
 def load_config_file(path: str) -> Any:

@@ -52,9 +52,10 @@ class PlanSpec:
     rollout_rows: int = 64  # built-in engine: sequences decoded at once (global)
     rollout_len: int = 2048  # built-in engine: prompt + completion slots per sequence
     kv_dtype: str = "bfloat16"  # built-in engine: KV cache dtype
-    # config.train.max_staleness: 0 (synchronous) the built-in engine samples from the learner's
-    # own trainable arrays; >= 1 (asynchronous) it holds its own copy of them
-    max_staleness: int = 0
+    # whether the built-in engine holds its own copy of the trainable variables (a run's
+    # RunConfig.engine_copies_trainables: an asynchronous one); False: it samples from the
+    # learner's own arrays
+    engine_copies_trainables: bool = False
     # PPO's learned critic (config.critic.enabled): a copy of the trainable variables (lora: a
     # second adapter on the same base; full: a copy of the policy, an upper bound for a smaller
     # critic.path model) plus the f32 value head, each with AdamW moments
@@ -70,8 +71,6 @@ class PlanSpec:
         if self.moe_capacity_factor < 0:
             raise ValueError(f"plan.moe_capacity_factor={self.moe_capacity_factor} must be >= 0 "
                              "(0: dropless)")
-        if self.max_staleness < 0:
-            raise ValueError(f"plan.max_staleness={self.max_staleness} must be >= 0")
         for name in ("rows", "seq_len", "micro_batches", "logprob_chunk", "rollout_rows",
                      "rollout_len"):
             if getattr(self, name) < 1:

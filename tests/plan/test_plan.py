@@ -76,22 +76,22 @@ def test_kimi_k2_lora_fits_one_node_synchronous_or_one_step_off():
     every parameter is whole along fsdp and no node count fits it."""
     spec = spec_from_config(load_config_file(KIMI))
     assert 1.0e12 < spec.model.num_params() < 1.1e12 and spec.mesh.num_devices == 8
-    assert spec.model.mla is not None and spec.max_staleness == 0
+    assert spec.model.mla is not None and not spec.engine_copies_trainables
     assert (spec.rows, spec.seq_len, spec.micro_batches) == (64, 2048, 8)
     b = plan(spec, hbm_gb=141)
     assert b.bytes["frozen"] > 0.5 * b.peak  # the int4 experts, held once
     assert b.bytes["engine"] == 0 and b.fits and nodes_needed(spec, 141) == 1
-    off = plan(spec.replace(max_staleness=1), hbm_gb=141)
+    off = plan(spec.replace(engine_copies_trainables=True), hbm_gb=141)
     assert off.bytes["engine"] > b.bytes["trainable"]  # the sampling layout: LoRA A whole
     assert off.train_peak - off.bytes["engine"] == b.train_peak < off.train_peak <= 141e9 * 0.92
-    assert nodes_needed(spec.replace(max_staleness=1), 141) == 1
-    a = plan(spec.replace(mode="full", max_staleness=1), hbm_gb=141)
+    assert nodes_needed(spec.replace(engine_copies_trainables=True), 141) == 1
+    a = plan(spec.replace(mode="full", engine_copies_trainables=True), hbm_gb=141)
     assert not a.fits and a.bytes["frozen"] == 60 * 384 * 4  # the f32 correction biases
     assert a.bytes["optimizer"] == 2 * a.bytes["trainable"] < 2 * a.bytes["engine"]
-    two = plan(spec.replace(mode="full", max_staleness=1,
+    two = plan(spec.replace(mode="full", engine_copies_trainables=True,
                             mesh=dataclasses.replace(spec.mesh, fsdp=2)), 141)
     assert two.bytes["engine"] == a.bytes["engine"] > two.bytes["trainable"]
-    assert nodes_needed(spec.replace(mode="full", max_staleness=1), 141) is None
+    assert nodes_needed(spec.replace(mode="full", engine_copies_trainables=True), 141) is None
     assert nodes_needed(spec.replace(mode="full"), 141) == 14
 
 
