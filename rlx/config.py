@@ -278,7 +278,6 @@ class RunConfig:
         if self.env.kind == "single":
             return
         clash = [f for f, on in (("rollout.partial", self.rollout.partial),
-                                 ("rollout.ignore_eos", self.rollout.ignore_eos),
                                  ("train.algorithm='dpo'", self.train.algorithm == "dpo")) if on]
         if clash:
             raise ConfigError(f"config.env.kind={self.env.kind!r} runs whole episodes, which "

@@ -28,6 +28,8 @@ def test_valid_config_becomes_frozen_dataclasses(tmp_path):
     ({"mesh": {"data": True}}, "config.mesh.data=True has type bool"),
     ({"modle": {}}, "unknown key config.modle"),
     ({"model": {"pth": "x"}}, "unknown key config.model.pth"),
+    # a benchmark's fixed-length rollouts are SamplingParams(ignore_eos=True), not a run setting
+    ({"rollout": {"ignore_eos": True}}, "unknown key config.rollout.ignore_eos"),
     ({"distributed": {"enabled": True, "num_processes": 2, "process_id": 5}}, "config.distributed.process_id=5"),
 ])
 def test_bad_values_name_the_field(tmp_path, patch, needle):

@@ -59,6 +59,9 @@ SGLANG = {"rollout.engine": "sglang", "rollout.sglang.python": sys.executable}
 FULL = {"train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0}
 DPO = {"train.algorithm": "dpo", "data.source": "arith_pairs:add2"}
 TOOLS = {"env.kind": "tools"}
+# the training rollouts' sampling beside the config (Run.sampling_overrides): every completion
+# max_new_tokens long
+FIXED_LENGTH = {"ignore_eos": True, "stop_token_ids": ()}
 
 # field -> (observer, new value, context); "refused": the new value must be refused
 EFFECTS = {
@@ -87,7 +90,7 @@ EFFECTS = {
     "train.epochs": ("loop", 2, {}),
     "train.minibatches": ("loop", 2, {}),
     "train.logprob_chunk": ("learner", 16, {}),
-    "train.length_buckets": ("loop", 1, {"rollout.ignore_eos": True, "rollout.max_new_tokens": 16}),
+    "train.length_buckets": ("loop", 1, {"sampling": FIXED_LENGTH, "rollout.max_new_tokens": 16}),
     "train.remat": ("learner", "layer", {}),
     "train.dynamic_sampling": ("loop", True, {}),
     "train.reward": ("loop", "math_format", {}),
@@ -108,7 +111,6 @@ EFFECTS = {
     "rollout.eval_temperature": ("loop", 0.5, {}),
     "rollout.preflight_threshold": ("loop", 1e-4, {}),
     "rollout.preflight_every": ("loop", 1, {}),
-    "rollout.ignore_eos": ("loop", True, {}),
     "rollout.weight_layout": ("engine", "in_out", {}),
     "rollout.partial": ("loop", True, {"train.max_staleness": 1}),
     "rollout.sglang.urls": ("sglang", ["http://h:1"], SGLANG),
@@ -213,7 +215,7 @@ def _shape_of(cfg: RunConfig) -> RunConfig:
                      train=TrainSection(mode=cfg.train.mode))
 
 
-def _loop(cfg: RunConfig, skip: bool = False) -> tuple:
+def _loop(cfg: RunConfig, skip: bool = False, sampling: dict | None = None) -> tuple:
     """What the real loop did over ``cfg.train.steps`` steps (see the module docstring)."""
     mesh, model, tokenizer = _policy(_shape_of(cfg))
     trace: list = []
@@ -225,7 +227,8 @@ def _loop(cfg: RunConfig, skip: bool = False) -> tuple:
               tokenizer=tokenizer, data=prompt_data(cfg, tokenizer, hosts), eval_set=eval_examples(cfg),
               prompt_format=prompt_format(cfg), reward=make_reward(cfg),
               logger=make_logger(cfg, 0, progress=False),
-              checkpointer=open_checkpointer(cfg, compiled.state), hosts=hosts)
+              checkpointer=open_checkpointer(cfg, compiled.state), hosts=hosts,
+              sampling_overrides=sampling or {})
     ended = "done"
     try:
         run.train()
@@ -329,7 +332,7 @@ def test_changing_the_field_changes_the_run_or_is_refused(field, tmp_path):
             _config(tmp_path / "new", context, **{field: value})
         return
     observe = OBSERVERS[kind]
-    extra = {"skip": True} if context.get("skip") else {}
+    extra = {k: context[k] for k in ("skip", "sampling") if k in context}  # the loop's own
     before = observe(_config(tmp_path / "old", context), **extra)
     after = observe(_config(tmp_path / "new", context, **{field: value}), **extra)
     assert before != after, f"config.{field}={value!r} changed nothing that {kind} observes"

@@ -21,9 +21,10 @@ and compute).
   generate-and-score stage, its "update s" the rest of the step (update and weight sync). Tunix
   computes in its weights' dtype (``--dtype bfloat16``: bf16 weights and compute).
 
-With ``--fixed-length`` (default) every completion is exactly ``--new`` tokens (rlx
-``rollout.ignore_eos``; TRL ``min_new_tokens``), so both sides do the same work; otherwise
-completions stop at EOS and their lengths differ by chance. TRL steps take minutes on a CPU, so
+With ``--fixed-length`` (default) every completion is exactly ``--new`` tokens (rlx: its training
+rollouts' ``SamplingParams(ignore_eos=True)``, ``rlx.build``'s ``sampling_overrides``; TRL
+``min_new_tokens``), so both sides do the same work; otherwise completions stop at EOS and their
+lengths differ by chance. TRL steps take minutes on a CPU, so
 the defaults are 2 measured steps after 1 warm-up step (which also compiles rlx).
 """
 
@@ -96,7 +97,7 @@ def rlx_config(s: E2ESpec, model_path: str, base: str, output_dir: str) -> dict:
         "data": {"source": s.source, "prompts_per_step": s.prompts, "template": s.template,
                  "max_prompt_tokens": s.max_prompt_tokens, "eval_size": 0},
         "rollout": {"group_size": s.group, "max_new_tokens": s.new,
-                    "temperature": s.temperature, "ignore_eos": s.fixed_length},
+                    "temperature": s.temperature},
         "train": {"mode": "lora", "steps": s.steps, "advantage": "grpo",
                   "math_extractors": s.extractors, "micro_batches": s.micro_batches,
                   "logprob_chunk": 1024, "eval_every": 0, "sample_every": 0,
@@ -115,8 +116,9 @@ def rlx_side(spec: dict, model: dict, base: str = "f32"):
     path = smollm2_gguf() if base == "gguf" else src.path
     if base == "gguf" and src.name != "smollm2":
         raise ValueError("rlx-gguf needs --model smollm2 (the tiny model has no GGUF file)")
+    fixed = {"ignore_eos": True, "stop_token_ids": ()} if s.fixed_length else {}
     run = rlx.build(rlx_config(s, path, base, tempfile.mkdtemp(prefix="rlx_bench_e2e_")),
-                    progress=False)
+                    progress=False, sampling_overrides=fixed)
 
     def step() -> dict:
         r = run.step()

@@ -24,7 +24,6 @@ class RolloutSection:
     eval_temperature: float = 0.0  # 0 = greedy evaluation
     preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine (stop above it)
     preflight_every: int = 0  # steps between parity preflights (0 = only before training)
-    ignore_eos: bool = False  # training rollouts run to max_new_tokens past EOS (benchmarks only)
     # built-in engine's copy of float projection weights: "auto" ([out, in] on CPU, where decode
     # products run faster so), "out_in" or "in_out" (the learner's); see rlx.rollout.jax.decode_layout
     weight_layout: str = "auto"

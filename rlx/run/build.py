@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import grain
 import jax
@@ -53,8 +54,10 @@ from rlx.run.multihost import initialize_from
 from rlx.types import RolloutEngine
 
 
-def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: bool = True) -> Run:
-    """Validate ``config`` (if needed) and assemble a ready-to-step ``Run``."""
+def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: bool = True,
+          sampling_overrides: dict[str, Any] | None = None) -> Run:
+    """Validate ``config`` (if needed) and assemble a ready-to-step ``Run``; ``sampling_overrides``:
+    ``SamplingParams`` fields of its training rollouts beside the config's (``Run``)."""
     cfg = with_warm_start(config if isinstance(config, RunConfig) else parse_config(config))
     initialize_from(cfg.distributed, checkpoint_dir(cfg))  # its watchdog names the last one
     hosts = Hosts.from_config(cfg)  # which processes sample, which data shards each reads
@@ -66,11 +69,13 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
     compiled = compile_steps(cfg, model, mesh)
     engine = hosts.engine(lambda c, m: make_engine(cfg, c, tokenizer, m), compiled, mesh)
     try:  # from here on a failure must not leave the engine's servers running
-        return _run(cfg, mesh, compiled, engine, tokenizer, progress, hosts)
+        run = _run(cfg, mesh, compiled, engine, tokenizer, progress, hosts)
     except BaseException:
         if engine is not None:  # None on a process that does not sample
             engine.close()
         raise
+    run.sampling_overrides = dict(sampling_overrides or {})
+    return run
 
 
 def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine | None,

@@ -110,6 +110,9 @@ class Run:
     resumed_in_flight: list = dataclasses.field(default_factory=list)
     env: EnvRunner | None = None  # env.kind "tools": tool-use episodes (rlx.envs.runner)
     _env_metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # this step's env/*
+    # SamplingParams fields of the training rollouts set by the caller beside the config, e.g.
+    # {"ignore_eos": True, "stop_token_ids": ()}: every completion max_new_tokens long
+    sampling_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     # --- one RL step ----------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -217,13 +220,13 @@ class Run:
     def _sampling(self, evaluation: bool = False, step: int | None = None) -> SamplingParams:
         r = self.cfg.rollout
         step = self.step_count if step is None else step
-        return SamplingParams(
+        params = SamplingParams(
             max_new_tokens=r.max_new_tokens, n=1 if evaluation else r.group_size,
             temperature=r.eval_temperature if evaluation else r.temperature,
             top_p=None if r.top_p >= 1.0 else r.top_p, seed=self.cfg.seed + step,
             logprobs=not evaluation,  # evaluation and samples to look at need none
-            **({"ignore_eos": True} if r.ignore_eos and not evaluation
-               else {"stop_token_ids": (self.tokenizer.eos_id,)}))
+            stop_token_ids=(self.tokenizer.eos_id,))
+        return params if evaluation else dataclasses.replace(params, **self.sampling_overrides)
 
     def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str], list[str]]:
         if self.env is not None:  # the episodes were graded by their envs

@@ -1,5 +1,6 @@
-"""``ignore_eos`` (benchmarks): completions run to ``max_new_tokens`` past any stop token, on the
-built-in engine, in SGLang's request, and from ``config.rollout.ignore_eos`` in the coordinator."""
+"""``SamplingParams.ignore_eos`` (benchmarks): completions run to ``max_new_tokens`` past any stop
+token, on the built-in engine and in SGLang's request. (A run's training rollouts take it from
+``rlx.build``'s ``sampling_overrides``, not from the run config: tests/run/test_deep_async.py.)"""
 
 import pytest
 

@@ -33,9 +33,10 @@ def records(tmp_path_factory):
         "mesh.data": 8, "train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0,
         "train.reward": REWARD, "data.template": "{prompt}", "optim.learning_rate": 1e-2,
         "train.max_staleness": 2, "rollout.partial": True,
-        "rollout.ignore_eos": True, "rollout.max_new_tokens": 8, "data.eval_size": 0,
+        "rollout.max_new_tokens": 8, "data.eval_size": 0,
         "train.steps": 4, "train.checkpoint_every": 0})
-    run = build(cfg, progress=False)
+    # every completion max_new_tokens long, so each spans every segment
+    run = build(cfg, progress=False, sampling_overrides={"ignore_eos": True, "stop_token_ids": ()})
     try:
         out = [r for r in run.train() if "reward/mean" in r]
         assert run.engine.weight_version == 4 and run.queue.in_flight == 0  # none past the end
