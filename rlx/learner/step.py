@@ -388,8 +388,7 @@ def compiler_options(mesh: Mesh, apply_fn: ApplyFn) -> dict[str, str | bool] | N
     layer stay alive together inside the micro-batch loop, which undoes ``train.remat='layer'``;
     this scheduler restores the saving remat is for. Without remat it lowers the peak little and
     slows the update, so those steps keep the default (and the planner's calibration). GPU and TPU
-    compilers schedule for memory already; TPU gets ``TPU_OPTIONS``. Figures:
-    rlx/bench/README.md, "Design measurements"."""
+    compilers schedule for memory already; TPU gets ``TPU_OPTIONS``."""
     platform = mesh.devices.flat[0].platform
     if platform == "tpu":
         return dict(TPU_OPTIONS)

@@ -45,7 +45,7 @@ def aligned_empty(shape: tuple, dtype) -> np.ndarray:
     From ``MAPPED_BYTES`` on it is its own anonymous mapping (page-aligned), whose pages follow
     the kernel's transparent-huge-page policy: numpy's allocator advises huge pages for its large
     arrays whatever that policy, and where first-touched huge pages are slower to provide than
-    small ones (see rlx/bench/README.md, Bigload) that advice slows a load down."""
+    small ones that advice slows a load down."""
     dtype = np.dtype(dtype)
     n = math.prod(shape) * dtype.itemsize
     if n >= MAPPED_BYTES:

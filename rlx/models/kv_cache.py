@@ -8,8 +8,7 @@ slot ``[B, S]`` (segment 0 = empty or padding, never attended to):
   so attention reads each head's slots contiguously, with no transposed copy of the whole cache per
   decode step. Keys are held with the slots minor so that a decode step's query-key product runs
   along the slots like its probability-value product, which XLA:CPU computes faster than the same
-  product over ``[S, D]`` keys; a prefill's is the same either way (rlx/bench/README.md,
-  "Rollout", gives the figures).
+  product over ``[S, D]`` keys; a prefill's is the same either way.
 * a multi-head latent attention layer (``rlx.models.mla``): what DeepSeek's inference caches, the
   rotated key shared by all heads ``[B, R, S]`` (``qk_rope_head_dim`` wide) as its ``keys`` and the
   normalised latent ``[B, S, C]`` (``kv_lora_rank`` wide) as its ``values``: ``C + R`` numbers per

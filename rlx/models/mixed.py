@@ -62,8 +62,7 @@ def matmul_out_in(x: Array, w: Array, dtype, out_dtype=None) -> Array:
     ``(w @ x^T)^T``.
 
     On XLA:CPU a decode step's products ``[rows, d] x [d, f]`` with few rows run faster as
-    ``[f, d] x [d, rows]``: XLA:CPU picks a faster kernel for that form (``python -m rlx.bench
-    products``, side ``xla-engine``, measures it against the plain layouts). Both transposes, of
+    ``[f, d] x [d, rows]``: XLA:CPU picks a faster kernel for that form. Both transposes, of
     the activations only, sit behind ``optimization_barrier``: without them XLA folds them into
     the product's dimension numbers and picks the slow kernel again. With many rows (a prefill, a
     decode step of a large batch) the transposes cost more than they gain, so above ``FEW_ROWS``

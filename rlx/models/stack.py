@@ -416,11 +416,10 @@ def scan_default(num_layers: int, params: int = 0, platform: str = "",
                  recompute: bool = False) -> bool:
     """Whether ``config.model.scan_layers="auto"`` scans the layers of a model of ``num_layers``
     layers and ``params`` parameters trained on ``platform``: from ``SCAN_FROM_LAYERS`` layers
-    on, where the unrolled program's size starts to dominate compile time (``python -m rlx.bench
-    compile``). Except on XLA:CPU, for a model of ``CPU_UNROLL_FROM_PARAMS`` parameters or more
-    whose train step keeps its activations (no ``recompute``, ``train.remat='none'``): there the
-    unrolled step runs faster by more than its longer compile costs once (rlx/bench/README.md,
-    "Train-step compile time")."""
+    on, where the unrolled program's size starts to dominate compile time. Except on XLA:CPU, for
+    a model of ``CPU_UNROLL_FROM_PARAMS`` parameters or more whose train step keeps its
+    activations (no ``recompute``, ``train.remat='none'``): there the unrolled step runs faster by
+    more than its longer compile costs once."""
     if platform == "cpu" and params >= CPU_UNROLL_FROM_PARAMS and not recompute:
         return False
     return num_layers >= SCAN_FROM_LAYERS

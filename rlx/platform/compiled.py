@@ -6,7 +6,7 @@ temporary buffers, allocated right after, are fresh large allocations, so the pr
 resident memory holds both. ``release_free_heap`` returns the free pages (glibc ``malloc_trim``;
 a no-op where the C library has none), and ``CompiledPerShape`` calls it after every compilation,
 before the new program first runs, which lowers both the resident memory after compiling and the
-update's peak (figures: rlx/bench/README.md, "Design measurements").
+update's peak.
 
 The learner's steps and the built-in engine's programs both compile through it.
 """

@@ -2,7 +2,7 @@
 
 A decode step multiplies few rows (one token per sequence) by every projection. XLA:CPU runs that
 product faster with the weight stored ``[out, in]`` and the activations transposed around it
-(``rlx.models.mixed.matmul_out_in``; ``python -m rlx.bench products`` measures both layouts).
+(``rlx.models.mixed.matmul_out_in``: XLA:CPU picks a faster kernel for that form).
 Where the engine keeps its own copy of a weight anyway (the learner donates its trainable
 variables each update), it stores that copy's float ``Linear`` kernels transposed and, for a head
 tied to the embedding (already ``[vocab, d]``), multiplies it the same way. Kernels it shares with
