@@ -89,10 +89,10 @@ def test_planned_weight_state_equals_the_live_buffers(zoo, mode, shape):
 
     # an engine that copies the trainable variables: an asynchronous run's (train.max_staleness)
     spec = PlanSpec(model=engine._config, mode=mode, quant=QUANT, lora=LORA, dtype="float32",
-                    param_dtype="float32", mesh=shape, max_staleness=1)
+                    param_dtype="float32", mesh=shape, engine_copies_trainables=True)
     planned = state_bytes(spec)
     # a synchronous run's engine samples from the learner's own arrays: no copy planned
-    assert state_bytes(spec.replace(max_staleness=0))["engine"] == 0 < planned["engine"]
+    assert state_bytes(spec.replace(engine_copies_trainables=False))["engine"] == 0 < planned["engine"]
     measured = {k: _on_first_device(jax.tree.leaves(v)) for k, v in (
         ("frozen", state.frozen), ("trainable", state.params), ("engine", own))}
     for key, value in measured.items():
