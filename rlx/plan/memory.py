@@ -114,7 +114,8 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     for trainable, shape, dtype, axes, times in _abstract_leaves(key, spec):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
         if trainable and spec.engine_copies_trainables:  # an asynchronous engine's own copy;
-            # the frozen base (and a synchronous run's trainable variables) it shares with the learner
+            # the frozen base (and a synchronous run's trainable variables) it shares with the
+            # learner
             engine += times * _shard_elems(shape, axes, sizes, SAMPLE_RULES) * np.dtype(
                 dtype).itemsize
     # PPO's critic (rlx.learner.critic): a copy of the trainable variables, sharded alike, and

@@ -92,7 +92,8 @@ def test_planned_weight_state_equals_the_live_buffers(zoo, mode, shape):
                     param_dtype="float32", mesh=shape, engine_copies_trainables=True)
     planned = state_bytes(spec)
     # a synchronous run's engine samples from the learner's own arrays: no copy planned
-    assert state_bytes(spec.replace(engine_copies_trainables=False))["engine"] == 0 < planned["engine"]
+    synchronous = spec.replace(engine_copies_trainables=False)
+    assert state_bytes(synchronous)["engine"] == 0 < planned["engine"]
     measured = {k: _on_first_device(jax.tree.leaves(v)) for k, v in (
         ("frozen", state.frozen), ("trainable", state.params), ("engine", own))}
     for key, value in measured.items():

@@ -51,8 +51,9 @@ def peft_logits(base: str, adapter: str, tokens: np.ndarray) -> np.ndarray:
 
 def run_config(base: str, adapter: str, **lora):
     """The run's config as the build takes it: parsed, then the PEFT folder's adapter read."""
-    return with_warm_start(parse_config({"model": {"path": base}, "quant": {"format": "none"},
-                                         "mesh": {"data": 8}, "lora": {"init_from": adapter, **lora}}))
+    parsed = parse_config({"model": {"path": base}, "quant": {"format": "none"},
+                           "mesh": {"data": 8}, "lora": {"init_from": adapter, **lora}})
+    return with_warm_start(parsed)
 
 
 @pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
