@@ -57,9 +57,9 @@ def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
     us, hf = f"layers/{i}", f"model.layers.{i}"
     out = {f"{us}/{n}/weight": ParamSource((f"{hf}.{n}.weight",), "copy")
            for n in ("input_layernorm", "post_attention_layernorm")}
-    attention = _mla_map if cfg.mla is not None else _attention_map
+    attention = {"gqa": _attention_map, "mla": _mla_map}[cfg.attention_kind]
     out.update(attention(cfg, f"{us}/self_attn", f"{hf}.self_attn"))
-    if not cfg.is_sparse_layer(i):
+    if cfg.mlp_kind(i) == "dense":
         for p in ("gate_proj", "up_proj", "down_proj"):
             out[f"{us}/mlp/{p}/kernel"] = ParamSource((f"{hf}.mlp.{p}.weight",), "T")
         return out

@@ -19,6 +19,8 @@ import math
 
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # rotary frequency scalings rlx implements
 ROUTERS = ("softmax", "sigmoid")  # MoE router scoring functions
+ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention; multi-head latent attention
+MLP_KINDS = ("dense", "moe")  # a SwiGLU MLP; routed experts (and shared ones)
 
 
 class ModelConfigError(ValueError):
@@ -192,6 +194,15 @@ class ModelConfig:
         k = self.num_layers - len(sparse)
         return k if tuple(sparse) == tuple(range(k, self.num_layers)) else None
 
+    @property
+    def attention_kind(self) -> str:
+        """The attention layers' kind (one of ATTENTION_KINDS): ``"mla"`` with ``mla``, else GQA."""
+        return "mla" if self.mla is not None else "gqa"
+
+    def mlp_kind(self, i: int) -> str:
+        """Layer ``i``'s MLP kind (one of MLP_KINDS): ``"moe"`` for a sparse layer, else dense."""
+        return "moe" if self.is_sparse_layer(i) else "dense"
+
     def is_sparse_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.sparse_layers
 
@@ -232,5 +243,5 @@ class ModelConfig:
         return n
 
 
-__all__ = ["ROPE_KINDS", "ROUTERS", "ModelConfigError", "RopeConfig",
+__all__ = ["ROPE_KINDS", "ROUTERS", "ATTENTION_KINDS", "MLP_KINDS", "ModelConfigError", "RopeConfig",
            "MLAConfig", "MoEConfig", "ModelConfig", "yarn_get_mscale"]

@@ -15,10 +15,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rlx.models.hparams import ModelConfig, MoEConfig
-
-ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention; multi-head latent attention
-MLP_KINDS = ("dense", "moe")  # every layer dense; some layers sparse (routed experts)
+from rlx.models.hparams import ATTENTION_KINDS, MLP_KINDS, ModelConfig, MoEConfig
 
 # LoRA targets (keys of rlx.quant.config.TARGET_MODULES) that adapt every projection of a model
 GQA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # every projection of a GQA model
@@ -64,8 +61,8 @@ class FamilySpec:
 
     model_type: str  # transformers' model_type, written to config.json
     architectures: tuple[str, ...]  # config.json classes read as this family; the first is written
-    attention: str  # one of ATTENTION_KINDS
-    mlp: str  # one of MLP_KINDS
+    attention: str  # one of ATTENTION_KINDS: ModelConfig.attention_kind of its models
+    mlp: str  # one of MLP_KINDS: "moe" when some layers are sparse (ModelConfig.mlp_kind)
     lora_targets: tuple[str, ...]  # the targets that adapt every projection
     presets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # other model_type values of its checkpoints (Kimi-K2: kimi_k2)
