@@ -8,11 +8,14 @@ activation rlx does not implement is refused with ``ModelConfigError`` naming th
 supported values. Optional fields take the defaults of the transformers config class, so a
 ``config.json`` means what it means to transformers.
 
-DeepSeek-V3 (``DeepseekV3ForCausalLM``, also Kimi-K2 and DeepSeek-V2-Lite shapes) and GLM-4.5
-(``Glm4MoeForCausalLM``) use the sigmoid router with a correction bias and group-limited top-k
-(``scoring_func="sigmoid"``, ``topk_method="noaux_tc"``, the only values their transformers
-classes implement). GLM-4.5's ``partial_rotary_factor`` defaults to 0.5 as in transformers; the
-other GQA families rotate whole heads and refuse a partial factor.
+What differs between families is read from their specs (``rlx.models.families``, chosen by the
+``architectures`` class): the options they refuse or restrict (``choices``, ``output_biased``,
+``partial_rotary``), their defaults (``qkv_bias_default``, ``qk_norm``) and their MoE sections
+(``moe_from_hf`` / ``moe_to_hf``) and extra fields (``extra_to_hf``). Multi-head latent attention
+(the ``mla`` layer kind) reads and writes its own fields here. E.g. DeepSeek-V3 and GLM-4.5 use the
+sigmoid router with ``scoring_func="sigmoid"`` and ``topk_method="noaux_tc"``, the only values
+their transformers classes implement; GLM-4.5's ``partial_rotary_factor`` defaults to 0.5 as in
+transformers, and the other GQA families rotate whole heads and refuse a partial factor.
 """
 
 from __future__ import annotations
