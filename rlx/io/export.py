@@ -40,6 +40,7 @@ from flax import nnx
 
 from rlx.models.config import to_hf_config
 from rlx.models.decoder import Transformer
+from rlx.models.families import FAMILIES, family_of
 from rlx.models.hf import param_map, put_hf_layout
 from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import save_sharded
@@ -87,7 +88,8 @@ def _np(x) -> np.ndarray:
 # transformers-4 conversion), so those names cannot reach a dense or shared-expert MLP. Their
 # MLP adapters go to ``target_parameters`` by weight ('mlp.shared_experts.up_proj.weight'): the
 # same tensors, which peft then puts on exactly those linears.
-PEFT_REMAPS_MLP_NAMES = ("qwen3_moe", "deepseek_v3", "glm4_moe")
+# (``rlx.models.families``: ``FamilySpec.peft_remaps_mlp_names``)
+PEFT_REMAPS_MLP_NAMES = tuple(t for t, s in FAMILIES.items() if s.peft_remaps_mlp_names)
 
 
 def dense_adapters(model: Transformer) -> dict[str, LoRA]:
@@ -132,7 +134,7 @@ def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     """(PEFT-named adapter tensors, the shape facts ``adapter_config.json`` needs)."""
     model = unrolled(model, nnx.LoRAParam)  # scanned layers: per-layer adapters, base abstract
     tensors, modules, params, gate_up = {}, set(), set(), False
-    remapped = model.config.model_type in PEFT_REMAPS_MLP_NAMES
+    remapped = family_of(model.config).peft_remaps_mlp_names
     for name, lo in dense_adapters(model).items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = _np(lo.lora_a[...]).T.copy()
         tensors[f"base_model.model.{name}.lora_B.weight"] = _np(lo.lora_b[...]).T.copy()

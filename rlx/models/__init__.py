@@ -1,7 +1,7 @@
 """The model layer: one decoder family (Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE,
-DeepSeek-V3 with multi-head latent attention, GLM-4.5), its checkpoint I/O (HF safetensors,
-GGUF), the tokenizer and chat templates, and the ``config.model`` section
-(``loading.ModelSection``).
+DeepSeek-V3 with multi-head latent attention, GLM-4.5), each family described by its spec
+(``rlx.models.families``), its checkpoint I/O (HF safetensors, GGUF), the tokenizer and chat
+templates, and the ``config.model`` section (``loading.ModelSection``).
 
 May import ``rlx.platform``, ``rlx.kernels`` and the foundation (``rlx.types``, ``rlx.errors``,
 ``rlx.mesh``); every other package above them builds on this one.

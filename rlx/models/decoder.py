@@ -1,9 +1,9 @@
 """The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
 (multi-head latent attention, ``rlx.models.mla``) and GLM-4.5.
 
-Each ``Block`` holds GQA ``Attention`` or ``MLAttention`` (when the config has ``mla``) and a dense
-or sparse MLP (``ModelConfig.is_sparse_layer``; DeepSeek / GLM: the first ``first_k_dense_replace``
-layers dense). The rotary angles are computed once per forward pass for the config's
+Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``
+or ``MLAttention`` (``attention_kind``) and a dense or sparse MLP (``mlp_kind``; DeepSeek / GLM: the
+first ``first_k_dense_replace`` layers dense). The rotary angles are computed once per forward pass for the config's
 ``rotary_dim`` (a GLM head's rotating part, MLA's ``qk_rope_head_dim``), scaled by YaRN's
 temperature where the rope has one.
 
@@ -137,17 +137,28 @@ class Attention(nnx.Module):
         return self._out(gqa_attention(q, keys, values, mask, kv_major=True), adapter), (keys, values)
 
 
+def _dense_mlp(cfg: ModelConfig, p: Precision, rngs) -> DenseMLP:
+    return DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype=p.dtype,
+                    param_dtype=p.param_dtype, rngs=rngs)
+
+
+def _sparse_mlp(cfg: ModelConfig, p: Precision, rngs) -> SparseMoE:
+    return SparseMoE(cfg.hidden_size, cfg.moe, impl=p.moe_impl, dtype=p.dtype,
+                     param_dtype=p.param_dtype, rngs=rngs)
+
+
+# the layer kinds a Block is composed of (ModelConfig.attention_kind / mlp_kind -> builder)
+ATTENTION_LAYERS = {"gqa": Attention, "mla": MLAttention}
+MLP_LAYERS = {"dense": _dense_mlp, "moe": _sparse_mlp}
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, p: Precision, rngs):
         norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
-        kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
-        self.self_attn = MLAttention(cfg, p, rngs) if cfg.mla is not None else Attention(cfg, p, rngs)
+        self.self_attn = ATTENTION_LAYERS[cfg.attention_kind](cfg, p, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
-        if cfg.is_sparse_layer(layer):
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, impl=p.moe_impl, **kw)
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.mlp = MLP_LAYERS[cfg.mlp_kind(layer)](cfg, p, rngs)
 
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
         return self.routed(x, positions, segment_ids, angles, adapter)[0]

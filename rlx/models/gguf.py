@@ -15,7 +15,8 @@ interleaves the two rotary halves of each head). We undo that permutation on the
 blocks, so both `raw` and the dequantized tensors are in HF order and equal what transformers loads
 from the same file. Qwen2/Qwen3 files are stored unpermuted.
 
-Supported: architectures llama, qwen2, qwen3, qwen2moe, qwen3moe (each expert of a 3-D `ffn_*_exps`
+Supported: the GGUF architectures of the families that declare one (``FamilySpec.gguf``): llama,
+qwen2, qwen3, qwen2moe, qwen3moe (each expert of a 3-D `ffn_*_exps`
 tensor is `model.layers.{i}.mlp.experts.{e}.*_proj.weight`, a view of its slice); tensor types `SUPPORTED_TYPES` (floats, Q4_0 .. Q8_0
 and the K-quants Q2_K .. Q6_K).
 Everything else raises `GGUFError`, as do llama3-style rope scaling and missing tensors.
@@ -38,6 +39,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from rlx.models.families import GGUF_ARCHS, FamilySpec, GGUFArch
 from rlx.models.gguf_file import GGUFError, open_gguf
 from rlx.models.tokenizer import Tokenizer, TokenizerError
 
@@ -48,38 +50,6 @@ __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFTensors", "RawTensor", "SUPPORTED
 SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-
-@dataclasses.dataclass(frozen=True)
-class _Arch:
-    """How one GGUF architecture maps onto a transformers model class."""
-
-    model_type: str
-    hf_class: str
-    permute_qk: bool  # llama.cpp permuted q/k rows for rope
-    qkv_bias: bool  # q/k/v projections carry biases
-    qk_norm: bool  # per-head RMSNorm on q and k
-    extra_config: tuple[tuple[str, Any], ...] = ()
-    moe: bool = False  # routed experts in every layer (3-D ffn_*_exps tensors)
-    shared_expert: bool = False  # Qwen2-MoE's gated shared expert (ffn_*_shexp)
-
-
-_ARCHS: dict[str, _Arch] = {
-    "llama": _Arch("llama", "LlamaForCausalLM", True, False, False,
-                   (("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1))),
-    "qwen2": _Arch("qwen2", "Qwen2ForCausalLM", False, True, False,
-                   (("use_sliding_window", False), ("max_window_layers", 0))),
-    "qwen3": _Arch("qwen3", "Qwen3ForCausalLM", False, False, True,
-                   (("attention_bias", False), ("use_sliding_window", False), ("max_window_layers", 0))),
-    # llama.cpp renormalizes the top-k gates of qwen3moe (as Qwen3-MoE's config.json says), not of
-    # qwen2moe
-    "qwen2moe": _Arch("qwen2_moe", "Qwen2MoeForCausalLM", False, True, False,
-                      (("use_sliding_window", False), ("max_window_layers", 0), ("decoder_sparse_step", 1),
-                       ("mlp_only_layers", ()), ("norm_topk_prob", False)), moe=True, shared_expert=True),
-    "qwen3moe": _Arch("qwen3_moe", "Qwen3MoeForCausalLM", False, False, True,
-                      (("attention_bias", False), ("use_sliding_window", False), ("max_window_layers", 0),
-                       ("decoder_sparse_step", 1), ("mlp_only_layers", ()), ("norm_topk_prob", True)),
-                      moe=True),
-}
 
 # GGUF per-layer tensor name (after `blk.{i}.`) -> HF name (after `model.layers.{i}.`).
 _LAYER_NAMES: dict[str, str] = {
@@ -209,12 +179,13 @@ def _read(path: str, reader: gguf.GGUFReader) -> GGUFCheckpoint:
     """`read_gguf` with errors that do not name the file yet."""
     meta = _metadata(reader)
     arch_name = meta.get("general.architecture")
-    arch = _ARCHS.get(arch_name) if isinstance(arch_name, str) else None
-    if arch is None:
-        raise GGUFError(f"GGUF architecture {arch_name!r} is not supported; supported: {sorted(_ARCHS)}")
+    family = GGUF_ARCHS.get(arch_name) if isinstance(arch_name, str) else None
+    if family is None:
+        raise GGUFError(f"GGUF architecture {arch_name!r} is not supported; supported: {sorted(GGUF_ARCHS)}")
+    arch = family.gguf
     stored = {tensor.name: tensor for tensor in reader.tensors}
     _reject_rope_scaling(arch_name, meta, stored)
-    config = _hf_config(arch_name, arch, meta, stored)
+    config = _hf_config(family, meta, stored)
     names, experts = _tensor_names(arch, config)
     _check_tensors(names, stored, _expected_shapes(config, arch))
     heads: dict[str, int] = {}
@@ -260,8 +231,10 @@ def _reject_rope_scaling(arch_name: str, meta: Mapping[str, Any], stored: Mappin
         raise GGUFError("llama3-style rope frequency scaling (tensor 'rope_freqs.weight') is not supported yet")
 
 
-def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, Any]:
+def _hf_config(family: FamilySpec, meta: Mapping[str, Any], stored: Mapping[str, Any]) -> dict[str, Any]:
     """A transformers `config.json` dict from the `{arch}.*` and `tokenizer.ggml.*` metadata."""
+    arch = family.gguf
+    arch_name = arch.name
 
     def get(key: str, default: Any = None, kind: type = int) -> Any:
         """A positive int (or a positive finite float for kind=float) metadata value."""
@@ -288,8 +261,8 @@ def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Map
     if layers > len(stored):
         raise GGUFError(f"metadata {arch_name}.block_count = {layers}, but the file holds only {len(stored)} tensors")
     config: dict[str, Any] = {
-        "architectures": [arch.hf_class],
-        "model_type": arch.model_type,
+        "architectures": [family.architectures[0]],
+        "model_type": family.model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length", meta.get(f"{arch_name}.expert_feed_forward_length")),
@@ -322,7 +295,7 @@ def _hf_config(arch_name: str, arch: _Arch, meta: Mapping[str, Any], stored: Map
     return config
 
 
-def _tensor_names(arch: _Arch, config: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, int]]:
+def _tensor_names(arch: GGUFArch, config: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, int]]:
     """HF name -> GGUF name of every tensor the model needs, in HF state-dict order; and HF name ->
     expert index for the experts' slices of the 3-D ``ffn_*_exps`` tensors."""
     per_layer = dict(_LAYER_NAMES)
@@ -349,7 +322,7 @@ def _tensor_names(arch: _Arch, config: Mapping[str, Any]) -> tuple[dict[str, str
     return names, experts
 
 
-def _expected_shapes(config: Mapping[str, Any], arch: _Arch) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: Mapping[str, Any], arch: GGUFArch) -> dict[str, tuple[int, ...]]:
     """HF name suffix -> HF shape, for checking the metadata against the tensors."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
 from rlx.models.config import ModelConfig, from_hf_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
+from rlx.models.families import family_of
 from rlx.models.host_layout import on_host, once_per_index, read_direct, read_transposed
 from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder, save_sharded
@@ -56,9 +57,9 @@ def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
     us, hf = f"layers/{i}", f"model.layers.{i}"
     out = {f"{us}/{n}/weight": ParamSource((f"{hf}.{n}.weight",), "copy")
            for n in ("input_layernorm", "post_attention_layernorm")}
-    attention = _mla_map if cfg.mla is not None else _attention_map
+    attention = {"gqa": _attention_map, "mla": _mla_map}[cfg.attention_kind]
     out.update(attention(cfg, f"{us}/self_attn", f"{hf}.self_attn"))
-    if not cfg.is_sparse_layer(i):
+    if cfg.mlp_kind(i) == "dense":
         for p in ("gate_proj", "up_proj", "down_proj"):
             out[f"{us}/mlp/{p}/kernel"] = ParamSource((f"{hf}.mlp.{p}.weight",), "T")
         return out
@@ -98,10 +99,8 @@ def _mla_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
 def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
     m = cfg.moe
     assert m is not None
-    if cfg.model_type == "mixtral":
-        block, names = f"{hf}.block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-    else:
-        block, names = f"{hf}.mlp", {p: p for p in ("gate_proj", "up_proj", "down_proj")}
+    moe_names = family_of(cfg).moe_names  # the family's names of its sparse block
+    block, names = f"{hf}.{moe_names.block}", dict(moe_names.experts)
     out = {f"{us}/mlp/router": ParamSource((f"{block}.gate.weight",), "T")}
     if m.correction_bias:
         out[f"{us}/mlp/correction_bias"] = ParamSource((f"{block}.gate.e_score_correction_bias",), "copy")
@@ -109,8 +108,7 @@ def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
         srcs = tuple(f"{block}.experts.{e}.{theirs}.weight" for e in range(m.num_experts))
         out[f"{us}/mlp/experts/{ours}"] = ParamSource(srcs, "stack_T")
     if m.shared_intermediate_size:  # Qwen2-MoE: one gated shared_expert; DeepSeek / GLM: several
-        shared = "shared_experts" if cfg.model_type in ("deepseek_v3", "glm4_moe") else "shared_expert"
-        out.update(_linears(f"{us}/mlp/shared_expert", f"{block}.{shared}",
+        out.update(_linears(f"{us}/mlp/shared_expert", f"{block}.{moe_names.shared}",
                             ("gate_proj", "up_proj", "down_proj")))
     if m.shared_expert_gate:
         out[f"{us}/mlp/shared_gate"] = ParamSource((f"{block}.shared_expert_gate.weight",), "T")

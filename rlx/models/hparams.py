@@ -4,8 +4,9 @@
 bias), Qwen3 (q/k RMSNorm), Mixtral, Qwen2-MoE (shared expert with a sigmoid gate), Qwen3-MoE,
 DeepSeek-V3 (multi-head latent attention, ``MLAConfig``; also Kimi-K2 and, with
 ``q_lora_rank=None``, DeepSeek-V2-Lite shapes) and GLM-4.5 (GQA with partial rotary). The
-translation from and to transformers' ``config.json`` lives in ``rlx.models.config``; this module
-knows nothing of HF field names beyond the comments, so the records can be built directly.
+translation from and to transformers' ``config.json`` lives in ``rlx.models.config`` and the
+families' specs (``rlx.models.families``, which also name the HF classes); this module knows
+nothing of HF field names beyond the comments, so the records can be built directly.
 
 Derived sizes (``rotary_dim``, ``value_head_dim``, ``first_k_dense_replace``, ``num_params``)
 are computed here, once, for the modules, the KV cache and the memory planner.
@@ -16,18 +17,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "Glm4MoeForCausalLM": "glm4_moe",
-}
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # rotary frequency scalings rlx implements
 ROUTERS = ("softmax", "sigmoid")  # MoE router scoring functions
+ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention; multi-head latent attention
+MLP_KINDS = ("dense", "moe")  # a SwiGLU MLP; routed experts (and shared ones)
 
 
 class ModelConfigError(ValueError):
@@ -182,10 +175,6 @@ class ModelConfig:
     mla: MLAConfig | None = None  # multi-head latent attention instead of GQA
 
     @property
-    def model_type(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
-
-    @property
     def rotary_dim(self) -> int:
         """Dimensions of a head that rotate: MLA's ``qk_rope_head_dim``, else ``head_dim`` times
         the rope's ``partial_rotary_factor`` (the rotary angles are computed for this width)."""
@@ -204,6 +193,15 @@ class ModelConfig:
         sparse = self.moe.sparse_layers if self.moe is not None else ()
         k = self.num_layers - len(sparse)
         return k if tuple(sparse) == tuple(range(k, self.num_layers)) else None
+
+    @property
+    def attention_kind(self) -> str:
+        """The attention layers' kind (one of ATTENTION_KINDS): ``"mla"`` with ``mla``, else GQA."""
+        return "mla" if self.mla is not None else "gqa"
+
+    def mlp_kind(self, i: int) -> str:
+        """Layer ``i``'s MLP kind (one of MLP_KINDS): ``"moe"`` for a sparse layer, else dense."""
+        return "moe" if self.is_sparse_layer(i) else "dense"
 
     def is_sparse_layer(self, i: int) -> bool:
         return self.moe is not None and i in self.moe.sparse_layers
@@ -245,5 +243,5 @@ class ModelConfig:
         return n
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ROPE_KINDS", "ROUTERS", "ModelConfigError", "RopeConfig",
+__all__ = ["ROPE_KINDS", "ROUTERS", "ATTENTION_KINDS", "MLP_KINDS", "ModelConfigError", "RopeConfig",
            "MLAConfig", "MoEConfig", "ModelConfig", "yarn_get_mscale"]

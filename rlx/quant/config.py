@@ -13,6 +13,7 @@ import dataclasses
 
 from rlx.errors import ConfigError, one_of
 from rlx.models.decoder import DTYPES
+from rlx.models.families import GQA_TARGETS, MLA_TARGETS  # every projection of a GQA / MLA model
 
 # "shipped": the checkpoint's own representation (rlx.quant.shipped): a quantized HF folder's
 # quantization_config, a GGUF file's blocks, a float checkpoint's floats
@@ -29,8 +30,6 @@ TARGET_MODULES = {**ATTN_MODULES, **MLP_MODULES}
 ATTN_TARGETS = tuple(ATTN_MODULES)
 MLP_TARGETS = tuple(MLP_MODULES)
 LORA_TARGETS = ATTN_TARGETS + MLP_TARGETS
-GQA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # every projection of a GQA model
-MLA_TARGETS = ("q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down")  # ... of an MLA model
 QUANT_MODULES = ("all", "experts")  # QuantConfig.modules
 
 # base format -> serving formats that carry its exact values (README table).

@@ -25,7 +25,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, yarn_apply_msc
 
 from rlx.learner.state import MODES
 from rlx.models import Transformer, from_hf, from_hf_config, hf_state_dict, to_hf_config
-from rlx.models.hparams import SUPPORTED_ARCHITECTURES
+from rlx.models.families import SUPPORTED_ARCHITECTURES
 from rlx.models.kv_cache import KVCache
 from rlx.models.layers import rope_inv_freq
 from rlx.models.loading import ShrinkSection, shrunk

@@ -18,7 +18,7 @@ from flax import nnx
 
 from rlx.io.fingerprint import base_reference
 from rlx.models import Transformer, from_hf_config
-from rlx.models.hparams import SUPPORTED_ARCHITECTURES
+from rlx.models.families import SUPPORTED_ARCHITECTURES
 from rlx.models.stack import stack_layers, stored_bits, unrolled
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from tests.helpers.hf_zoo import hf_config

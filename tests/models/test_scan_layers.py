@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 
 from rlx.models import Transformer, from_hf_config
-from rlx.models.hparams import SUPPORTED_ARCHITECTURES, ModelConfig
+from rlx.models.families import SUPPORTED_ARCHITECTURES
+from rlx.models.hparams import ModelConfig
 from rlx.models.loading import ModelSection
 from rlx.models.kv_cache import KVCache
 from rlx.models.stack import (cache_stacks, decode_model, is_stacked, layer_counts, layer_runs, per_layer_tree,

@@ -10,7 +10,7 @@ import pytest
 
 from rlx.mesh import SAMPLE_RULES, MeshShape, batch_sharding, batch_shards, make_mesh
 from rlx.models import from_hf_config
-from rlx.models.hparams import SUPPORTED_ARCHITECTURES
+from rlx.models.families import SUPPORTED_ARCHITECTURES
 from rlx.models.kv_cache import KVCache
 from rlx.plan import plan
 from rlx.plan.memory import kv_cache_bytes, kv_cache_per_token, step_bytes, step_features

@@ -1,0 +1,38 @@
+"""Model families as specs: one module per transformers ``model_type`` (llama, qwen2, qwen3,
+mixtral, qwen2_moe, qwen3_moe, deepseek_v3 with Kimi-K2, glm4_moe), each a ``FamilySpec``
+(``rlx.models.families.spec``), and the registry the generic readers and writers ask.
+
+Adding a family is one new module with its ``SPEC`` (and its parity test), listed in
+``_MODULES`` below; nothing else in rlx names a family.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlx.models.families import (deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen3,
+                                 qwen3_moe)
+from rlx.models.families.spec import (ATTENTION_KINDS, GQA_TARGETS, MLA_TARGETS, MLP_KINDS,
+                                      FamilySpec, GGUFArch, MoENames)
+from rlx.models.hparams import ModelConfig
+
+_MODULES = (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe)
+
+FAMILIES: dict[str, FamilySpec] = {m.SPEC.model_type: m.SPEC for m in _MODULES}  # by model_type
+BY_ARCHITECTURE: dict[str, FamilySpec] = {a: s for s in FAMILIES.values() for a in s.architectures}
+# HF class name -> model_type, for every class rlx reads
+SUPPORTED_ARCHITECTURES: dict[str, str] = {a: s.model_type for a, s in BY_ARCHITECTURE.items()}
+# published config.json values by checkpoint id, over all families
+PRESETS: dict[str, dict[str, Any]] = {k: v for s in FAMILIES.values() for k, v in s.presets.items()}
+# GGUF general.architecture -> family
+GGUF_ARCHS: dict[str, FamilySpec] = {s.gguf.name: s for s in FAMILIES.values() if s.gguf is not None}
+
+
+def family_of(cfg: ModelConfig) -> FamilySpec:
+    """The family of a model config (by its HF class)."""
+    return BY_ARCHITECTURE[cfg.architecture]
+
+
+__all__ = ["FAMILIES", "BY_ARCHITECTURE", "SUPPORTED_ARCHITECTURES", "PRESETS", "GGUF_ARCHS",
+           "family_of", "FamilySpec", "GGUFArch", "MoENames", "ATTENTION_KINDS", "MLP_KINDS",
+           "GQA_TARGETS", "MLA_TARGETS"]
