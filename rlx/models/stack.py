@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rlx.mesh import LogicalRules, named_sharding, target_platform
-from rlx.models.host_layout import aligned_empty, on_host, uint_view
+from rlx.platform.cpu.host_layout import aligned_empty, on_host, uint_view
 
 LAYERS = "layers"  # logical name of the stacked axis (no mesh axis in any rules table)
 BITS = "stored_bits"  # variable metadata: the float dtype a uint8 stack holds (``stored_bits``)

@@ -36,7 +36,7 @@ from jaxtyping import Array
 
 from rlx.mesh import target_platform
 from rlx.models.mixed import FEW_ROWS, mixed_einsum
-from rlx.quant import cpu_kernels
+from rlx.platform.cpu import kernels as cpu_kernels
 from rlx.quant.config import QuantConfigError
 
 _NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -141,7 +141,7 @@ class QTensor(nnx.Module):
     def head_product(self, h: Array, dtype) -> Array | None:
         """``h @ W.T`` for an int8 channel ``[vocab, d]`` embedding used as the tied output head:
         its stored ``[d, vocab]`` values with one scale per vocabulary row are the native int8
-        kernel's operands (``rlx.quant.cpu_kernels``), for a decode step's few f32 rows on
+        kernel's operands (``rlx.platform.cpu.kernels``), for a decode step's few f32 rows on
         XLA:CPU; None (dequantize inside the product) elsewhere."""
         rows = math.prod(h.shape[:-1])
         if not self._native(rows, dtype, head=True):
@@ -161,7 +161,7 @@ class QTensor(nnx.Module):
         reads the packed weights inside the product instead of writing and re-reading a float
         copy of the matrix on every call. On XLA:CPU, which converts a product's operand into a
         float copy first, a decode step's few f32 rows take the native int8 channel kernel
-        (``rlx.quant.cpu_kernels``) where it runs, else ``_chunked_product``.
+        (``rlx.platform.cpu.kernels``) where it runs, else ``_chunked_product``.
         """
         k, n = self.kn
         bk, bn = self.block
@@ -194,7 +194,7 @@ class QTensor(nnx.Module):
         return y.astype(out_dtype).reshape(*x.shape[:-1], n)
 
     def _native(self, rows: int, dtype, head: bool = False) -> bool:
-        """Whether ``rlx.quant.cpu_kernels`` multiplies these values: int8 with one scale per
+        """Whether ``rlx.platform.cpu.kernels`` multiplies these values: int8 with one scale per
         output and no zero point, a decode step's few f32 rows of a 2-D kernel (``head``: of a
         transposed embedding's stored ``[d, vocab]``), on XLA:CPU."""
         return (self.fmt == "int8" and self.zero is None and self.block == (self.kn[0], 1)
