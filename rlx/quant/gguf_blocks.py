@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
-from rlx.mesh import target_platform
 from rlx.models.mixed import FEW_ROWS
 from rlx.platform.cpu import kernels as cpu_kernels
+from rlx.platform.policy import current
 from rlx.quant.gguf_kquants import DECODERS, f16, rounded
 from rlx.quant.tensors import QuantWeight
 
@@ -199,7 +199,7 @@ class GGUFTensor(nnx.Module):
         ``rlx.platform.cpu.kernels`` where it runs, else ``rows_product``); else None."""
         rows = math.prod(x.shape[:-1])
         if (self.qtype not in PLANAR or len(self.hf_shape) != 2 or rows > FEW_ROWS
-                or jnp.dtype(dtype) != jnp.float32 or target_platform() != "cpu"):
+                or jnp.dtype(dtype) != jnp.float32 or not current().few_row_products):
             return None
         x2 = x.reshape(rows, -1).astype(jnp.float32)
         blocks = self.blocks[...]
