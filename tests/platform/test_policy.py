@@ -1,13 +1,16 @@
 """rlx.platform.policy: one policy per platform, chosen once from the mesh's devices or, while
 tracing, from the innermost ``compiling_for`` / ``active`` block."""
 
+import ast
 import dataclasses
+import os
 
 import jax
 
 from rlx.mesh import MeshShape, make_mesh
 from rlx.platform import (CPU, GPU, TPU, PlatformPolicy, active, compiling_for, current, policy_for,
                           policy_of)
+from tests.helpers import ROOT
 
 
 def test_the_cpu_mesh_gets_the_cpu_policy():
@@ -59,3 +62,67 @@ def test_train_step_compiler_options():
     assert GPU.compiler_options(recompute=True) is None
     tpu = {"xla_tpu_enable_sparse_core_collective_offload_all_reduce": False}
     assert TPU.compiler_options(recompute=False) == TPU.compiler_options(recompute=True) == tpu
+
+
+# Platform names as JAX spells them; a comparison against one (or a collection holding one) is
+# a platform test, as is asking JAX for its backend or comparing a device's ``.platform``.
+PLATFORM_NAMES = {"cpu", "gpu", "tpu", "cuda", "rocm"}
+
+
+def _names_a_platform(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value.lower() in PLATFORM_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_platform(e) for e in node.elts)
+    return False
+
+
+def _device_platform(node: ast.AST) -> bool:
+    """``x.platform`` (a device's), not ``sys.platform`` (the operating system's)."""
+    return (isinstance(node, ast.Attribute) and node.attr == "platform"
+            and not (isinstance(node.value, ast.Name) and node.value.id == "sys"))
+
+
+def platform_tests(source: str) -> list[tuple[int, str]]:
+    """(line, what) for every platform test in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            if any(_names_a_platform(o) or _device_platform(o) for o in operands):
+                found.append((node.lineno, "compares a platform"))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and _names_a_platform(node):
+            found.append((node.lineno, "lists platform names"))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name == "default_backend":
+                found.append((node.lineno, "asks JAX for its backend"))
+    return sorted(found)
+
+
+def test_the_checker_sees_each_kind_of_platform_test():
+    source = ('a = jax.default_backend() == "cpu"\n'
+              'b = d.platform != x\n'
+              'c = p not in ("gpu", "tpu")\n'
+              'BACKENDS = ["cuda", "rocm"]\n'
+              'ok = sys.platform == "linux" or {"cpu": 1}["cpu"] or p.decode_layout == "out_in"\n')
+    assert [line for line, _ in platform_tests(source)] == [1, 1, 2, 3, 3, 4]
+
+
+def test_no_platform_tests_outside_the_platform_package():
+    """Models, quant, rollout, learner, ... read ``PlatformPolicy`` fields; only rlx/platform/
+    (the policy, its CPU package) names platforms. The benchmarks may."""
+    bad = []
+    rlx = os.path.join(ROOT, "rlx")
+    for folder, _, files in os.walk(rlx):
+        rel = os.path.relpath(folder, rlx).split(os.sep)[0]
+        if rel in ("platform", "bench"):
+            continue
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                bad += [f"{os.path.relpath(path, ROOT)}:{line}: {what}"
+                        for line, what in platform_tests(open(path).read())]
+    assert not bad, "platform tests outside rlx/platform/ (read the policy instead):\n" + (
+        "\n".join(bad))
