@@ -7,6 +7,7 @@ import os
 
 import jax
 
+from rlx.learner.step import FORWARDS, compiler_options
 from rlx.mesh import MeshShape, make_mesh
 from rlx.platform import (CPU, GPU, TPU, PlatformPolicy, active, compiling_for, current, policy_for,
                           policy_of)
@@ -62,6 +63,13 @@ def test_train_step_compiler_options():
     assert GPU.compiler_options(recompute=True) is None
     tpu = {"xla_tpu_enable_sparse_core_collective_offload_all_reduce": False}
     assert TPU.compiler_options(recompute=False) == TPU.compiler_options(recompute=True) == tpu
+
+
+def test_the_train_step_takes_the_options_of_its_meshs_policy():
+    mesh = make_mesh(MeshShape(data=8))
+    assert compiler_options(mesh, FORWARDS["layer"]) == CPU.compiler_options(recompute=True)
+    assert compiler_options(mesh, FORWARDS["projections"]) == CPU.compiler_options(recompute=True)
+    assert compiler_options(mesh, FORWARDS["none"]) is None
 
 
 # Platform names as JAX spells them; a comparison against one (or a collection holding one) is
