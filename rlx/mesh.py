@@ -15,11 +15,9 @@ what the model code (plain ``jnp`` ops, no ``out_sharding=`` arguments) expects.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -106,28 +104,6 @@ class MeshShape:
     @property
     def num_devices(self) -> int:
         return math.prod(self.sizes)
-
-
-_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "rlx_target_platform", default=None)
-
-
-def target_platform() -> str:
-    """The platform the code being traced will run on: ``jax.default_backend()``, or the one an
-    enclosing ``compiling_for`` names. Branches that pick a layout, dtype or kernel per platform
-    read this, so that a program compiled ahead of time for devices this host lacks (TPU
-    topologies, ``rlx.plan.aot``) takes that platform's branches."""
-    return _TARGET_PLATFORM.get() or jax.default_backend()
-
-
-@contextlib.contextmanager
-def compiling_for(platform: str) -> Iterator[None]:
-    """Within this block ``target_platform()`` is ``platform`` (e.g. ``"tpu"``)."""
-    token = _TARGET_PLATFORM.set(platform)
-    try:
-        yield
-    finally:
-        _TARGET_PLATFORM.reset(token)
 
 
 def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:

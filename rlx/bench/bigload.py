@@ -308,7 +308,7 @@ def read_into_new(folder: str) -> dict:
     allocates, ``host_layout.aligned_empty``), all kept to the end, as a loader must at least do
     (fresh memory costs the kernel page faults and clearing that a reused buffer does not); run
     in a fresh process (``measure_read_into_new``) like the load."""
-    from rlx.models.host_layout import aligned_empty
+    from rlx.platform.cpu.host_layout import aligned_empty
     from rlx.models.safetensors_io import DTYPES, SafetensorsFolder
 
     tensors = SafetensorsFolder(folder)

@@ -11,7 +11,7 @@ The SmolLM2 "GGUF Q4_1" row uses the file's own blocks; other GGUF rows quantize
 with the ``gguf`` package (as the error table does). Quantized bases trade memory for dequantization
 work inside the matmul: on a CPU, where decode reads every weight once per token, fewer bytes can
 win or lose depending on how cheap the dequantization is. A CPU decode step's quantized products
-run ``rlx.quant.cpu_kernels`` where it builds (with ``RLX_CPU_KERNELS=0`` in the environment,
+run ``rlx.platform.cpu.kernels`` where it builds (with ``RLX_CPU_KERNELS=0`` in the environment,
 XLA's). Columns: tokens/s and tokens per CPU-second of the worker (every thread), medians.
 """
 

@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from rlx.learner.compiled import UpdatePerShape
 from rlx.platform.compiled import CompiledPerShape
+from rlx.platform.policy import policy_of
 from rlx.kernels.logprobs import LMHead, Projection, token_logprobs
 from rlx.learner.losses import LossConfig, LossMetrics, policy_loss, sequence_count
 from rlx.learner.state import (OptimizerConfig, TrainState, make_optimizer, make_schedule,
@@ -375,26 +376,16 @@ def make_train_step(
                           compiler_options=compiler_options(mesh, apply_fn))
 
 
-# libtpu (0.0.52) fails to compile a bf16 all-reduce that it offloads to TPU7x's SparseCores
-# (a full-parameter step's bf16 gradients: "Failed to verify lowered MLO module ...
-# 'sc_tpu.vector_store' op Value element type 'f32' does not match base element type 'bf16'");
-# the TensorCores reduce them instead
-TPU_OPTIONS = {"xla_tpu_enable_sparse_core_collective_offload_all_reduce": False}
-
-
 def compiler_options(mesh: Mesh, apply_fn: ApplyFn) -> dict[str, str | bool] | None:
-    """XLA options of the train step. On CPU with recomputation (``RECOMPUTING``): the
-    memory-optimised scheduler. With XLA:CPU's default order the recomputed activations of every
-    layer stay alive together inside the micro-batch loop, which undoes ``train.remat='layer'``;
-    this scheduler restores the saving remat is for. Without remat it lowers the peak little and
-    slows the update, so those steps keep the default (and the planner's calibration). GPU and TPU
-    compilers schedule for memory already; TPU gets ``TPU_OPTIONS``."""
-    platform = mesh.devices.flat[0].platform
-    if platform == "tpu":
-        return dict(TPU_OPTIONS)
-    if platform != "cpu" or apply_fn not in RECOMPUTING:
-        return None
-    return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    """XLA options of the train step, as the policy of ``mesh``'s platform gives them
+    (``PlatformPolicy.compiler_options``), the step recomputing activations or not
+    (``RECOMPUTING``). On CPU with recomputation: the memory-optimised scheduler. With XLA:CPU's
+    default order the recomputed activations of every layer stay alive together inside the
+    micro-batch loop, which undoes ``train.remat='layer'``; this scheduler restores the saving
+    remat is for. Without remat it lowers the peak little and slows the update, so those steps
+    keep the default (and the planner's calibration). GPU and TPU compilers schedule for memory
+    already; TPU gets ``rlx.platform.policy.TPU_OPTIONS``."""
+    return policy_of(mesh).compiler_options(recompute=apply_fn in RECOMPUTING)
 
 
 def make_logprob_step(

@@ -3,7 +3,7 @@
 Loading never builds the whole model on one device: the model is created abstractly
 (``nnx.eval_shape``), each parameter's sharding is derived from its logical axes, and each process
 reads just the distinct slices its devices hold from the safetensors files
-(``jax.make_array_from_callback``; on CPU devices laid out by the host, ``rlx.models.host_layout``).
+(``jax.make_array_from_callback``; on CPU devices laid out by the host, ``rlx.platform.cpu.host_layout``).
 HF linears are ``[out, in]``; rlx kernels are ``[in, out]``, and MoE experts are stacked ``[E, ...]``
 (checkpoints hold one tensor per expert, ``...experts.{e}.gate_proj.weight``, which is also what
 transformers 5.x ``save_pretrained`` writes). Besides the ``nnx.Param`` leaves, a router's
@@ -28,7 +28,7 @@ from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
 from rlx.models.config import ModelConfig, from_hf_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.families import family_of
-from rlx.models.host_layout import on_host, once_per_index, read_direct, read_transposed
+from rlx.platform.cpu.host_layout import on_host, once_per_index, read_direct, read_transposed
 from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder, save_sharded
 from rlx.models.stack import unrolled
@@ -200,7 +200,7 @@ def load_model(
 def place(shape: tuple, dtype, sharding, tensors, src: ParamSource) -> jax.Array:
     """One parameter of rlx ``shape`` / ``dtype`` placed with ``sharding``, each device reading
     only its slice of the HF tensor(s). CPU devices get it in rlx's layout from the host
-    (``rlx.models.host_layout``: no compile, no second copy); an accelerator copies its slice as
+    (``rlx.platform.cpu.host_layout``: no compile, no second copy); an accelerator copies its slice as
     stored and turns it into rlx's layout and dtype itself (``to_layout``)."""
     if isinstance(tensors, SafetensorsFolder) and on_host(sharding):
         return jax.make_array_from_callback(

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
-from rlx.mesh import target_platform
 from rlx.models.hparams import ModelConfig
 from rlx.models.mixed import is_low_precision
+from rlx.platform.policy import PlatformPolicy, current
 
 
 @struct.dataclass
@@ -116,18 +116,18 @@ class KVCache:
         return self.replace(keys=tuple(keys), values=tuple(values), index=self.index + steps)
 
 
-def cache_dtype(dtype, platform: str | None = None) -> jnp.dtype:
+def cache_dtype(dtype, policy: PlatformPolicy | None = None) -> jnp.dtype:
     """Element type of the keys/values a decode in compute ``dtype`` caches: f32 for a 16-bit
-    float compute dtype on a CPU, ``dtype`` elsewhere (``platform``: by default
-    ``rlx.mesh.target_platform()``).
+    float compute dtype where the platform's ``policy`` widens the cache (``wide_kv_cache``:
+    XLA:CPU), ``dtype`` elsewhere (``policy``: by default ``rlx.platform.current()``).
 
     XLA:CPU evaluates a bf16 / f16 ``dynamic_update_slice`` in f32: writing one slot converted the
     whole cache to f32 and back, a copy of every layer's keys and values per decode step (a large
     share of a bf16 generation's time). An f32 cache is written in place;
     it holds the compute dtype's values exactly (attention reads them as such, see
     ``rlx.models.layers.gqa_attention``), at twice the bytes."""
-    on_cpu = (platform or target_platform()) == "cpu"
-    return jnp.dtype(jnp.float32) if on_cpu and is_low_precision(dtype) else jnp.dtype(dtype)
+    wide = (policy or current()).wide_kv_cache
+    return jnp.dtype(jnp.float32) if wide and is_low_precision(dtype) else jnp.dtype(dtype)
 
 
 def layer_shapes(cfg: ModelConfig, batch: int, length: int) -> tuple[tuple[int, ...], ...]:

@@ -22,6 +22,7 @@ from rlx.models.moe import MOE_IMPLS, CorrectionBias
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.models.stack import scan_default
 from rlx.models.tokenizer import Tokenizer
+from rlx.platform.policy import PlatformPolicy
 
 FORMATS = ("auto", "hf", "gguf")  # config.model.format; "auto": by the path's extension
 SCAN_MODES = ("auto", "on", "off")  # config.model.scan_layers
@@ -60,7 +61,7 @@ class ModelSection:
     shrink: ShrinkSection = ShrinkSection()  # random shrunken copy instead of the weights
     # decoder layers stacked and run with lax.scan (rlx.models.stack): one compiled layer body
     # instead of one per layer. "auto": on for models of SCAN_FROM_LAYERS (16) layers or more,
-    # except on CPU from CPU_UNROLL_FROM_PARAMS (50M) parameters without train.remat
+    # except on CPU from 50M parameters without train.remat (unroll_train_from_params)
     # (stack.scan_default); "on"; "off" (a Python loop over the layers). Files on disk are the
     # same either way
     scan_layers: str = "auto"
@@ -105,12 +106,13 @@ class ModelSection:
         dropless)."""
         return self.moe_capacity_factor or None
 
-    def scans(self, arch: ModelConfig, platform: str, recompute: bool = False) -> bool:
-        """Whether a model of architecture ``arch`` runs its layers scanned on ``platform``, its
+    def scans(self, arch: ModelConfig, policy: PlatformPolicy, recompute: bool = False) -> bool:
+        """Whether a model of architecture ``arch`` runs its layers scanned under the platform's
+        ``policy`` (``rlx.platform.policy_of(mesh)``), its
         train step recomputing activations or not (``scan_layers``; "auto":
         ``rlx.models.stack.scan_default``)."""
         return self.scan_layers == "on" or (self.scan_layers == "auto" and scan_default(
-            arch.num_layers, arch.num_params(), platform, recompute))
+            arch.num_layers, arch.num_params(), policy, recompute))
 
     @property
     def resolved_format(self) -> str:

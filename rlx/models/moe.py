@@ -49,12 +49,13 @@ from flax import nnx
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from rlx.mesh import LogicalRules, gathered_rules, target_platform
+from rlx.mesh import LogicalRules, gathered_rules
 from rlx.models.grouped import grouped_matmul
 from rlx.models.hparams import MoEConfig
 from rlx.models.layers import Linear, param, quantize_activations, weight_value
 from rlx.models.moe_dispatch import ExpertParallel, dispatch
 from rlx.models.stack import LayerGather, LayerStack
+from rlx.platform.policy import current
 
 MOE_IMPLS = ("ragged", "dense")  # the two implementations above (config.model.moe_impl)
 
@@ -97,7 +98,7 @@ class Experts(nnx.Module):
         """One projection of the grouped rows: ``w`` the stored stack (a float variable, or a
         frozen quantized tensor, which XLA:CPU multiplies one expert's matrix at a time)."""
         xq = quantize_activations(x, self.act_quant)
-        if not isinstance(w, nnx.Variable) and target_platform() == "cpu":
+        if not isinstance(w, nnx.Variable) and current().experts_one_at_a_time:
             y = grouped_matmul(xq, w, group_sizes)
         else:
             y = jax.lax.ragged_dot(xq, weight_value(w, self.dtype), group_sizes)

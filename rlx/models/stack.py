@@ -38,8 +38,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.mesh import LogicalRules, named_sharding, target_platform
-from rlx.models.host_layout import aligned_empty, on_host, uint_view
+from rlx.mesh import LogicalRules, named_sharding
+from rlx.platform.cpu.host_layout import aligned_empty, on_host, uint_view
+from rlx.platform.policy import PlatformPolicy, current
 
 LAYERS = "layers"  # logical name of the stacked axis (no mesh axis in any rules table)
 BITS = "stored_bits"  # variable metadata: the float dtype a uint8 stack holds (``stored_bits``)
@@ -287,11 +288,12 @@ def scan(stack: LayerStack, carry, xs, fn: Callable, policy=None, remat: bool = 
 
 def _as_bits(value):
     """A stacked 1-byte float array not stored as its bits (a stack sharded over several
-    devices) as its ``uint8`` bits on XLA:CPU, bitcast in the program: XLA:CPU then copies the
-    stack's bytes once ahead of the loop instead of widening every layer to a wider float.
-    Elsewhere, and for other types, ``value`` itself."""
+    devices) as its ``uint8`` bits where the platform's policy says so (``byte_floats_as_bits``:
+    XLA:CPU), bitcast in the program: XLA:CPU then copies the stack's bytes once ahead of the
+    loop instead of widening every layer to a wider float. Elsewhere, and for other types,
+    ``value`` itself."""
     dtype = getattr(value, "dtype", None)
-    if dtype is None or not _byte_float(dtype) or target_platform() != "cpu":
+    if dtype is None or not _byte_float(dtype) or not current().byte_floats_as_bits:
         return value
     return jax.lax.bitcast_convert_type(value, jnp.uint8)
 
@@ -412,23 +414,24 @@ def cache_stacks(model: nnx.Module) -> tuple[int, ...] | None:
     return None if getattr(model, "unroll_decode", False) else layer_counts(model)
 
 
-def scan_default(num_layers: int, params: int = 0, platform: str = "",
+def scan_default(num_layers: int, params: int = 0, policy: PlatformPolicy | None = None,
                  recompute: bool = False) -> bool:
     """Whether ``config.model.scan_layers="auto"`` scans the layers of a model of ``num_layers``
-    layers and ``params`` parameters trained on ``platform``: from ``SCAN_FROM_LAYERS`` layers
-    on, where the unrolled program's size starts to dominate compile time. Except on XLA:CPU, for
-    a model of ``CPU_UNROLL_FROM_PARAMS`` parameters or more whose train step keeps its
-    activations (no ``recompute``, ``train.remat='none'``): there the unrolled step runs faster by
-    more than its longer compile costs once."""
-    if platform == "cpu" and params >= CPU_UNROLL_FROM_PARAMS and not recompute:
+    layers and ``params`` parameters trained under the platform's ``policy`` (None: the plain
+    one): from ``SCAN_FROM_LAYERS`` layers on, where the unrolled program's size starts to
+    dominate compile time. Except where the policy unrolls large models
+    (``unroll_train_from_params``), for a model of that many parameters or more whose train step
+    keeps its activations (no ``recompute``, ``train.remat='none'``): there the unrolled step runs
+    faster by more than its longer compile costs once."""
+    unroll_from = policy.unroll_train_from_params if policy is not None else None
+    if unroll_from is not None and params >= unroll_from and not recompute:
         return False
     return num_layers >= SCAN_FROM_LAYERS
 
 
 SCAN_FROM_LAYERS = 16
-CPU_UNROLL_FROM_PARAMS = 50_000_000
 
 __all__ = ["LAYERS", "LayerGather", "LayerStack", "layer_runs", "is_stacked", "stack_blocks",
            "unstack_block", "stack_layers", "unstack_layers", "unrolled", "scan", "decode_model",
            "layer_counts", "cache_stacks", "LayerSlice", "per_layer_tree", "stacked_tree",
-           "scan_default", "SCAN_FROM_LAYERS", "CPU_UNROLL_FROM_PARAMS"]
+           "scan_default", "SCAN_FROM_LAYERS"]

@@ -34,13 +34,14 @@ import sys
 import time
 
 from rlx.learner.state import MODES
-from rlx.mesh import batch_shards, compiling_for, make_mesh
+from rlx.mesh import batch_shards, make_mesh
 from rlx.plan.aot_sample import (SAMPLE_CALIBRATION, SAMPLE_WHOLE_MODEL_POINTS, fit_sample_coeffs,
                                  generate_lowered, local_expert_bytes, sample_temp)
 from rlx.plan.memory import compiled_bytes, state_bytes, step_features
 from rlx.plan.planner import (GB, Plan, format_plan, load_config_file, parse_mesh, plan,
                               spec_from_config)
 from rlx.plan.spec import PlanSpec
+from rlx.platform.policy import compiling_for
 
 GIB = 2 ** 30
 # HBM per chip (GiB) by TPU generation, from Google Cloud's TPU pages (TPU7x: "HBM capacity per
@@ -168,7 +169,7 @@ _OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([GMK])\)")
 
 def measure(compile_fn) -> XlaMemory:
     """Run ``compile_fn()`` (-> a ``memory_analysis()``, or ``compiled_bytes``' dict) for TPU
-    (``compiling_for``) and time it; XLA:TPU's refusal to exceed HBM becomes a record."""
+    (``rlx.platform.compiling_for``: TPU's policy) and time it; XLA:TPU's refusal to exceed HBM becomes a record."""
     start = time.perf_counter()
     try:
         with compiling_for("tpu"):

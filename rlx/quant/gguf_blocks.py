@@ -34,9 +34,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array
 
-from rlx.mesh import target_platform
 from rlx.models.mixed import FEW_ROWS
-from rlx.quant import cpu_kernels
+from rlx.platform.cpu import kernels as cpu_kernels
+from rlx.platform.policy import current
 from rlx.quant.gguf_kquants import DECODERS, f16, rounded
 from rlx.quant.tensors import QuantWeight
 
@@ -196,10 +196,10 @@ class GGUFTensor(nnx.Module):
     def _few_rows(self, x: Array, dtype, out_dtype) -> Array | None:
         """``x @ W.T`` for the stored ``[N, K]`` matrix ``W`` where it applies: a 2-D planar
         tensor, f32 compute, at most ``FEW_ROWS`` rows, on XLA:CPU (the native kernel of
-        ``rlx.quant.cpu_kernels`` where it runs, else ``rows_product``); else None."""
+        ``rlx.platform.cpu.kernels`` where it runs, else ``rows_product``); else None."""
         rows = math.prod(x.shape[:-1])
         if (self.qtype not in PLANAR or len(self.hf_shape) != 2 or rows > FEW_ROWS
-                or jnp.dtype(dtype) != jnp.float32 or target_platform() != "cpu"):
+                or jnp.dtype(dtype) != jnp.float32 or not current().few_row_products):
             return None
         x2 = x.reshape(rows, -1).astype(jnp.float32)
         blocks = self.blocks[...]

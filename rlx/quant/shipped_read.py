@@ -12,7 +12,7 @@ Loading streams (``rlx.quant.load_shipped``): the model is built abstractly, the
 is read one at a time in file order, each process reading only the distinct slices its devices
 hold (``jax.make_array_from_callback``), so the host holds at most the arrays being built plus one
 tensor's slice. On CPU devices the host writes each slice in rlx's layout
-(``rlx.models.host_layout``); an accelerator transposes on the device.
+(``rlx.platform.cpu.host_layout``); an accelerator transposes on the device.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from rlx.mesh import named_sharding
 from rlx.models.hf import ParamSource, read_stored, swapped, to_layout
-from rlx.models.host_layout import on_host, once_per_index, read_transposed
+from rlx.platform.cpu.host_layout import on_host, once_per_index, read_transposed
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder
 from rlx.quant.shipped import Layout, module_of
 from rlx.quant.tensors import QTensor
@@ -169,7 +169,7 @@ def _stored_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]
 def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mesh, rules) -> QTensor:
     """The ``QTensor`` of one quantized parameter (a kernel or stacked experts of rlx ``shape``),
     each distinct device slice read once: CPU devices get it laid out by the host
-    (``rlx.models.host_layout``); otherwise (and for packed int32 words) each device copies its
+    (``rlx.platform.cpu.host_layout``); otherwise (and for packed int32 words) each device copies its
     slice of the file's tensors as stored and lays it out itself (transposes; unpacks words)."""
     n, k = _hf_shape(src, shape)
     stacked = src.layout == "stack_T"

@@ -34,21 +34,20 @@ from qwix._src.core import qarray  # qwix's stages: not re-exported
 from flax import nnx
 from jaxtyping import Array
 
-from rlx.mesh import target_platform
 from rlx.models.mixed import FEW_ROWS, mixed_einsum
-from rlx.quant import cpu_kernels
+from rlx.platform.cpu import kernels as cpu_kernels
+from rlx.platform.policy import current
 from rlx.quant.config import QuantConfigError
 
 _NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                  -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                  0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                  0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
-# QTensor.product runs grouped scales inside the product for up to GROUPED_ROWS rows on these
-# platforms (rlx.mesh.target_platform; XLA:CPU's batched dot takes no bf16 x bf16 -> f32, see
-# rlx.models.mixed)
+# QTensor.product runs grouped scales inside the product for up to GROUPED_ROWS rows where the
+# platform's policy says so (PlatformPolicy.grouped_products; XLA:CPU's batched dot takes no
+# bf16 x bf16 -> f32, see rlx.models.mixed)
 GROUPED_ROWS = 32
 CHUNK_ROWS = 128  # QTensor._chunked_product: most K rows decoded per chunk (channel scales)
-GROUPED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
 _SCALE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -141,7 +140,7 @@ class QTensor(nnx.Module):
     def head_product(self, h: Array, dtype) -> Array | None:
         """``h @ W.T`` for an int8 channel ``[vocab, d]`` embedding used as the tied output head:
         its stored ``[d, vocab]`` values with one scale per vocabulary row are the native int8
-        kernel's operands (``rlx.quant.cpu_kernels``), for a decode step's few f32 rows on
+        kernel's operands (``rlx.platform.cpu.kernels``), for a decode step's few f32 rows on
         XLA:CPU; None (dequantize inside the product) elsewhere."""
         rows = math.prod(h.shape[:-1])
         if not self._native(rows, dtype, head=True):
@@ -157,11 +156,11 @@ class QTensor(nnx.Module):
         applied to that accumulator: ``sum_g s_g * (x_g @ q_g - sum(x_g) * z_g)``. One group
         (channel scales) is one product for any number of rows; several groups (int4 groups, fp8
         128x128 tiles) are ``[rows, G, N]`` products summed over ``G``, used for a decode step's
-        few rows on accelerators (``GROUPED_ROWS``, ``GROUPED_BACKENDS``). The compiler then
+        few rows on accelerators (``GROUPED_ROWS``; ``grouped_products``). The compiler then
         reads the packed weights inside the product instead of writing and re-reading a float
         copy of the matrix on every call. On XLA:CPU, which converts a product's operand into a
         float copy first, a decode step's few f32 rows take the native int8 channel kernel
-        (``rlx.quant.cpu_kernels``) where it runs, else ``_chunked_product``.
+        (``rlx.platform.cpu.kernels``) where it runs, else ``_chunked_product``.
         """
         k, n = self.kn
         bk, bn = self.block
@@ -174,7 +173,7 @@ class QTensor(nnx.Module):
             return y.astype(out_dtype).reshape(*x.shape[:-1], n)
         if self.transposed or len(self.shape) != 2 or self.fmt == "nf4" or (
                 groups > 1 and (rows > GROUPED_ROWS or k % bk
-                                 or target_platform() not in GROUPED_BACKENDS)):
+                                 or not current().grouped_products)):
             return None
         q = (self.decode() if self.fmt == "int4" else self.values[...]).astype(dtype)
         xr = x.reshape(rows, groups, k // groups).astype(dtype)  # one group: bk may exceed K
@@ -194,12 +193,12 @@ class QTensor(nnx.Module):
         return y.astype(out_dtype).reshape(*x.shape[:-1], n)
 
     def _native(self, rows: int, dtype, head: bool = False) -> bool:
-        """Whether ``rlx.quant.cpu_kernels`` multiplies these values: int8 with one scale per
+        """Whether ``rlx.platform.cpu.kernels`` multiplies these values: int8 with one scale per
         output and no zero point, a decode step's few f32 rows of a 2-D kernel (``head``: of a
         transposed embedding's stored ``[d, vocab]``), on XLA:CPU."""
         return (self.fmt == "int8" and self.zero is None and self.block == (self.kn[0], 1)
                 and self.transposed == head and len(self.shape) == 2 and rows <= FEW_ROWS
-                and jnp.dtype(dtype) == jnp.float32 and target_platform() == "cpu"
+                and jnp.dtype(dtype) == jnp.float32 and current().few_row_products
                 and cpu_kernels.available())
 
     def _native_product(self, x: Array, rows: int, out_dtype) -> Array:
@@ -218,7 +217,7 @@ class QTensor(nnx.Module):
         k, _ = self.kn
         bk = self.block[0]
         if (self.transposed or len(self.shape) != 2 or rows > FEW_ROWS
-                or jnp.dtype(dtype) != jnp.float32 or target_platform() != "cpu"):
+                or jnp.dtype(dtype) != jnp.float32 or not current().few_row_products):
             return 0
         if bk < k:
             return bk if k % bk == 0 and bk % 2 == 0 else 0

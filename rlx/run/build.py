@@ -40,6 +40,7 @@ from rlx.models.decoder import Transformer
 from rlx.models.loading import ShrinkSection, resolve_path
 from rlx.models.stack import stack_layers
 from rlx.models.tokenizer import Tokenizer
+from rlx.platform import policy_of
 from rlx.quant import apply_lora, load_base
 from rlx.quant.peft_import import (abstract_lora_model, check_peft_adapter, load_peft_adapter,
                                    read_peft_adapter)
@@ -172,8 +173,8 @@ def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | No
         apply_lora(model, cfg.lora, nnx.Rngs(cfg.seed), mesh=mesh)
     if warm:
         load_peft_adapter(model, warm)
-    platform, recompute = mesh.devices.flat[0].platform, cfg.train.remat != "none"
-    if cfg.model.scans(model.config, platform, recompute):  # after quantization and adapters
+    policy, recompute = policy_of(mesh), cfg.train.remat != "none"
+    if cfg.model.scans(model.config, policy, recompute):  # after quantization and adapters
         stack_layers(model, consume=True)  # rlx.models.stack; files on disk stay per layer
     return model, loaded.tokenizer
 

@@ -13,6 +13,7 @@ import pytest
 from rlx.models.config import RopeConfig
 from rlx.models.kv_cache import cache_dtype
 from rlx.models.layers import causal_attention, gqa_attention, rope_angles, rope_inv_freq, rotate
+from rlx.platform import CPU, GPU, TPU
 
 
 def apply_rope(x, positions, inv_freq):
@@ -77,11 +78,11 @@ def test_causal_blocks_gradients_match_one_masked_attention(t):
 
 
 def test_kv_cache_is_f32_for_16_bit_compute_on_cpu_only():
-    assert cache_dtype(jnp.bfloat16, "cpu") == jnp.float32
-    assert cache_dtype(jnp.float16, "cpu") == jnp.float32
-    assert cache_dtype(jnp.float32, "cpu") == jnp.float32
-    assert cache_dtype(jnp.bfloat16, "gpu") == jnp.bfloat16
-    assert cache_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+    assert cache_dtype(jnp.bfloat16, CPU) == jnp.float32
+    assert cache_dtype(jnp.float16, CPU) == jnp.float32
+    assert cache_dtype(jnp.float32, CPU) == jnp.float32
+    assert cache_dtype(jnp.bfloat16, GPU) == jnp.bfloat16
+    assert cache_dtype(jnp.bfloat16, TPU) == jnp.bfloat16
     from rlx.models.config import ModelConfig
     from rlx.models.kv_cache import KVCache
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=8, hidden_size=8, intermediate_size=8,

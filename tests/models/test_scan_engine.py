@@ -9,6 +9,8 @@ engine and from inside the learner's scan.
 The longer variants are marked ``slow`` (``python -m pytest -m slow``).
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -19,8 +21,8 @@ from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.models.stack import layer_counts, stack_layers
+from rlx.platform import CPU
 from rlx.quant import QuantConfig
-from rlx.rollout.jax import engine as jax_engine
 from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
@@ -58,14 +60,14 @@ def _parity(model, engine: JaxEngine | None = None) -> float:
 
 
 @pytest.mark.parametrize("unstacked", [True, False], ids=["unstacked_decode", "scanned_decode"])
-def test_full_mode_llama(zoo, monkeypatch, unstacked):
+def test_full_mode_llama(zoo, unstacked):
     """On XLA:CPU a small model's decode unstacks its layers inside the program (one cache buffer
-    per layer); a model over ``UNROLL_DECODE_BYTES`` (here: any) scans them over a stacked cache."""
-    if not unstacked:
-        monkeypatch.setattr(jax_engine, "UNROLL_DECODE_BYTES", 0)
+    per layer); a model over the policy's ``unroll_decode_bytes`` (here: any) scans them over a
+    stacked cache."""
+    policy = CPU if unstacked else dataclasses.replace(CPU, unroll_decode_bytes=0)
     model = stack_layers(from_hf(make_hf_model("llama", zoo)))
     assert layer_counts(model) == (2,)
-    engine = JaxEngine(model)
+    engine = JaxEngine(model, platform_policy=policy)
     assert engine._stacks == (None if unstacked else (2,))
     assert _parity(model, engine) <= TOL
 

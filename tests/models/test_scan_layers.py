@@ -25,6 +25,7 @@ from rlx.models.loading import ModelSection
 from rlx.models.kv_cache import KVCache
 from rlx.models.stack import (cache_stacks, decode_model, is_stacked, layer_counts, layer_runs, per_layer_tree,
                               stack_layers, stacked_tree, unrolled, unstack_layers)
+from rlx.platform import CPU, GPU, TPU
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from tests.helpers.hf_zoo import hf_config
 from tests.helpers.steps import layer_logits_and_grads
@@ -203,10 +204,10 @@ def test_auto_scans_deep_models_but_not_large_ones_on_cpu():
     tiny = dataclasses.replace(smollm2, vocab_size=256, hidden_size=64, intermediate_size=128,
                                num_heads=4, num_kv_heads=2, head_dim=16)
     auto = ModelSection(path="m", scan_layers="auto")
-    assert auto.scans(smollm2, "tpu") and auto.scans(smollm2, "gpu")
-    assert not auto.scans(smollm2, "cpu")
-    assert auto.scans(smollm2, "cpu", recompute=True)  # train.remat: measured there as scanned
-    assert auto.scans(tiny, "cpu")
-    assert not auto.scans(dataclasses.replace(smollm2, num_layers=8), "tpu")
-    assert ModelSection(path="m", scan_layers="on").scans(smollm2, "cpu")
-    assert not ModelSection(path="m", scan_layers="off").scans(smollm2, "tpu")
+    assert auto.scans(smollm2, TPU) and auto.scans(smollm2, GPU)
+    assert not auto.scans(smollm2, CPU)
+    assert auto.scans(smollm2, CPU, recompute=True)  # train.remat: measured there as scanned
+    assert auto.scans(tiny, CPU)
+    assert not auto.scans(dataclasses.replace(smollm2, num_layers=8), TPU)
+    assert ModelSection(path="m", scan_layers="on").scans(smollm2, CPU)
+    assert not ModelSection(path="m", scan_layers="off").scans(smollm2, TPU)

@@ -3,7 +3,7 @@ step and the built-in engine's generate step of a tiny MoE model (int4 experts +
 compile for 4 TPU7x chips, and XLA:TPU's memory analysis agrees with the planner's figures.
 
 Needs the libtpu package (the ``test`` extra); skipped without it. The programs trace the TPU
-branches of rlx (``rlx.mesh.compiling_for``: bf16 KV cache, grouped quantized products for a
+choices of rlx (``rlx.platform.compiling_for``: bf16 KV cache, grouped quantized products for a
 decode step's few rows), which the CPU tests never reach.
 """
 
@@ -16,13 +16,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx.learner.step import compiler_options, model_forward
-from rlx.mesh import MeshShape, compiling_for, target_platform
+from rlx.mesh import MeshShape
 from rlx.models import ModelConfig, MoEConfig
 from rlx.models.kv_cache import cache_dtype
 from rlx.plan.aot import (WHOLE_MODEL_POINTS, compile_sample, compile_train, measure,
                           spec_from_argv, topology, tpu_plan)
 from rlx.plan.aot_sample import SAMPLE_WHOLE_MODEL_POINTS, generate_shapes, sample_temp
 from rlx.plan.spec import PlanSpec
+from rlx.platform import CPU, TPU, compiling_for, current
 from rlx.quant import LoraConfig, QuantConfig
 from rlx.quant.tensors import quantize_array
 
@@ -42,18 +43,18 @@ def topo():
     return topology("tpu7x:2x2x1")
 
 
-def test_traced_code_takes_the_target_platforms_branches():
+def test_traced_code_reads_the_target_platforms_policy():
     """Inside ``compiling_for("tpu")`` a bf16 decode caches bf16 (XLA:CPU's branch: f32) and a
     bf16 decode step's few rows multiply int4 groups inside the product (XLA:CPU: dequantize
     first)."""
     q = quantize_array(jnp.ones((128, 64)), "int4", group_size=32)
     x = jnp.ones((4, 128))
-    assert cache_dtype(jnp.bfloat16, "cpu") == jnp.float32
+    assert cache_dtype(jnp.bfloat16, CPU) == jnp.float32
     assert q.product(x, jnp.bfloat16, jnp.float32) is None
     with compiling_for("tpu"):
-        assert target_platform() == "tpu" and cache_dtype(jnp.bfloat16) == jnp.bfloat16
+        assert current() is TPU and cache_dtype(jnp.bfloat16) == jnp.bfloat16
         assert q.product(x, jnp.bfloat16, jnp.float32) is not None
-    assert target_platform() == jax.default_backend()
+    assert current() is CPU
 
 
 def test_topology_counts_tensorcores(topo):

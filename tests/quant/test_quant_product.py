@@ -1,12 +1,15 @@
 """A quantized kernel's product reads its stored values: equal to the dequantized product, and the
 matrix of scaled values is never formed."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
 
 from rlx.models.layers import Linear
+from rlx.platform import active, current
 from rlx.quant import tensors
 from rlx.quant.tensors import quantize_array
 
@@ -17,6 +20,14 @@ FORMATS = [("int8", {}), ("int8", {"symmetric": False}), ("fp8", {}),
 NARROW = (32, 96)  # K below one 128x128 tile: fp8 block128 has one K-group wider than K
 
 
+@pytest.fixture
+def grouped_here():
+    """Grouped scales run inside the product on accelerators only; in f32 the CPU runs that path
+    too, under its policy with ``grouped_products`` on."""
+    with active(dataclasses.replace(current(), grouped_products=True)):
+        yield
+
+
 def _qtensor(fmt, kw):
     w = jax.random.normal(jax.random.key(0), (K, N)) * 0.05
     return quantize_array(w, fmt, **kw)
@@ -24,9 +35,7 @@ def _qtensor(fmt, kw):
 
 @pytest.mark.parametrize("fmt,kw", FORMATS, ids=[f"{f}-{sorted(k.values())}" for f, k in FORMATS])
 @pytest.mark.parametrize("rows", [(1,), (3, 5)])
-def test_product_equals_dequantized_product(monkeypatch, fmt, kw, rows):
-    # grouped scales run in the product on accelerators only; in f32 the CPU runs that path too
-    monkeypatch.setattr(tensors, "GROUPED_BACKENDS", (jax.default_backend(),))
+def test_product_equals_dequantized_product(grouped_here, fmt, kw, rows):
     q = _qtensor(fmt, kw)
     x = jax.random.normal(jax.random.key(1), (*rows, K))
     y = q.product(x, jnp.float32, jnp.float32)
@@ -54,8 +63,7 @@ def test_one_tile_wider_than_the_matrix():
     assert float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) <= 1e-5
 
 
-def test_grouped_product_keeps_the_dequantized_path_for_many_rows(monkeypatch):
-    monkeypatch.setattr(tensors, "GROUPED_BACKENDS", (jax.default_backend(),))
+def test_grouped_product_keeps_the_dequantized_path_for_many_rows(grouped_here):
     q = _qtensor("int4", {"group_size": 64})
     assert q.product(jnp.ones((tensors.GROUPED_ROWS, K)), jnp.float32, jnp.float32) is not None
     assert q.product(jnp.ones((tensors.GROUPED_ROWS + 1, K)), jnp.float32, jnp.float32) is None

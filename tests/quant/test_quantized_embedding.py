@@ -1,7 +1,7 @@
 """A quantized tied embedding (``QuantConfig(quantize_embed=True)``): its lookup gathers the
 stored columns of the wanted rows and dequantizes only those, to the very values of the whole
 dequantized table; as the tied head of an int8 base the engine's decode steps multiply by its
-int8 values (``rlx.quant.cpu_kernels``) and keep the learner's log-probs within 1e-5."""
+int8 values (``rlx.platform.cpu.kernels``) and keep the learner's log-probs within 1e-5."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 from rlx.models import from_hf
-from rlx.quant import LoraConfig, QuantConfig, apply_lora, cpu_kernels, quantize_model
+from rlx.platform.cpu import kernels as cpu_kernels
+from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from rlx.quant.tensors import QTensor, quantize_array
 from tests.helpers.hf_zoo import make_hf_model
 from tests.helpers.quant import randomize_lora_b

@@ -1,4 +1,5 @@
-"""The built-in engine's own layout of float projection weights: ``[out, in]`` on XLA:CPU.
+"""The built-in engine's own layout of float projection weights: ``[out, in]`` on XLA:CPU
+(``PlatformPolicy.decode_layout``).
 
 A decode step multiplies few rows (one token per sequence) by every projection. XLA:CPU runs that
 product faster with the weight stored ``[out, in]`` and the activations transposed around it
@@ -23,21 +24,21 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from rlx.mesh import target_platform
 from rlx.models.decoder import Transformer
 from rlx.models.layers import Linear
 from rlx.models.mixed import is_low_precision
+from rlx.platform.policy import PlatformPolicy, current
 
 LAYOUTS = ("auto", "out_in", "in_out")
 
 
-def resolve_layout(layout: str) -> str:
-    """``auto`` -> ``out_in`` on the CPU platform (``rlx.mesh.target_platform``), ``in_out``
-    elsewhere; checks the name."""
+def resolve_layout(layout: str, policy: PlatformPolicy | None = None) -> str:
+    """``auto`` -> the platform ``policy``'s ``decode_layout`` (by default
+    ``rlx.platform.current()``'s: ``out_in`` on XLA:CPU, ``in_out`` elsewhere); checks the name."""
     if layout not in LAYOUTS:
         raise ValueError(f"weight layout {layout!r} is not one of {LAYOUTS}")
     if layout == "auto":
-        return "out_in" if target_platform() == "cpu" else "in_out"
+        return (policy or current()).decode_layout
     return layout
 
 

@@ -64,10 +64,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx.platform.compiled import CompiledPerShape
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
-                      target_platform, variable_shardings)
+                      variable_shardings)
 from rlx.models.hparams import ModelConfig
 from rlx.models.moe import SparseMoE, expert_parallel
 from rlx.models.stack import cache_stacks
+from rlx.platform.policy import PlatformPolicy, current, policy_of
 from rlx.rollout.jax.batching import Buckets, pack_left, pow2, row_rollout, shared_prompts, uid_hash
 from rlx.rollout.jax.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
@@ -76,11 +77,10 @@ from rlx.rollout.jax.sampling import (GenerateStatic, KeptPrefix, SamplerSpec, g
 from rlx.rollout.jax.prefix_cache import CachedRow, PrefixCache, gather_plan, prompt_slots
 from rlx.types import Prompt, Rollout, SamplingParams
 
-UNROLL_DECODE_BYTES = 1 << 30  # unroll_decode: the most weight bytes a CPU decode unrolls
-
 
 def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None,
-                rules: LogicalRules = SAMPLE_RULES, capacity_factor: float | None = None
+                rules: LogicalRules = SAMPLE_RULES, capacity_factor: float | None = None,
+                policy: PlatformPolicy | None = None
                 ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset, tuple | None]:
     """Split a copy of ``model`` in eval mode (LoRA dropout off), its MoE layers dispatching
     tokens to experts split over ``mesh`` (``rlx.models.moe.expert_parallel``), and in the
@@ -90,23 +90,24 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)
     copy.eval()
-    copy.unroll_decode = unroll_decode(state)
+    copy.unroll_decode = unroll_decode(state, policy or current())
     expert_parallel(copy, mesh, rules, capacity_factor)
     keep = frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(copy, shared)))
     transposed = to_out_in(copy, keep) if layout == "out_in" else frozenset()
     return (*nnx.split(copy), transposed, keep, cache_stacks(copy))
 
 
-def unroll_decode(state: nnx.State) -> bool:
+def unroll_decode(state: nnx.State, policy: PlatformPolicy) -> bool:
     """Whether decode programs unstack a scanned model's layers (``rlx.models.stack.decode_model``:
     the stacks sliced per layer inside the program, once ahead of its token loop; one cache
-    buffer per layer): on XLA:CPU, for weights up to ``UNROLL_DECODE_BYTES``. Scanning a stack
+    buffer per layer): where the platform's ``policy`` says so, for weights up to its
+    ``unroll_decode_bytes`` (XLA:CPU: 1 GiB). Scanning a stack
     at every token makes XLA:CPU copy each layer's weights and cache out of the stack, and the
     cache's layers back in; unstacked, the program holds the sliced weights (and each layer's
     float conversions, hoisted out of the token loop) for the whole call: about a float copy of
     the weights, which a large model cannot afford."""
     weights = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
-    return target_platform() == "cpu" and weights <= UNROLL_DECODE_BYTES
+    return policy.unroll_decode_bytes is not None and weights <= policy.unroll_decode_bytes
 
 
 def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int) -> NamedSharding:
@@ -129,7 +130,8 @@ class JaxEngine:
                  weight_version: int = 0, seed: int = 0, adapter: bool = True,
                  copy_weights: bool = True, score_chunk: int = 256, weight_layout: str = "auto",
                  shared=nnx.filterlib.Nothing(), record_routes: bool = False,
-                 capacity_factor: float | None = None):
+                 capacity_factor: float | None = None,
+                 platform_policy: PlatformPolicy | None = None):
         moe = any(isinstance(n, SparseMoE) for _, n in nnx.iter_graph(model))
         if record_routes and not moe:
             raise ValueError("JaxEngine(record_routes=True) records MoE routing, but the model "
@@ -137,7 +139,10 @@ class JaxEngine:
         self.record_routes, self.capacity_factor = record_routes, capacity_factor
         self.tokenizer, self.mesh, self.rules, self.buckets = tokenizer, mesh, rules, buckets
         self.shared = shared  # nnx filter: variables held as the caller's arrays, never copied
-        self.weight_layout = resolve_layout(weight_layout)
+        # the platform's choices (rlx.platform.policy): by default those of the mesh's devices
+        self.platform_policy = platform_policy or (policy_of(mesh) if mesh is not None
+                                                   else current())
+        self.weight_layout = resolve_layout(weight_layout, self.platform_policy)
         self.adapter, self.copy_weights, self.score_chunk = adapter, copy_weights, score_chunk
         self.weight_version = int(weight_version)
         self._seed, self._calls = seed, 0
@@ -155,7 +160,7 @@ class JaxEngine:
         if isinstance(weights, nnx.Module):
             graphdef, state, self._transposed, self._shared, self._stacks = _eval_split(
                 weights, self.weight_layout, self.shared, self.mesh, self.rules,
-                self.capacity_factor)
+                self.capacity_factor, self.platform_policy)
             self._config = weights.config
             targets = self._targets(state)
             self._state = self._place(state, targets, fresh=self._transposed)

@@ -1,5 +1,5 @@
 // Few-row products over packed weights for XLA:CPU, called through XLA's FFI
-// (rlx.quant.cpu_kernels builds, loads and registers this file).
+// (rlx.platform.cpu.kernels builds, loads and registers this file).
 //
 // y[R, N] = x[R, K] @ W for a decode step's few f32 rows, W packed as rlx stores it:
 //   rlx_gguf_q8_0 / _q4_0 / _q4_1: planar GGUF rows [N, nb * bytes] (each row's f16 headers of

@@ -1,4 +1,4 @@
-"""Host-side layout of checkpoint tensors for CPU devices (rlx.models.host_layout): the word-wise
+"""Host-side layout of checkpoint tensors for CPU devices (rlx.platform.cpu.host_layout): the word-wise
 transpose equals numpy's ``.T`` for every element size, odd widths, strided outputs and casts;
 slices of stacked tensors come out in rlx's orientation; and a shipped FP8-block checkpoint loads
 to the same bits through the host path as through the device path (a mapping that is not a
@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from rlx.mesh import MeshShape, make_mesh
-from rlx.models.host_layout import (ALIGN, MAPPED_BYTES, aligned_empty, once_per_index,
+from rlx.platform.cpu.host_layout import (ALIGN, MAPPED_BYTES, aligned_empty, once_per_index,
                                     read_transposed, transpose_into)
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.quant.loading import load_shipped

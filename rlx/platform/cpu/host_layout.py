@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from rlx.platform.policy import policy_for
+
 ALIGN = 64  # XLA:CPU aliases host buffers aligned to this many bytes instead of copying them
 CHUNK_BYTES = 1 << 20  # HF rows read and transposed at a time
 MAPPED_BYTES = 1 << 20  # arrays from this size on get an anonymous mapping of their own
@@ -36,8 +38,9 @@ Reader = Callable[[str, tuple, np.ndarray], np.ndarray]
 
 
 def on_host(sharding) -> bool:
-    """Whether every device of ``sharding`` is a CPU device (the host lays tensors out)."""
-    return all(d.platform == "cpu" for d in sharding.device_set)
+    """Whether the host lays tensors out for every device of ``sharding``
+    (``PlatformPolicy.host_layout``: CPU devices)."""
+    return all(policy_for(d.platform).host_layout for d in sharding.device_set)
 
 
 def aligned_empty(shape: tuple, dtype) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Native few-row products over packed weights on XLA:CPU, through XLA's FFI.
 
 XLA:CPU emits no kernel that multiplies packed weights: it decodes them into float tiles before
-its product. ``cpu_kernels.cc`` (shipped beside this module) multiplies a decode step's few f32
+its product. ``kernels.cc`` (shipped beside this module) multiplies a decode step's few f32
 rows by GGUF Q8_0 / Q4_0 / Q4_1 planar rows (``rlx.quant.gguf_blocks``) and by int8 channel-scale
 ``QTensor`` values (a kernel, or an int8 embedding's stored ``[d, vocab]`` as the tied head) directly, decoding each block into registers with AVX2 / FMA / F16C (AVX-512
 where the CPU has it) and splitting the output columns over XLA's intra-op threads.
@@ -9,7 +9,7 @@ where the CPU has it) and splitting the output columns over XLA's intra-op threa
 Numerical contract: activations stay f32 and every sum is an f32 sum; the weights enter as the
 values ``dequantize`` gives (for one row of x, a GGUF block's scale multiplies the block's partial
 sum instead: ``d (q . x) + m sum(x)``), so the products differ from ``x @ dequantize(W)`` by f32
-summation rounding only (``tests/quant/test_cpu_kernels.py`` checks the worst-case bound).
+summation rounding only (``tests/platform/test_cpu_kernels.py`` checks the worst-case bound).
 Activations are not quantized to int8 blocks as llama.cpp does: that changes log-probs far beyond
 the 1e-5 engine-vs-learner parity rlx keeps.
 
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+SOURCE = Path(__file__).with_name("kernels.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 GGUF_TARGETS = {"Q8_0": "rlx_gguf_q8_0", "Q4_0": "rlx_gguf_q4_0", "Q4_1": "rlx_gguf_q4_1"}
 INT8_CHANNEL = "rlx_int8_channel"

@@ -1,4 +1,4 @@
-"""The native few-row products of ``rlx.quant.cpu_kernels`` equal ``x @ dequantize(W)`` within
+"""The native few-row products of ``rlx.platform.cpu.kernels`` equal ``x @ dequantize(W)`` within
 f32 summation rounding, and the decode products of GGUF planar rows and int8 channel tensors
 call them on XLA:CPU.
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.quant import cpu_kernels
+from rlx.platform.cpu import kernels as cpu_kernels
 from rlx.quant.gguf_blocks import PLANAR, GGUFTensor, dequantize_blocks, rows_product
 from rlx.quant.tensors import quantize_array
 from tests.helpers.quant import check_f32_sum_bound, jitted_product
