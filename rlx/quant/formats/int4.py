@@ -1,0 +1,34 @@
+"""Format "int4": 4-bit integers in groups of ``group_size`` along the input, one scale per
+group (symmetric absmax, or min/max with a zero point per group), packed two per byte along K
+(row ``2i`` in the low nibble): stored ``u = q + 8``, read back ``q = nibble - 8``.
+
+Served as its dequantized floats (``hf``) or as compressed-tensors ``pack-quantized`` 4-bit groups.
+"""
+
+import jax.numpy as jnp
+
+from rlx.quant.formats.base import Format, group_block, group_how, pack_nibbles, unpack_nibbles
+
+
+def _encode(values):
+    return pack_nibbles(values.astype(jnp.int8) + 8)
+
+
+def _decode(v):
+    return unpack_nibbles(v).astype(jnp.float32) - 8.0
+
+
+def _integers(v):
+    return unpack_nibbles(v).astype(jnp.int8) - 8
+
+
+def _bytes(q, k: int) -> float:
+    zero = 0.0 if q.symmetric else 1.0
+    return 0.5 + (jnp.dtype(q.scale_dtype).itemsize + zero) / q.group_size
+
+
+INT4 = Format(
+    name="int4", summary="int4 in groups along the input, packed two per byte",
+    serving=("hf", "compressed-tensors"), quantizes=True, values_per_byte=2, grouped=True,
+    asymmetric=True, how=group_how(jnp.int4), block=group_block, encode=_encode, decode=_decode,
+    integers=_integers, bytes_per_param=_bytes)
