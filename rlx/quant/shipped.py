@@ -252,19 +252,39 @@ class Shipped:
     layout: Layout | None = None
 
 
-def shipped(path: str, cfg, scale_dtype: str = "float32") -> Shipped:
-    """The ``Shipped`` of a (resolved, local) model path with architecture ``cfg``."""
-    if path.endswith(".gguf"):
-        return Shipped(QuantConfig(format="gguf", serving="gguf"), True)
+def shipped(path: str, cfg=None, scale_dtype: str = "float32", *, gguf: bool | None = None
+            ) -> Shipped:
+    """The ``Shipped`` of a (resolved, local) model path with architecture ``cfg`` (read from
+    config.json when None): the one resolution of ``format="shipped"``. ``gguf``: whether the
+    path is a GGUF file (default: by its extension); a GGUF file resolves to its blocks
+    (``format="gguf"``) when its linear weights are block-quantized, else to floats (only its
+    header is read)."""
+    if path.endswith(".gguf") if gguf is None else gguf:
+        return _gguf_shipped(path)
     qc = read_quantization_config(path)
     if qc is None:
         return Shipped(QuantConfig(), True)
+    if cfg is None:
+        from rlx.models.hf import read_hf_config
+
+        cfg = read_hf_config(path)
     lay = layout(qc)
     modules = modules_kind(cfg, quantized_params(cfg, lay))
     quant = _nearest(lay, modules, scale_dtype)
     if quant is not None:
         return Shipped(quant, True, lay)
     return Shipped(QuantConfig(format=lay.fmt, serving="hf", scale_dtype=scale_dtype), False, lay)
+
+
+def _gguf_shipped(path: str) -> Shipped:
+    """A GGUF file's own representation: its blocks where its linear weights are block-quantized
+    (``rlx.quant.gguf_blocks.BLOCK_BYTES``), else its floats."""
+    from rlx.models.gguf import read_gguf
+    from rlx.quant.gguf_blocks import BLOCK_BYTES
+
+    types = read_gguf(path).tensor_types
+    blocks = any(t in BLOCK_BYTES for n, t in types.items() if n.endswith("_proj.weight"))
+    return Shipped(QuantConfig(format="gguf", serving="gguf") if blocks else QuantConfig(), True)
 
 
 def _nearest(lay: Layout, modules: str | None, scale_dtype: str) -> QuantConfig | None:
