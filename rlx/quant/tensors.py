@@ -280,9 +280,9 @@ def quantize_array(w: Array, fmt: str, *, group_size: int = 64, symmetric: bool 
         leaves = {k: jnp.stack([p.leaves()[k] for p in parts]) for k in parts[0].leaves()}
         return QTensor(fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
                        parts[0].block, _storage_axes(axes, transposed), transposed)
-    k = shape[-1] if transposed else shape[-2]
+    k, n = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
     spec, params = _quantizable(fmt), Params(group_size, symmetric, fp8_granularity, scale_dtype)
-    block = spec.block(shape, k, params)
+    block = spec.block(shape, k, n, params)
     values, scale, zero = _quantized_leaves(w, spec, params, transposed)
     return QTensor(fmt, shape, values, scale, zero, block, _storage_axes(axes, transposed),
                    transposed)

@@ -56,12 +56,12 @@ def same(v):
     return v
 
 
-def channel_block(shape: tuple, k: int, q) -> tuple[int, int]:
+def channel_block(shape: tuple, k: int, n: int, q) -> tuple[int, int]:
     """One scale per output column: the block ``(K, 1)``."""
     return (k, 1)
 
 
-def group_block(shape: tuple, k: int, q) -> tuple[int, int]:
+def group_block(shape: tuple, k: int, n: int, q) -> tuple[int, int]:
     """One scale per ``q.group_size`` values along K; refuses a size that does not divide K."""
     if k % q.group_size:
         raise QuantConfigError(
@@ -91,7 +91,7 @@ def none_mode(q) -> str:
     return "none"
 
 
-def no_bytes(q, k: int) -> float:
+def no_bytes(q, k: int, n: int) -> float:
     return 0.0
 
 
@@ -115,7 +115,8 @@ class Format:
     asymmetric: bool = False
     # (ndim, Params or QuantConfig) -> qwix's (qtype, channelwise axes, tiled axes, calibration)
     how: Callable | None = None
-    block: Callable | None = None  # (shape, K, Params or QuantConfig) -> the scale block (bk, bn)
+    # (shape, K, N, Params or QuantConfig) -> the scale block (bk, bn) of a [K, N] matrix
+    block: Callable | None = None
     encode: Callable = same  # qwix's quantized values -> stored values (packing)
     decode: Callable = as_f32  # stored values -> f32 quantized values (before zero and scale)
     # stored values -> the quantized values as numbers exact in bf16 (at most 8 significant
@@ -125,7 +126,8 @@ class Format:
     int8_channel: bool = False  # int8 values: the native int8 channel kernel's operands
     activations: str = ""  # value kind a W8A8 server quantizes activations for ("int8", "fp8")
     activation_mode: Callable = none_mode  # (QuantConfig) -> rlx.models.layers activation mode
-    # (QuantConfig, K) -> stored bytes per weight of a [K, N] matrix, scales and zero points included
+    # (QuantConfig, K, N) -> stored bytes per weight of a [K, N] matrix, scales and zero points
+    # included (the planner's figure; its state sizes count the very leaves)
     bytes_per_param: Callable = no_bytes
 
 

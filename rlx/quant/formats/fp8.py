@@ -21,7 +21,7 @@ def _how(ndim: int, q) -> tuple:
     return jnp.float8_e4m3fn, lead + (ndim - 1,), (), "absmax"
 
 
-def _block(shape: tuple, k: int, q) -> tuple[int, int]:
+def _block(shape: tuple, k: int, n: int, q) -> tuple[int, int]:
     return (TILE, TILE) if q.fp8_granularity == "block128" else (k, 1)
 
 
@@ -29,9 +29,9 @@ def _mode(q) -> str:
     return "fp8_group128" if q.fp8_granularity == "block128" else "fp8_token"
 
 
-def _bytes(q, k: int) -> float:
-    per = TILE * TILE if q.fp8_granularity == "block128" else k
-    return 1.0 + jnp.dtype(q.scale_dtype).itemsize / per
+def _bytes(q, k: int, n: int) -> float:
+    scales = -(-k // TILE) * -(-n // TILE) if q.fp8_granularity == "block128" else n
+    return 1.0 + jnp.dtype(q.scale_dtype).itemsize * scales / (k * n)
 
 
 FP8 = Format(

@@ -22,7 +22,7 @@ def _integers(v):
     return unpack_nibbles(v).astype(jnp.int8) - 8
 
 
-def _bytes(q, k: int) -> float:
+def _bytes(q, k: int, n: int) -> float:
     zero = 0.0 if q.symmetric else 1.0
     return 0.5 + (jnp.dtype(q.scale_dtype).itemsize + zero) / q.group_size
 

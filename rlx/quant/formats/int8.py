@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from rlx.quant.formats.base import Format, channel_block, channel_how
 
 
-def _bytes(q, k: int) -> float:
+def _bytes(q, k: int, n: int) -> float:
     return 1.0 + jnp.dtype(q.scale_dtype).itemsize / k
 
 

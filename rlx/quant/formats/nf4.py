@@ -24,7 +24,7 @@ def _decode(v):
     return jnp.asarray(TABLE)[unpack_nibbles(v).astype(jnp.int32)]
 
 
-def _bytes(q, k: int) -> float:
+def _bytes(q, k: int, n: int) -> float:
     return 0.5 + jnp.dtype(q.scale_dtype).itemsize / q.group_size
 
 
