@@ -96,6 +96,16 @@ def no_bytes(q, k: int, n: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class Codec:
+    """How a format's values are written in the quantized serving layouts it carries (all but
+    the dequantized and the source-file ones)."""
+
+    quantization_config: Callable  # (QuantConfig) -> config.json's quantization_config
+    # (storage leaves of one [K, N] linear, its HF name, QuantConfig) -> {tensor name: array}
+    to_serving: Callable
+
+
+@dataclasses.dataclass(frozen=True)
 class Format:
     """One base format (``config.quant.format``); see the module docstring."""
 
@@ -129,6 +139,7 @@ class Format:
     # (QuantConfig, K, N) -> stored bytes per weight of a [K, N] matrix, scales and zero points
     # included (the planner's figure; its state sizes count the very leaves)
     bytes_per_param: Callable = no_bytes
+    codec: Codec | None = None  # its quantized serving layouts (None: only "hf" / its own file)
 
 
 @dataclasses.dataclass(frozen=True)

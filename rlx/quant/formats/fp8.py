@@ -8,8 +8,10 @@ fp8 layouts quantize activations too (per token, or per 1x128 group for blocks).
 """
 
 import jax.numpy as jnp
+import numpy as np
 
-from rlx.quant.formats.base import Format
+from rlx.quant.formats import compressed
+from rlx.quant.formats.base import Codec, Format
 
 TILE = 128
 
@@ -34,7 +36,25 @@ def _bytes(q, k: int, n: int) -> float:
     return 1.0 + jnp.dtype(q.scale_dtype).itemsize * scales / (k * n)
 
 
+def _config(q) -> dict:
+    if q.fp8_granularity == "block128":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [TILE, TILE]}
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    return compressed.config(q, weights, acts, "float-quantized")
+
+
+def _to_serving(leaves: dict, name: str, q) -> dict:
+    """``X.weight`` e4m3 ``[out, in]`` and its scales: ``X.weight_scale_inv`` per tile
+    (block128), ``X.weight_scale`` ``[out, 1]`` per channel."""
+    key = "weight_scale_inv" if q.fp8_granularity == "block128" else "weight_scale"
+    return {f"{name}.weight": np.ascontiguousarray(leaves["values"].T),
+            f"{name}.{key}": np.ascontiguousarray(leaves["scale"].T)}
+
+
 FP8 = Format(
     name="fp8", summary="float8 e4m3, per output column or per 128x128 tile",
     serving=("hf", "fp8", "compressed-tensors"), quantizes=True, how=_how, block=_block,
-    activations="fp8", activation_mode=_mode, bytes_per_param=_bytes)
+    activations="fp8", activation_mode=_mode, bytes_per_param=_bytes,
+    codec=Codec(_config, _to_serving))
