@@ -35,6 +35,7 @@ import os
 import re
 
 from rlx.models.hf import ParamSource
+from rlx.quant import formats
 from rlx.quant.config import QuantConfig, QuantConfigError
 
 SUPPORTED = (
@@ -288,23 +289,23 @@ def _gguf_shipped(path: str) -> Shipped:
 
 
 def _nearest(lay: Layout, modules: str | None, scale_dtype: str) -> QuantConfig | None:
-    """The QuantConfig whose serving export writes ``lay``'s values back (same activation mode),
-    or None."""
+    """The QuantConfig whose serving export writes ``lay``'s values back (same activation mode;
+    the candidates: the quantized serving layouts ``lay.fmt``'s format carries, in its order), or
+    None."""
     if modules is None:
         return None
-    base = dict(scale_dtype=scale_dtype, modules=modules)
-    want = []
     if lay.kind == "float8" and lay.strategy in ("block", "channel"):
-        gran = "block128" if lay.strategy == "block" else "channel"
-        want = [QuantConfig(format="fp8", fp8_granularity=gran, serving=s, **base)
-                for s in ("fp8", "compressed-tensors")]
+        fields = dict(fp8_granularity="block128" if lay.strategy == "block" else "channel")
     elif lay.kind == "int8" or (lay.kind == "packed" and lay.bits == 8 and lay.strategy == "channel"
                                 and lay.symmetric):
-        want = [QuantConfig(format="int8", serving=s, **base)
-                for s in ("w8a8_int8", "compressed-tensors")]
+        fields = {}
     elif lay.kind == "packed" and lay.bits == 4 and lay.strategy == "group":
-        want = [QuantConfig(format="int4", group_size=lay.group, symmetric=lay.symmetric,
-                            serving="compressed-tensors", **base)]
+        fields = dict(group_size=lay.group, symmetric=lay.symmetric)
+    else:
+        return None
+    layouts = [s for s in formats.get(lay.fmt).serving if not formats.serving(s).dequantized]
+    want = [QuantConfig(format=lay.fmt, serving=s, scale_dtype=scale_dtype, modules=modules,
+                        **fields) for s in layouts]
     for q in want:
         if q.activation_mode == lay.act:
             return q

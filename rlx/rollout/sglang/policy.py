@@ -47,6 +47,7 @@ from rlx.rollout.sglang.engine import SGLangEngine
 from rlx.rollout.sglang.server import ServerSpec, SGLangServer
 from rlx.types import Prompt, Rollout, SamplingParams
 
+
 def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1) -> None:
     """Refuse, as a ``ConfigError`` naming the fields, what SGLang cannot serve for this run."""
     q, lora = serving.quant, serving.lora
