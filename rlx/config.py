@@ -236,13 +236,10 @@ class RunConfig:
             if hasattr(section, "validate"):
                 section.validate()
         self.resume_step  # noqa: B018 (validates)
-        if self.train.mode == "full" and self.quant.format != "none":
+        if self.train.mode == "full" and not self.quant.spec.float_base:
             raise ConfigError(f"config.train.mode='full' trains every parameter, but config.quant."
                               f"format={self.quant.format!r} freezes a quantized base; use "
                               "train.mode='lora' or quant.format='none'")
-        if self.model.resolved_format == "gguf" and self.train.mode == "full" and \
-                self.quant.format == "gguf":
-            raise ConfigError("a GGUF base kept as blocks is frozen: use train.mode='lora'")
         if self.train.mode == "full" and self.loss.kl_coef > 0:
             raise ConfigError(f"config.loss.kl_coef={self.loss.kl_coef} in train.mode='full' needs a "
                               "reference copy of the weights, which rlx does not keep; use "

@@ -51,13 +51,15 @@ def shrunken(config: dict, root: str, *, steps: int = 1, new_tokens: int = 8, de
              dtype: str = "float32", **dotted) -> dict:
     """``config`` (a ``get_config()`` dict) shrunk as the module docstring says, writing under
     ``root``; ``dotted`` overrides (``{"train.router_replay": True}``) applied last."""
+    from rlx.quant import formats
+
     c = copy.deepcopy(config)
     c["output_dir"] = os.path.join(root, "run")
     model = c.setdefault("model", {})
     model.update(path=_stand_in(model["path"], root), format="hf", shrink=dict(SHRINK),
                  dtype=dtype, param_dtype=dtype)
     quant = c.setdefault("quant", {})
-    if quant.get("format") in ("int4", "nf4"):
+    if formats.get(quant.get("format", "none")).grouped:
         quant["group_size"] = min(quant.get("group_size", 64), 32)
     expert = min(int(c.get("mesh", {}).get("expert", 1)), devices)
     c["mesh"] = {"data": devices // expert, "fsdp": 1, "tensor": 1, "expert": expert}

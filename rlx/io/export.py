@@ -259,7 +259,7 @@ def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dic
     model, out = unrolled(model, nnx.Not(nnx.LoRAParam)), {}
     for path, src in param_map(model.config).items():
         node = node_at(model, path)
-        if isinstance(node, nnx.Variable) or q.serving == "hf" or src.layout == "copy":
+        if isinstance(node, nnx.Variable) or q.serving_spec.dequantized or src.layout == "copy":
             put_hf_layout(src, _value(node, _float_dtype(model, path, node, dtype)), out)
             continue
         leaves = {k: np.asarray(jax.device_get(v)) for k, v in node.leaves().items()}
@@ -274,13 +274,14 @@ def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dic
 def export_base(model: Transformer, q: QuantConfig, path: str, version: str, dtype=np.float32,
                 gguf_file: str | None = None) -> str:
     """The frozen base as SGLang loads it (``q.serving``; see ``rlx.quant.serving``)."""
-    if q.serving == "gguf":
+    if q.serving_spec.source_file:
         if not gguf_file:
-            raise QuantConfigError("serving='gguf' exports the GGUF file the base was loaded from; pass gguf_file")
+            raise QuantConfigError(f"serving={q.serving!r} exports the GGUF file the base was "
+                                   "loaded from; pass gguf_file")
 
         def write_gguf(tmp: str) -> dict:
             shutil.copyfile(gguf_file, os.path.join(tmp, os.path.basename(gguf_file)))
-            return {"serving": "gguf", "file": os.path.basename(gguf_file)}
+            return {"serving": q.serving, "file": os.path.basename(gguf_file)}
 
         return publish(path, version, "base", write_gguf)
 

@@ -121,6 +121,12 @@ class ModelSection:
         return "gguf" if self.path.endswith(".gguf") else "hf"
 
     @property
+    def is_gguf(self) -> bool:
+        """Whether the checkpoint is a GGUF file (else a HF folder): the one test of the
+        checkpoint's container that code outside this module asks."""
+        return self.resolved_format == "gguf"
+
+    @property
     def precision(self) -> Precision:
         return Precision.named(self.dtype, self.param_dtype, self.moe_impl)
 
@@ -232,7 +238,7 @@ def shrunk_random(section: ModelSection, mesh: Mesh | None, seed: int, rules: Lo
     from flax import nnx
 
     path = resolve_path(section.path)
-    if section.resolved_format == "gguf":
+    if section.is_gguf:
         from rlx.models.gguf import read_gguf
 
         ckpt = read_gguf(path)
@@ -253,7 +259,7 @@ def load_from_section(section: ModelSection, mesh: Mesh | None, rules: LogicalRu
     """Load what a validated ``config.model`` section names."""
     if section.shrink.enabled:
         return shrunk_random(section, mesh, seed, rules)
-    loader = load_gguf if section.resolved_format == "gguf" else load_hf
+    loader = load_gguf if section.is_gguf else load_hf
     p = section.precision
     return loader(resolve_path(section.path), p.dtype, mesh, param_dtype=p.param_dtype, rules=rules,
                   moe_impl=p.moe_impl)

@@ -238,7 +238,7 @@ def _moe_features(spec: PlanSpec, layer, n: int) -> dict[str, float]:
     if layer.mlp.experts.act_quant != "none":
         f["moe_q"] = 4 * rows * c.hidden_size
     f["experts"] = local_expert_bytes(spec) / a * _copy_bytes(spec, w, False)
-    if isinstance(w, QTensor) and w.fmt in ("int4", "nf4"):  # two values per stored byte
+    if isinstance(w, QTensor) and w.spec.values_per_byte > 1:  # several values per stored byte
         f["unpack"] = float(local_expert_bytes(spec))
     return f
 

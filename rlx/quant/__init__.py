@@ -2,6 +2,9 @@
 
 - ``QuantConfig`` / ``LoraConfig`` (``rlx.quant.config``): base format, serving format (which fixes the
   learner's activation quantization), adapter rank / alpha / dropout / targets.
+- ``rlx.quant.formats``: one module per base format (storage, quantize / decode / product hooks,
+  serving layouts and their tensors, bytes per parameter, constraints) and the registry their
+  names are looked up in.
 - ``quantize_model`` turns a float model's linears (incl. MoE experts) into frozen ``QTensor``s;
   ``load_quantized`` / ``load_gguf_quantized`` keep already-quantized checkpoints as they are;
   ``load_base`` is a run's base: ``format="shipped"`` the checkpoint's own representation

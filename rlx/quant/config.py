@@ -4,21 +4,20 @@ The serving format decides the learner's forward: where the server quantizes act
 (SGLang ``w8a8_int8``; ``fp8`` / fp8 ``compressed-tensors``, which are W8A8 with dynamic activation
 scales), the learner fake-quantizes activations the same way (``activation_mode``); weight-only
 formats keep activations in the compute dtype. A base format that the named serving format cannot
-carry is refused when the config is built, with the allowed pairs in the message.
+carry is refused when the config is built, with the allowed pairs in the message. The choices,
+their pairs and constraints are the formats' own declarations (``rlx.quant.formats``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from rlx.errors import ConfigError, one_of
+from rlx.errors import one_of
 from rlx.models.decoder import DTYPES
 from rlx.models.families import GQA_TARGETS, MLA_TARGETS  # every projection of a GQA / MLA model
+from rlx.quant import formats
+from rlx.quant.formats import QuantConfigError
 
-# "shipped": the checkpoint's own representation (rlx.quant.shipped): a quantized HF folder's
-# quantization_config, a GGUF file's blocks, a float checkpoint's floats
-FORMATS = ("none", "int8", "int4", "fp8", "nf4", "gguf", "shipped")
-SERVING_FORMATS = ("hf", "w8a8_int8", "fp8", "compressed-tensors", "gguf")
 # LoRA targets: short name -> the projection it adapts (the rlx attribute, which is also the HF
 # module name; the one list that apply_lora, the PEFT export, the config checks and SGLang's
 # --lora-target-modules read). GQA attention has q/k/v/o; multi-head latent attention (DeepSeek-V3,
@@ -32,66 +31,63 @@ MLP_TARGETS = tuple(MLP_MODULES)
 LORA_TARGETS = ATTN_TARGETS + MLP_TARGETS
 QUANT_MODULES = ("all", "experts")  # QuantConfig.modules
 
-# base format -> serving formats that carry its exact values (README table).
-_COMPATIBLE = {
-    "none": ("hf",),
-    "int8": ("hf", "w8a8_int8", "compressed-tensors"),
-    "int4": ("hf", "compressed-tensors"),
-    "fp8": ("hf", "fp8", "compressed-tensors"),
-    "nf4": ("hf",),
-    "gguf": ("hf", "gguf"),
-    "shipped": ("hf",),  # the checkpoint's own serving layout is used (rlx.quant.shipped)
-}
-
-
-class QuantConfigError(ConfigError):
-    """A quantization or LoRA setting rlx cannot honour; the message names the field."""
-
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
     """How the frozen base is stored and which serving format it must match."""
 
-    format: str = "none"  # one of FORMATS
+    format: str = "none"  # one of rlx.quant.formats.names()
     group_size: int = 64  # int4 / nf4: values per scale along the input dimension
     symmetric: bool = True  # int4 only: False stores a zero point per group (min/max calibration)
     fp8_granularity: str = "channel"  # "channel" (one scale per output) | "block128" (128x128 tiles)
     scale_dtype: str = "float32"  # "float32" | "bfloat16" | "float16": scales are rounded to this
     quantize_embed: bool = False  # also quantize the token embedding
     quantize_lm_head: bool = False  # also quantize a separate (untied) lm_head
-    serving: str = "hf"  # one of SERVING_FORMATS
+    serving: str = "hf"  # one of rlx.quant.formats.serving_names()
     # "all": every decoder linear and the MoE experts; "experts": the routed MoE experts only,
     # attention, dense and shared-expert MLPs stay float (Kimi-K2-Thinking's int4 release)
     modules: str = "all"
 
     def __post_init__(self):
-        one_of("format", self.format, FORMATS)
-        one_of("serving", self.serving, SERVING_FORMATS)
+        one_of("format", self.format, formats.names())
+        one_of("serving", self.serving, formats.serving_names())
         one_of("modules", self.modules, QUANT_MODULES)
         one_of("fp8_granularity", self.fp8_granularity, ("channel", "block128"))
         one_of("scale_dtype", self.scale_dtype, ("float32", "bfloat16", "float16"))
-        if self.format == "shipped":
+        fmt, layout = self.spec, self.serving_spec
+        if fmt.from_checkpoint:
             self._check_shipped()
         if self.group_size < 2 or self.group_size % 2:
             raise QuantConfigError(f"group_size={self.group_size} must be an even number >= 2")
-        if not self.symmetric and self.format != "int4":
-            raise QuantConfigError(f"symmetric=False is only supported for format='int4', not {self.format!r}")
-        if self.serving not in _COMPATIBLE[self.format]:
+        if not self.symmetric and not fmt.asymmetric:
+            allowed = [f for f in formats.names() if formats.get(f).asymmetric]
+            raise QuantConfigError(f"symmetric=False is only supported for format="
+                                   f"{' / '.join(map(repr, allowed))}, not {self.format!r}")
+        if not formats.carries(self.format, self.serving):
             raise QuantConfigError(
                 f"serving={self.serving!r} cannot serve a {self.format!r} base as the same values; "
-                f"for format={self.format!r} use one of {_COMPATIBLE[self.format]}")
-        if (self.quantize_embed or self.quantize_lm_head) and self.serving not in ("hf", "gguf"):
+                f"for format={self.format!r} use one of {fmt.serving}")
+        if (self.quantize_embed or self.quantize_lm_head) and not layout.quantized_embeddings:
             raise QuantConfigError(
                 f"serving={self.serving!r} keeps embeddings and lm_head in float; set quantize_embed="
                 "quantize_lm_head=False or serve the dequantized base (serving='hf')")
-        if self.serving == "w8a8_int8" and not self.symmetric:
-            raise QuantConfigError("serving='w8a8_int8' needs symmetric int8 weights")
-        if self.modules == "experts" and (self.format == "gguf"
-                                          or self.serving not in ("hf", "compressed-tensors")):
+        if layout.symmetric_only and not self.symmetric:
+            raise QuantConfigError(f"serving={self.serving!r} needs symmetric int8 weights")
+        if self.modules == "experts" and (fmt.keeps_file_blocks or not layout.experts_only):
             raise QuantConfigError(
                 f"modules='experts' keeps attention and dense MLPs float (written as a "
                 f"compressed-tensors ignore list): it needs serving 'hf' or 'compressed-tensors' "
                 f"and a format rlx quantizes, not format={self.format!r} serving={self.serving!r}")
+
+    @property
+    def spec(self) -> formats.Format:
+        """The base format's record (``rlx.quant.formats``)."""
+        return formats.get(self.format)
+
+    @property
+    def serving_spec(self) -> formats.ServingLayout:
+        """The serving layout's record (``rlx.quant.formats``)."""
+        return formats.serving(self.serving)
 
     def _check_shipped(self) -> None:
         """``format="shipped"`` takes everything else from the checkpoint: the other fields stay
@@ -108,11 +104,11 @@ class QuantConfig:
     @property
     def activation_mode(self) -> str:
         """How the learner quantizes activations to match the server: "none" | "int8_token" |
-        "fp8_token" | "fp8_group128"."""
-        if self.serving == "w8a8_int8":
-            return "int8_token"
-        if self.format == "fp8" and self.serving in ("fp8", "compressed-tensors"):
-            return "fp8_group128" if self.fp8_granularity == "block128" else "fp8_token"
+        "fp8_token" | "fp8_group128" (where the serving layout quantizes activations of this
+        format's values: the format's ``activation_mode``)."""
+        fmt = self.spec
+        if fmt.activations and fmt.activations in self.serving_spec.activations:
+            return fmt.activation_mode(self)
         return "none"
 
 

@@ -31,6 +31,7 @@ from rlx.models.loading import LoadedModel, ModelSection, load_from_section, res
 from rlx.models.moe import SparseMoE
 from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
 from rlx.models.tokenizer import Tokenizer
+from rlx.quant import formats
 from rlx.quant.config import QuantConfig, QuantConfigError
 from rlx.quant.gguf_blocks import BLOCK_BYTES, GGUFTensor
 from rlx.quant.quantize import linears, quantize_model
@@ -226,8 +227,9 @@ def load_quantizing(cfg, tensors, q: QuantConfig, *, precision: Precision, mesh:
     """A float checkpoint read into a model whose base is ``q`` (``format`` int8 / int4 / fp8 /
     nf4), each linear quantized tensor by tensor while it is read; the float model never exists
     whole. Equal, value for value, to ``quantize_model(load_model(...), q)``."""
-    if q.format in ("none", "gguf", "shipped"):
-        raise QuantConfigError(f"load_quantizing quantizes to int8 / int4 / fp8 / nf4, not {q.format!r}")
+    if not q.spec.quantizes:
+        allowed = " / ".join(f for f in formats.names() if formats.get(f).quantizes)
+        raise QuantConfigError(f"load_quantizing quantizes to {allowed}, not {q.format!r}")
     abstract = abstract_model(cfg, precision)
     which = quantized_paths(abstract, q)
     sources = param_map(cfg)
@@ -250,19 +252,25 @@ def _variable(model, path: str) -> nnx.Variable:
 
 # --- the base of a run ------------------------------------------------------------------------
 def resolve_quant(q: QuantConfig, section: ModelSection) -> Shipped:
-    """What ``q`` means for the checkpoint ``section`` names: ``format="shipped"`` becomes the
-    checkpoint's own representation (``rlx.quant.shipped.shipped``; reads config.json or the GGUF
-    header only); any other format is itself (``exact``)."""
-    if q.format != "shipped":
+    """What ``q`` means for the checkpoint ``section`` names: a format resolved from the
+    checkpoint (``from_checkpoint``: "shipped") becomes the checkpoint's own representation
+    (``rlx.quant.shipped.shipped``; reads config.json or the GGUF header only); any other format
+    is itself (``exact``)."""
+    if not q.spec.from_checkpoint:
         return Shipped(q, True)
-    path = resolve_path(section.path)
-    if section.resolved_format == "gguf":
-        from rlx.models.gguf import read_gguf
+    return shipped(resolve_path(section.path), gguf=section.is_gguf)
 
-        types = read_gguf(path).tensor_types
-        blocks = any(t in BLOCK_BYTES for n, t in types.items() if n.endswith("_proj.weight"))
-        return Shipped(QuantConfig(format="gguf", serving="gguf") if blocks else QuantConfig(), True)
-    return shipped(path, read_hf_config(path))
+
+def check_shrink(q: QuantConfig, resolved: QuantConfig, section: ModelSection) -> None:
+    """A base kept as a file's blocks needs the file's weights: ``model.shrink`` (random
+    weights) is refused for it (``q``: the configured format, ``resolved``: what it resolved to
+    for this checkpoint, ``resolve_quant``). The one place this is checked, for the run checks
+    before anything is loaded and for ``load_base``."""
+    if section.shrink.enabled and resolved.spec.keeps_file_blocks:
+        raise QuantConfigError(
+            f"config.quant.format={q.format!r} keeps the file's own blocks, but config."
+            "model.shrink.enabled=True builds random weights; disable shrink or use "
+            "quant.format='int8'/'int4' for a shrunken test model")
 
 
 def load_base(section: ModelSection, q: QuantConfig, mesh: Mesh | None = None, *,
@@ -274,38 +282,35 @@ def load_base(section: ModelSection, q: QuantConfig, mesh: Mesh | None = None, *
     (``model.shrink``: random weights, then quantized). Returns the resolved ``QuantConfig``."""
     resolved = resolve_quant(q, section).quant
     p = section.precision
+    check_shrink(q, resolved, section)
     if section.shrink.enabled:
-        if resolved.format == "gguf":
-            raise QuantConfigError("a GGUF base kept as blocks needs the file's weights, not "
-                                   "config.model.shrink")
         loaded = load_from_section(section, mesh, rules, seed)
         return LoadedModel(quantize_model(loaded.model, resolved, mesh=mesh, rules=rules),
                            loaded.tokenizer, loaded.source, loaded.format), resolved
     path = resolve_path(section.path)
     kw = dict(mesh=mesh, rules=rules, moe_impl=p.moe_impl)
-    if resolved.format == "gguf":
+    if resolved.spec.keeps_file_blocks:
         return load_gguf_quantized(path, **kw), resolved
-    if resolved.format == "none":
+    if resolved.spec.float_base:
         return load_from_section(section, mesh, rules, seed), resolved
-    if q.format == "shipped":
+    if q.spec.from_checkpoint:
         loaded, _ = load_shipped(path, p.dtype, param_dtype=p.param_dtype, **kw)
         return loaded, resolved
     precision = Precision(dtype=p.dtype, param_dtype=p.param_dtype, moe_impl=p.moe_impl)
-    if section.resolved_format == "gguf":
+    if section.is_gguf:
         from rlx.models.gguf import read_gguf
 
         ckpt = read_gguf(path)
         cfg, tensors, tokenizer = from_hf_config(ckpt.hf_config), ckpt.tensors, ckpt.tokenizer
-        fmt = "gguf"
     else:
         cfg = read_hf_config(path)
         check_float_checkpoint(path)
         tensors = SafetensorsFolder(path)
         has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
-        tokenizer, fmt = Tokenizer.from_dir(path) if has_tok else None, "hf"
+        tokenizer = Tokenizer.from_dir(path) if has_tok else None
     model = load_quantizing(cfg, tensors, resolved, precision=precision, mesh=mesh, rules=rules)
-    return LoadedModel(model, tokenizer, path, fmt), resolved
+    return LoadedModel(model, tokenizer, path, section.resolved_format), resolved
 
 
 __all__ = ["load_base", "load_gguf_quantized", "load_quantized", "load_quantizing", "load_shipped",
-           "node_at", "quantized_paths", "resolve_quant", "set_node"]
+           "check_shrink", "node_at", "quantized_paths", "resolve_quant", "set_node"]

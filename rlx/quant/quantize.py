@@ -52,14 +52,16 @@ def linears(model: Transformer):
 def quantize_model(model: Transformer, cfg: QuantConfig, *, mesh: Mesh | None = None,
                    rules: LogicalRules = TRAIN_RULES) -> Transformer:
     """Replace the float base of ``model`` by ``cfg.format`` in place (and return it)."""
-    if cfg.format == "none":
+    fmt = cfg.spec
+    if fmt.float_base:
         return model
-    if cfg.format == "gguf":
-        raise QuantConfigError("format='gguf' keeps a GGUF file's blocks; load it with "
+    if fmt.keeps_file_blocks:
+        raise QuantConfigError(f"format={cfg.format!r} keeps a GGUF file's blocks; load it with "
                                "rlx.quant.load_gguf_quantized instead of quantizing float weights")
-    if cfg.format == "shipped":
-        raise QuantConfigError("format='shipped' is the checkpoint's own representation: load it "
-                               "with rlx.quant.load_base, or resolve it (rlx.quant.resolve_quant)")
+    if fmt.from_checkpoint:
+        raise QuantConfigError(f"format={cfg.format!r} is the checkpoint's own representation: "
+                               "load it with rlx.quant.load_base, or resolve it "
+                               "(rlx.quant.resolve_quant)")
     for lin in linears(model) if cfg.modules == "all" else ():
         _quantize_linear(lin, cfg)
     for layer in model.layers:

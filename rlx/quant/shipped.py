@@ -35,6 +35,7 @@ import os
 import re
 
 from rlx.models.hf import ParamSource
+from rlx.quant import formats
 from rlx.quant.config import QuantConfig, QuantConfigError
 
 SUPPORTED = (
@@ -252,13 +253,22 @@ class Shipped:
     layout: Layout | None = None
 
 
-def shipped(path: str, cfg, scale_dtype: str = "float32") -> Shipped:
-    """The ``Shipped`` of a (resolved, local) model path with architecture ``cfg``."""
-    if path.endswith(".gguf"):
-        return Shipped(QuantConfig(format="gguf", serving="gguf"), True)
+def shipped(path: str, cfg=None, scale_dtype: str = "float32", *, gguf: bool | None = None
+            ) -> Shipped:
+    """The ``Shipped`` of a (resolved, local) model path with architecture ``cfg`` (read from
+    config.json when None): the one resolution of ``format="shipped"``. ``gguf``: whether the
+    path is a GGUF file (default: by its extension); a GGUF file resolves to its blocks
+    (``format="gguf"``) when its linear weights are block-quantized, else to floats (only its
+    header is read)."""
+    if path.endswith(".gguf") if gguf is None else gguf:
+        return _gguf_shipped(path)
     qc = read_quantization_config(path)
     if qc is None:
         return Shipped(QuantConfig(), True)
+    if cfg is None:
+        from rlx.models.hf import read_hf_config
+
+        cfg = read_hf_config(path)
     lay = layout(qc)
     modules = modules_kind(cfg, quantized_params(cfg, lay))
     quant = _nearest(lay, modules, scale_dtype)
@@ -267,24 +277,35 @@ def shipped(path: str, cfg, scale_dtype: str = "float32") -> Shipped:
     return Shipped(QuantConfig(format=lay.fmt, serving="hf", scale_dtype=scale_dtype), False, lay)
 
 
+def _gguf_shipped(path: str) -> Shipped:
+    """A GGUF file's own representation: its blocks where its linear weights are block-quantized
+    (``rlx.quant.gguf_blocks.BLOCK_BYTES``), else its floats."""
+    from rlx.models.gguf import read_gguf
+    from rlx.quant.gguf_blocks import BLOCK_BYTES
+
+    types = read_gguf(path).tensor_types
+    blocks = any(t in BLOCK_BYTES for n, t in types.items() if n.endswith("_proj.weight"))
+    return Shipped(QuantConfig(format="gguf", serving="gguf") if blocks else QuantConfig(), True)
+
+
 def _nearest(lay: Layout, modules: str | None, scale_dtype: str) -> QuantConfig | None:
-    """The QuantConfig whose serving export writes ``lay``'s values back (same activation mode),
-    or None."""
+    """The QuantConfig whose serving export writes ``lay``'s values back (same activation mode;
+    the candidates: the quantized serving layouts ``lay.fmt``'s format carries, in its order), or
+    None."""
     if modules is None:
         return None
-    base = dict(scale_dtype=scale_dtype, modules=modules)
-    want = []
     if lay.kind == "float8" and lay.strategy in ("block", "channel"):
-        gran = "block128" if lay.strategy == "block" else "channel"
-        want = [QuantConfig(format="fp8", fp8_granularity=gran, serving=s, **base)
-                for s in ("fp8", "compressed-tensors")]
+        fields = dict(fp8_granularity="block128" if lay.strategy == "block" else "channel")
     elif lay.kind == "int8" or (lay.kind == "packed" and lay.bits == 8 and lay.strategy == "channel"
                                 and lay.symmetric):
-        want = [QuantConfig(format="int8", serving=s, **base)
-                for s in ("w8a8_int8", "compressed-tensors")]
+        fields = {}
     elif lay.kind == "packed" and lay.bits == 4 and lay.strategy == "group":
-        want = [QuantConfig(format="int4", group_size=lay.group, symmetric=lay.symmetric,
-                            serving="compressed-tensors", **base)]
+        fields = dict(group_size=lay.group, symmetric=lay.symmetric)
+    else:
+        return None
+    layouts = [s for s in formats.get(lay.fmt).serving if not formats.serving(s).dequantized]
+    want = [QuantConfig(format=lay.fmt, serving=s, scale_dtype=scale_dtype, modules=modules,
+                        **fields) for s in layouts]
     for q in want:
         if q.activation_mode == lay.act:
             return q

@@ -27,6 +27,7 @@ from rlx.mesh import named_sharding
 from rlx.models.hf import ParamSource, read_stored, swapped, to_layout
 from rlx.platform.cpu.host_layout import on_host, once_per_index, read_transposed
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder
+from rlx.quant import formats
 from rlx.quant.shipped import Layout, module_of
 from rlx.quant.tensors import QTensor
 
@@ -148,7 +149,7 @@ def _unpack_zero(bits: int, n: int):
 
 def _storage_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]:
     bk, bn = lay.block(k, n)
-    kv = k // 2 if lay.fmt == "int4" else k
+    kv = k // formats.get(lay.fmt).values_per_byte
     out = {"values": lead + (kv, n), "scale": lead + (-(-k // bk), -(-n // bn))}
     if lay.kind == "packed" and not lay.symmetric:
         out["zero"] = lead + (-(-k // bk), n)

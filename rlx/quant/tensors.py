@@ -15,7 +15,9 @@ with ``(bk, bn)`` the scale block: int8 and fp8 "channel" ``(K, 1)`` (one scale 
 nf4 ``(group, 1)``, fp8 "block128" ``(128, 128)`` (ceil-divided edges, as DeepSeek/Qwen FP8 files).
 ``decode`` is: int8 -> value; int4 -> nibble - 8; nf4 -> NF4 table[nibble]; fp8 e4m3 -> value.
 int4 and nf4 are packed two per byte along K (XLA:CPU would spend a byte on an int4 element):
-row ``2i`` in the low nibble, row ``2i + 1`` in the high nibble.
+row ``2i`` in the low nibble, row ``2i + 1`` in the high nibble. Each format declares these in its
+record (``rlx.quant.formats``: ``how``, ``block``, ``encode``, ``decode``, ``integers``,
+``values_per_byte``); this module reads the record and never the format's name.
 
 The quantize math (calibration, scales, zero points, rounding, NF4 buckets) is qwix's
 (the three stages of ``qwix.quantize``: calibrate, scale and zero point, values); qwix has no packed storage, no ceil-divided 128x128 tiles and no sharding
@@ -29,7 +31,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from qwix._src.core import qarray  # qwix's stages: not re-exported
 from flax import nnx
 from jaxtyping import Array
@@ -37,12 +38,10 @@ from jaxtyping import Array
 from rlx.models.mixed import FEW_ROWS, mixed_einsum
 from rlx.platform.cpu import kernels as cpu_kernels
 from rlx.platform.policy import current
-from rlx.quant.config import QuantConfigError
+from rlx.quant import formats
+from rlx.quant.formats import QuantConfigError
+from rlx.quant.formats.base import Params, pack_nibbles, unpack_nibbles  # noqa: F401 (re-exported)
 
-_NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-                 -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-                 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-                 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
 # QTensor.product runs grouped scales inside the product for up to GROUPED_ROWS rows where the
 # platform's policy says so (PlatformPolicy.grouped_products; XLA:CPU's batched dot takes no
 # bf16 x bf16 -> f32, see rlx.models.mixed)
@@ -53,18 +52,6 @@ _SCALE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jn
 
 class QuantWeight(nnx.Variable):
     """A frozen leaf of a quantized base (never trained, never an ``nnx.Param``)."""
-
-
-def pack_nibbles(u: Array) -> Array:
-    """``[..., K, N]`` values in [0, 16) -> ``[..., K/2, N]`` uint8 (row 2i low, 2i+1 high)."""
-    u = u.astype(jnp.uint8)
-    return u[..., 0::2, :] | (u[..., 1::2, :] << 4)
-
-
-def unpack_nibbles(p: Array) -> Array:
-    """Inverse of ``pack_nibbles``: ``[..., K/2, N]`` uint8 -> ``[..., K, N]`` uint8."""
-    both = jnp.stack([p & 0x0F, p >> 4], axis=-2)  # [..., K/2, 2, N]
-    return both.reshape(*p.shape[:-2], 2 * p.shape[-2], p.shape[-1])
 
 
 def expand_blocks(s: Array, k: int, n: int, bk: int, bn: int) -> Array:
@@ -82,6 +69,11 @@ class QTensor(nnx.Module):
         self.values = QuantWeight(values, logical_axes=axes)
         self.scale = QuantWeight(scale, logical_axes=axes)
         self.zero = None if zero is None else QuantWeight(zero, logical_axes=axes)
+
+    @property
+    def spec(self) -> formats.Format:
+        """The format's record (``rlx.quant.formats``): storage, decode and product hooks."""
+        return formats.get(self.fmt)
 
     @property
     def kn(self) -> tuple[int, int]:
@@ -104,8 +96,7 @@ class QTensor(nnx.Module):
         k = self.kn[0]
         bk, bn = self.block
         if self._exact_in(dtype):
-            v = unpack_nibbles(v).astype(jnp.int8) - 8 if self.fmt == "int4" else v
-            q = v.astype(dtype)  # integers of at most 8 bits / e4m3 values: exact in bf16
+            q = self.spec.integers(v).astype(dtype)  # integers of at most 8 bits / e4m3 values: exact in bf16
             w = q * expand_blocks(scale, k, n, bk, bn)
             return jnp.swapaxes(w, -1, -2) if self.transposed else w
         q = self._decode_values(v)
@@ -119,10 +110,11 @@ class QTensor(nnx.Module):
         """Whether ``dtype`` arithmetic gives the f32 path's bits: a bf16 result from bf16 scales,
         no zero point, int8 / int4 / fp8 values. Such a value has at most 8 significant bits and
         a bf16 scale 8, so their product is exact in f32 and rounded once to bf16 either way; a
-        bf16 product rounds that same exact product once. The bf16 path spares the f32 copy of
+        bf16 product rounds that same exact product once (formats whose ``integers`` hook gives
+        such values). The bf16 path spares the f32 copy of
         the whole matrix (of an expert stack, per layer) that XLA otherwise writes."""
         return (jnp.dtype(dtype) == jnp.bfloat16 and self.zero is None
-                and self.fmt in ("int8", "int4", "fp8") and self.scale[...].dtype == jnp.bfloat16)
+                and self.spec.integers is not None and self.scale[...].dtype == jnp.bfloat16)
 
     def take(self, ids: Array, dtype) -> Array:
         """Rows ``ids`` of the logical matrix (embedding lookup). A ``[vocab, d]`` embedding with
@@ -171,11 +163,11 @@ class QTensor(nnx.Module):
         if self._chunks(rows, dtype):
             y = self._chunked_product(x.reshape(rows, k).astype(jnp.float32))
             return y.astype(out_dtype).reshape(*x.shape[:-1], n)
-        if self.transposed or len(self.shape) != 2 or self.fmt == "nf4" or (
+        if self.transposed or len(self.shape) != 2 or self.spec.integers is None or (
                 groups > 1 and (rows > GROUPED_ROWS or k % bk
                                  or not current().grouped_products)):
             return None
-        q = (self.decode() if self.fmt == "int4" else self.values[...]).astype(dtype)
+        q = self.spec.integers(self.values[...]).astype(dtype)
         xr = x.reshape(rows, groups, k // groups).astype(dtype)  # one group: bk may exceed K
         scale = expand_blocks(self.scale[...].astype(jnp.float32), groups, n, 1, bn)  # [G, N]
         zero = None if self.zero is None else expand_blocks(
@@ -196,7 +188,7 @@ class QTensor(nnx.Module):
         """Whether ``rlx.platform.cpu.kernels`` multiplies these values: int8 with one scale per
         output and no zero point, a decode step's few f32 rows of a 2-D kernel (``head``: of a
         transposed embedding's stored ``[d, vocab]``), on XLA:CPU."""
-        return (self.fmt == "int8" and self.zero is None and self.block == (self.kn[0], 1)
+        return (self.spec.int8_channel and self.zero is None and self.block == (self.kn[0], 1)
                 and self.transposed == head and len(self.shape) == 2 and rows <= FEW_ROWS
                 and jnp.dtype(dtype) == jnp.float32 and current().few_row_products
                 and cpu_kernels.available())
@@ -231,7 +223,7 @@ class QTensor(nnx.Module):
         ``sum_g s_g * (x_g @ q_g - sum(x_g) * z_g)``; channel scales scale the sum."""
         (k, n), (bk, bn), rows = self.kn, self.block, x.shape[0]
         c = self._chunks(rows, jnp.float32)
-        packed = 2 if self.fmt in ("int4", "nf4") else 1
+        packed = self.spec.values_per_byte
         vals = self.values[...].reshape(k // c, c // packed, n)
         xs = jnp.moveaxis(x.reshape(rows, k // c, c), 1, 0)  # [K/c, R, c]
         grouped = bk < k
@@ -256,11 +248,7 @@ class QTensor(nnx.Module):
 
     def _decode_values(self, v: Array) -> Array:
         """Stored values (all, a chunk of rows, gathered columns) -> f32 quantized values."""
-        if self.fmt == "int4":
-            return unpack_nibbles(v).astype(jnp.float32) - 8.0
-        if self.fmt == "nf4":
-            return jnp.asarray(_NF4)[unpack_nibbles(v).astype(jnp.int32)]
-        return v.astype(jnp.float32)
+        return self.spec.decode(v)
 
     def leaves(self) -> dict[str, Array]:
         out = {"values": self.values[...], "scale": self.scale[...]}
@@ -293,55 +281,38 @@ def quantize_array(w: Array, fmt: str, *, group_size: int = 64, symmetric: bool 
         leaves = {k: jnp.stack([p.leaves()[k] for p in parts]) for k in parts[0].leaves()}
         return QTensor(fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
                        parts[0].block, _storage_axes(axes, transposed), transposed)
-    k = shape[-1] if transposed else shape[-2]
-    block = _block(fmt, shape, k, group_size, fp8_granularity)
-    values, scale, zero = _quantized_leaves(w, fmt, group_size, symmetric, fp8_granularity,
-                                            scale_dtype, transposed)
+    k, n = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
+    spec, params = _quantizable(fmt), Params(group_size, symmetric, fp8_granularity, scale_dtype)
+    block = spec.block(shape, k, n, params)
+    values, scale, zero = _quantized_leaves(w, spec, params, transposed)
     return QTensor(fmt, shape, values, scale, zero, block, _storage_axes(axes, transposed),
                    transposed)
 
 
-def _block(fmt: str, shape: tuple, k: int, group_size: int, fp8_granularity: str) -> tuple:
-    """The (input, output) extent one scale covers; refuses what ``fmt`` cannot quantize."""
-    if fmt == "fp8" and fp8_granularity == "block128":
-        return (128, 128)
-    if fmt in ("int8", "fp8"):
-        return (k, 1)
-    if fmt in ("int4", "nf4"):
-        if k % group_size:
-            raise QuantConfigError(
-                f"group_size={group_size} does not divide the input dimension {k} of a {shape} "
-                "matrix; pick a group size that divides every layer's input size")
-        return (group_size, 1)
-    raise QuantConfigError(f"cannot quantize to format {fmt!r}")
+def _quantizable(fmt: str) -> formats.Format:
+    """The record of a format rlx quantizes float weights into; refuses the others."""
+    spec = formats.get(fmt)
+    if not spec.quantizes:
+        raise QuantConfigError(f"cannot quantize to format {fmt!r}")
+    return spec
 
 
-def _quantized_leaves(w: Array, fmt: str, group_size: int, symmetric: bool, fp8_granularity: str,
-                      scale_dtype: str, transposed: bool) -> tuple[Array, Array, Array | None]:
+def _quantized_leaves(w: Array, spec: formats.Format, params: Params,
+                      transposed: bool) -> tuple[Array, Array, Array | None]:
     """(values, scale, zero point) of ``quantize_array`` by qwix's three stages: the calibration
     (ranges) and the values each one compiled program per shape and format (qwix run op by op
     compiles every one of its operations for each new shape); the scales between them op by op,
     as qwix computes them: a compiled program would multiply by the reciprocal of the constant
-    bound instead of dividing by it and round some scales, then values, differently."""
-    how = _how(fmt, w.ndim, group_size, symmetric, fp8_granularity)
+    bound instead of dividing by it and round some scales, then values, differently. The
+    format's ``how`` says what qwix computes, its ``encode`` how the values are stored."""
+    how = spec.how(w.ndim, params)
     calibration = _calibrate(w, how, transposed)
     scale, zero = qarray.compute_scale_zero_point(calibration, how[0])
+    scale_dtype = params.scale_dtype
     if scale_dtype != "float32":  # the values are computed with the scale as it is stored
         scale = scale.astype(_SCALE_DTYPES[scale_dtype]).astype(jnp.float32)
-    values, zero = _values(w, scale, zero, how, fmt, transposed)
+    values, zero = _values(w, scale, zero, how, spec.encode, transposed)
     return values, scale.astype(_SCALE_DTYPES[scale_dtype]), zero
-
-
-def _how(fmt: str, ndim: int, group_size: int, symmetric: bool, fp8_granularity: str) -> tuple:
-    """qwix's ``HowToQuantize`` fields as a hashable tuple: (qtype, channelwise axes, tiled axes,
-    calibration method), for a ``[..., K, N]`` matrix (``fp8`` blocks: zero-padded to 128s)."""
-    lead = tuple(range(ndim - 2))
-    if fmt == "fp8" and fp8_granularity == "block128":
-        return jnp.float8_e4m3fn, lead, ((ndim - 2, 128), (ndim - 1, 128)), "absmax"
-    qtype = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4", "fp8": jnp.float8_e4m3fn}[fmt]
-    tiled = ((ndim - 2, group_size),) if fmt in ("int4", "nf4") else ()
-    method = "minmax" if tiled and not symmetric else "absmax"
-    return qtype, lead + (ndim - 1,), tiled, method
 
 
 def _matrix(w: Array, how: tuple, transposed: bool) -> Array:
@@ -365,17 +336,14 @@ def _calibrate(w: Array, how: tuple, transposed: bool) -> dict:
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _values(w: Array, scale: Array, zero: Array | None, how: tuple, fmt: str,
+def _values(w: Array, scale: Array, zero: Array | None, how: tuple, encode,
             transposed: bool) -> tuple[Array, Array | None]:
-    """The stored values (int4 and nf4 packed two per byte) and int8 zero points."""
+    """The stored values (the format's ``encode``: int4 and nf4 packed two per byte) and int8
+    zero points."""
     x = _matrix(w, how, transposed)
     qa = qarray.quantize_with_scale_zero_point(x, how[0], scale, zero)
-    values = qa.qvalue
-    if fmt == "int4":
-        values = pack_nibbles(values.astype(jnp.int8) + 8)
-    elif fmt == "nf4":
-        values = pack_nibbles(values.astype(jnp.uint8))
-    elif len(how[2]) == 2:  # fp8 blocks: the padding dropped
+    values = encode(qa.qvalue)
+    if len(how[2]) == 2:  # 2-D tiles (fp8 blocks): the padding dropped
         k, n = w.shape[-1:-3:-1] if transposed else w.shape[-2:]
         values = values[..., :k, :n]
     return values, None if qa.zero_point is None else qa.zero_point.astype(jnp.int8)

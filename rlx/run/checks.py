@@ -36,8 +36,8 @@ from rlx.learner.critic import HEAD_TENSORS, value_head_width
 from rlx.mesh import batch_axes, batch_shards
 from rlx.models.config import ModelConfig, from_hf_config
 from rlx.models.loading import resolve_path
-from rlx.quant.config import LORA_TARGETS, MLP_TARGETS
-from rlx.quant.loading import resolve_quant
+from rlx.quant.config import LORA_TARGETS, MLP_TARGETS, QuantConfig
+from rlx.quant.loading import check_shrink, resolve_quant
 from rlx.quant.lora import target_counts
 from rlx.quant.peft_import import peft_lora_config
 from rlx.rollout.sglang.policy import check_servable
@@ -89,7 +89,7 @@ def read_architecture(cfg: RunConfig, other: str | None = None
     storage type of each tensor; only headers are read. ``other``: another model's path (a
     critic's), read as it is (never shrunk)."""
     path = resolve_path(other or cfg.model.path)
-    gguf = path.endswith(".gguf") if other else cfg.model.resolved_format == "gguf"
+    gguf = path.endswith(".gguf") if other else cfg.model.is_gguf
     types: dict[str, str] = {}
     if gguf:
         from rlx.models.gguf import read_gguf
@@ -203,13 +203,9 @@ def check_base_format(cfg: RunConfig, arch: ModelConfig, gguf_types: dict[str, s
     (``rlx.quant.shipped.layout``), a GGUF base needs a GGUF file, group sizes divide the widths,
     and SGLang can serve the result."""
     q = cfg.quant
-    if cfg.model.resolved_format == "hf" and not cfg.model.shrink.enabled:
+    if not cfg.model.is_gguf and not cfg.model.shrink.enabled:
         _check_quantized_folder(cfg)
-    if q.format == "shipped":
-        if cfg.model.shrink.enabled and cfg.model.resolved_format == "gguf":
-            raise ConfigError("config.quant.format='shipped' on a GGUF file keeps its blocks, but "
-                              "config.model.shrink.enabled=True builds random weights; disable "
-                              "shrink or use quant.format='int8'/'int4'")
+    if q.spec.from_checkpoint:
         resolved = resolve_quant(q, cfg.model)
         if cfg.rollout.engine == "sglang" and not resolved.exact:
             lay = resolved.layout
@@ -219,9 +215,9 @@ def check_base_format(cfg: RunConfig, arch: ModelConfig, gguf_types: dict[str, s
                 f"{'' if lay.symmetric else ', asymmetric'}) as rlx holds it; use "
                 "rollout.engine='jax' (the built-in engine samples from the same arrays)")
         q = resolved.quant
-    if q.format == "gguf":
-        _check_gguf_base(cfg, gguf_types)
-    if q.format in ("int4", "nf4") and cfg.quant.format != "shipped":
+    if q.spec.keeps_file_blocks:
+        _check_gguf_base(cfg, q, gguf_types)
+    if q.spec.grouped and not cfg.quant.spec.from_checkpoint:
         _check_group_size(q.group_size, arch, q.modules)
     if cfg.rollout.engine == "sglang":
         check_servable(serving(cfg), arch, jax.process_count())
@@ -234,7 +230,7 @@ def _check_quantized_folder(cfg: RunConfig) -> None:
     from rlx.quant.shipped import read_quantization_config
 
     qc = read_quantization_config(resolve_path(cfg.model.path))
-    if qc and cfg.quant.format != "shipped":
+    if qc and not cfg.quant.spec.from_checkpoint:
         raise ConfigError(
             f"config.model.path={cfg.model.path!r} holds a quantized checkpoint (quantization_config "
             f"quant_method={qc.get('quant_method')!r}); config.quant.format={cfg.quant.format!r} "
@@ -242,17 +238,15 @@ def _check_quantized_folder(cfg: RunConfig) -> None:
             "(train.mode='lora') to keep them as they are, or point model.path at a float copy")
 
 
-def _check_gguf_base(cfg: RunConfig, gguf_types: dict[str, str]) -> None:
+def _check_gguf_base(cfg: RunConfig, q: QuantConfig, gguf_types: dict[str, str]) -> None:
     from rlx.quant.gguf_blocks import BLOCK_BYTES
 
-    if cfg.model.resolved_format != "gguf":  # (shipped resolves to gguf only for a GGUF file)
-        raise ConfigError(f"config.quant.format='gguf' keeps a GGUF file's blocks, but config.model."
-                          f"path={cfg.model.path!r} is not a .gguf file; use quant.format='int8'/"
-                          "'int4'/'nf4'/'fp8' to quantize HF weights, or point model.path at a GGUF file")
-    if cfg.model.shrink.enabled:
-        raise ConfigError("config.quant.format='gguf' keeps the file's own blocks, but config.model."
-                          "shrink.enabled=True builds random weights; disable shrink or use "
-                          "quant.format='int8'/'int4' for a shrunken test model")
+    if not cfg.model.is_gguf:  # (shipped resolves to a file's blocks only for a GGUF file)
+        raise ConfigError(f"config.quant.format={q.format!r} keeps a GGUF file's blocks, but "
+                          f"config.model.path={cfg.model.path!r} is not a .gguf file; use "
+                          "quant.format='int8'/'int4'/'nf4'/'fp8' to quantize HF weights, or point "
+                          "model.path at a GGUF file")
+    check_shrink(cfg.quant, q, cfg.model)
     linear = {n: t for n, t in gguf_types.items() if n.endswith("_proj.weight")}
     if linear and not any(t in BLOCK_BYTES for t in linear.values()):
         found = sorted(set(linear.values()))

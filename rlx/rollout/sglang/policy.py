@@ -40,14 +40,12 @@ from rlx.errors import ConfigError
 from rlx.io.export import export_base, export_merged, export_peft
 from rlx.models.config import ModelConfig
 from rlx.models.loading import resolve_path
+from rlx.quant import formats
 from rlx.quant.config import MLP_TARGETS, TARGET_MODULES, LoraConfig
 from rlx.rollout.serving import Serving
 from rlx.rollout.sglang.engine import SGLangEngine
 from rlx.rollout.sglang.server import ServerSpec, SGLangServer
 from rlx.types import Prompt, Rollout, SamplingParams
-
-# SGLang serves MoE LoRA only on these bases (bf16 weights or fp8).
-_MOE_LORA_SERVING = ("hf", "fp8")
 
 
 def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1) -> None:
@@ -57,15 +55,17 @@ def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1)
         raise ConfigError(f"config.rollout.engine='sglang' with {process_count} JAX processes: "
                           "multi-host runs drive the built-in engine (rollout.engine='jax'); "
                           "SGLang needs a single learner process for now")
-    if q.serving == "gguf" and (serving.model.shrink.enabled or q.format != "gguf"):
+    if q.serving_spec.source_file and (serving.model.shrink.enabled
+                                       or not q.spec.keeps_file_blocks):
         raise ConfigError("config.quant.serving='gguf' serves the GGUF file the base was loaded "
                           "from; it needs quant.format='gguf' and no model.shrink (a random "
                           "shrunken copy has no file): use quant.serving='hf'")
     adapts_experts = (lora is not None and model.moe is not None and lora.experts
                       and any(t in lora.targets for t in MLP_TARGETS))
-    if adapts_experts and q.serving not in _MOE_LORA_SERVING:
+    if adapts_experts and not q.serving_spec.moe_lora:
+        moe_lora = [s for s in formats.serving_names() if formats.serving(s).moe_lora]
         raise ConfigError(f"SGLang serves LoRA on MoE experts only over a float or fp8 base "
-                          f"(config.quant.serving one of {list(_MOE_LORA_SERVING)}), not "
+                          f"(config.quant.serving one of {moe_lora}), not "
                           f"config.quant.serving={q.serving!r}: set config.lora.experts=False "
                           "(adapters on attention only), serve quant.serving='hf', or use "
                           "rollout.engine='jax'")
@@ -159,7 +159,7 @@ class SGLangPolicy:
         if not self.lora:
             return export_merged(model, os.path.join(self.dir, "policy"), "0", self.dtype)
         q = self.serving.quant
-        gguf = resolve_path(self.serving.model.path) if q.serving == "gguf" else None
+        gguf = resolve_path(self.serving.model.path) if q.serving_spec.source_file else None
         path = export_base(model, q, os.path.join(self.dir, "base"), "0", self.dtype, gguf_file=gguf)
         return os.path.join(path, os.path.basename(gguf)) if gguf else path
 
