@@ -279,9 +279,9 @@ def shipped(path: str, cfg=None, scale_dtype: str = "float32", *, gguf: bool | N
 
 def _gguf_shipped(path: str) -> Shipped:
     """A GGUF file's own representation: its blocks where its linear weights are block-quantized
-    (``rlx.quant.gguf_blocks.BLOCK_BYTES``), else its floats."""
+    (``rlx.quant.formats.gguf.blocks.BLOCK_BYTES``), else its floats."""
     from rlx.models.gguf import read_gguf
-    from rlx.quant.gguf_blocks import BLOCK_BYTES
+    from rlx.quant.formats.gguf.blocks import BLOCK_BYTES
 
     types = read_gguf(path).tensor_types
     blocks = any(t in BLOCK_BYTES for n, t in types.items() if n.endswith("_proj.weight"))
