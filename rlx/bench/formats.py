@@ -12,7 +12,7 @@ import numpy as np
 from rlx.models.decoder import Transformer
 from rlx.models.moe import SparseMoE
 from rlx.quant.config import QuantConfig
-from rlx.quant.gguf_blocks import GGUFTensor
+from rlx.quant.formats.gguf.blocks import GGUFTensor
 from rlx.quant.quantize import linears
 
 ROWS = [  # (label, QuantConfig or GGUF type)

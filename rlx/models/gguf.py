@@ -45,7 +45,8 @@ from rlx.models.tokenizer import Tokenizer, TokenizerError
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "GGUFTensors", "RawTensor", "SUPPORTED_TYPES", "read_gguf"]
 
-# the float types, and the block types rlx also keeps as blocks (rlx.quant.gguf_blocks.KEPT):
+# the float types, and the block types rlx also keeps as blocks
+# (rlx.quant.formats.gguf.blocks.KEPT):
 # Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the K-quants that llama.cpp's _S / _M / _L mixes use
 SUPPORTED_TYPES: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")

@@ -16,7 +16,7 @@ May import ``rlx.models``, ``rlx.platform``, ``rlx.kernels`` and the foundation 
 """
 
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
-from rlx.quant.gguf_blocks import GGUFTensor
+from rlx.quant.formats.gguf.blocks import GGUFTensor
 from rlx.quant.loading import load_base, load_gguf_quantized, load_quantized, resolve_quant
 from rlx.quant.lora import LoRA, apply_lora
 from rlx.quant.quantize import quantize_model, state_bytes

@@ -33,7 +33,7 @@ from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
 from rlx.models.tokenizer import Tokenizer
 from rlx.quant import formats
 from rlx.quant.config import QuantConfig, QuantConfigError
-from rlx.quant.gguf_blocks import BLOCK_BYTES, GGUFTensor
+from rlx.quant.formats.gguf.blocks import BLOCK_BYTES, GGUFTensor
 from rlx.quant.quantize import linears, quantize_model
 from rlx.quant.shipped import Shipped, layout, quantized_params, shipped
 from rlx.quant.shipped_read import check_quantized, file_position, read_qtensor, scale_dtype_of
@@ -60,8 +60,9 @@ def _abstract_axes(cfg, precision) -> dict[str, tuple]:
 
 def load_gguf_quantized(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *,
                         rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged") -> LoadedModel:
-    """A GGUF file with its block-quantized tensors (``rlx.quant.gguf_blocks.KEPT``) kept block for
-    block on device; a MoE file's experts as one ``[experts, rows, bytes]`` tensor per projection."""
+    """A GGUF file with its block-quantized tensors (``rlx.quant.formats.gguf.blocks.KEPT``) kept
+    block for block on device; a MoE file's experts as one ``[experts, rows, bytes]`` tensor per
+    projection."""
     from rlx.models.gguf import read_gguf
 
     ckpt = read_gguf(path)

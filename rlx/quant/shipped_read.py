@@ -1,5 +1,5 @@
-"""Checking and reading a shipped checkpoint's quantized linears (``rlx.quant.shipped``'s
-``Layout``), as the file stores them.
+"""Checking and reading a shipped checkpoint's quantized linears (a ``Layout`` of
+``rlx.quant.formats.layouts``), as the file stores them: the tensors its ``Tensors`` declares.
 
 Each quantized linear becomes a ``QTensor`` whose leaves hold the file's values bit for bit, in
 rlx's storage orientation (``[in, out]``; int4 nibbles re-paired along ``in``, which changes no
@@ -27,8 +27,8 @@ from rlx.mesh import named_sharding
 from rlx.models.hf import ParamSource, read_stored, swapped, to_layout
 from rlx.platform.cpu.host_layout import on_host, once_per_index, read_transposed
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder
-from rlx.quant import formats
-from rlx.quant.shipped import Layout, module_of
+from rlx.quant.formats.layouts import Layout
+from rlx.quant.shipped import module_of
 from rlx.quant.tensors import QTensor
 
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -65,28 +65,28 @@ def _check_linear(tensors, m: str, n: int, k: int, lay: Layout) -> None:
                 f"quantization_config ({lay.method}) and config.json imply "
                 f"{'/'.join(dtypes)} {' or '.join(str(list(s)) for s in shape or [])}".rstrip())
 
-    per = 32 // lay.bits
-    if lay.kind == "packed":
+    per, t = 32 // lay.bits, lay.tensors
+    if t.packed:
         if lay.bits == 4 and k % 2:
             raise CheckpointError(f"{m}: int4 weights with an odd input width {k} (rlx packs "
                                   "two per byte along the input)")
-        need(f"{m}.weight_packed", ("I32",), [(n, -(-k // per))], "its packed values are needed")
-        need(f"{m}.weight_shape", ("I64", "I32"), [(2,)], "its shape is needed")
-        shape_name = f"{m}.weight_shape"
+        need(f"{m}.{t.values}", t.values_dtypes, [(n, -(-k // per))],
+             "its packed values are needed")
+        need(f"{m}.{t.shape}", ("I64", "I32"), [(2,)], "its shape is needed")
+        shape_name = f"{m}.{t.shape}"
         got = [int(d) for d in np.asarray(tensors[shape_name])]
         if got != [n, k]:
             raise CheckpointError(
                 f"{tensors.file_of(shape_name)}: tensor {shape_name!r} is {got}, but config.json "
                 f"implies [out, in] = {[n, k]}; the weights and config.json disagree")
     else:
-        dtype = ("F8_E4M3",) if lay.kind == "float8" else ("I8",)
-        need(f"{m}.weight", dtype, [(n, k)], "")
+        need(f"{m}.{t.values}", t.values_dtypes, [(n, k)], "")
     scale = lay.scale_shape(n, k)
     shapes = [scale] + ([(1,), ()] if lay.strategy == "tensor" else [])
-    need(f"{m}.{lay.scale_key}", SCALE_DTYPES, shapes,
+    need(f"{m}.{t.scale}", SCALE_DTYPES, shapes,
          f"the scales of its {lay.fmt} values are needed")
-    if lay.kind == "packed" and not lay.symmetric:
-        need(f"{m}.weight_zero_point", ("I32",), [(-(-n // per), scale[1])],
+    if t.zero:
+        need(f"{m}.{t.zero}", ("I32",), [(-(-n // per), scale[1])],
              "the zero points of its asymmetric values are needed")
 
 
@@ -149,9 +149,9 @@ def _unpack_zero(bits: int, n: int):
 
 def _storage_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]:
     bk, bn = lay.block(k, n)
-    kv = k // formats.get(lay.fmt).values_per_byte
+    kv = k // lay.format.values_per_byte
     out = {"values": lead + (kv, n), "scale": lead + (-(-k // bk), -(-n // bn))}
-    if lay.kind == "packed" and not lay.symmetric:
+    if lay.tensors.zero:
         out["zero"] = lead + (-(-k // bk), n)
     return out
 
@@ -160,9 +160,9 @@ def _stored_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]
     """The file's shapes of each leaf's tensor (HF orientation, per matrix)."""
     per = 32 // lay.bits
     scale = lay.scale_shape(n, k)
-    out = {"values": lead + ((n, -(-k // per)) if lay.kind == "packed" else (n, k)),
+    out = {"values": lead + ((n, -(-k // per)) if lay.tensors.packed else (n, k)),
            "scale": lead + scale}
-    if lay.kind == "packed" and not lay.symmetric:
+    if lay.tensors.zero:
         out["zero"] = lead + (-(-n // per), scale[1])
     return out
 
@@ -177,15 +177,14 @@ def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mes
     modules = [module_of(name) for name in src.hf_names]
     lead = (len(modules),) if stacked else ()
     stored = _stored_shapes(lay, lead, n, k)
-    suffix = {"values": "weight_packed" if lay.kind == "packed" else "weight",
-              "scale": lay.scale_key, "zero": "weight_zero_point"}
+    suffix = {"values": lay.tensors.values, "scale": lay.tensors.scale, "zero": lay.tensors.zero}
     leaves = {}
     for leaf, leaf_shape in _storage_shapes(lay, lead, n, k).items():
         sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                     else named_sharding(mesh, axes, rules, leaf_shape))
         names = [f"{m}.{suffix[leaf]}" for m in modules]
         tensor_scale = leaf == "scale" and lay.strategy == "tensor"
-        fn = (_unpack_values(lay.bits, k) if leaf == "values" and lay.kind == "packed" else
+        fn = (_unpack_values(lay.bits, k) if leaf == "values" and lay.tensors.packed else
               _unpack_zero(lay.bits, n) if leaf == "zero" else None)
         if fn is None and not tensor_scale and isinstance(tensors, SafetensorsFolder) \
                 and on_host(sharding):  # CPU devices: laid out on the host, nothing compiled
@@ -220,7 +219,7 @@ def file_position(tensors, src: ParamSource) -> tuple[str, int]:
 def scale_dtype_of(tensors, quantized: dict[str, ParamSource], lay: Layout) -> str:
     """The ``QuantConfig.scale_dtype`` name of the file's scales (float32 when none)."""
     for src in quantized.values():
-        return _SCALE_NAMES[tensors.dtype_name(f"{module_of(src.hf_names[0])}.{lay.scale_key}")]
+        return _SCALE_NAMES[tensors.dtype_name(f"{module_of(src.hf_names[0])}.{lay.tensors.scale}")]
     return "float32"
 
 

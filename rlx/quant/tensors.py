@@ -21,7 +21,7 @@ record (``rlx.quant.formats``: ``how``, ``block``, ``encode``, ``decode``, ``int
 
 The quantize math (calibration, scales, zero points, rounding, NF4 buckets) is qwix's
 (the three stages of ``qwix.quantize``: calibrate, scale and zero point, values); qwix has no packed storage, no ceil-divided 128x128 tiles and no sharding
-metadata, which is what this module adds. GGUF blocks live in ``rlx.quant.gguf_blocks``.
+metadata, which is what this module adds. GGUF blocks live in ``rlx.quant.formats.gguf.blocks``.
 """
 
 from __future__ import annotations

@@ -239,7 +239,7 @@ def _check_quantized_folder(cfg: RunConfig) -> None:
 
 
 def _check_gguf_base(cfg: RunConfig, q: QuantConfig, gguf_types: dict[str, str]) -> None:
-    from rlx.quant.gguf_blocks import BLOCK_BYTES
+    from rlx.quant.formats.gguf.blocks import BLOCK_BYTES
 
     if not cfg.model.is_gguf:  # (shipped resolves to a file's blocks only for a GGUF file)
         raise ConfigError(f"config.quant.format={q.format!r} keeps a GGUF file's blocks, but "

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from rlx.platform.cpu import kernels as cpu_kernels
-from rlx.quant.gguf_blocks import PLANAR, GGUFTensor, dequantize_blocks, rows_product
+from rlx.quant.formats.gguf.blocks import PLANAR, GGUFTensor, dequantize_blocks, rows_product
 from rlx.quant.tensors import quantize_array
 from tests.helpers.quant import check_f32_sum_bound, jitted_product
 

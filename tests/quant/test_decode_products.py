@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.quant.gguf_blocks import PLANAR, TILE_ROWS, GGUFTensor, dequantize_blocks
+from rlx.quant.formats.gguf.blocks import PLANAR, TILE_ROWS, GGUFTensor, dequantize_blocks
 from rlx.quant.tensors import CHUNK_ROWS, quantize_array
 from tests.helpers.quant import check_f32_sum_bound, jitted_product
 

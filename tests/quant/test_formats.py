@@ -11,7 +11,7 @@ import pytest
 
 from rlx.models.layers import quantize_activations
 from rlx.quant import QuantConfig, QuantConfigError, quantize_array
-from rlx.quant.gguf_blocks import KEPT, dequantize_blocks
+from rlx.quant.formats.gguf.blocks import KEPT, dequantize_blocks
 from rlx.quant.tensors import pack_nibbles, unpack_nibbles
 
 

@@ -24,7 +24,7 @@ from rlx.bench.peer_envs import LLAMA_CPP
 from rlx.models.gguf import read_gguf
 from rlx.models.hf import param_map
 from rlx.quant import GGUFTensor, load_gguf_quantized
-from rlx.quant.gguf_blocks import KEPT
+from rlx.quant.formats.gguf.blocks import KEPT
 from rlx.quant.loading import node_at
 
 torch = pytest.importorskip("torch")

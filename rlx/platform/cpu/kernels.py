@@ -2,7 +2,7 @@
 
 XLA:CPU emits no kernel that multiplies packed weights: it decodes them into float tiles before
 its product. ``kernels.cc`` (shipped beside this module) multiplies a decode step's few f32
-rows by GGUF Q8_0 / Q4_0 / Q4_1 planar rows (``rlx.quant.gguf_blocks``) and by int8 channel-scale
+rows by GGUF Q8_0 / Q4_0 / Q4_1 planar rows (``rlx.quant.formats.gguf.blocks``) and by int8 channel-scale
 ``QTensor`` values (a kernel, or an int8 embedding's stored ``[d, vocab]`` as the tied head) directly, decoding each block into registers with AVX2 / FMA / F16C (AVX-512
 where the CPU has it) and splitting the output columns over XLA's intra-op threads.
 

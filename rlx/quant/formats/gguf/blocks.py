@@ -20,8 +20,8 @@ headers of all its blocks come first and the 32 int8 / 16 nibble bytes of each b
 bytes one by one; planar rows let the few-row product (``rows_product``) decode a tile of output
 rows with contiguous loads, into a float tile that stays in cache, and multiply it there: the
 packed bytes are read once per product instead of writing and re-reading a float matrix. Q5_0 / Q5_1 and the K-quants Q2_K .. Q6_K (the types llama.cpp's
-``_S`` / ``_M`` / ``_L`` mixes are made of) decode in ``rlx.quant.gguf_kquants``. qwix has no
-notion of these block formats, hence these modules.
+``_S`` / ``_M`` / ``_L`` mixes are made of) decode in ``rlx.quant.formats.gguf.kquants``. qwix
+has no notion of these block formats, hence these modules.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jaxtyping import Array
 from rlx.models.mixed import FEW_ROWS
 from rlx.platform.cpu import kernels as cpu_kernels
 from rlx.platform.policy import current
-from rlx.quant.gguf_kquants import DECODERS, f16, rounded
+from rlx.quant.formats.gguf.kquants import DECODERS, f16, rounded
 from rlx.quant.tensors import QuantWeight
 
 
