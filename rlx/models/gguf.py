@@ -287,13 +287,19 @@ def _hf_config(family: FamilySpec, meta: Mapping[str, Any], stored: Mapping[str,
                    "moe_intermediate_size": get("expert_feed_forward_length")}
     if arch.shared_expert:
         config["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
+    return config | _token_ids(meta)
+
+
+def _token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
+    """config.json's special token ids from the ``tokenizer.ggml.*`` metadata the file holds."""
+    out = {}
     for key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id"), ("unknown_token_id", "unk_token_id")):
         if (value := meta.get(f"tokenizer.ggml.{key}")) is not None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise GGUFError(f"metadata tokenizer.ggml.{key} = {value!r} is not a token id")
-            config[hf_key] = value
-    return config
+            out[hf_key] = value
+    return out
 
 
 def _tensor_names(arch: GGUFArch, config: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, int]]:
