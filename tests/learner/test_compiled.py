@@ -1,4 +1,5 @@
-"""rlx.platform.compiled: freed heap pages go back to the OS; steps compiled once per argument signature."""
+"""rlx.platform.compiled and rlx.learner.compiled: freed heap pages go back to the OS; steps compiled once per
+argument signature; an update donates its state but not the frozen base."""
 
 import sys
 

@@ -1,7 +1,7 @@
 """LoRA mode holds its frozen base once: after ``build`` the live device buffers are the learner's
 state (base, adapters, AdamW moments, step counters, rng) and, in an asynchronous run, the
 built-in engine's copy of the adapters, nothing else. The engine samples from the learner's very
-base arrays, which no update donates (``rlx.platform.compiled.UpdatePerShape``); a synchronous run's
+base arrays, which no update donates (``rlx.learner.compiled.UpdatePerShape``); a synchronous run's
 engine also samples from the learner's very adapters, and takes the new ones at each sync. The
 engine's KV cache lives inside each generate call: nothing of it is held after build."""
 

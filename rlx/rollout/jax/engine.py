@@ -8,7 +8,7 @@ variables (e.g. only the ``nnx.LoRAParam`` adapters in LoRA mode), in memory; wi
 dtypes nothing is recompiled. Weights are copied by default, so that the learner may donate its
 buffers to its next step while the engine still samples from the previous version. Variables that
 match ``shared`` (an nnx filter; a run passes its frozen part, which no update donates:
-``rlx.platform.compiled.UpdatePerShape``) are never copied: the engine samples from the very arrays the
+``rlx.learner.compiled.UpdatePerShape``) are never copied: the engine samples from the very arrays the
 caller holds, on their own shardings, so LoRA mode's frozen base exists once and each update copies
 only the adapters (full mode: every parameter, as each update donates them). On XLA:CPU the
 engine's own copy holds float projection kernels transposed, ``[out, in]``, the faster layout of a
