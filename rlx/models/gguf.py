@@ -39,7 +39,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from rlx.models.families import GGUF_ARCHS, FamilySpec, GGUFArch
+from rlx.models.families import GGUF_ARCHS, FamilySpec
 from rlx.models.gguf_file import GGUFError, open_gguf
 from rlx.models.tokenizer import Tokenizer, TokenizerError
 
@@ -187,8 +187,8 @@ def _read(path: str, reader: gguf.GGUFReader) -> GGUFCheckpoint:
     stored = {tensor.name: tensor for tensor in reader.tensors}
     _reject_rope_scaling(arch_name, meta, stored)
     config = _hf_config(family, meta, stored)
-    names, experts = _tensor_names(arch, config)
-    _check_tensors(names, stored, _expected_shapes(config, arch))
+    names, experts = _tensor_names(family, config)
+    _check_tensors(names, stored, _expected_shapes(config))
     heads: dict[str, int] = {}
     if arch.permute_qk:
         for layer in range(config["num_hidden_layers"]):
@@ -282,7 +282,7 @@ def _hf_config(family: FamilySpec, meta: Mapping[str, Any], stored: Mapping[str,
         "use_cache": True,
         **dict(arch.extra_config),
     }
-    if arch.moe:
+    if family.mlp == "moe":
         config |= {"num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
                    "moe_intermediate_size": get("expert_feed_forward_length")}
     if arch.shared_expert:
@@ -302,15 +302,16 @@ def _token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
     return out
 
 
-def _tensor_names(arch: GGUFArch, config: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, int]]:
+def _tensor_names(family: FamilySpec, config: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, int]]:
     """HF name -> GGUF name of every tensor the model needs, in HF state-dict order; and HF name ->
     expert index for the experts' slices of the 3-D ``ffn_*_exps`` tensors."""
+    arch, moe = family.gguf, family.mlp == "moe"
     per_layer = dict(_LAYER_NAMES)
-    if arch.qkv_bias:
+    if family.qkv_bias_default:
         per_layer.update(_BIAS_NAMES)
-    if arch.qk_norm:
+    if family.qk_norm is True:
         per_layer.update(_QK_NORM_NAMES)
-    if arch.moe:
+    if moe:
         per_layer = {g: h for g, h in per_layer.items() if g not in _DENSE_MLP}
         per_layer["ffn_gate_inp.weight"] = "mlp.gate.weight"
     if arch.shared_expert:
@@ -319,7 +320,7 @@ def _tensor_names(arch: GGUFArch, config: Mapping[str, Any]) -> tuple[dict[str, 
     for layer in range(config["num_hidden_layers"]):
         for gguf_name, hf_name in per_layer.items():
             names[f"model.layers.{layer}.{hf_name}"] = f"blk.{layer}.{gguf_name}"
-        for gguf_name, proj in _EXPERTS.items() if arch.moe else ():
+        for gguf_name, proj in _EXPERTS.items() if moe else ():
             for e in range(config["num_experts"]):
                 hf_name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
                 names[hf_name], experts[hf_name] = f"blk.{layer}.{gguf_name}", e
@@ -329,7 +330,7 @@ def _tensor_names(arch: GGUFArch, config: Mapping[str, Any]) -> tuple[dict[str, 
     return names, experts
 
 
-def _expected_shapes(config: Mapping[str, Any], arch: GGUFArch) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """HF name suffix -> HF shape, for checking the metadata against the tensors."""
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]

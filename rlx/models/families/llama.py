@@ -22,6 +22,6 @@ SPEC = FamilySpec(
     lora_targets=GQA_TARGETS,
     output_biased=True,
     extra_to_hf=_extra_to_hf,
-    gguf=GGUFArch("llama", permute_qk=True, qkv_bias=False, qk_norm=False, extra_config=(
+    gguf=GGUFArch("llama", permute_qk=True, extra_config=(
         ("attention_bias", False), ("mlp_bias", False), ("pretraining_tp", 1))),
 )

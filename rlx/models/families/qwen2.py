@@ -31,6 +31,6 @@ SPEC = FamilySpec(
     lora_targets=GQA_TARGETS,
     presets=PRESETS,
     qkv_bias_default=True,
-    gguf=GGUFArch("qwen2", permute_qk=False, qkv_bias=True, qk_norm=False, extra_config=(
+    gguf=GGUFArch("qwen2", permute_qk=False, extra_config=(
         ("use_sliding_window", False), ("max_window_layers", 0))),
 )

@@ -26,7 +26,7 @@ SPEC = FamilySpec(
     moe_from_hf=functools.partial(qwen_moe_from_hf, shared=True),
     moe_to_hf=_moe_to_hf,
     # llama.cpp does not renormalise qwen2moe's top-k gates (as its config.json says)
-    gguf=GGUFArch("qwen2moe", permute_qk=False, qkv_bias=True, qk_norm=False, extra_config=(
+    gguf=GGUFArch("qwen2moe", permute_qk=False, extra_config=(
         ("use_sliding_window", False), ("max_window_layers", 0), ("decoder_sparse_step", 1),
-        ("mlp_only_layers", ()), ("norm_topk_prob", False)), moe=True, shared_expert=True),
+        ("mlp_only_layers", ()), ("norm_topk_prob", False)), shared_expert=True),
 )

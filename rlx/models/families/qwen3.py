@@ -26,6 +26,6 @@ SPEC = FamilySpec(
     presets=PRESETS,
     output_biased=True,
     qk_norm=True,
-    gguf=GGUFArch("qwen3", permute_qk=False, qkv_bias=False, qk_norm=True, extra_config=(
+    gguf=GGUFArch("qwen3", permute_qk=False, extra_config=(
         ("attention_bias", False), ("use_sliding_window", False), ("max_window_layers", 0))),
 )

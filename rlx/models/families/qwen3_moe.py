@@ -33,8 +33,8 @@ SPEC = FamilySpec(
     moe_from_hf=functools.partial(qwen_moe_from_hf, shared=False),
     moe_to_hf=qwen_moe_to_hf,
     # llama.cpp renormalises qwen3moe's top-k gates, as Qwen3-MoE's config.json says
-    gguf=GGUFArch("qwen3moe", permute_qk=False, qkv_bias=False, qk_norm=True, extra_config=(
+    gguf=GGUFArch("qwen3moe", permute_qk=False, extra_config=(
         ("attention_bias", False), ("use_sliding_window", False), ("max_window_layers", 0),
-        ("decoder_sparse_step", 1), ("mlp_only_layers", ()), ("norm_topk_prob", True)), moe=True),
+        ("decoder_sparse_step", 1), ("mlp_only_layers", ()), ("norm_topk_prob", True))),
     peft_remaps_mlp_names=True,
 )

@@ -39,11 +39,10 @@ class GGUFArch:
 
     name: str  # the GGUF ``general.architecture``
     permute_qk: bool  # llama.cpp permuted q/k rows for rope
-    qkv_bias: bool  # q/k/v projections carry biases
-    qk_norm: bool  # per-head RMSNorm on q and k
     extra_config: tuple[tuple[str, Any], ...] = ()  # config.json fields the metadata does not hold
-    moe: bool = False  # routed experts in every layer (3-D ffn_*_exps tensors)
     shared_expert: bool = False  # Qwen2-MoE's gated shared expert (ffn_*_shexp)
+    # q/k/v biases, q/k norms and routed experts (3-D ffn_*_exps tensors in every layer) are the
+    # family's own (FamilySpec.qkv_bias_default, qk_norm, mlp), read from the spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +85,9 @@ class FamilySpec:
                              f"not in {ATTENTION_KINDS} / {MLP_KINDS}")
         if (self.mlp == "moe") != (self.moe_from_hf is not None):
             raise ValueError(f"{self.model_type}: a moe family reads its experts (moe_from_hf)")
+        if self.gguf is not None and not isinstance(self.qk_norm, bool):
+            raise ValueError(f"{self.model_type}: a GGUF file's q/k norms are the family's constant "
+                             "(qk_norm True or False), not a config.json field")
 
 
 __all__ = ["ATTENTION_KINDS", "MLP_KINDS", "GQA_TARGETS", "MLA_TARGETS", "MoENames", "GGUFArch",
