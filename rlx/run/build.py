@@ -70,17 +70,16 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
     compiled = compile_steps(cfg, model, mesh)
     engine = hosts.engine(lambda c, m: make_engine(cfg, c, tokenizer, m), compiled, mesh)
     try:  # from here on a failure must not leave the engine's servers running
-        run = _run(cfg, mesh, compiled, engine, tokenizer, progress, hosts)
+        return _run(cfg, mesh, compiled, engine, tokenizer, progress, hosts,
+                    dict(sampling_overrides or {}))
     except BaseException:
         if engine is not None:  # None on a process that does not sample
             engine.close()
         raise
-    run.sampling_overrides = dict(sampling_overrides or {})
-    return run
 
 
 def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine | None,
-         tokenizer: Tokenizer, progress: bool, hosts: Hosts) -> Run:
+         tokenizer: Tokenizer, progress: bool, hosts: Hosts, sampling_overrides: dict) -> Run:
     """Data, evaluation set, checkpoints (restored when resuming), logger and reward."""
     data = prompt_data(cfg, tokenizer, hosts)
     checkpointer = open_checkpointer(cfg, compiled.state)
@@ -97,7 +96,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
                data=data, eval_set=eval_examples(cfg), prompt_format=prompt_format(cfg),
                reward=reward, logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
-               resumed_in_flight=in_flight,
+               resumed_in_flight=in_flight, sampling_overrides=sampling_overrides,
                env=make_env_runner(cfg, reward, tokenizer))
 
 
