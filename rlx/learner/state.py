@@ -27,7 +27,7 @@ from jaxtyping import Array, Int, Key
 
 from rlx.errors import one_of
 from rlx.mesh import TRAIN_RULES, LogicalRules, variable_shardings
-from rlx.models.moe import expert_parallel
+from rlx.models.parallel import parallelize
 
 SCHEDULES = ("cosine", "constant")
 # config.train.mode -> the variables that train: "lora" a frozen base with LoRA adapters (the
@@ -155,10 +155,10 @@ def create_train_state(
     capacity_factor: float | None = None,
 ) -> tuple[nnx.GraphDef, TrainState]:
     """Split `model` into (graphdef, TrainState) and place the state on `mesh`; the graphdef's MoE
-    layers dispatch tokens to experts split over the mesh (``rlx.models.moe.expert_parallel``,
+    layers dispatch tokens to experts split over the mesh (``rlx.models.parallel.parallelize``,
     dropless, or with ``capacity_factor``; ``model`` itself is left as it is)."""
     graphdef, params, frozen = nnx.split(model, trainable, ...)
-    graphdef = nnx.graphdef(expert_parallel(nnx.merge(graphdef, params, frozen), mesh, rules,
+    graphdef = nnx.graphdef(parallelize(nnx.merge(graphdef, params, frozen), mesh, rules,
                                             capacity_factor))
     if not jax.tree.leaves(params):
         raise ValueError(f"the trainable filter {trainable!r} selects no variable of the model")

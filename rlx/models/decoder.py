@@ -39,10 +39,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from rlx.kernels.attention import attend
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
-from rlx.models.layers import (Linear, RMSNorm, attention_mask, causal_attention, gqa_attention,
-                               param, rope_angles, rope_inv_freq, rotate, weight_value)
+from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq, rotate, weight_value
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
 from rlx.models.mla import MLAttention
@@ -100,6 +100,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.sharding = None  # an AttentionSharding where a mesh runs an opaque kernel (parallel)
 
     def linears(self) -> tuple[Linear, ...]:
         """Every projection of the layer (for quantization and LoRA)."""
@@ -122,8 +123,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
         q, k, v = self._qkv(x, angles, adapter)
-        mask = attention_mask(segment_ids, segment_ids, positions, positions)
-        return self._out(causal_attention(q, k, v, mask), adapter)  # [b, t, h, d] -> [b, t, D]
+        out = attend(q, k, v, segment_ids, segment_ids, positions, positions, causal_columns=True,
+                     sharding=self.sharding)
+        return self._out(out, adapter)  # [b, t, h, d] -> [b, t, D]
 
     def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
         """Attention of ``t`` new tokens over the cache; ``kv`` = this layer's (keys, values).
@@ -133,8 +135,9 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, angles, adapter)
         keys = write_slots(kv[0], k, cache.index, keys=True)  # [b, kv, d, s]
         values = write_slots(kv[1], v, cache.index, keys=False)  # [b, kv, s, d]
-        mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
-        return self._out(gqa_attention(q, keys, values, mask, kv_major=True), adapter), (keys, values)
+        out = attend(q, keys, values, segment_ids, cache.segment_ids, positions, cache.positions,
+                     kv_major=True)
+        return self._out(out, adapter), (keys, values)
 
 
 def _dense_mlp(cfg: ModelConfig, p: Precision, rngs) -> DenseMLP:

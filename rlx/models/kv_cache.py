@@ -29,7 +29,7 @@ carry their own positions (rotary embedding and causality use positions, not slo
 ``Transformer.decode(ids [B, T], positions, segment_ids, cache)`` runs the same ``Attention``,
 ``Block`` and MLP/MoE modules as the training forward pass; the only difference is that keys and
 values (or latents) are written into the cache at ``index .. index + T`` and queries attend to the
-whole cache under the usual position/segment mask (``rlx.models.layers.attention_mask``).
+whole cache under the usual position/segment mask (``rlx.kernels.attention``).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def cache_dtype(dtype, policy: PlatformPolicy | None = None) -> jnp.dtype:
     whole cache to f32 and back, a copy of every layer's keys and values per decode step (a large
     share of a bf16 generation's time). An f32 cache is written in place;
     it holds the compute dtype's values exactly (attention reads them as such, see
-    ``rlx.models.layers.gqa_attention``), at twice the bytes."""
+    ``rlx.kernels.attention``), at twice the bytes."""
     wide = (policy or current()).wide_kv_cache
     return jnp.dtype(jnp.float32) if wide and is_low_precision(dtype) else jnp.dtype(dtype)
 

@@ -34,16 +34,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
+from rlx.kernels.attention import MASK_VALUE, attend, attention_mask
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
-from rlx.models.layers import (Linear, RMSNorm, attention_mask, causal_attention, gqa_attention,
-                               quantize_activations, rotate, weight_value)
+from rlx.models.layers import Linear, RMSNorm, quantize_activations, rotate, weight_value
 
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # a masked score (as rlx.models.layers)
+# which cached slots the new tokens see: (their segment ids, the slots' segment ids, their
+# positions, the slots' positions), each [b, t] or [b, s] (rlx.kernels.attention.attend)
+Seen = tuple[Array, Array, Array, Array]
 
 
 class MLAttention(nnx.Module):
@@ -72,6 +73,7 @@ class MLAttention(nnx.Module):
         self.o_proj = Linear(h * m.v_head_dim, d, ("heads", "embed"), bias=cfg.qkv_bias, **kw)
         self.mla, self.num_heads = m, h
         self.scale = m.qk_head_dim ** -0.5 * cfg.rope.softmax_mscale()
+        self.sharding = None  # an AttentionSharding where a mesh runs an opaque kernel (parallel)
 
     def linears(self) -> tuple[Linear, ...]:
         """Every projection of the layer (for quantization and LoRA)."""
@@ -150,8 +152,9 @@ class MLAttention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
         q, k, v = self._qkv(x, angles, adapter)
-        mask = attention_mask(segment_ids, segment_ids, positions, positions)
-        return self._out(causal_attention(q, k, v, mask, scale=self.scale), adapter)
+        out = attend(q, k, v, segment_ids, segment_ids, positions, positions, scale=self.scale,
+                     causal_columns=True, sharding=self.sharding)
+        return self._out(out, adapter)
 
     def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
         """Attention of ``t`` new tokens over the latent cache; ``kv`` = this layer's (shared
@@ -161,26 +164,27 @@ class MLAttention(nnx.Module):
         latent, k_rope = self.latent_kv(x, angles, adapter)  # [b, t, c], [b, t, 1, r]
         rope_keys = write_slots(kv[0], k_rope[:, :, 0], cache.index, keys=True)  # [b, r, s]
         latents = write_slots(kv[1], latent, cache.index, keys=False)  # [b, s, c]
-        mask = attention_mask(segment_ids, cache.segment_ids, positions, cache.positions)
+        seen = (segment_ids, cache.segment_ids, positions, cache.positions)
         q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
         absorb = x.shape[1] == 1 and self.absorbable(adapter)
-        attend = self.absorbed if absorb else self.expanded
-        out = attend(q_nope, q_rope, rope_keys, latents, mask, adapter)  # [b, t, h, v]
+        form = self.absorbed if absorb else self.expanded
+        out = form(q_nope, q_rope, rope_keys, latents, seen, adapter)  # [b, t, h, v]
         return self._out(out, adapter), (rope_keys, latents)
 
     def expanded(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
                  rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],
-                 mask: Bool[Array, "b t s"], adapter: bool = True) -> Float[Array, "b t h v"]:
+                 seen: Seen, adapter: bool = True) -> Float[Array, "b t h v"]:
         """Attention over the cached latents expanded into per-head keys and values
-        (``expand_kv``), as the training forward pass computes it."""
+        (``expand_kv``), as the training forward pass computes it (``attend``: blockwise over
+        a long cache)."""
         k_rope = jnp.swapaxes(rope_keys, 1, 2)[:, :, None, :]  # [b, s, 1, r]
         keys, values = self.expand_kv(latents, k_rope, adapter)  # [b, s, h, qk], [b, s, h, v]
         q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)  # [b, t, h, qk]
-        return gqa_attention(q, keys, values, mask, scale=self.scale)
+        return attend(q, keys, values, *seen, scale=self.scale)
 
     def absorbed(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
                  rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],
-                 mask: Bool[Array, "b t s"], adapter: bool = True) -> Float[Array, "b t h v"]:
+                 seen: Seen, adapter: bool = True) -> Float[Array, "b t h v"]:
         """``expanded``'s attention with ``kv_b_proj`` absorbed (``kv_b_blocks``): scores
         ``(q_nope W_k) . latent + q_rope . k_rope``, output ``(probs . latent) W_v``; scores and
         softmax in f32. The ``t`` tokens' heads are one ``[t * h]`` query axis, so each product
@@ -195,7 +199,8 @@ class MLAttention(nnx.Module):
         scores = (jnp.einsum("bqc,bsc->bqs", q_lat, lat, **f32)
                   + jnp.einsum("bqr,brs->bqs", q_rot, rope_keys.astype(dtype), **f32))
         scores = scores.reshape(b, t, h, -1) * self.scale  # [b, t, h, s]
-        scores = jnp.where(mask[:, :, None, :], scores, _MASK_VALUE)
+        mask = attention_mask(*seen)  # [b, t, s]: one decode step's row per query
+        scores = jnp.where(mask[:, :, None, :], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, t * h, -1)
         out_lat = jnp.einsum("bqs,bsc->bqc", probs, lat).reshape(b, t, h, -1)  # [b, t, h, c]
         return jnp.einsum("bthc,chv->bthv", out_lat, w_v)

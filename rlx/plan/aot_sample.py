@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rlx.mesh import SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards, variable_shardings
-from rlx.models.moe import expert_parallel
+from rlx.models.parallel import parallelize
 from rlx.models.moe_dispatch import capacity
 from rlx.plan.memory import kv_cache_per_token
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
@@ -76,7 +76,7 @@ def _abstract(tree, shardings):
 def generate_lowered(spec: PlanSpec, mesh):
     """The engine's generate function for ``spec``, lowered on abstract arguments: every row its
     own prompt, sampled at temperature with log-probs (the training rollouts)."""
-    model = expert_parallel(abstract_model(spec), mesh, SAMPLE_RULES,
+    model = parallelize(abstract_model(spec), mesh, SAMPLE_RULES,
                             spec.moe_capacity_factor or None)  # as the engine's _eval_split
     model.eval()
     graphdef, state = nnx.split(model)

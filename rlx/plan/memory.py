@@ -17,9 +17,11 @@
   against it.
 
 All numbers are bytes per device. The analytic activation model counts XLA's saved residuals,
-not a lower bound: f32 attention scores and probabilities of the causal query blocks
-(``rlx.models.layers.causal_blocks``; rlx attention is not a fused kernel), the MoE routing
-buffers, and the [chunk, V] log-softmax working set.
+not a lower bound: attention's f32 scores and probabilities where the platform's policy attends
+densely (sequences up to ``dense_attention_slots``: the causal query blocks,
+``rlx.kernels.attention.causal_blocks``) and its per-query log-sum-exp where it runs a blockwise
+kernel (``rlx.kernels.attention``: no score outlives a block), the MoE routing buffers, and the
+[chunk, V] log-softmax working set.
 """
 
 from __future__ import annotations
@@ -35,16 +37,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from rlx.kernels.attention import causal_blocks
 from rlx.kernels.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import FORWARDS, StepConfig, make_train_step
 from rlx.mesh import (MESH_AXES, SAMPLE_RULES, TRAIN_RULES, LogicalRules, MeshShape,
                       logical_to_spec, make_mesh)
 from rlx.models import ModelConfig
-from rlx.models.layers import causal_blocks
-from rlx.models.moe import expert_parallel
 from rlx.models.moe_dispatch import capacity
+from rlx.models.parallel import parallelize
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
+from rlx.platform.policy import current
 from rlx.types import BATCH_FIELDS, TrainBatch
 
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -167,7 +170,7 @@ def compiled_bytes(spec: PlanSpec, devices=None) -> dict[str, int]:
     """XLA's memory analysis of the compiled train step (abstract inputs; nothing allocated)."""
     devices = list(devices or jax.devices())[: spec.mesh.num_devices]
     mesh = make_mesh(spec.mesh, devices)
-    model = expert_parallel(abstract_model(spec), mesh, TRAIN_RULES,
+    model = parallelize(abstract_model(spec), mesh, TRAIN_RULES,
                             spec.moe_capacity_factor or None)  # as create_train_state
     graphdef, params, frozen = nnx.split(model, trainable_filter(spec), ...)
     opt_cfg = OptimizerConfig()
@@ -212,8 +215,7 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     n, t = rows * spec.seq_len, m.tensor
     f = {"resid": a * n * c.hidden_size,
          "qkv": a * n * _qkv_width(c, t),
-         "scores": 4 * rows * _div(c.num_heads, t) * sum(
-             (e - b) * e for b, e in causal_blocks(spec.seq_len)),  # the blocks' query-key pairs
+         "scores": 4 * rows * _div(c.num_heads, t) * _attention_pairs(spec.seq_len),
          "mlp": 0.0, "moe_d": 0.0, "moe_f": 0.0, "router": 0.0, "lora": 0.0}
     if not c.is_sparse_layer(layer):
         f["mlp"] = a * n * _div(c.intermediate_size, t)
@@ -228,6 +230,15 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     if spec.mode == "lora":
         f["lora"] = f["mlp"]  # batched expert adapters measured no extra beyond moe_f
     return f
+
+
+def _attention_pairs(length: int) -> int:
+    """f32 numbers per (row, head) that one layer's attention keeps for the backward pass: the
+    scores of the causal query blocks where the platform attends densely, else one log-sum-exp
+    per query (``rlx.kernels.attention``)."""
+    if length <= current().dense_attention_slots:
+        return sum((e - b) * e for b, e in causal_blocks(length))  # the blocks' query-key pairs
+    return length
 
 
 def moe_slots(spec: PlanSpec, n: int) -> float:

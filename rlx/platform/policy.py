@@ -4,9 +4,12 @@ platform their programs run on, held as a value (``PlatformPolicy``).
 The fields are the choices, never the platform's name: which element type a 16-bit decode caches
 its keys and values in, the built-in engine's weight layout, when layers are unrolled rather than
 scanned, which few-row products multiply packed weights directly, whether 1-byte float stacks
-enter a scan as bits, whether the host lays checkpoint tensors out, and the train step's compiler
-options. ``CPU`` holds XLA:CPU's engineering; ``GPU`` and ``TPU`` are nearly empty today (their
-kernels are to come).
+enter a scan as bits, whether the host lays checkpoint tensors out, which attention kernel runs
+and from which length, and the train step's compiler options. ``CPU`` holds XLA:CPU's
+engineering (short sequences attend densely: on 2 cores the blockwise loop's recomputing backward
+costs more than the scores it saves below about 512 tokens); ``TPU`` runs JAX's Pallas splash
+kernels for self-attention; ``GPU`` runs the blockwise XLA attention (a Pallas GPU kernel that
+takes rlx's segment masks is to come).
 
 The policy is chosen once from the platform: ``policy_of(mesh)`` where code has the mesh (engine
 construction, the train step's compile, the scan decision), ``policy_for(platform)`` from a name.
@@ -56,6 +59,14 @@ class PlatformPolicy:
     # a frozen quantized expert stack is multiplied one expert's matrix at a time
     # (rlx.models.grouped.grouped_matmul) instead of by ragged_dot
     experts_one_at_a_time: bool = False
+    # attention (rlx.kernels.attention.attend): calls over at most this many key slots
+    # materialise their scores; longer ones run `attention_kernel` ("blockwise": XLA loops;
+    # "splash": JAX's Pallas TPU kernels) in blocks of `attention_block` tokens
+    dense_attention_slots: int = 0
+    attention_kernel: str = "blockwise"
+    attention_block: int = 512
+    # Pallas kernels run in the interpreter (any backend: tests of a kernel's numerics)
+    pallas_interpret: bool = False
     # XLA options of every train step, and those added where the step recomputes activations
     train_options: Options = ()
     remat_train_options: Options = ()
@@ -80,9 +91,10 @@ TPU_OPTIONS: Options = (("xla_tpu_enable_sparse_core_collective_offload_all_redu
 CPU = PlatformPolicy(
     wide_kv_cache=True, decode_layout="out_in", unroll_train_from_params=50_000_000,
     unroll_decode_bytes=1 << 30, few_row_products=True, byte_floats_as_bits=True,
-    host_layout=True, experts_one_at_a_time=True, remat_train_options=CPU_REMAT_OPTIONS)
+    host_layout=True, experts_one_at_a_time=True, remat_train_options=CPU_REMAT_OPTIONS,
+    dense_attention_slots=512, attention_block=64)
 GPU = PlatformPolicy(grouped_products=True)
-TPU = PlatformPolicy(grouped_products=True, train_options=TPU_OPTIONS)
+TPU = PlatformPolicy(grouped_products=True, train_options=TPU_OPTIONS, attention_kernel="splash")
 POLICIES = {"cpu": CPU, "gpu": GPU, "cuda": GPU, "rocm": GPU, "tpu": TPU}
 
 

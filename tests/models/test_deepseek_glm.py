@@ -92,9 +92,11 @@ def _absorbed_vs_expanded(attn, adapter: bool) -> tuple[float, np.ndarray]:
     q_rope = jax.random.normal(keys[1], (2, 3, h, m.qk_rope_head_dim))
     rope_keys = jax.random.normal(keys[2], (2, m.qk_rope_head_dim, 9))
     latents = jax.random.normal(keys[3], (2, 9, m.kv_lora_rank))
-    mask = jnp.broadcast_to(jnp.arange(9) < 7, (2, 3, 9))
-    ref = attn.expanded(q_nope, q_rope, rope_keys, latents, mask, adapter)
-    out = attn.absorbed(q_nope, q_rope, rope_keys, latents, mask, adapter)
+    q_pos = jnp.broadcast_to(jnp.arange(9, 12), (2, 3))
+    kv_seg = jnp.broadcast_to((jnp.arange(9) < 7).astype(jnp.int32), (2, 9))
+    seen = (jnp.ones((2, 3), jnp.int32), kv_seg, q_pos, jnp.broadcast_to(jnp.arange(9), (2, 9)))
+    ref = attn.expanded(q_nope, q_rope, rope_keys, latents, seen, adapter)
+    out = attn.absorbed(q_nope, q_rope, rope_keys, latents, seen, adapter)
     return float(jnp.abs(out - ref).max()), np.asarray(ref)
 
 

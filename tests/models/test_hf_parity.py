@@ -5,6 +5,8 @@ hf_zoo); 1e-5 for the rlx -> to_hf -> rlx/transformers round trip and for packed
 sequences.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +18,14 @@ from flax import nnx
 from rlx.models import from_hf, to_hf
 from rlx.models.hf import read_hf_config
 from rlx.models.moe import CorrectionBias
+from rlx.platform.policy import CPU, active
 from tests.helpers.hf_zoo import FAMILIES, SIGMOID_ROUTED, hf_logits, make_hf_model
 
 TOL = 1e-4
+# attention under the CPU policy (sequences of up to 512 slots attend densely) and forced blockwise
+# in 16-token blocks (rlx.kernels.attention): the same logits either way
+ATTENTION = {"dense": CPU, "blockwise": dataclasses.replace(CPU, dense_attention_slots=0,
+                                                            attention_block=16)}
 
 
 @pytest.fixture(scope="module")
@@ -30,26 +37,27 @@ def _ids(b=3, t=9, seed=0):
     return np.random.RandomState(seed).randint(0, 97, (b, t))
 
 
-@pytest.mark.parametrize("length", [9, 100])  # 100: causal attention in 3 query blocks
+@pytest.mark.parametrize("length, attention", [(9, "dense"), (100, "dense"), (100, "blockwise")])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_hf(zoo, family, length):
+def test_logits_match_hf(zoo, family, length, attention):
     path = make_hf_model(family, zoo)
     ids = _ids(t=length)
     ref = hf_logits(path, ids)
     assert np.abs(ref).max() > 0.5, "oracle logits too small to make the test meaningful"
-    out = np.asarray(from_hf(path)(jnp.asarray(ids)))
+    with active(ATTENTION[attention]):
+        out = np.asarray(from_hf(path)(jnp.asarray(ids)))
     assert np.abs(out - ref).max() <= TOL
 
 
 # the long batch (3 query blocks) once per attention kind of the DeepSeek / GLM / YaRN variants
 _SHORT_ONLY = ("deepseek_v2_lite", "kimi_k2", "glm4_moe_plain", "qwen3_yarn")
-PADDED = [(f, lengths) for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
-          if lengths[0] < 100 or f not in _SHORT_ONLY]
+PADDED = [(f, lengths, attention) for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
+          for attention in ATTENTION if lengths[0] < 100 or f not in _SHORT_ONLY]
 
 
-@pytest.mark.parametrize("family, lengths", PADDED)
+@pytest.mark.parametrize("family, lengths, attention", PADDED)
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_padded_batch_matches_hf(zoo, family, side, lengths):
+def test_padded_batch_matches_hf(zoo, family, side, lengths, attention):
     path = make_hf_model(family, zoo)
     ids = _ids(3, lengths[0], seed=1)
     lengths = np.array(lengths)
@@ -61,7 +69,8 @@ def test_padded_batch_matches_hf(zoo, family, side, lengths):
             mask[r, -n:] = 1
     positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
     ref = hf_logits(path, ids, attention_mask=mask, position_ids=positions)
-    out = np.asarray(from_hf(path)(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+    with active(ATTENTION[attention]):
+        out = np.asarray(from_hf(path)(jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
     real = mask.astype(bool)
     assert np.abs(out[real] - ref[real]).max() <= TOL
     # each padded row equals the same sequence run alone, unpadded
@@ -72,7 +81,13 @@ def test_padded_batch_matches_hf(zoo, family, side, lengths):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
 @pytest.mark.parametrize("n_a, n_b", [(5, 4), (60, 50)])  # 60 + 50 + 2: 3 query blocks
-def test_packed_equals_separate(zoo, family, n_a, n_b):
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_packed_equals_separate(zoo, family, n_a, n_b, attention):
+    with active(ATTENTION[attention]):
+        _packed_equals_separate(zoo, family, n_a, n_b)
+
+
+def _packed_equals_separate(zoo, family, n_a, n_b):
     path = make_hf_model(family, zoo)
     model = from_hf(path)
     a, b = _ids(1, n_a, seed=2)[0], _ids(1, n_b, seed=3)[0]

@@ -12,7 +12,8 @@ import pytest
 
 from rlx.models.config import RopeConfig
 from rlx.models.kv_cache import cache_dtype
-from rlx.models.layers import causal_attention, gqa_attention, rope_angles, rope_inv_freq, rotate
+from rlx.kernels.attention import causal_attention, gqa_attention
+from rlx.models.layers import rope_angles, rope_inv_freq, rotate
 from rlx.platform import CPU, GPU, TPU
 
 

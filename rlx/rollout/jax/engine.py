@@ -66,7 +66,8 @@ from rlx.platform.compiled import CompiledPerShape
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
                       variable_shardings)
 from rlx.models.hparams import ModelConfig
-from rlx.models.moe import SparseMoE, expert_parallel
+from rlx.models.moe import SparseMoE
+from rlx.models.parallel import parallelize
 from rlx.models.stack import cache_stacks
 from rlx.platform.policy import PlatformPolicy, current, policy_of
 from rlx.rollout.jax.batching import Buckets, pack_left, pow2, row_rollout, shared_prompts, uid_hash
@@ -83,7 +84,7 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
                 policy: PlatformPolicy | None = None
                 ) -> tuple[nnx.GraphDef, nnx.State, frozenset, frozenset, tuple | None]:
     """Split a copy of ``model`` in eval mode (LoRA dropout off), its MoE layers dispatching
-    tokens to experts split over ``mesh`` (``rlx.models.moe.expert_parallel``), and in the
+    tokens to experts split over ``mesh`` (``rlx.models.parallel.parallelize``), and in the
     engine's weight ``layout`` (``rlx.rollout.jax.decode_layout``; ``shared`` variables keep theirs),
     leaving ``model`` untouched; also the paths of the kernels held transposed and of the
     ``shared`` variables, and the copy's cache layout (``rlx.models.stack.cache_stacks``)."""
@@ -91,7 +92,7 @@ def _eval_split(model: nnx.Module, layout: str, shared, mesh: Mesh | None = None
     copy = nnx.merge(graphdef, state)
     copy.eval()
     copy.unroll_decode = unroll_decode(state, policy or current())
-    expert_parallel(copy, mesh, rules, capacity_factor)
+    parallelize(copy, mesh, rules, capacity_factor)
     keep = frozenset(tuple(p) for p, _ in nnx.to_flat_state(nnx.state(copy, shared)))
     transposed = to_out_in(copy, keep) if layout == "out_in" else frozenset()
     return (*nnx.split(copy), transposed, keep, cache_stacks(copy))

@@ -18,6 +18,7 @@ from flax import nnx
 from rlx.learner.batching import pad_rollouts
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
+from rlx.platform.policy import CPU, active
 from rlx.quant import GGUFTensor, LoraConfig, QuantConfig, apply_lora, quantize_model
 from rlx.quant.quantize import linears
 from rlx.rollout.jax.engine import Buckets, JaxEngine
@@ -37,6 +38,17 @@ def zoo(tmp_path_factory):
 def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
     sampled, scored, preflight = parity(from_hf(make_hf_model(family, zoo)))
     print(f"full mode {family} f32: sampler {sampled:.2e}, score {scored:.2e}")
+    assert sampled <= TOL and scored <= TOL and preflight <= TOL
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_sampler_logprobs_equal_learner_with_blockwise_attention(zoo, family):
+    """Every attention call over more than one token blockwise in 16-token blocks
+    (rlx.kernels.attention): the engine's prefill and scoring over its cache and the learner's
+    forward pass (decode steps attend their one query densely either way)."""
+    policy = dataclasses.replace(CPU, dense_attention_slots=0, attention_block=16)
+    with active(policy):
+        sampled, scored, preflight = parity(from_hf(make_hf_model(family, zoo)))
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
 
