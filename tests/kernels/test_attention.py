@@ -19,49 +19,8 @@ from rlx.kernels.attention import attention_mask, blockwise_attention, gqa_atten
 from rlx.kernels.attention.splash import splash_attention
 from rlx.models import from_hf
 from rlx.platform.policy import CPU, active
+from tests.helpers.attention import TOL, batch, dense, errors
 from tests.helpers.hf_zoo import FAMILIES, make_hf_model
-
-TOL = 1e-5
-
-
-def _batch(b, t, pad, packed, seed=0):
-    """Segments and positions: row 0 left-padded by ``pad``, row 1 two packed sequences."""
-    seg = np.ones((b, t), np.int32)
-    pos = np.tile(np.arange(t), (b, 1))
-    seg[0, :pad] = 0
-    pos[0] = np.maximum(np.arange(t) - pad, 0)
-    if packed:
-        cut = t // 3
-        seg[1, cut:] = 2
-        pos[1, cut:] = np.arange(t - cut)
-    return jnp.asarray(seg), jnp.asarray(pos)
-
-
-def _dense(q, k, v, seg, pos, window=None, sinks=None):
-    t, (h, d), kv = q.shape[1], q.shape[2:], k.shape[2]
-    mask = attention_mask(seg, seg, pos, pos) & (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])
-    if window is not None:
-        mask &= pos[:, :, None] - pos[:, None, :] < window
-    if sinks is None:
-        return gqa_attention(q, k, v, mask)
-    kk, vv = jnp.repeat(k, h // kv, axis=2), jnp.repeat(v, h // kv, axis=2)
-    s = jnp.where(mask[:, None], jnp.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(d), -1e30)
-    s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], s.shape[:3] + (1,))], -1)
-    return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1)[..., :-1], vv)
-
-
-def _errors(fn, ref, args, seg):
-    """(max |out - ref| over real tokens, max relative gradient error) of ``fn`` vs ``ref``."""
-    real = (seg != 0)[:, :, None, None]
-    fn, ref = jax.jit(fn), jax.jit(ref)
-    w = jax.random.normal(jax.random.key(9), ref(*args).shape) * real
-    out_err = float(jnp.abs((fn(*args) - ref(*args)) * real).max())
-    idx = tuple(range(len(args)))
-    g_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) * w), idx))(*args)
-    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * w), idx))(*args)
-    grad_err = max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(g_fn, g_ref))
-    return out_err, grad_err
-
 
 @pytest.mark.parametrize("t, h, kv, d, dv, bq_bk, window, sinks", [
     (37, 4, 2, 8, 8, (16, 8), None, False),     # GQA, t not a multiple of the blocks
@@ -70,21 +29,21 @@ def _errors(fn, ref, args, seg):
     (50, 4, 2, 8, 8, (16, 16), None, True),      # attention sinks
     (50, 4, 2, 8, 8, (512, 512), 9, True),       # one block
 ])
-def test_blockwise_equals_dense(t, h, kv, d, dv, bq_bk, window, sinks):
+def test_blockwise_equalsdense(t, h, kv, d, dv, bq_bk, window, sinks):
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v = (jax.random.normal(kk, (2, t, n, e)) for kk, n, e in
                zip(keys, (h, kv, kv), (d, d, dv)))
-    seg, pos = _batch(2, t, pad=5, packed=True)
+    seg, pos = batch(2, t, pad=5, packed=True)
     args = (q, k, v) + ((jax.random.normal(keys[3], (h,)),) if sinks else ())
     fn = lambda q, k, v, s=None: blockwise_attention(  # noqa: E731
         q, k, v, seg, seg, pos, pos, causal_columns=True, window=window, sinks=s,
         block_q=bq_bk[0], block_k=bq_bk[1])
-    ref = lambda q, k, v, s=None: _dense(q, k, v, seg, pos, window, s)  # noqa: E731
-    out_err, grad_err = _errors(fn, ref, args, seg)
+    ref = lambda q, k, v, s=None: dense(q, k, v, seg, pos, window, s)  # noqa: E731
+    out_err, grad_err = errors(fn, ref, args, seg)
     assert out_err <= TOL and grad_err <= TOL, (out_err, grad_err)
 
 
-def test_blockwise_over_a_cache_equals_dense():
+def test_blockwise_over_a_cache_equalsdense():
     """New tokens over a KV-head-major cache (the engine's prefill and scoring): position-causal
     only, empty slots (segment 0) and the cache's layouts."""
     b, t, s, h, kv, d = 2, 24, 56, 4, 2, 8
@@ -107,11 +66,11 @@ def test_splash_kernel_equals_blockwise():
     b, t, h, kv, d = 2, 200, 4, 2, 16
     keys = jax.random.split(jax.random.key(2), 3)
     q, k, v = (jax.random.normal(kk, (b, t, n, d)) for kk, n in zip(keys, (h, kv, kv)))
-    seg, pos = _batch(b, t, pad=10, packed=True)
+    seg, pos = batch(b, t, pad=10, packed=True)
     fn = lambda q, k, v: splash_attention(q, k, v, seg, block=128, interpret=True)  # noqa: E731
     ref = lambda q, k, v: blockwise_attention(  # noqa: E731
         q, k, v, seg, seg, pos, pos, causal_columns=True, block_q=64, block_k=64)
-    out_err, grad_err = _errors(fn, ref, (q, k, v), seg)
+    out_err, grad_err = errors(fn, ref, (q, k, v), seg)
     assert out_err <= TOL and grad_err <= TOL, (out_err, grad_err)
 
 
@@ -123,7 +82,7 @@ FAST = ("llama", "qwen3_moe", "deepseek_v3")  # GQA, GQA + MoE, MLA: the rest ar
 
 @pytest.mark.parametrize("family", [f if f in FAST else pytest.param(f, marks=pytest.mark.slow)
                                     for f in FAMILIES])
-def test_model_gradients_blockwise_equal_dense(tmp_path, family):
+def test_model_gradients_blockwise_equaldense(tmp_path, family):
     """Every architecture's full-parameter gradients of a padded, 40-token batch: blockwise
     attention in 16-token blocks equals the dense path."""
     model = from_hf(make_hf_model(family, str(tmp_path)))

@@ -12,7 +12,7 @@ import pytest
 
 from rlx.kernels.attention import attend
 from rlx.platform.policy import policy_for
-from tests.kernels.test_attention import TOL, _batch, _dense, _errors
+from tests.helpers.attention import TOL, batch, dense, errors
 
 
 def _gpus() -> list:
@@ -28,19 +28,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_attention_on_gpu_equals_dense():
+def test_attention_on_gpu_equalsdense():
     """The GPU policy's attention (2k tokens: past any dense threshold) against dense attention,
     outputs and gradients, GQA with padding and packing."""
     b, t, h, kv, d = 2, 2048, 8, 2, 64
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (b, t, n, d)) for kk, n in zip(keys, (h, kv, kv)))
-    seg, pos = _batch(b, t, pad=100, packed=True)
+    seg, pos = batch(b, t, pad=100, packed=True)
     gpu = policy_for("gpu")
     fn = lambda q, k, v: attend(  # noqa: E731
         q, k, v, seg, seg, pos, pos, causal_columns=True, policy=gpu)
-    ref = lambda q, k, v: _dense(q, k, v, seg, pos)  # noqa: E731
+    ref = lambda q, k, v: dense(q, k, v, seg, pos)  # noqa: E731
     with jax.default_device(_gpus()[0]), jax.default_matmul_precision("highest"):
-        out_err, grad_err = _errors(fn, ref, (q, k, v), seg)
+        out_err, grad_err = errors(fn, ref, (q, k, v), seg)
     assert out_err <= TOL and grad_err <= TOL, (out_err, grad_err)
 
 
