@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.shrink.head_dim = 16  # per-head width
     c.model.shrink.num_experts = 4  # unused (dense)
     c.model.shrink.moe_intermediate_size = 32  # unused (dense)
+    c.model.shrink.max_position_embeddings = 0  # 0: the checkpoint's (8,192); raise for long runs
 
     c.quant = ml_collections.ConfigDict()
     c.quant.format = "int8"  # frozen base: int8 per output channel

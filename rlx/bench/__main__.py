@@ -43,6 +43,9 @@ BENCHMARKS = {
     "replay": Benchmark(
         "rlx.bench.replay", "sampler/learner mismatch of a shrunken MoE run, routing replay off/on"
     ),
+    "longctx": Benchmark(
+        "rlx.bench.longctx", "train step and prefill at 1k-32k tokens: seconds, tokens/s, memory"
+    ),
     "compile": Benchmark(
         "rlx.bench.compile", "train-step compile time, 4 vs 32 layers: scanned vs unrolled"
     ),

@@ -44,6 +44,9 @@ class ShrinkSection:
     head_dim: int = 16
     num_experts: int = 4  # MoE checkpoints only
     moe_intermediate_size: int = 32  # MoE checkpoints only
+    # positions the random model is built for (its rotary embedding is the checkpoint's); 0: the
+    # checkpoint's max_position_embeddings (a raised one for long-sequence smoke runs)
+    max_position_embeddings: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +216,8 @@ def shrunk(cfg, s: ShrinkSection):
         cfg, num_layers=s.num_layers, hidden_size=s.hidden_size,
         intermediate_size=s.intermediate_size, num_heads=s.num_heads,
         num_kv_heads=s.num_heads if mla else s.num_kv_heads,
-        head_dim=mla.qk_head_dim if mla else s.head_dim, moe=moe, mla=mla)
+        head_dim=mla.qk_head_dim if mla else s.head_dim, moe=moe, mla=mla,
+        max_position_embeddings=s.max_position_embeddings or cfg.max_position_embeddings)
 
 
 def _shrunk_moe(m, s: ShrinkSection):
