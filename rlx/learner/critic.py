@@ -44,7 +44,7 @@ from rlx.learner.compiled import UpdatePerShape
 from rlx.platform.compiled import CompiledPerShape
 from rlx.learner.losses import value_loss
 from rlx.learner.state import CriticState, TrainState, state_shardings
-from rlx.learner.step import ApplyFn, micro_batches, model_forward, predicted, skip_empty
+from rlx.learner.step import ApplyFn, model_forward, predicted, skip_empty, to_micro_batches
 from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.types import TrainBatch
@@ -166,7 +166,7 @@ def _critic_step(state: TrainState, batch: TrainBatch, *, graphdef, clip: float,
     zero = jnp.zeros((), jnp.float32)
     init = (jax.tree.map(jnp.zeros_like, critic.params), zero, zero, zero)
     (grads, loss, clipped, value_sum), _ = jax.lax.scan(
-        body, init, micro_batches(batch, micro, tokens, row_sharding))
+        body, init, to_micro_batches(batch, micro, tokens, row_sharding))
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = critic.optimizer.update(grads, critic.opt_state, critic.params)

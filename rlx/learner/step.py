@@ -297,7 +297,7 @@ def split_micro(batch: TrainBatch, k: int, row_sharding) -> TrainBatch:
     return jax.tree.map(split, batch)
 
 
-def micro_batches(batch: TrainBatch, micro: int, tokens: int, row_sharding) -> TrainBatch:
+def to_micro_batches(batch: TrainBatch, micro: int, tokens: int, row_sharding) -> TrainBatch:
     """``batch`` as [k, B / k, T] micro-batches: ``micro`` of them, or by the token budget
     ``tokens`` (``micro_count``) over the shards of ``row_sharding``."""
     rows = batch.shape[0]
@@ -337,7 +337,7 @@ def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
     acc = LossMetrics(**{n: jnp.inf if n in _MIN_FIELDS else -jnp.inf if n in _MAX_FIELDS
                          else zero for n in LossMetrics._fields})
     init = (jax.tree.map(jnp.zeros_like, params), zero, acc, jnp.zeros((), jnp.int32))
-    micro = micro_batches(batch, cfg.micro_batches, cfg.tokens_per_micro_batch, row_sharding)
+    micro = to_micro_batches(batch, cfg.micro_batches, cfg.tokens_per_micro_batch, row_sharding)
     (grads, loss, acc, dropped), _ = jax.lax.scan(body, init, micro)
     tokens = jnp.sum(mask)
     return (grads, loss, _finish(acc, tokens), tokens, sequence_count(mask, batch.segment_ids),
