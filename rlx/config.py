@@ -97,7 +97,7 @@ class TrainSection:
     # > 0: micro-batches by tokens instead of by micro_batches: each holds this many tokens per
     # data-parallel shard (a packed row this long; padded rows as many as fit), their number
     # following the batch's tokens; a rollout longer than the budget makes the step's rows its
-    # bucketed length, a micro-batch of its own (rlx.learner.batching.batch_layout). 0: off
+    # bucketed length, its row's micro-batch that long (rlx.learner.batching.batch_layout). 0: off
     tokens_per_micro_batch: int = 0
     # several rollouts per row (segment ids 1, 2, ..., positions restarting at 0 per rollout,
     # attention masked by segment: the loss and its gradients are those of padded rows) in rows

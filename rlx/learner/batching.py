@@ -14,10 +14,11 @@ rollouts there. Layouts, which the learner treats identically (it is segment-awa
   are a fixed count (`train.micro_batches`) or formed by a token budget
   (`train.tokens_per_micro_batch`, `micro_count`): each holds, on every data-parallel shard,
   packed rows of the budget's length (one) or padded rows as many as fit in it. A rollout longer
-  than the budget makes that step's rows its bucketed length (one update compiles one shape), so
-  it gets a micro-batch to itself of exactly that length. The micro-batch count is rounded up to
-  a few values per doubling (`count_bucket`) so the train step compiles a handful of programs;
-  the rows that adds are padding, and the step skips micro-batches without a loss token.
+  than the budget makes that step's rows its bucketed length (one update compiles one shape): its
+  micro-batch holds it in a row of that length (shorter ones fill the rest of the row, first-fit
+  decreasing). The micro-batch count is rounded up to a few values per doubling (`count_bucket`)
+  so the train step compiles a handful of programs; the rows that adds are padding, and the step
+  skips micro-batches without a loss token.
 
 `pad_rollouts` / `pack_rollouts` are a layout and `fill` in one call. Rows are added (all
 padding: segment 0, loss mask 0) until B is a multiple of `rows_multiple`, which should be the
