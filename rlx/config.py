@@ -94,6 +94,16 @@ class TrainSection:
     # TOKEN_ESTIMATORS ("gae": PPO with the learned critic of config.critic)
     advantage: str = "grpo"
     micro_batches: int = 1  # gradient accumulation inside one compiled update
+    # > 0: micro-batches by tokens instead of by micro_batches: each holds this many tokens per
+    # data-parallel shard (a packed row this long; padded rows as many as fit), their number
+    # following the batch's tokens; a rollout longer than the budget makes the step's rows its
+    # bucketed length, its row's micro-batch that long (rlx.learner.batching.batch_layout). 0: off
+    tokens_per_micro_batch: int = 0
+    # several rollouts per row (segment ids 1, 2, ..., positions restarting at 0 per rollout,
+    # attention masked by segment: the loss and its gradients are those of padded rows) in rows
+    # of the longest rollout's bucketed length, or of tokens_per_micro_batch; False: one rollout
+    # per row, padded. DPO pads always (its chosen and rejected replies pair up by row)
+    pack: bool = True
     epochs: int = 1  # passes over each rollout batch (PPO epochs)
     minibatches: int = 1  # optimizer updates per pass, each over its share of the batch's rows
     logprob_chunk: int = 512  # tokens per chunk of the chunked log-softmax
@@ -128,6 +138,10 @@ class TrainSection:
                               "synchronous; k: up to k batches of rollouts in flight)")
         if self.steps < 0 or self.micro_batches < 1 or self.logprob_chunk < 1:
             raise ConfigError("config.train.steps must be >= 0, micro_batches and logprob_chunk >= 1")
+        if self.tokens_per_micro_batch < 0:
+            raise ConfigError(f"config.train.tokens_per_micro_batch={self.tokens_per_micro_batch} "
+                              "must be >= 0 (tokens per micro-batch and data-parallel shard, e.g. "
+                              "8192; 0: train.micro_batches fixed micro-batches)")
         if self.epochs < 1 or self.minibatches < 1:
             raise ConfigError(f"config.train.epochs={self.epochs} and minibatches="
                               f"{self.minibatches} must be >= 1 (1 and 1: one update per batch)")
@@ -218,8 +232,10 @@ class RunConfig:
 
     @property
     def step_config(self) -> StepConfig:
-        """The learner steps' settings of this run (loss, micro-batches, log-prob chunks)."""
+        """The learner steps' settings of this run (loss, micro-batches or their token budget,
+        log-prob chunks)."""
         return StepConfig(loss=self.loss, micro_batches=self.train.micro_batches,
+                          tokens_per_micro_batch=self.train.tokens_per_micro_batch,
                           logprob_chunk=self.train.logprob_chunk, compute_entropy=True)
 
     def check_warm_start(self) -> None:
@@ -260,6 +276,11 @@ class RunConfig:
             raise ConfigError("config.train.router_replay=True takes the routes of whole "
                               "single-turn completions; rollout.partial (segments) and "
                               "env.kind='tools' (episodes) do not carry them yet: turn those off")
+        if self.train.algorithm == "dpo" and self.train.tokens_per_micro_batch:
+            raise ConfigError(f"config.train.tokens_per_micro_batch="
+                              f"{self.train.tokens_per_micro_batch}: DPO's micro-batches hold "
+                              "whole pairs (a chosen and a rejected row each), counted by "
+                              "train.micro_batches; set tokens_per_micro_batch=0")
         if self.train.algorithm == "dpo" and (self.train.mode != "lora" or self.critic.enabled):
             raise ConfigError(f"config.train.algorithm='dpo' needs train.mode='lora' (its "
                               "reference is the base with the adapter switched off) and no "

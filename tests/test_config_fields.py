@@ -87,6 +87,9 @@ EFFECTS = {
     "train.steps": ("loop", 2, {}),
     "train.advantage": ("loop", "rloo", {}),
     "train.micro_batches": ("learner", 2, {}),
+    "train.tokens_per_micro_batch": ("loop", 256, {}),
+    # tiny's rollouts (prompt-dominated) do not pack two to a row of the longest's length
+    "train.pack": ("loop", False, {"train.tokens_per_micro_batch": 256}),
     "train.epochs": ("loop", 2, {}),
     "train.minibatches": ("loop", 2, {}),
     "train.logprob_chunk": ("learner", 16, {}),

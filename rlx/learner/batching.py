@@ -1,16 +1,28 @@
 """Host-side batching: variable-length rollouts -> a `TrainBatch` of [B, T] numpy arrays.
 
-Two layouts, which the learner treats identically (it is segment-aware):
+A `Layout` says where each rollout sits (its row, first column and tokens); `fill` writes the
+rollouts there. Layouts, which the learner treats identically (it is segment-aware):
 
-* `pad_rollouts` - one sequence per row, right-padded to a bucketed length (the smallest entry of
+* `pad_layout` - one sequence per row, right-padded to a bucketed length (the smallest entry of
   `buckets` that fits, else the longest rollout rounded up to `length_multiple`), so a run
   compiles a handful of shapes, not one per batch.
-* `pack_rollouts` - several sequences per row of a fixed `row_len` (first-fit decreasing), with
+* `pack_layout` - several sequences per row of a fixed `row_len` (first-fit decreasing), with
   segment ids 1, 2, ... and positions restarting per sequence. Less padding for long-tailed
   completion lengths.
+* `batch_layout` - the run's choice (`Batching`, from `config.train`): packed (`train.pack`) or
+  padded rows, as many as a whole number of micro-batches of every minibatch needs. Micro-batches
+  are a fixed count (`train.micro_batches`) or formed by a token budget
+  (`train.tokens_per_micro_batch`, `micro_count`): each holds, on every data-parallel shard,
+  packed rows of the budget's length (one) or padded rows as many as fit in it. A rollout longer
+  than the budget makes that step's rows its bucketed length (one update compiles one shape): its
+  micro-batch holds it in a row of that length (shorter ones fill the rest of the row, first-fit
+  decreasing). The micro-batch count is rounded up to a few values per doubling (`count_bucket`)
+  so the train step compiles a handful of programs; the rows that adds are padding, and the step
+  skips micro-batches without a loss token.
 
-Rows are added (all padding: segment 0, loss mask 0) until B is a multiple of `rows_multiple`,
-which should be the data-parallel size times the number of micro-batches.
+`pad_rollouts` / `pack_rollouts` are a layout and `fill` in one call. Rows are added (all
+padding: segment 0, loss mask 0) until B is a multiple of `rows_multiple`, which should be the
+data-parallel size times the number of micro-batches.
 
 Both also list each row's loss-mask columns (`TrainBatch.logp_columns`, `loss_columns`), padded
 to a bucketed count, so the learner runs its vocabulary projection on completion tokens only
@@ -28,6 +40,7 @@ unused slots and for rollouts without routes (the learner's router picks there).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -168,6 +181,115 @@ def _with_columns(arrays: dict[str, np.ndarray], wanted: bool) -> TrainBatch:
     return TrainBatch(**arrays, logp_columns=columns)
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each of n rollouts sits in a [B, T] batch: row ``rows[i]`` from column ``starts[i]``,
+    ``lengths[i]`` tokens (prompt + completion), segment ``segments[i]`` of its row."""
+
+    rows: np.ndarray  # [n] int
+    starts: np.ndarray  # [n] int
+    lengths: np.ndarray  # [n] int
+    segments: np.ndarray  # [n] int, 1, 2, ... within a row
+    shape: tuple[int, int]  # (B, T)
+
+    def with_rows(self, multiple: int) -> "Layout":
+        """The same placements with the rows rounded up to a multiple of ``multiple``."""
+        rows, length = self.shape
+        return dataclasses.replace(self, shape=(round_up(rows, multiple), length))
+
+    @property
+    def efficiency(self) -> float:
+        """Rollout tokens over the tokens of the rows that hold any (1: no padding)."""
+        used = len(np.unique(self.rows))
+        return float(self.lengths.sum() / max(used * self.shape[1], 1))
+
+    def _spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[n, W] (W: the longest rollout) row and column of each rollout's token j, and whether
+        it has a token j."""
+        j = np.arange(int(self.lengths.max(initial=1)))[None, :]  # [1, W]
+        valid = j < self.lengths[:, None]  # [n, W]
+        cols = np.where(valid, self.starts[:, None] + j, 0)
+        return np.broadcast_to(self.rows[:, None], valid.shape), cols, valid
+
+    def unpack(self, x: np.ndarray) -> np.ndarray:
+        """[B, T] -> [n, W]: rollout i's tokens in row i from column 0, 0 after them (the padded
+        layout of the host-side estimators, whatever this layout is)."""
+        rows, cols, valid = self._spans()
+        return np.where(valid, np.asarray(x)[rows, cols], 0)
+
+    def pack(self, y: np.ndarray) -> np.ndarray:
+        """The inverse of ``unpack``: [n, >= W] -> [B, T], 0 off every rollout."""
+        rows, cols, valid = self._spans()
+        y = np.asarray(y)
+        out = np.zeros(self.shape, y.dtype)
+        out[rows[valid], cols[valid]] = y[:, :valid.shape[1]][valid]
+        return out
+
+    def spread(self, values: np.ndarray) -> np.ndarray:
+        """Per-rollout values [n] over each rollout's tokens: [B, T], 0 on padding."""
+        width = int(self.lengths.max(initial=1))
+        return self.pack(np.repeat(np.asarray(values)[:, None], width, axis=1))
+
+
+def _lengths(rollouts) -> np.ndarray:
+    return np.array([len(r.prompt_ids) + len(r.completion_ids) for r in rollouts], np.int64)
+
+
+def row_length(longest: int, buckets: Sequence[int] = (), length_multiple: int = 8) -> int:
+    """The padded length of a row holding ``longest`` tokens: the smallest bucket that fits, else
+    ``longest`` rounded up to ``length_multiple``."""
+    fitting = sorted(b for b in buckets if b >= longest)
+    return fitting[0] if fitting else round_up(longest, length_multiple)
+
+
+def pad_layout(lengths: Sequence[int], *, buckets: Sequence[int] = (), length_multiple: int = 8,
+               rows_multiple: int = 1) -> Layout:
+    """One rollout per row (row i = rollout i), right-padded to ``row_length``."""
+    lengths = np.asarray(lengths, np.int64)
+    n = len(lengths)
+    shape = (n, row_length(int(lengths.max()), buckets, length_multiple))
+    return Layout(np.arange(n), np.zeros(n, np.int64), lengths, np.ones(n, np.int64),
+                  shape).with_rows(rows_multiple)
+
+
+def pack_layout(lengths: Sequence[int], *, row_len: int, rows_multiple: int = 1) -> Layout:
+    """Rollouts into rows of ``row_len`` tokens, longest first, each into the first row with room
+    (first-fit decreasing; ties keep their order, so every process packs alike)."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.max() > row_len:
+        raise ValueError(f"a rollout of {lengths.max()} tokens does not fit row_len={row_len}")
+    n = len(lengths)
+    rows, starts, segments = (np.zeros(n, np.int64) for _ in range(3))
+    used: list[int] = []  # tokens used per row
+    held: list[int] = []  # rollouts per row so far (the next one's segment id - 1)
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        row = next((j for j, u in enumerate(used) if u + lengths[i] <= row_len), len(used))
+        if row == len(used):
+            used.append(0)
+            held.append(0)
+        held[row] += 1
+        rows[i], starts[i], segments[i] = row, used[row], held[row]
+        used[row] += int(lengths[i])
+    return Layout(rows, starts, lengths, segments, (len(used), row_len)).with_rows(rows_multiple)
+
+
+def fill(rollouts: Sequence[Rollout], advantages: np.ndarray, layout: Layout, *,
+         old_logp: Sequence[np.ndarray] | None = None, ref_logp: Sequence[np.ndarray] | None = None,
+         columns: bool = True) -> TrainBatch:
+    """The batch of ``rollouts`` placed as ``layout`` says. `old_logp` / `ref_logp`:
+    per-completion arrays [C_i]. `columns`: list the loss-mask columns (`loss_columns`)."""
+    advantages = _check_inputs(rollouts, advantages, old_logp, ref_logp)
+    if len(layout.rows) != len(rollouts):
+        raise ValueError(f"a layout of {len(layout.rows)} rollouts for {len(rollouts)} rollouts")
+    arrays = _empty(*layout.shape, old_logp is not None, ref_logp is not None,
+                    _route_shape(rollouts))
+    uids, versions = _tags(rollouts)
+    for i, r in enumerate(rollouts):
+        _place(arrays, layout.rows[i], layout.starts[i], layout.segments[i], r, advantages[i],
+               _nth(old_logp, i), _nth(ref_logp, i), (uids[i], versions[i]))
+    return _with_columns(arrays, columns)
+
+
 def pad_rollouts(
     rollouts: Sequence[Rollout],
     advantages: np.ndarray,
@@ -179,20 +301,12 @@ def pad_rollouts(
     ref_logp: Sequence[np.ndarray] | None = None,
     columns: bool = True,
 ) -> TrainBatch:
-    """One rollout per row, right-padded. `old_logp` / `ref_logp`: per-completion arrays [C_i].
-    `columns`: list the loss-mask columns (`loss_columns`) for the learner."""
-    advantages = _check_inputs(rollouts, advantages, old_logp, ref_logp)
-    longest = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-    fitting = sorted(b for b in buckets if b >= longest)
-    length = fitting[0] if fitting else round_up(longest, length_multiple)
-    rows = round_up(len(rollouts), rows_multiple)
-    arrays = _empty(rows, length, old_logp is not None, ref_logp is not None,
-                    _route_shape(rollouts))
-    uids, versions = _tags(rollouts)
-    for i, r in enumerate(rollouts):
-        _place(arrays, i, 0, 1, r, advantages[i], _nth(old_logp, i), _nth(ref_logp, i),
-               (uids[i], versions[i]))
-    return _with_columns(arrays, columns)
+    """One rollout per row, right-padded (`pad_layout`, `fill`)."""
+    _check_inputs(rollouts, advantages, old_logp, ref_logp)
+    layout = pad_layout(_lengths(rollouts), buckets=buckets, length_multiple=length_multiple,
+                        rows_multiple=rows_multiple)
+    return fill(rollouts, advantages, layout, old_logp=old_logp, ref_logp=ref_logp,
+                columns=columns)
 
 
 def pack_rollouts(
@@ -205,33 +319,70 @@ def pack_rollouts(
     ref_logp: Sequence[np.ndarray] | None = None,
     columns: bool = True,
 ) -> TrainBatch:
-    """Pack rollouts into rows of `row_len` tokens, longest first, each into the first row with
-    room (first-fit decreasing)."""
-    advantages = _check_inputs(rollouts, advantages, old_logp, ref_logp)
-    lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts]
-    too_long = [n for n in lengths if n > row_len]
-    if too_long:
-        raise ValueError(f"a rollout of {max(too_long)} tokens does not fit row_len={row_len}")
-    order = sorted(range(len(rollouts)), key=lambda i: -lengths[i])
-    used: list[int] = []  # tokens used per row
-    slots: list[tuple[int, int, int, int]] = []  # (rollout, row, start, segment)
-    segments: list[int] = []
-    for i in order:
-        row = next((j for j, u in enumerate(used) if u + lengths[i] <= row_len), None)
-        if row is None:
-            row = len(used)
-            used.append(0)
-            segments.append(0)
-        segments[row] += 1
-        slots.append((i, row, used[row], segments[row]))
-        used[row] += lengths[i]
-    arrays = _empty(round_up(len(used), rows_multiple), row_len,
-                    old_logp is not None, ref_logp is not None, _route_shape(rollouts))
-    uids, versions = _tags(rollouts)
-    for i, row, start, seg in slots:
-        _place(arrays, row, start, seg, rollouts[i], advantages[i], _nth(old_logp, i),
-               _nth(ref_logp, i), (uids[i], versions[i]))
-    return _with_columns(arrays, columns)
+    """Several rollouts per row of `row_len` tokens (`pack_layout`, `fill`)."""
+    _check_inputs(rollouts, advantages, old_logp, ref_logp)
+    layout = pack_layout(_lengths(rollouts), row_len=row_len, rows_multiple=rows_multiple)
+    return fill(rollouts, advantages, layout, old_logp=old_logp, ref_logp=ref_logp,
+                columns=columns)
+
+
+def count_bucket(n: int, per_octave: int = 4) -> int:
+    """``n`` rounded up to one of ``per_octave`` counts per doubling (1, 2, ..., 8, 10, 12, 14,
+    16, 20, ... for 4): at most ``1 / per_octave`` more, a handful of values per doubling."""
+    step = 1
+    while n > 2 * per_octave * step:
+        step *= 2
+    return round_up(max(n, 1), step)
+
+
+def micro_rows(length: int, tokens: int) -> int:
+    """Rows of ``length`` tokens per data-parallel shard in a micro-batch of ``tokens`` tokens per
+    shard: as many as fit, at least one."""
+    return max(1, tokens // length)
+
+
+def micro_count(shape: tuple[int, int], shards: int, micro_batches: int, tokens: int = 0) -> int:
+    """The micro-batches of an update on a [B, T] batch split over ``shards`` data-parallel
+    shards: ``micro_batches``, or with a token budget ``tokens`` > 0 one per ``shards x
+    micro_rows(T, tokens)`` rows (see the module docstring)."""
+    if not tokens:
+        return micro_batches
+    rows, per = shape[0], shards * micro_rows(shape[1], tokens)
+    if rows % per:
+        raise ValueError(f"{rows} rows of {shape[1]} tokens do not split into micro-batches of "
+                         f"{per} rows ({shards} shards x {micro_rows(shape[1], tokens)} per "
+                         f"{tokens}-token budget); lay the batch out with batch_layout")
+    return rows // per
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """How a run lays out a step's rollouts (``rlx.run.learn`` builds it from the config)."""
+
+    pack: bool  # several rollouts per row (train.pack) or one
+    buckets: tuple[int, ...]  # padded row lengths (train_buckets)
+    shards: int  # data-parallel shards the rows are split over
+    minibatches: int = 1  # updates per pass over the batch, each over its share of the rows
+    micro_batches: int = 1  # fixed micro-batches per update (tokens == 0)
+    tokens: int = 0  # token budget per micro-batch and shard (train.tokens_per_micro_batch)
+
+
+def batch_layout(lengths: Sequence[int], b: Batching) -> Layout:
+    """The layout of a step's rollouts of ``lengths`` tokens (see the module docstring)."""
+    lengths = np.asarray(lengths, np.int64)
+    longest = int(lengths.max())
+    padded = row_length(longest, b.buckets)
+    if not b.tokens:
+        layout = (pack_layout(lengths, row_len=padded) if b.pack
+                  else pad_layout(lengths, buckets=b.buckets))
+        return layout.with_rows(b.shards * b.micro_batches * b.minibatches)
+    if b.pack:
+        layout = pack_layout(lengths, row_len=b.tokens if longest <= b.tokens else padded)
+    else:
+        layout = pad_layout(lengths, buckets=b.buckets)
+    per_micro = b.shards * micro_rows(layout.shape[1], b.tokens)
+    count = count_bucket(-(-layout.shape[0] // (per_micro * b.minibatches)))
+    return layout.with_rows(per_micro * b.minibatches * count)
 
 
 def _nth(seq, i):

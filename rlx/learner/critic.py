@@ -44,7 +44,7 @@ from rlx.learner.compiled import UpdatePerShape
 from rlx.platform.compiled import CompiledPerShape
 from rlx.learner.losses import value_loss
 from rlx.learner.state import CriticState, TrainState, state_shardings
-from rlx.learner.step import ApplyFn, model_forward, predicted, split_micro
+from rlx.learner.step import ApplyFn, model_forward, predicted, skip_empty, to_micro_batches
 from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
 from rlx.models.safetensors_io import SafetensorsFolder
 from rlx.types import TrainBatch
@@ -149,7 +149,7 @@ def _micro_loss(params, state, mb: TrainBatch, total_tokens, graphdef, clip, app
 
 
 def _critic_step(state: TrainState, batch: TrainBatch, *, graphdef, clip: float, micro: int,
-                 apply_fn, row_sharding):
+                 tokens: int, apply_fn, row_sharding):
     critic = state.critic
     mask = batch.loss_mask * predicted(batch.segment_ids)  # [B, T]
     batch = batch.replace(loss_mask=mask)
@@ -158,14 +158,15 @@ def _critic_step(state: TrainState, batch: TrainBatch, *, graphdef, clip: float,
 
     def body(carry, mb):
         grads, loss, clip_tokens, value_sum = carry
-        (l, (m, tokens)), g = grad_fn(critic.params, state, mb, total, graphdef, clip, apply_fn)
+        (l, (m, tokens)), g = skip_empty(
+            lambda mb: grad_fn(critic.params, state, mb, total, graphdef, clip, apply_fn), mb)
         return (jax.tree.map(jnp.add, grads, g), loss + l, clip_tokens + m.clip_frac * tokens,
                 value_sum + m.value_mean * tokens), None
 
     zero = jnp.zeros((), jnp.float32)
     init = (jax.tree.map(jnp.zeros_like, critic.params), zero, zero, zero)
     (grads, loss, clipped, value_sum), _ = jax.lax.scan(
-        body, init, split_micro(batch, micro, row_sharding))
+        body, init, to_micro_batches(batch, micro, tokens, row_sharding))
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = critic.optimizer.update(grads, critic.opt_state, critic.params)
@@ -180,18 +181,20 @@ def _critic_step(state: TrainState, batch: TrainBatch, *, graphdef, clip: float,
 
 def make_critic_step(graphdef: nnx.GraphDef, state: TrainState, mesh: Mesh,
                      optimizer: optax.GradientTransformation, *, value_clip: float,
-                     micro_batches: int = 1, rules: LogicalRules = TRAIN_RULES,
-                     apply_fn: ApplyFn = model_forward
+                     micro_batches: int = 1, tokens_per_micro_batch: int = 0,
+                     rules: LogicalRules = TRAIN_RULES, apply_fn: ApplyFn = model_forward
                      ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, CriticMetrics]]:
     """Compile one critic update ``(state, batch) -> (state, metrics)`` (the state donated but its
-    frozen part).
+    frozen part), micro-batched as the policy's train step (``micro_batches`` or the token budget
+    ``tokens_per_micro_batch``).
     ``graphdef`` is the critic body's (the policy's own in LoRA mode); ``optimizer`` the
     policy's (it fixes the shardings of the policy's optimizer state)."""
     _check(state)
     shardings = state_shardings(state, optimizer, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     step = functools.partial(_critic_step, graphdef=graphdef, clip=value_clip, micro=micro_batches,
-                             apply_fn=apply_fn, row_sharding=batch_sharding(mesh, 1, rules))
+                             tokens=tokens_per_micro_batch, apply_fn=apply_fn,
+                             row_sharding=batch_sharding(mesh, 1, rules))
     return UpdatePerShape(step, in_shardings=(shardings, batch_sharding(mesh, 2, rules)),
                           out_shardings=(shardings, replicated))
 

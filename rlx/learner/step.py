@@ -2,8 +2,11 @@
 
 `train_step(state, batch) -> (state, metrics)` is one optimizer update on a `TrainBatch`:
 
-1. The batch is split into `micro_batches` groups of rows (micro-batch j = rows j, j + k, ...,
-   so each micro-batch stays spread over the data axes) and a `lax.scan` accumulates gradients.
+1. The batch is split into k groups of rows (micro-batch j = rows j, j + k, ..., so each
+   micro-batch stays spread over the data axes) and a `lax.scan` accumulates gradients; k is
+   `micro_batches`, or with a token budget (`tokens_per_micro_batch`) the rows over the rows of one
+   micro-batch (`rlx.learner.batching.micro_count`: one packed row per data-parallel shard). A
+   micro-batch without a loss token (rows that only pad the batch) is skipped (`lax.cond`).
 2. Each micro-batch computes `policy_loss` on learner log-probs from the chunked log-softmax
    (`token_logprobs`, no [B, T, V] tensor) and is rescaled by its share of the whole batch's
    normaliser (tokens for "token-mean", completions otherwise), so the sum over micro-batches is
@@ -34,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from rlx.learner.batching import micro_count
 from rlx.learner.compiled import UpdatePerShape
 from rlx.platform.compiled import CompiledPerShape
 from rlx.platform.policy import policy_of
@@ -130,6 +134,9 @@ class StepConfig:
 
     loss: LossConfig = LossConfig()
     micro_batches: int = 1  # gradient-accumulation steps per update; must divide the rows
+    # > 0: micro-batches by this many tokens per data-parallel shard instead (their count from the
+    # batch's shape, rlx.learner.batching.micro_count; the host lays rows out to fit: batch_layout)
+    tokens_per_micro_batch: int = 0
     logprob_chunk: int = 1024  # tokens per chunk of the chunked log-softmax
     # vocabulary columns per tile of a plain lm-head (`logprob_head`); 0: whole [chunk, V] rows
     # (what a vocabulary sharded over the "tensor" mesh axis gets: `for_mesh`)
@@ -137,9 +144,10 @@ class StepConfig:
     compute_entropy: bool = True  # per-token entropy (metric; needed for entropy_coef > 0)
 
     def __post_init__(self):
-        if self.micro_batches < 1 or self.logprob_chunk < 1 or self.vocab_block < 0:
+        if (self.micro_batches < 1 or self.logprob_chunk < 1 or self.vocab_block < 0
+                or self.tokens_per_micro_batch < 0):
             raise ValueError("StepConfig.micro_batches and logprob_chunk must be >= 1, "
-                             "vocab_block >= 0")
+                             "vocab_block and tokens_per_micro_batch >= 0")
         if self.loss.entropy_coef > 0 and not self.compute_entropy:
             raise ValueError("loss.entropy_coef > 0 needs the per-token entropy "
                              "(StepConfig.compute_entropy=True)")
@@ -289,6 +297,22 @@ def split_micro(batch: TrainBatch, k: int, row_sharding) -> TrainBatch:
     return jax.tree.map(split, batch)
 
 
+def to_micro_batches(batch: TrainBatch, micro: int, tokens: int, row_sharding) -> TrainBatch:
+    """``batch`` as [k, B / k, T] micro-batches: ``micro`` of them, or by the token budget
+    ``tokens`` (``micro_count``) over the shards of ``row_sharding``."""
+    rows = batch.shape[0]
+    shards = 1 if row_sharding is None else rows // row_sharding.shard_shape((rows,))[0]
+    return split_micro(batch, micro_count(batch.shape, shards, micro, tokens), row_sharding)
+
+
+def skip_empty(fn: Callable, mb: TrainBatch):
+    """``fn(mb)``, or zeros of its output's shape when ``mb`` holds no loss token (rows that pad
+    the batch: nothing to learn from, so no forward or backward pass)."""
+    zeros = lambda _: jax.tree.map(  # noqa: E731
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, mb))
+    return jax.lax.cond(jnp.sum(mb.loss_mask) > 0, fn, zeros, mb)
+
+
 def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
                   graphdef: nnx.GraphDef, cfg: StepConfig, apply_fn: ApplyFn = model_forward,
                   row_sharding: NamedSharding | None = None):
@@ -304,8 +328,8 @@ def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
 
     def body(carry, mb):
         grads, loss, acc, drops = carry
-        (mb_loss, (metrics, scale, tokens, dropped)), mb_grads = grad_fn(
-            params, frozen, mb, total_norm, graphdef, cfg, apply_fn)
+        (mb_loss, (metrics, scale, tokens, dropped)), mb_grads = skip_empty(
+            lambda mb: grad_fn(params, frozen, mb, total_norm, graphdef, cfg, apply_fn), mb)
         grads = jax.tree.map(jnp.add, grads, mb_grads)
         return (grads, loss + mb_loss, _combine(acc, metrics, scale, tokens), drops + dropped), None
 
@@ -313,7 +337,7 @@ def compute_grads(params: nnx.State, frozen: nnx.State, batch: TrainBatch, *,
     acc = LossMetrics(**{n: jnp.inf if n in _MIN_FIELDS else -jnp.inf if n in _MAX_FIELDS
                          else zero for n in LossMetrics._fields})
     init = (jax.tree.map(jnp.zeros_like, params), zero, acc, jnp.zeros((), jnp.int32))
-    micro = split_micro(batch, cfg.micro_batches, row_sharding)
+    micro = to_micro_batches(batch, cfg.micro_batches, cfg.tokens_per_micro_batch, row_sharding)
     (grads, loss, acc, dropped), _ = jax.lax.scan(body, init, micro)
     tokens = jnp.sum(mask)
     return (grads, loss, _finish(acc, tokens), tokens, sequence_count(mask, batch.segment_ids),
@@ -435,6 +459,8 @@ class Compiled:
     critic_graphdef: nnx.GraphDef | None = None
     value_step: Callable[..., Array] | None = None
     critic_step: Callable[..., tuple[TrainState, Any]] | None = None
+    # the longest sequence the model was built for (``ModelConfig.position_limit``); None: unknown
+    max_positions: int | None = None
 
     def model(self) -> nnx.Module:
         """The current policy as a module (parameters and frozen base merged)."""

@@ -13,8 +13,8 @@ ratio is 1 in value, ``old_logp`` stays None and the train step uses its own log
   every minibatch has the same shape (one compiled program). A minibatch without a loss token is
   skipped: a zero-gradient Adam step would still move the parameters by its momentum.
 * ``run_updates`` - the updates in order, each one call of the compiled train step (which itself
-  accumulates gradients over ``train.micro_batches``) and, with a critic, of the critic's step,
-  on each minibatch's rows gathered on device.
+  accumulates gradients over ``train.micro_batches`` or token-budget micro-batches) and, with a
+  critic, of the critic's step, on each minibatch's rows gathered on device.
 * ``summarise`` - one record for the step: the mean of every metric over the updates, the largest
   ``skipped``, and with several updates each one's ``clip_frac`` and ``approx_kl``.
 

@@ -188,6 +188,17 @@ class ModelConfig:
         return self.mla.v_head_dim if self.mla is not None else self.head_dim
 
     @property
+    def position_limit(self) -> int:
+        """The longest sequence the model was built for: ``max_position_embeddings``, or with a
+        scaled rope (YaRN, linear, llama3) its ``factor x original_max_position_embeddings`` where
+        that is longer (a YaRN rope added to a config.json that kept the original length)."""
+        rope = self.rope
+        if rope.kind == "default":
+            return self.max_position_embeddings
+        return max(self.max_position_embeddings,
+                   int(rope.factor * rope.original_max_position_embeddings))
+
+    @property
     def first_k_dense_replace(self) -> int | None:
         """``k`` when layers ``0..k-1`` are dense and the rest sparse (DeepSeek / GLM), else None."""
         sparse = self.moe.sparse_layers if self.moe is not None else ()

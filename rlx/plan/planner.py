@@ -32,8 +32,9 @@ import sys
 from typing import Any
 
 from rlx.config import RunConfig, read_config
+from rlx.learner.batching import micro_rows
 from rlx.learner.state import MODES
-from rlx.mesh import MESH_AXES, MeshShape
+from rlx.mesh import MESH_AXES, MeshShape, batch_shards
 from rlx.models import from_hf_config
 from rlx.models.presets import PRESETS, find_preset, preset_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
@@ -189,15 +190,34 @@ def run_plan_fields(run: RunConfig) -> dict[str, Any]:
     update's rows (``prompts_per_step x group_size / minibatches``) of ``max_prompt_tokens +
     max_new_tokens`` tokens, the train section's mode, micro-batches, log-prob chunk and remat,
     whether the built-in engine copies the trainable variables (``engine_copies_trainables``),
-    and the built-in engine decoding the whole batch at once (KV cache in the compute dtype)."""
+    and the built-in engine decoding the whole batch at once (KV cache in the compute dtype).
+    With ``train.tokens_per_micro_batch`` the update's rows and micro-batches are those of its
+    worst case (``budget_fields``)."""
     data, rollout, train = run.data, run.rollout, run.train
     rows = data.prompts_per_step * rollout.group_size
     length = data.max_prompt_tokens + rollout.max_new_tokens
-    return {"mode": train.mode, "micro_batches": train.micro_batches,
-            "logprob_chunk": train.logprob_chunk, "remat": train.remat,
-            "engine_copies_trainables": run.engine_copies_trainables, "rollout_rows": rows,
-            "rows": rows // train.minibatches, "seq_len": length, "rollout_len": length,
-            "kv_dtype": run.model.dtype}
+    fields = {"mode": train.mode, "micro_batches": train.micro_batches,
+              "logprob_chunk": train.logprob_chunk, "remat": train.remat,
+              "engine_copies_trainables": run.engine_copies_trainables, "rollout_rows": rows,
+              "rows": rows // train.minibatches, "seq_len": length, "rollout_len": length,
+              "kv_dtype": run.model.dtype}
+    if train.tokens_per_micro_batch:
+        fields.update(budget_fields(rows // train.minibatches, length, run))
+    return fields
+
+
+def budget_fields(rows: int, length: int, run: RunConfig) -> dict[str, int]:
+    """An update's ``rows``, ``seq_len`` and ``micro_batches`` under the token budget
+    ``train.tokens_per_micro_batch`` (``rlx.learner.batching.batch_layout``), at its worst: every
+    rollout ``length`` tokens long. Packed rows of the budget (or of ``length`` when longer) hold
+    as many whole rollouts as fit, one row per data-parallel shard per micro-batch; padded rows
+    go as many per shard as fit the budget."""
+    tokens, shards = run.train.tokens_per_micro_batch, batch_shards(run.mesh)
+    seq = max(tokens, length) if run.train.pack else length
+    packed_rows = -(-rows // (seq // length))  # rows of seq tokens holding whole rollouts
+    per_micro = shards * (1 if run.train.pack else micro_rows(length, tokens))
+    micro = -(-packed_rows // per_micro)
+    return {"rows": per_micro * micro, "seq_len": seq, "micro_batches": micro}
 
 
 def spec_from_config(cfg: Any) -> PlanSpec:

@@ -205,7 +205,7 @@ def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
     if needs_old_logprobs(cfg):
         old_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg)
     compiled = Compiled(graphdef=graphdef, state=state, train_step=train_step, ref_step=ref_step,
-                        old_step=old_step)
+                        old_step=old_step, max_positions=model.config.position_limit)
     if critic_graphdef is None:
         return compiled
     return dataclasses.replace(
@@ -214,6 +214,7 @@ def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
         critic_step=make_critic_step(critic_graphdef, state, mesh, optimizer,
                                      value_clip=cfg.critic.value_clip,
                                      micro_batches=cfg.train.micro_batches,
+                                     tokens_per_micro_batch=cfg.train.tokens_per_micro_batch,
                                      apply_fn=FORWARDS[cfg.train.remat]))
 
 

@@ -9,9 +9,14 @@ raises a one-line ``ConfigError`` naming the field, what is wrong and the values
 
 - the mesh against the visible devices, and against the model (tensor parallelism must divide the
   attention heads, expert parallelism the experts);
-- the batch: ``data.prompts_per_step * rollout.group_size`` rows (whole GRPO groups by
+- the batch: with one rollout per row (``train.pack=False``, or DPO's pairs) and a fixed number of
+  micro-batches, ``data.prompts_per_step * rollout.group_size`` rows (whole GRPO groups by
   construction) must divide evenly over the data-parallel devices and ``train.micro_batches``,
-  otherwise every update would pad with empty rows;
+  otherwise every update would pad with empty rows (packed rows and token budgets make as many
+  rows as the step needs, whatever the rollout count);
+- the sequence length: ``data.max_prompt_tokens`` + ``rollout.max_new_tokens`` (tool-use episodes:
+  ``env.max_episode_tokens``) within the positions the model was built for
+  (``ModelConfig.position_limit``: ``max_position_embeddings``, or a scaled rope's extended length);
 - LoRA targets that adapt no module of this model (e.g. MLP targets on a MoE whose experts are
   excluded by ``lora.experts=False`` and that has no dense or shared MLP);
 - a base format the checkpoint cannot take: a quantized HF folder (``quantization_config``) needs
@@ -69,6 +74,7 @@ def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
         check_critic(cfg, arch)
     if cfg.train.algorithm == "dpo":
         check_pairs(cfg)
+    check_lengths(cfg, arch)
     return arch
 
 
@@ -111,11 +117,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_lengths(cfg: RunConfig, arch: ModelConfig) -> None:
+    """The longest sequence the config allows fits the model's positions (DPO's pairs are as long
+    as the data makes them: not checked here)."""
+    if cfg.train.algorithm == "dpo":
+        return
+    limit, prompt = arch.position_limit, cfg.data.max_prompt_tokens
+    single = cfg.env.kind == "single"
+    field, reply = (("rollout.max_new_tokens", cfg.rollout.max_new_tokens) if single
+                    else ("env.max_episode_tokens", cfg.env.max_episode_tokens))
+    if prompt + reply <= limit:
+        return
+    rope = arch.rope
+    built = f"max_position_embeddings={arch.max_position_embeddings}" + (
+        f", {rope.kind} rope factor {rope.factor:g} x original_max_position_embeddings="
+        f"{rope.original_max_position_embeddings}" if rope.kind != "default" else "")
+    raise ConfigError(
+        f"config.data.max_prompt_tokens + config.{field} = {prompt} + {reply} = {prompt + reply} "
+        f"tokens, longer than the {limit} positions {arch.architecture} was built for ({built}); "
+        f"lower them to sum to at most {limit}, or use a checkpoint whose config.json extends its "
+        "context (rope_scaling, e.g. YaRN)")
+
+
 def check_batch(cfg: RunConfig) -> None:
-    """The step's rows divide evenly over the data-parallel devices times the micro-batches (of
-    each of ``train.minibatches`` minibatches)."""
+    """With one rollout per row and a fixed number of micro-batches, the step's rows divide evenly
+    over the data-parallel devices times the micro-batches (of each of ``train.minibatches``
+    minibatches)."""
     if cfg.train.algorithm == "dpo":  # whole pairs per micro-batch and device
         return _check_pairs(cfg)
+    if cfg.train.pack or cfg.train.tokens_per_micro_batch:
+        return  # rows as many as the step needs (rlx.learner.batching.batch_layout)
     rows = cfg.data.prompts_per_step * cfg.rollout.group_size
     micro = cfg.train.micro_batches * cfg.train.minibatches
     dp = batch_shards(cfg.mesh)

@@ -2,9 +2,9 @@
 
 prompts -> generate -> score -> advantages -> batch -> reference log-probs -> update -> weight
 sync -> metrics, then (in ``train``) evaluation and checkpoints. Each step takes ``train.epochs``
-x ``train.minibatches`` optimizer updates over its batch (default one; each accumulates gradients
-over ``train.micro_batches`` inside the compiled step; ``rlx.run.learn``) and hands the new
-weights to the engine (``weight_version`` = learner step).
+x ``train.minibatches`` optimizer updates over its batch (default one; rows packed; each update
+accumulates gradients over ``train.micro_batches`` or token-budget micro-batches inside the
+compiled step; ``rlx.run.learn``) and hands the new weights to the engine (version = step).
 
 * Synchronous on-policy (``train.max_staleness = 0``): each step samples with the current weights.
 * Asynchronous (``train.max_staleness = k >= 1``, ``rlx.run.rollouts``): up to k batches of

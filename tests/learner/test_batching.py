@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.learner.batching import loss_columns, pack_rollouts, pad_rollouts, train_buckets
+from rlx.learner.batching import (Batching, batch_layout, count_bucket, fill, loss_columns,
+                                  micro_count, pack_rollouts, pad_rollouts, train_buckets)
 from rlx.learner.losses import LossConfig, aggregate, policy_loss, sequence_count
 from rlx.types import Rollout
 from tests.helpers.steps import random_rollouts
@@ -116,6 +117,40 @@ def test_pack_places_every_rollout_once_contiguously():
         np.testing.assert_allclose(batch.old_logp[row, done], old[i])
     with pytest.raises(ValueError, match="does not fit"):
         pack_rollouts(rollouts, np.zeros(9), row_len=3)
+
+
+def test_token_budget_layout_rows_micro_batches_and_the_estimators_view():
+    """``batch_layout`` with a token budget: rows of the budget (packed) or padded rows as many as
+    fit; a rollout longer than the budget makes the rows its bucketed length; micro-batch counts
+    from ``count_bucket``; ``Layout.unpack`` gives each rollout its own row from column 0 and
+    ``pack`` puts it back."""
+    assert [count_bucket(n) for n in (1, 5, 8, 9, 11, 17, 33, 100)] == [1, 5, 8, 10, 12, 20, 40, 112]
+    lengths = [30, 20, 12, 10, 8, 6, 5, 3]  # 94 tokens
+    packed = batch_layout(lengths, Batching(pack=True, buckets=(32, 64), shards=2, tokens=32))
+    # first-fit decreasing into 32-token rows: [30], [20, 12], [10, 8, 6, 5, 3]: 3 rows; one row per
+    # shard per micro-batch: 2 micro-batches of 2 rows
+    assert packed.shape == (4, 32) and packed.efficiency == pytest.approx(94 / (3 * 32))
+    np.testing.assert_array_equal(packed.rows, [0, 1, 1, 2, 2, 2, 2, 2])
+    np.testing.assert_array_equal(packed.segments, [1, 1, 2, 1, 2, 3, 4, 5])
+    assert micro_count(packed.shape, 2, 1, 32) == 2
+    longer = batch_layout(lengths + [40], Batching(pack=True, buckets=(32, 64), shards=2,
+                                                   minibatches=2, tokens=32))
+    # 40 > 32: rows of 64 ([40, 20, 3], [30, 12, 10, 8], [6, 5]), 2 minibatches x 2 shards x 1
+    assert longer.shape == (4, 64) and longer.rows[-1] == 0
+    padded = batch_layout(lengths, Batching(pack=False, buckets=(32, 64), shards=2, tokens=64))
+    assert padded.shape == (8, 32) and micro_count(padded.shape, 2, 1, 64) == 2  # 2 rows each
+    fixed = batch_layout(lengths, Batching(pack=True, buckets=(32, 64), shards=2, micro_batches=3))
+    assert fixed.shape == (6, 32) and micro_count(fixed.shape, 2, 3) == 3
+    rollouts = [_rollout(i, 2, n - 2) for i, n in enumerate(lengths)]
+    batch = fill(rollouts, np.arange(8.0), packed)
+    view = packed.unpack(batch.input_ids)  # [8, 30]
+    for i, r in enumerate(rollouts):
+        np.testing.assert_array_equal(view[i, :lengths[i]], np.concatenate([r.prompt_ids,
+                                                                           r.completion_ids]))
+        assert not view[i, lengths[i]:].any()
+    np.testing.assert_array_equal(packed.pack(view), batch.input_ids)
+    np.testing.assert_array_equal(packed.spread(np.arange(8.0)) * batch.loss_mask,
+                                  batch.advantages)
 
 
 def test_segment_aggregation_hand_golden():

@@ -13,16 +13,18 @@ from flax import nnx
 from rlx.config import TrainSection
 from rlx.errors import ConfigError
 from rlx.learner.advantages import grpo
-from rlx.learner.batching import loss_columns, pack_rollouts, pad_rollouts, shard_batch
-from rlx.learner.losses import LossConfig
+from rlx.learner.batching import (Batching, batch_layout, count_bucket, fill, loss_columns,
+                                  micro_count, pack_rollouts, pad_rollouts, shard_batch)
+from rlx.learner.losses import AGGREGATIONS, LossConfig
 from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
 from rlx.learner.step import (FORWARDS, StepConfig, compute_grads, make_logprob_step,
                               make_train_step, model_forward, reference_forward)
-from rlx.mesh import MeshShape, make_mesh
+from rlx.mesh import MeshShape, batch_sharding, make_mesh
 from rlx.types import Rollout, StepMetrics
 from tests.helpers.steps import TINY, add_qlora, random_rollouts, sample, tiny_model
 
 TOL = 1e-5
+PACKED_TOL = 1e-6  # packed vs padded rows, token budget vs fixed micro-batches (f32)
 V = TINY.vocab_size
 
 
@@ -56,11 +58,14 @@ def _max_tree_diff(a, b) -> float:
 
 
 @pytest.mark.parametrize("loss_cfg", [
-    LossConfig("ppo", kl_coef=0.1, entropy_coef=0.01),  # seq-mean-token-mean, token TIS
+    *(LossConfig("ppo", aggregation=a, kl_coef=0.1, entropy_coef=0.01, norm_length=12)
+      for a in AGGREGATIONS),  # token TIS
     LossConfig("gspo", tis_mode="sequence-mask", tis_seq_low=0.8, tis_seq_high=1.25),
-    LossConfig("dr_grpo", norm_length=12),
-], ids=["ppo-kl-entropy", "gspo-seqmask", "dr_grpo"])
+], ids=[*AGGREGATIONS, "gspo-seqmask"])
 def test_packed_equals_padded(loss_cfg):
+    """Every ``loss.aggregation`` (PPO + KL + entropy), and GSPO's sequence ratio with
+    sequence-mask TIS: a packed batch's loss, metrics and gradients are the padded batch's
+    within PACKED_TOL (f32)."""
     rollouts = random_rollouts(10, V, seed=1)
     adv = np.random.RandomState(2).normal(size=10)
     old, ref = _extras(rollouts, 3)
@@ -75,10 +80,48 @@ def test_packed_equals_padded(loss_cfg):
     assert float(tok_pad) == float(tok_pack) == sum(len(r.completion_ids) for r in rollouts)
     assert float(seq_pad) == float(seq_pack) == 10
     assert abs(float(loss_pad)) > 1e-3  # a loss that means something
-    assert abs(float(loss_pad) - float(loss_pack)) <= TOL
-    assert _max_tree_diff(g_pad, g_pack) <= TOL
-    for a, b in zip(m_pad, m_pack):
-        assert abs(float(a) - float(b)) <= TOL
+    assert abs(float(loss_pad) - float(loss_pack)) <= PACKED_TOL
+    assert _max_tree_diff(g_pad, jax.tree.map(jnp.zeros_like, g_pad)) > 1e-3
+    assert _max_tree_diff(g_pad, g_pack) <= PACKED_TOL
+    for name, a, b in zip(m_pad._fields, m_pad, m_pack):
+        assert abs(float(a) - float(b)) <= PACKED_TOL, name
+
+
+@pytest.mark.parametrize("pack,tokens", [(True, 12), (False, 32)], ids=["packed", "padded"])
+def test_token_budget_micro_batches_give_the_fixed_rows_update(pack, tokens):
+    """``tokens_per_micro_batch`` on 2 data-parallel shards: packed rows of the budget (a 15-token
+    rollout, longer than 12, makes the rows its bucketed 16) one per shard per micro-batch, or
+    padded 16-token rows two per shard in 32 tokens; the micro-batch count bucketed, micro-batches
+    of padding rows skipped. Loss, metrics and gradients are those of the padded batch in two
+    fixed micro-batches (the loss's normalisers are the whole batch's either way)."""
+    rollouts = random_rollouts(14, V, seed=31, max_prompt=6, max_completion=9)
+    assert max(r.length for r in rollouts) == 15
+    adv = np.random.RandomState(32).normal(size=14)
+    old, ref = _extras(rollouts, 33)
+    mesh = _mesh(MeshShape(data=2))
+    layout = batch_layout([r.length for r in rollouts],
+                          Batching(pack=pack, buckets=(), shards=2, tokens=tokens))
+    budget = fill(rollouts, adv, layout, old_logp=old, ref_logp=ref)
+    fixed = pad_rollouts(rollouts, adv, old_logp=old, ref_logp=ref, rows_multiple=4)
+    k = micro_count(budget.shape, 2, 1, tokens)
+    assert budget.shape[1] == 16 and k == count_bucket(k) and k * 2 * (1 if pack else 2) == \
+        budget.shape[0]
+    assert (budget.shape[0] < fixed.shape[0]) == pack
+    model, _ = _model("full")
+    graphdef, params, frozen = nnx.split(model, nnx.Param, ...)
+    loss_cfg = LossConfig("ppo", kl_coef=0.1, entropy_coef=0.01)
+
+    def grads(batch, **kw):
+        fn = jax.jit(functools.partial(compute_grads, graphdef=graphdef, row_sharding=batch_sharding(
+            mesh, 1), cfg=StepConfig(loss=loss_cfg, logprob_chunk=7, **kw)))
+        return fn(params, frozen, shard_batch(batch, mesh))
+
+    (g_b, loss_b, m_b, *_), (g_f, loss_f, m_f, *_) = (
+        grads(budget, tokens_per_micro_batch=tokens), grads(fixed, micro_batches=2))
+    assert abs(float(loss_f)) > 1e-3 and abs(float(loss_b) - float(loss_f)) <= PACKED_TOL
+    assert _max_tree_diff(g_b, g_f) <= PACKED_TOL
+    for name, a, b in zip(m_f._fields, m_f, m_b):
+        assert abs(float(a) - float(b)) <= PACKED_TOL, name
 
 
 @pytest.mark.parametrize("policy_loss", ["dapo", "ppo"])

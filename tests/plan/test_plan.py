@@ -78,6 +78,10 @@ def test_kimi_k2_lora_fits_one_node_synchronous_or_one_step_off():
     assert 1.0e12 < spec.model.num_params() < 1.1e12 and spec.mesh.num_devices == 8
     assert spec.model.mla is not None and not spec.engine_copies_trainables
     assert (spec.rows, spec.seq_len, spec.micro_batches) == (64, 2048, 8)
+    budget = load_config_file(KIMI)
+    budget.train.tokens_per_micro_batch = 4096  # two 2048-token rollouts per row, one per device
+    packed = spec_from_config(budget)
+    assert (packed.rows, packed.seq_len, packed.micro_batches) == (32, 4096, 4)
     one_step_off = load_config_file(KIMI)
     one_step_off.train.max_staleness = 1  # the run's RunConfig.engine_copies_trainables
     assert spec_from_config(one_step_off) == spec.replace(engine_copies_trainables=True)

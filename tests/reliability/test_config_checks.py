@@ -106,19 +106,43 @@ def test_mesh_must_match_the_devices():
         _check(n_devices=4)
 
 
-def test_batch_must_split_evenly_over_data_parallel_devices():
+def test_padded_batch_must_split_evenly_over_data_parallel_devices():
+    """One rollout per row (train.pack=False); packed rows are as many as a step needs."""
     with pytest.raises(ConfigError) as e:
-        _check(**{"data.prompts_per_step": 3, "rollout.group_size": 3})
+        _check(**{"data.prompts_per_step": 3, "rollout.group_size": 3, "train.pack": False})
     msg = str(e.value)
     assert "3 * 3 = 9 rollouts per step do not split evenly over" in msg
     assert "= 8 devices x train.micro_batches = 1; set data.prompts_per_step=8" in msg
+    _check(**{"data.prompts_per_step": 3, "rollout.group_size": 3})  # packed
 
 
 def test_micro_batches_must_divide_the_per_device_rows():
     with pytest.raises(ConfigError, match=r"x train.micro_batches = 3; set data.prompts_per_step=6 or "
                                           r"train.micro_batches to one of \[1\]"):
-        _check(**{"train.micro_batches": 3})
-    _check(**{"data.prompts_per_step": 4, "train.micro_batches": 2})  # 16 rows = 8 x 2
+        _check(**{"train.micro_batches": 3, "train.pack": False})
+    _check(**{"data.prompts_per_step": 4, "train.micro_batches": 2,
+              "train.pack": False})  # 16 rows = 8 x 2
+
+
+def test_prompt_and_completion_must_fit_the_models_positions(tmp_path):
+    """SmolLM2-135M was built for 8192 positions; a YaRN rope (factor 4 over 8192) extends that."""
+    with pytest.raises(ConfigError) as e:
+        _check(**{"data.max_prompt_tokens": 8000, "rollout.max_new_tokens": 512})
+    msg = str(e.value)
+    assert msg.startswith("config.data.max_prompt_tokens + config.rollout.max_new_tokens = 8000 + "
+                          "512 = 8512 tokens, longer than the 8192 positions") and "\n" not in msg
+    assert "lower them to sum to at most 8192" in msg
+    with pytest.raises(ConfigError, match=r"config.env.max_episode_tokens = 512 \+ 9000 = 9512"):
+        _check(**{"env.kind": "tools", "env.max_episode_tokens": 9000})
+    folder = _moe_folder(tmp_path)  # max_position_embeddings absent: transformers' 32768
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    hf.update(max_position_embeddings=8192, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f)
+    long = {"model.path": folder, "data.max_prompt_tokens": 8000, "rollout.max_new_tokens": 512}
+    assert _check(**long).position_limit == 32768  # 8512 tokens: within YaRN's 4 x 8192
 
 
 def test_tensor_parallelism_must_divide_the_heads():
@@ -168,7 +192,7 @@ def test_gguf_base_needs_a_gguf_file_with_real_block_weights(tmp_path):
     ok = tmp_path / "q8.gguf"
     write_tiny_gguf(ok, linear_type="Q8_0")
     _check(**{"model.path": str(ok), "quant.format": "gguf", "model.shrink.enabled": False,
-              "mesh.data": 1, "mesh.fsdp": 8})
+              "mesh.data": 1, "mesh.fsdp": 8, "data.max_prompt_tokens": 56})  # 64 positions
 
 
 def test_group_size_must_divide_every_input_size():
@@ -200,7 +224,8 @@ def test_build_refuses_before_loading_the_model(monkeypatch):
 
     monkeypatch.setattr(rlx.run.build, "load_policy", loaded)
     with pytest.raises(ConfigError, match="rollouts per step do not split evenly"):
-        rlx.run.build.build(_tiny(**{"data.prompts_per_step": 3, "rollout.group_size": 3}))
+        rlx.run.build.build(_tiny(**{"data.prompts_per_step": 3, "rollout.group_size": 3,
+                                     "train.pack": False}))
 
 
 def test_launch_exits_2_with_the_message(tmp_path):
