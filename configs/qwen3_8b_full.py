@@ -116,7 +116,7 @@ def long_context(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     38.7 GB KV cache per device (512 rows would be 155 GB), so 16 prompts per step, one row per
     device per micro-batch, remat per layer. Shorter runs of it take
     ``--config.rollout.max_new_tokens`` (6,144: 8,192 tokens)."""
-    c.output_dir = "runs/qwen3_8b_full_long"  # on a shared file system: checkpoints are written by all hosts
+    c.output_dir = "runs/qwen3_8b_full_long"  # on a shared file system, as the default's
     c.data.prompts_per_step = 16  # 128 rows per RL step
     c.data.max_prompt_tokens = 2048  # longer prompts are skipped and counted
     c.data.template = ("{prompt}\nPlease reason step by step, and put your final answer "

@@ -3,9 +3,10 @@
 Configs are Python files with ``get_config()`` (see ``configs/``; ``configs/X.py:VARIANT`` calls
 ``get_config("VARIANT")``); command-line overrides use ``--config.a.b=v``, applied by
 ml_collections' ``config_flags`` (``config_from_argv``, the one reading of a command line that
-``rlx.launch``, ``rlx.eval`` and ``rlx.plan`` share). ``parse_config`` walks the dataclass schema below, refuses unknown keys and
-wrong types with the dotted field name, then each section validates its values once. Every error is
-a ``ConfigError`` whose message is a single line naming the field and the fix.
+``rlx.launch``, ``rlx.eval`` and ``rlx.plan`` share). ``parse_config`` walks the dataclass schema
+below, refuses unknown keys and wrong types with the dotted field name, then each section
+validates its values once. Every error is a ``ConfigError`` whose message is a single line naming
+the field and the fix.
 """
 
 from __future__ import annotations
@@ -308,8 +309,7 @@ class RunConfig:
                               "HF model folder or a .gguf file with the policy's vocabulary")
 
 
-# an override as config_flags reads one (--config.a.b=v, --config.a.b v, --noconfig.a.b), and
-# the flag that absl's error message names
+# an override (--config.a.b=v, --config.a.b v, --noconfig.a.b); the flag absl's errors name
 _OVERRIDE = re.compile(r"^-{1,2}(?:no)?config\.([^=]+)")
 _FLAG_IN_ERROR = re.compile(r"flag --(?:no)?config\.([^=:\s]+)")
 

@@ -1,4 +1,5 @@
-"""``python -m rlx.launch --config configs/X.py[:VARIANT] [--config.a.b=v ...] [--dry_run]``: the CLI.
+"""``python -m rlx.launch --config configs/X.py[:VARIANT] [--config.a.b=v ...] [--dry_run]``:
+the CLI.
 
 Reads the config file (``:VARIANT``: ``get_config("VARIANT")``) and its overrides as every
 command of rlx does (``rlx.config.config_from_argv``), validates it once (errors: one line naming

@@ -101,7 +101,8 @@ def test_command_line_reads_the_file_its_variant_and_overrides(config_file):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--config.data.max_tokens=9"], "unknown key config.data.max_tokens (--config.data.max_tokens"),
+    (["--config.data.max_tokens=9"],
+     "unknown key config.data.max_tokens (--config.data.max_tokens"),
     (["--config.datum.x=9"], "unknown key config.datum"),
     (["--config.data.max_prompt_tokens=1.5"],
      "flag --config.data.max_prompt_tokens=1.5: invalid literal for int()"),

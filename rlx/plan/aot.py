@@ -1,6 +1,6 @@
-"""XLA:TPU's own memory figures beside the plan: ``python -m rlx.plan --config configs/X.py[:VARIANT]
-[--config.FIELD=VALUE ...] --aot TOPOLOGY [--mesh ...] [--mode full|lora] [--layers N]
-[--steps train,sample]``.
+"""XLA:TPU's own memory figures beside the plan: ``python -m rlx.plan --config
+configs/X.py[:VARIANT] [--config.FIELD=VALUE ...] --aot TOPOLOGY [--mesh ...] [--mode full|lora]
+[--layers N] [--steps train,sample]``.
 
 Compiles, on any host (libtpu from PyPI, no TPU attached), rlx's real train step
 (``rlx.learner.step.make_train_step``, via ``rlx.plan.memory.compiled_bytes``) and the built-in
