@@ -13,12 +13,22 @@ second copy of the 671 GB base. ``python -m rlx.plan --config configs/deepseek_v
 ``model.path`` names the checkpoint (its architecture is also in ``rlx.models.presets``). rlx
 quantizes a float checkpoint tensor by tensor while reading it (to the same 128x128 blocks); the
 Hub release's own FP8 blocks load as they ship with ``--config.quant.format=shipped``.
+
+Variants (``--config configs/deepseek_v3_fp8.py:VARIANT``, ``get_config("VARIANT")``): none,
+sequences of 2,048 tokens (512-token prompts + 1,536-token completions); ``long``, 32,768 (2,048 +
+30,720; ``long_context``), within the 163,840 positions that YaRN (factor 40 over 4,096) gives the
+model.
 """
 
 import ml_collections
 
+VARIANTS = ("", "long")
 
-def get_config() -> ml_collections.ConfigDict:
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    if variant not in VARIANTS:
+        raise ValueError(f"configs/deepseek_v3_fp8.py has no variant {variant!r}; its variants: "
+                         f"{list(VARIANTS)}")
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds LoRA init, data order and sampling
     c.output_dir = "runs/deepseek_v3_fp8"  # logs, metrics.jsonl, checkpoints
@@ -112,4 +122,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.warmup_steps = 5  # linear ramp over the first 5 updates
     c.optim.weight_decay = 0.0  # none on adapters
     c.optim.max_grad_norm = 1.0  # global-norm clipping
+    return long_context(c) if variant == "long" else c
+
+
+def long_context(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The ``long`` variant: 32,768 tokens per sequence (of the 163,840 positions YaRN gives), the
+    same 64 sequences per update, one per device per micro-batch; shorter runs of it take
+    ``--config.rollout.max_new_tokens`` (6,144: 8,192 tokens)."""
+    c.output_dir = "runs/deepseek_v3_fp8_long"  # logs, metrics.jsonl, checkpoints
+    c.data.max_prompt_tokens = 2048  # longer prompts are skipped and counted
+    c.rollout.max_new_tokens = 30720  # completion cap (prompt + completion <= 32768 tokens)
     return c

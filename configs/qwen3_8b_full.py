@@ -12,12 +12,22 @@ There is no KL term: full mode keeps no reference copy of the weights.
 
 ``model.path`` is the Hub id (each host fetches it into its Hugging Face cache; a local folder
 of that name wins); its architecture is also in ``rlx.models.presets``.
+
+Variants (``--config configs/qwen3_8b_full.py:VARIANT``, ``get_config("VARIANT")``): none,
+sequences of 1,536 tokens (512-token prompts + 1,024-token completions, no thinking block);
+``long``, 32,768 (2,048 + 30,720, thinking; ``long_context``), within Qwen3-8B's own 40,960
+positions (no YaRN).
 """
 
 import ml_collections
 
+VARIANTS = ("", "long")
 
-def get_config() -> ml_collections.ConfigDict:
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    if variant not in VARIANTS:
+        raise ValueError(f"configs/qwen3_8b_full.py has no variant {variant!r}; its variants: "
+                         f"{list(VARIANTS)}")
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds data order and sampling
     c.output_dir = "runs/qwen3_8b_full"  # on a shared file system: checkpoints are written by all hosts
@@ -96,4 +106,23 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.warmup_steps = 10  # linear ramp over the first 10 updates
     c.optim.weight_decay = 0.01  # decoupled, on matrices only
     c.optim.max_grad_norm = 1.0  # global-norm clipping
+    return long_context(c) if variant == "long" else c
+
+
+def long_context(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The ``long`` variant: 32,768 tokens per sequence, Qwen3's thinking mode with its
+    recommended 30k completion budget, within the 40,960 positions of Qwen3-8B's config.json
+    (no YaRN). The built-in engine decodes a step's rows at once: 128 rows of 32,768 slots are a
+    38.7 GB KV cache per device (512 rows would be 155 GB), so 16 prompts per step, one row per
+    device per micro-batch, remat per layer. Shorter runs of it take
+    ``--config.rollout.max_new_tokens`` (6,144: 8,192 tokens)."""
+    c.output_dir = "runs/qwen3_8b_full_long"  # on a shared file system, as the default's
+    c.data.prompts_per_step = 16  # 128 rows per RL step
+    c.data.max_prompt_tokens = 2048  # longer prompts are skipped and counted
+    c.data.template = ("{prompt}\nPlease reason step by step, and put your final answer "
+                       "within \\boxed{}.")  # Qwen's math instruction; Qwen3 thinks first
+    c.rollout.max_new_tokens = 30720  # completion cap (prompt + completion <= 32768 tokens)
+    c.rollout.eval_temperature = 0.6  # Qwen3's thinking mode: not greedy (it repeats itself)
+    c.train.micro_batches = 8  # accumulation: 128 sequences, 1 per device per piece
+    c.train.remat = "layer"  # recompute each decoder layer in backward
     return c

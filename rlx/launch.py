@@ -1,9 +1,12 @@
-"""``python -m rlx.launch --config configs/X.py [--config.a.b=v ...] [--dry_run]``: the CLI.
+"""``python -m rlx.launch --config configs/X.py[:VARIANT] [--config.a.b=v ...] [--dry_run]``:
+the CLI.
 
-Parses and validates the config once (errors: one line naming the field, exit status 2), then
-builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C end it after the current step with a
-checkpoint (exit status 128 + signal number; while the run is still being built they stop it at
-once, cleaning up what was started), and ``--config.resume=latest`` continues it. Exit
+Reads the config file (``:VARIANT``: ``get_config("VARIANT")``) and its overrides as every
+command of rlx does (``rlx.config.config_from_argv``), validates it once (errors: one line naming
+the field, exit status 2), then builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C
+end it after the current step with a checkpoint (exit status 128 + signal number; while the run
+is still being built they stop it at once, cleaning up what was started), and
+``--config.resume=latest`` continues it. Exit
 status 3: too many non-finite updates in a row; 4: the rollout engine failed (no SGLang server
 left, or one that could not start); 5: a checkpoint or the metrics could not be written (e.g.
 the disk is full);
@@ -20,11 +23,8 @@ import signal
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Load, shard and summarise the model; do not train.")
-flags.mark_flags_as_required(["config"])
 
 
 def _one_line_orbax_errors(record) -> bool:
@@ -65,8 +65,10 @@ def quiet_logs() -> None:
     std_logging.getLogger("asyncio").addFilter(_one_line_orbax_errors)
 
 
-def main(argv: list[str]) -> None:
-    del argv
+def main(argv) -> None:
+    """``argv``: (the config with its overrides, the positional arguments), from
+    ``rlx.config.absl_flags_parser``."""
+    config, _ = argv
     quiet_logs()
     from rlx.config import parse_config
     from rlx.errors import ConfigError
@@ -75,7 +77,7 @@ def main(argv: list[str]) -> None:
     from rlx.run.lifecycle import Interrupted, StartupSignals
 
     try:
-        cfg = parse_config(_CONFIG.value)
+        cfg = parse_config(config)
         if _DRY_RUN.value:
             from rlx.run.summary import build_and_summarize
 
@@ -132,7 +134,9 @@ def train(run) -> None:
 
 
 def run() -> None:
-    app.run(main)
+    from rlx.config import absl_flags_parser
+
+    app.run(main, flags_parser=absl_flags_parser("rlx"))
 
 
 if __name__ == "__main__":

@@ -54,3 +54,80 @@ def test_package_path_resolves_and_missing_package_is_explained(tmp_path):
         parse_config({"model": {"path": "package://no_such_pkg_xyz/model.gguf"}})
     cfg = parse_config({"model": {"path": "package://rlx/config.py"}})  # any file inside a package
     assert cfg.model.resolved_format == "hf"
+
+
+# --- the command line: --config FILE[:VARIANT] and --config.FIELD=VALUE (rlx.config.config_from_argv)
+
+VARIANT_FILE = '''
+import ml_collections
+
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    if variant not in ("", "long"):
+        raise ValueError(f"no variant {variant!r}; this file has '' and 'long'")
+    c = ml_collections.ConfigDict()
+    c.data = ml_collections.ConfigDict({"max_prompt_tokens": 512, "template": "{prompt}"})
+    c.rollout = ml_collections.ConfigDict({"max_new_tokens": 30720 if variant else 1536,
+                                           "temperature": 1.0})
+    c.lora = ml_collections.ConfigDict({"targets": ("q", "v"), "experts": True})
+    return c
+'''
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "recipe.py"
+    path.write_text(VARIANT_FILE)
+    return str(path)
+
+
+def test_command_line_reads_the_file_its_variant_and_overrides(config_file):
+    """Each override is read as the type of the file's value (ml_collections' config_flags);
+    arguments that are not about the config are left, in order, for the command's parser."""
+    from rlx.config import config_from_argv
+
+    cfg, rest = config_from_argv(["--config", config_file, "--dry_run",
+                                  "--config.rollout.max_new_tokens=6144", "--aot", "tpu7x:2x2x2",
+                                  "--config.rollout.temperature", "0.5", "--nocconfig.x",
+                                  "--config.lora.targets=('q', 'k', 'o')",
+                                  "--config.lora.experts=false"])
+    assert rest == ["--dry_run", "--aot", "tpu7x:2x2x2", "--nocconfig.x"]
+    assert cfg.rollout.max_new_tokens == 6144 and cfg.rollout.temperature == 0.5
+    assert cfg.lora.targets == ("q", "k", "o") and cfg.lora.experts is False
+    assert cfg.data.max_prompt_tokens == 512  # not overridden
+    long, _ = config_from_argv([f"--config={config_file}:long"])
+    assert long.rollout.max_new_tokens == 30720  # get_config("long")
+    assert config_from_argv(["--help"]) == (None, ["--help"])  # the command's parser says more
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.data.max_tokens=9"],
+     "unknown key config.data.max_tokens (--config.data.max_tokens"),
+    (["--config.datum.x=9"], "unknown key config.datum"),
+    (["--config.data.max_prompt_tokens=1.5"],
+     "flag --config.data.max_prompt_tokens=1.5: invalid literal for int()"),
+    (["--config.lora.experts=maybe"], "config.lora.experts=True (bool)"),
+    (["--config.data.max_prompt_tokens.x=9"], "config.data.max_prompt_tokens is no section"),
+    (["--config.data=9"], "config.data is a section; override its fields"),
+])
+def test_a_bad_override_is_one_line_naming_the_field(config_file, args, needle):
+    from rlx.config import config_from_argv
+
+    with pytest.raises(ConfigError) as e:
+        config_from_argv(["--config", config_file, *args])
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_bad_file_or_variant_is_one_line(config_file, tmp_path):
+    from rlx.config import config_from_argv
+
+    with pytest.raises(ConfigError, match="no variant 'short'; this file has '' and 'long'"):
+        config_from_argv(["--config", f"{config_file}:short"])  # the file's own refusal
+    plain = tmp_path / "plain.py"
+    plain.write_text("def get_config():\n    return {'a': 1}\n")
+    with pytest.raises(ConfigError, match="has no variants .* drop ':long'"):
+        config_from_argv(["--config", f"{plain}:long"])
+    with pytest.raises(ConfigError, match="no file"):
+        config_from_argv(["--config", str(tmp_path / "missing.py")])
+    with pytest.raises(ConfigError, match="overrides need the file"):
+        config_from_argv(["--config.a=2"])

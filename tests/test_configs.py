@@ -7,6 +7,10 @@ model in float32, 2 prompts (of at most 128 tokens) x 2 samples of 8 tokens, the
 the 8 fake CPU devices. Recipes naming a checkpoint this machine does not have take its
 architecture from ``rlx.models.presets`` and SmolLM2's tokenizer (the vocabulary shrinks to it).
 
+A config file's variants (``VARIANTS``; ``configs/X.py:VARIANT`` calls ``get_config("VARIANT")``)
+pass the run's checks and are planned; the shrunken step runs the default, since shrinking undoes
+what a variant changes (the lengths).
+
 Configs with a ``plan`` section are memory plans for ``python -m rlx.plan`` (no run config):
 the planner runs on them instead.
 
@@ -50,14 +54,20 @@ def _name(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
-def _load(path: str) -> dict:
+def _module(path: str):
     spec = importlib.util.spec_from_file_location(f"rlx_config_{_name(path)}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config().to_dict()
+    return module
+
+
+def _load(path: str) -> dict:
+    return _module(path).get_config().to_dict()
 
 
 CONFIGS = {_name(p): _load(p) for p in CONFIG_FILES}
+# (config, variant) of every file's variants besides its default
+VARIANTS = [(_name(p), v) for p in CONFIG_FILES for v in getattr(_module(p), "VARIANTS", ()) if v]
 PLANS = sorted(n for n, c in CONFIGS.items() if "plan" in c)
 RUNS = sorted(n for n in CONFIGS if n not in PLANS)
 
@@ -109,6 +119,41 @@ def test_recipe_is_planned_as_its_run(name, hbm, fits, capsys):
     assert (plan(spec, hbm).train_peak <= hbm * 1e9 * 0.92) == fits
     assert main(["--config", path, "--hbm-gb", str(hbm)]) in (0, 1)
     assert "train peak" in capsys.readouterr().out
+
+
+def test_long_variants_are_discovered():
+    long = {("kimi_k2", "long"), ("deepseek_v3_fp8", "long"), ("qwen3_8b_full", "long")}
+    assert long <= set(VARIANTS)
+
+
+@pytest.mark.parametrize("name,variant", VARIANTS)
+def test_variant_passes_the_run_checks_and_is_planned(name, variant, stand_in, tmp_path, capsys):
+    """``configs/X.py:VARIANT`` as ``rlx.launch`` reads it: the config checks of a run
+    (``rlx.config.parse_config``, ``rlx.run.checks.check_before_build`` on the architecture of
+    ``rlx.models.presets``, no weights), its whole sequence within the positions the model's
+    ``config.json`` gives it (``max_position_embeddings``, with YaRN where it has it), and the
+    planner on it at its own length and, by an override, at 8,192 tokens."""
+    from rlx.config import config_from_argv
+    from rlx.models.presets import find_preset
+    from rlx.plan import main
+    from rlx.run.checks import check_before_build
+
+    path = os.path.join(ROOT, "configs", f"{name}.py")
+    cd, rest = config_from_argv(["--config", f"{path}:{variant}"])
+    assert rest == [] and cd.to_dict() != CONFIGS[name]  # the variant, not the default
+    raw = cd.to_dict()
+    raw["model"]["path"] = stand_in(find_preset(raw["model"]["path"]))
+    raw["output_dir"] = str(tmp_path / name)
+    cfg = parse_config(raw)
+    arch = check_before_build(cfg, cfg.mesh.num_devices)
+    length = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    assert length <= arch.max_position_embeddings, (length, arch.max_position_embeddings)
+    assert main(["--config", f"{path}:{variant}", "--hbm-gb", "141"]) in (0, 1)
+    assert f"x{length}, " in capsys.readouterr().out
+    completion = 8192 - cfg.data.max_prompt_tokens
+    assert main(["--config", f"{path}:{variant}", f"--config.rollout.max_new_tokens={completion}",
+                 "--hbm-gb", "141"]) in (0, 1)
+    assert "x8192, " in capsys.readouterr().out
 
 
 # --- shrunken copies ----------------------------------------------------------------------------

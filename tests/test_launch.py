@@ -48,7 +48,14 @@ def test_bad_config_exits_nonzero_with_one_line(model_dir, override, needle):
     assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
-def test_unknown_override_key_is_refused(model_dir):
-    r = _launch(f"--config.model.path={model_dir}", "--config.model.nope=1")
-    assert r.returncode != 0
-    assert "nope" in r.stderr
+@pytest.mark.parametrize("override,needle", [
+    ("--config.model.nope=1", "unknown key config.model.nope (--config.model.nope); "),
+    ("--config.data.max_prompt_tokens=1.5", "flag --config.data.max_prompt_tokens=1.5: invalid "
+                                            "literal for int()"),
+])
+def test_a_bad_override_is_refused_in_one_line(model_dir, override, needle):
+    """Read by ``rlx.config.config_from_argv``, as ``python -m rlx.plan`` reads it."""
+    r = _launch(f"--config.model.path={model_dir}", override)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and \
+        r.stderr.startswith(f"rlx: config error: {needle}"), r.stderr

@@ -12,9 +12,6 @@ from __future__ import annotations
 import sys
 
 from absl import app, flags, logging
-from ml_collections import config_flags
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.", lock_config=True)
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "A run's output folder, its checkpoints/ "
                                   "folder or one step's folder: evaluate its trained parameters.")
 _ADAPTER = flags.DEFINE_string("adapter", "", "A PEFT LoRA folder to evaluate on the base.")
@@ -26,18 +23,19 @@ _PROBLEMS = flags.DEFINE_integer("problems", 0, "Held-out problems; 0: config.da
 _BATCH = flags.DEFINE_integer("batch", 16, "Problems per engine call.")
 _OUT = flags.DEFINE_string("out", "", "Output folder; default <config.output_dir>/eval.")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
-flags.mark_flags_as_required(["config"])
 
 
-def main(argv: list[str]) -> None:
-    del argv
+def main(argv) -> None:
+    """``argv``: (the config with its overrides, the positional arguments), from
+    ``rlx.config.absl_flags_parser``."""
+    config, _ = argv
     logging.set_verbosity(logging.WARNING)
     from rlx.config import parse_config
     from rlx.errors import ConfigError
     from rlx.run.evaluation import EvalOptions, run_eval
 
     try:
-        cfg = parse_config(_CONFIG.value)
+        cfg = parse_config(config)
         opts = EvalOptions(k=_K.value, n=_N.value, temperature=_TEMPERATURE.value,
                            problems=_PROBLEMS.value, batch=_BATCH.value,
                            checkpoint=_CHECKPOINT.value, adapter=_ADAPTER.value, out=_OUT.value,
@@ -56,4 +54,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from rlx.config import absl_flags_parser
+
+    app.run(main, flags_parser=absl_flags_parser("rlx.eval"))

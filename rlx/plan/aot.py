@@ -1,5 +1,6 @@
-"""XLA:TPU's own memory figures beside the plan: ``python -m rlx.plan --config configs/X.py
---aot TOPOLOGY [--mesh ...] [--mode full|lora] [--layers N] [--steps train,sample]``.
+"""XLA:TPU's own memory figures beside the plan: ``python -m rlx.plan --config
+configs/X.py[:VARIANT] [--config.FIELD=VALUE ...] --aot TOPOLOGY [--mesh ...] [--mode full|lora]
+[--layers N] [--steps train,sample]``.
 
 Compiles, on any host (libtpu from PyPI, no TPU attached), rlx's real train step
 (``rlx.learner.step.make_train_step``, via ``rlx.plan.memory.compiled_bytes``) and the built-in
@@ -32,13 +33,15 @@ import os
 import re
 import sys
 import time
+from typing import Any
 
+from rlx.errors import ConfigError
 from rlx.learner.state import MODES
 from rlx.mesh import batch_shards, make_mesh
 from rlx.plan.aot_sample import (SAMPLE_CALIBRATION, SAMPLE_WHOLE_MODEL_POINTS, fit_sample_coeffs,
                                  generate_lowered, local_expert_bytes, sample_temp)
 from rlx.plan.memory import compiled_bytes, state_bytes, step_features
-from rlx.plan.planner import (GB, Plan, format_plan, load_config_file, parse_mesh, plan,
+from rlx.plan.planner import (CONFIG_HELP, GB, Plan, command_line, format_plan, parse_mesh, plan,
                               spec_from_config)
 from rlx.plan.spec import PlanSpec
 from rlx.platform.policy import compiling_for
@@ -265,9 +268,11 @@ def format_aot(p: Plan, topo: Topology, train: XlaMemory | None, sample: XlaMemo
     return "\n".join(lines)
 
 
-def _args(argv) -> argparse.Namespace:
+def _args(argv) -> tuple[Any, argparse.Namespace]:
+    """The config (``rlx.plan.planner.command_line``: as ``rlx.launch`` reads it, overrides
+    included) and the options."""
     p = argparse.ArgumentParser(prog="python -m rlx.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="configs/*.py file with get_config()")
+    p.add_argument("--config", metavar="configs/X.py[:VARIANT]", help=CONFIG_HELP)
     p.add_argument("--aot", required=True, help="TPU topology, e.g. tpu7x:2x2x2 (8 chips)")
     p.add_argument("--mesh", default="", help="the mesh over the topology's devices, e.g. "
                    "expert=16 (default: the config's, scaled to the topology)")
@@ -283,14 +288,14 @@ def _args(argv) -> argparse.Namespace:
     p.add_argument("--rollout-len", type=int, default=0, help="the engine's prompt + "
                    "completion slots per sequence (0: the config's)")
     p.add_argument("--steps", default="train,sample", help="programs to compile")
-    return p.parse_args(argv)
+    return command_line(argv, p)
 
 
-def spec_for(args: argparse.Namespace, topo: Topology) -> PlanSpec:
+def spec_for(cfg: Any, args: argparse.Namespace, topo: Topology) -> PlanSpec:
     """The spec ``main`` compiles: the config's (``--mode``, ``--capacity-factor``), on
     ``--mesh`` or the config's mesh scaled to ``topo``, its first ``--layers`` layers, ``--rows``,
     ``--micro-batches``, ``--rollout-rows`` and ``--rollout-len``."""
-    spec = spec_from_config(load_config_file(args.config))
+    spec = spec_from_config(cfg)
     if args.mode:
         spec = spec.replace(mode=args.mode)
     if args.capacity_factor is not None:
@@ -308,10 +313,14 @@ def spec_for(args: argparse.Namespace, topo: Topology) -> PlanSpec:
 
 def main(argv=None) -> int:
     """Plan, compile for the topology, print both; exit 0 when every program fits."""
-    args = _args(argv)
+    try:
+        cfg, args = _args(argv)
+    except ConfigError as e:
+        print(f"rlx.plan: config error: {e}", file=sys.stderr)
+        return 2
     try:
         topo = topology(args.aot)
-        spec = spec_for(args, topo)
+        spec = spec_for(cfg, args, topo)
     except (ValueError, TypeError) as e:
         print(f"rlx.plan: {e}", file=sys.stderr)
         return 2
@@ -370,9 +379,9 @@ def whole_model_points() -> list[tuple[PlanSpec, int]]:
 def spec_from_argv(argv: str) -> tuple[PlanSpec, Topology]:
     """The spec and topology that ``python -m rlx.plan ARGV`` (``--config ... --aot ...``)
     compiles."""
-    args = _args(argv.split())
+    cfg, args = _args(argv.split())
     topo = topology(args.aot)
-    return spec_for(args, topo), topo
+    return spec_for(cfg, args, topo), topo
 
 
 def fit_coeffs(points: list[tuple[PlanSpec, int, float]]) -> dict[str, float]:

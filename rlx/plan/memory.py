@@ -113,8 +113,8 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     counted as many times as the model has such layers (a 61-layer 1T model builds in seconds).
     """
     sizes, total, engine = _Sizes(spec), {True: 0, False: 0}, 0
-    key = repr(spec.replace(mesh=MeshShape()))
-    for trainable, shape, dtype, axes, times in _abstract_leaves(key, spec):
+    meshless = spec.replace(mesh=MeshShape())  # the cache's key: shapes do not depend on the mesh
+    for trainable, shape, dtype, axes, times in _abstract_leaves(repr(meshless), meshless):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
         if trainable and spec.engine_copies_trainables:  # an asynchronous engine's own copy;
             # the frozen base (and a synchronous run's trainable variables) it shares with the

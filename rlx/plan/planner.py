@@ -1,5 +1,5 @@
-"""Memory planner: ``python -m rlx.plan --config configs/X.py [--mesh data=1,fsdp=8]
-[--hbm-gb 192 --devices 8] [--mode full|lora] [--compiled]``.
+"""Memory planner: ``python -m rlx.plan --config configs/X.py[:VARIANT] [--config.FIELD=VALUE ...]
+[--mesh data=1,fsdp=8] [--hbm-gb 192 --devices 8] [--mode full|lora] [--compiled]``.
 
 Prints bytes per device for the frozen base, trainable params, gradients, AdamW state, PPO's
 critic and its AdamW state (``critic.enabled``), activations (with the remat choice), log-prob
@@ -17,21 +17,22 @@ dict; or ``model.path`` to a folder holding one, or naming an ``rlx.models.prese
 (mode, dtypes, rows, seq_len, ...). Every section but ``plan`` is read as the run's own
 (``rlx.config.read_config``: a ``RunConfig``, its defaults where the file is silent). A run config
 (no ``plan`` section) is planned as the run it describes (``run_plan_fields``); ``--hbm-gb`` and
-``--devices`` then name the machine.
+``--devices`` then name the machine. The config file, its variant and its overrides are read as
+``python -m rlx.launch`` reads them (``rlx.config.config_from_argv``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import math
 import os
 import sys
 from typing import Any
 
-from rlx.config import RunConfig, read_config
+from rlx.config import RunConfig, config_from_argv, load_config_file, read_config
+from rlx.errors import ConfigError
 from rlx.learner.batching import micro_rows
 from rlx.learner.state import MODES
 from rlx.mesh import MESH_AXES, MeshShape, batch_shards
@@ -239,15 +240,6 @@ def spec_from_config(cfg: Any) -> PlanSpec:
     return PlanSpec(model=arch, quant=run.quant, lora=run.lora, mesh=run.mesh, **extra)
 
 
-def load_config_file(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("rlx_plan_config", path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import config file {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
-
-
 def parse_mesh(text: str) -> MeshShape:
     """``data=1,fsdp=8`` -> MeshShape; axes not named are 1."""
     sizes = {a: 1 for a in MESH_AXES}
@@ -259,9 +251,24 @@ def parse_mesh(text: str) -> MeshShape:
     return MeshShape(**sizes)
 
 
-def _args(argv) -> argparse.Namespace:
+def command_line(argv, parser: argparse.ArgumentParser) -> tuple[Any, argparse.Namespace]:
+    """The config of ``--config configs/X.py[:VARIANT] [--config.FIELD=VALUE ...]``, read as
+    ``python -m rlx.launch`` reads it (``rlx.config.config_from_argv``; a bad file or override
+    raises its ``ConfigError``), and ``parser``'s options from the other arguments."""
+    cfg, rest = config_from_argv(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(rest)
+    if cfg is None:
+        parser.error("the config file is required: --config configs/X.py")
+    return cfg, args
+
+
+CONFIG_HELP = ("configs/*.py file with get_config(); configs/X.py:VARIANT calls "
+               "get_config('VARIANT'); --config.FIELD=VALUE overrides a field as in rlx.launch")
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlx.plan", description=__doc__.split("\n\n")[1])
-    p.add_argument("--config", required=True, help="configs/*.py file with get_config()")
+    p.add_argument("--config", metavar="configs/X.py[:VARIANT]", help=CONFIG_HELP)
     p.add_argument("--mesh", default="", help="override the mesh, e.g. data=1,fsdp=8")
     p.add_argument("--hbm-gb", type=float, default=None, help="memory per device (default: "
                    "config.plan.hbm_gb or 80)")
@@ -270,12 +277,15 @@ def _args(argv) -> argparse.Namespace:
     p.add_argument("--mode", choices=tuple(MODES), default=None, help="override config.plan.mode")
     p.add_argument("--compiled", action="store_true", help="also compile the train step on "
                    "local devices and print XLA's memory analysis (small models)")
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None) -> int:
-    args = _args(argv)
-    cfg = load_config_file(args.config)
+    try:
+        cfg, args = command_line(argv, _parser())
+    except ConfigError as e:
+        print(f"rlx.plan: config error: {e}", file=sys.stderr)
+        return 2
     try:
         spec = spec_from_config(cfg)
         if args.mode:
@@ -294,4 +304,3 @@ def main(argv=None) -> int:
     compiled = compiled_bytes(spec) if args.compiled else None
     print(format_plan(p, compiled, per_node))
     return 0 if p.fits else 1
-

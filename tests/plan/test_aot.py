@@ -9,6 +9,8 @@ decode step's few rows), which the CPU tests never reach.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,7 @@ from rlx.plan.spec import PlanSpec
 from rlx.platform import CPU, TPU, compiling_for, current
 from rlx.quant import LoraConfig, QuantConfig
 from rlx.quant.tensors import quantize_array
+from tests.helpers import ROOT
 
 # widths multiples of 128: XLA:TPU pads arrays to (8, 128) tiles, which the planner does not count
 MOE = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=2048, hidden_size=256,
@@ -60,6 +63,24 @@ def test_traced_code_reads_the_target_platforms_policy():
 def test_topology_counts_tensorcores(topo):
     """tpu7x:2x2x1 is 4 Ironwood chips of two TensorCores each, 96 GiB HBM per TensorCore."""
     assert (len(topo.devices), topo.chips, topo.per_chip, topo.device_hbm_gib) == (8, 4, 2, 96)
+
+
+def test_aot_reads_config_overrides_and_variants(topo, capsys):
+    """``--aot`` takes the config as ``python -m rlx.launch`` does: ``configs/X.py:VARIANT`` and
+    ``--config.FIELD=VALUE`` (the spec only: nothing compiles)."""
+    from rlx.plan.aot import main
+
+    kimi = os.path.join(ROOT, "configs", "kimi_k2.py")
+    spec, _ = spec_from_argv(f"--config {kimi} --aot tpu7x:2x2x2")
+    long, _ = spec_from_argv(f"--config {kimi}:long --config.rollout.max_new_tokens=6144 "
+                             "--aot tpu7x:2x2x2")
+    assert (spec.seq_len, spec.rollout_len) == (2048, 2048)
+    assert (long.seq_len, long.rollout_len) == (8192, 8192)  # the long variant's 2048-token prompts
+    assert long == spec.replace(seq_len=8192, rollout_len=8192)
+    assert main(["--config", kimi, "--config.rollout.max_new_tokens=lots", "--aot",
+                 "tpu7x:2x2x2"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "rlx.plan: config error: flag --config.rollout.max_new_tokens=lots: invalid literal")
 
 
 def test_train_and_generate_compile_and_match_the_plan(topo):

@@ -116,6 +116,32 @@ def test_cli_prints_categories_and_verdict(capsys):
     assert "engine" in out and "load peak" in out
 
 
+def test_cli_overrides_the_config_as_launch_does(capsys):
+    """``--config.FIELD=VALUE`` is read as ``python -m rlx.launch`` reads it
+    (``rlx.config.config_from_argv``): a longer completion is a longer row in the plan and more
+    activations; an override of a field the file does not set, or of the wrong type, is launch's
+    one-line error with exit status 2."""
+    from rlx.plan import main
+
+    assert main(["--config", GLM]) == 0
+    short = capsys.readouterr().out
+    assert main(["--config", GLM, "--config.data.max_prompt_tokens=1024",
+                 "--config.rollout.max_new_tokens", "7168", "--hbm-gb", "400"]) == 0
+    long = capsys.readouterr().out
+    assert "rows=64x2048," in short and "rows=64x8192," in long  # 512 + 1536, 1024 + 7168
+
+    def acts(out: str) -> float:
+        return float(next(l for l in out.splitlines() if "activations" in l).split()[-1])
+
+    assert acts(long) > 3 * acts(short)
+    for override, needle in (("--config.data.nope=1", "unknown key config.data.nope "),
+                             ("--config.data.max_prompt_tokens=2k",
+                              "flag --config.data.max_prompt_tokens=2k: invalid literal")):
+        assert main(["--config", GLM, override]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"rlx.plan: config error: {needle}") and "\n" not in err, err
+
+
 @pytest.mark.parametrize("name", ["dense-lora", "dense-full"])
 def test_the_critic_is_counted_as_a_run_holds_it(name):
     """PPO's critic (``critic=True``): per-device bytes of its variables (a second adapter, or a
