@@ -2,7 +2,7 @@
 the CLI.
 
 Reads the config file (``:VARIANT``: ``get_config("VARIANT")``) and its overrides as every
-command of rlx does (``rlx.config.config_from_argv``), validates it once (errors: one line naming
+command of rlx does (``rlx.commandline.config_from_argv``), validates it once (errors: one line naming
 the field, exit status 2), then builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C
 end it after the current step with a checkpoint (exit status 128 + signal number; while the run
 is still being built they stop it at once, cleaning up what was started), and
@@ -67,7 +67,7 @@ def quiet_logs() -> None:
 
 def main(argv) -> None:
     """``argv``: (the config with its overrides, the positional arguments), from
-    ``rlx.config.absl_flags_parser``."""
+    ``rlx.commandline.absl_flags_parser``."""
     config, _ = argv
     quiet_logs()
     from rlx.config import parse_config
@@ -134,7 +134,7 @@ def train(run) -> None:
 
 
 def run() -> None:
-    from rlx.config import absl_flags_parser
+    from rlx.commandline import absl_flags_parser
 
     app.run(main, flags_parser=absl_flags_parser("rlx"))
 

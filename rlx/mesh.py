@@ -1,6 +1,6 @@
 """Device mesh and logical-axis rules.
 
-One mesh with four named axes, ``(data, fsdp, tensor, expert)``. Parameters and activations carry
+One mesh with five named axes, ``(data, fsdp, context, tensor, expert)``. Parameters and activations carry
 *logical* axis names (``embed``, ``mlp``, ``heads``, ...); a rules table maps each logical name to
 mesh axes. Training and sampling use different tables: training shards weights over ``fsdp`` (ZeRO-3
 style, gathered per layer by XLA; the ``expert`` devices hold such shards too, gathered per layer
@@ -11,6 +11,11 @@ own copies; the learner's frozen base, which it reads as placed, is gathered lay
 The mesh is always passed explicitly; nothing here reads a global mesh. Axes are created as
 ``AxisType.Auto`` on purpose: GSPMD propagates shardings from the parameters and the batch, which is
 what the model code (plain ``jnp`` ops, no ``out_sharding=`` arguments) expects.
+
+``context`` splits each sequence's tokens (logical ``seq``) for context parallelism
+(``rlx.kernels.attention.context``); in training its devices also hold FSDP shards of the
+weights and optimizer state, as the ``fsdp`` devices do, so that context parallelism costs no
+extra copy of the model.
 """
 
 from __future__ import annotations
@@ -26,21 +31,24 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rlx.errors import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 LogicalRules = tuple[tuple[str, tuple[str, ...] | str | None], ...]
 
 # logical name -> mesh axes. Order of the table matters only for readability. Training stores
-# every weight's ``embed`` dimension (and MLA's latent ranks) split over ``fsdp`` and ``expert``:
+# every weight's ``embed`` dimension (and MLA's latent ranks) split over ``fsdp``, ``context`` and
+# ``expert``; tokens are split over the batch axes (rows) and ``context`` (``seq``, each row's
+# tokens):
 # the expert devices hold FSDP shards of the attention, dense and shared-expert weights, which
 # scanned layers gather one layer at a time (``gathered_rules``, ``rlx.models.stack.scan``). A
 # weight whose ``expert`` dimension comes first (routed experts) keeps that axis for its experts.
 TRAIN_RULES: LogicalRules = (
     ("batch", ("data", "fsdp", "expert")),
+    ("seq", "context"),
     ("vocab", "tensor"),
-    ("embed", ("fsdp", "expert")),
-    ("q_lora", ("fsdp", "expert")),
-    ("kv_lora", ("fsdp", "expert")),
+    ("embed", ("fsdp", "context", "expert")),
+    ("q_lora", ("fsdp", "context", "expert")),
+    ("kv_lora", ("fsdp", "context", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("mlp", "tensor"),
@@ -52,6 +60,7 @@ TRAIN_RULES: LogicalRules = (
 
 SAMPLE_RULES: LogicalRules = (
     ("batch", ("data", "fsdp", "expert")),
+    ("seq", "context"),
     ("vocab", "tensor"),
     ("embed", None),
     ("heads", "tensor"),
@@ -78,10 +87,11 @@ def gathered_rules(rules: LogicalRules) -> LogicalRules:
 
 @dataclasses.dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the four mesh axes (``config.mesh``); their product must equal the device count."""
+    """Sizes of the five mesh axes (``config.mesh``); their product must equal the device count."""
 
     data: int = 1  # data-parallel replicas
     fsdp: int = 1  # parameter/optimizer sharding (ZeRO-3)
+    context: int = 1  # context parallelism: each sequence's tokens split over these devices
     tensor: int = 1  # tensor parallelism over heads / mlp / vocab
     expert: int = 1  # expert parallelism for MoE layers
 
@@ -93,13 +103,13 @@ class MeshShape:
     def check_devices(self, n_devices: int) -> None:
         if self.num_devices != n_devices:
             raise ConfigError(
-                f"config.mesh data*fsdp*tensor*expert = {'*'.join(map(str, self.sizes))} = "
+                f"config.mesh data*fsdp*context*tensor*expert = {'*'.join(map(str, self.sizes))} = "
                 f"{self.num_devices}, but {n_devices} devices are visible; choose sizes whose "
                 f"product is {n_devices}")
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        return (self.data, self.fsdp, self.tensor, self.expert)
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        return (self.data, self.fsdp, self.context, self.tensor, self.expert)
 
     @property
     def num_devices(self) -> int:
@@ -107,14 +117,14 @@ class MeshShape:
 
 
 def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build a ``Mesh`` over ``(data, fsdp, tensor, expert)`` with Auto axis types.
+    """Build a ``Mesh`` over ``MESH_AXES`` with Auto axis types.
 
     Raises ``ValueError`` naming the sizes when their product does not match the device count.
     """
     devices = list(jax.devices() if devices is None else devices)
     if shape.num_devices != len(devices):
         raise ValueError(
-            f"mesh data*fsdp*tensor*expert = {'*'.join(map(str, shape.sizes))} = {shape.num_devices}"
+            f"mesh data*fsdp*context*tensor*expert = {'*'.join(map(str, shape.sizes))} = {shape.num_devices}"
             f" but {len(devices)} devices are available; set config.mesh sizes whose product is "
             f"{len(devices)}"
         )

@@ -56,7 +56,7 @@ def test_package_path_resolves_and_missing_package_is_explained(tmp_path):
     assert cfg.model.resolved_format == "hf"
 
 
-# --- the command line: --config FILE[:VARIANT] and --config.FIELD=VALUE (rlx.config.config_from_argv)
+# --- the command line: --config FILE[:VARIANT] and --config.FIELD=VALUE (rlx.commandline.config_from_argv)
 
 VARIANT_FILE = '''
 import ml_collections
@@ -84,7 +84,7 @@ def config_file(tmp_path):
 def test_command_line_reads_the_file_its_variant_and_overrides(config_file):
     """Each override is read as the type of the file's value (ml_collections' config_flags);
     arguments that are not about the config are left, in order, for the command's parser."""
-    from rlx.config import config_from_argv
+    from rlx.commandline import config_from_argv
 
     cfg, rest = config_from_argv(["--config", config_file, "--dry_run",
                                   "--config.rollout.max_new_tokens=6144", "--aot", "tpu7x:2x2x2",
@@ -111,7 +111,7 @@ def test_command_line_reads_the_file_its_variant_and_overrides(config_file):
     (["--config.data=9"], "config.data is a section; override its fields"),
 ])
 def test_a_bad_override_is_one_line_naming_the_field(config_file, args, needle):
-    from rlx.config import config_from_argv
+    from rlx.commandline import config_from_argv
 
     with pytest.raises(ConfigError) as e:
         config_from_argv(["--config", config_file, *args])
@@ -119,7 +119,7 @@ def test_a_bad_override_is_one_line_naming_the_field(config_file, args, needle):
 
 
 def test_a_bad_file_or_variant_is_one_line(config_file, tmp_path):
-    from rlx.config import config_from_argv
+    from rlx.commandline import config_from_argv
 
     with pytest.raises(ConfigError, match="no variant 'short'; this file has '' and 'long'"):
         config_from_argv(["--config", f"{config_file}:short"])  # the file's own refusal

@@ -133,7 +133,7 @@ def test_variant_passes_the_run_checks_and_is_planned(name, variant, stand_in, t
     ``rlx.models.presets``, no weights), its whole sequence within the positions the model's
     ``config.json`` gives it (``max_position_embeddings``, with YaRN where it has it), and the
     planner on it at its own length and, by an override, at 8,192 tokens."""
-    from rlx.config import config_from_argv
+    from rlx.commandline import config_from_argv
     from rlx.models.presets import find_preset
     from rlx.plan import main
     from rlx.run.checks import check_before_build

@@ -36,7 +36,7 @@ def test_launch_loads_shards_and_summarises(model_dir):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("--config.mesh.fsdp=3", "config.mesh data*fsdp*tensor*expert = 8*3*1*1 = 24, but 8 devices"),
+    ("--config.mesh.fsdp=3", "config.mesh data*fsdp*context*tensor*expert = 8*3*1*1*1 = 24, but 8 devices"),
     ("--config.model.dtype=float64", "config.model.dtype='float64' is not one of"),
     ("--config.model.path=/no/such/model", "config.model.path='/no/such/model' does not exist"),
 ])
@@ -54,7 +54,7 @@ def test_bad_config_exits_nonzero_with_one_line(model_dir, override, needle):
                                             "literal for int()"),
 ])
 def test_a_bad_override_is_refused_in_one_line(model_dir, override, needle):
-    """Read by ``rlx.config.config_from_argv``, as ``python -m rlx.plan`` reads it."""
+    """Read by ``rlx.commandline.config_from_argv``, as ``python -m rlx.plan`` reads it."""
     r = _launch(f"--config.model.path={model_dir}", override)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and \

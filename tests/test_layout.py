@@ -33,12 +33,16 @@ ALLOWED = {
     "rlx.config": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
     "rlx.run": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
                       "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
-    "rlx.plan": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout", "rlx.config"},
-    "rlx.launch": FOUNDATION | {"rlx.config", "rlx.run", "rlx.io", "rlx.rollout"},
-    "rlx.eval": FOUNDATION | {"rlx.config", "rlx.run"},
+    "rlx.commandline": FOUNDATION,
+    "rlx.plan": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout", "rlx.config",
+                       "rlx.commandline"},
+    "rlx.launch": FOUNDATION | {"rlx.config", "rlx.commandline", "rlx.run", "rlx.io",
+                                "rlx.rollout"},
+    "rlx.eval": FOUNDATION | {"rlx.config", "rlx.commandline", "rlx.run"},
     "rlx": {"rlx.run"},  # rlx/__init__.py: build
 }
-TOP_LEVEL = {"__init__.py", "launch.py", "config.py", "types.py", "mesh.py", "errors.py"}
+TOP_LEVEL = {"__init__.py", "launch.py", "config.py", "commandline.py", "types.py", "mesh.py",
+             "errors.py"}
 
 
 def _modules(top: str) -> dict[str, str]:

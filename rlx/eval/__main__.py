@@ -27,7 +27,7 @@ _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
 
 def main(argv) -> None:
     """``argv``: (the config with its overrides, the positional arguments), from
-    ``rlx.config.absl_flags_parser``."""
+    ``rlx.commandline.absl_flags_parser``."""
     config, _ = argv
     logging.set_verbosity(logging.WARNING)
     from rlx.config import parse_config
@@ -54,6 +54,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    from rlx.config import absl_flags_parser
+    from rlx.commandline import absl_flags_parser
 
     app.run(main, flags_parser=absl_flags_parser("rlx.eval"))

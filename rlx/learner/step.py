@@ -107,11 +107,10 @@ def remat_forward(model: nnx.Module, batch: TrainBatch, adapter: bool = True, po
     ``policy`` the layer also keeps what the policy saves (``'projections'``: the output of every
     ``Linear``, so the backward pass recomputes attention, norms, rotary embedding and the SwiGLU
     product but no projection; MoE experts are recomputed whole)."""
-    x, angles = model.embed_tokens(batch.input_ids), model.rope_angles(batch.positions)
-    x, routes = model.routed_layers(x, batch.positions, batch.segment_ids, angles, adapter,
-                                    remat=remat, policy=policy, replay=batch.routes)
+    hidden, routes = model.forward(batch.input_ids, batch.positions, batch.segment_ids, adapter,
+                                   remat=remat, policy=policy, replay=batch.routes)
     # (scanned layers: the scan's body is the checkpoint)
-    return Forward(model.norm(x), logprob_head(model, adapter), routes.dropped)
+    return Forward(hidden, logprob_head(model, adapter), routes.dropped)
 
 
 FORWARDS = {  # config.train.remat -> apply_fn

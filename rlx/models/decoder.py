@@ -40,6 +40,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rlx.kernels.attention import attend
+from rlx.kernels.attention.context import ContextSplit
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq, rotate, weight_value
@@ -127,16 +128,21 @@ class Attention(nnx.Module):
                      sharding=self.sharding)
         return self._out(out, adapter)  # [b, t, h, d] -> [b, t, D]
 
-    def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
+    def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True,
+               order: ContextSplit | None = None):
         """Attention of ``t`` new tokens over the cache; ``kv`` = this layer's (keys, values).
 
         ``cache`` already records the new tokens' positions/segments; returns (out, (keys, values)).
+        ``order``: the new tokens come in this context-parallel order, split over the context
+        devices (``Transformer.decode_routed``); their keys and values are put back in slot order
+        and gathered before they are written.
         """
         q, k, v = self._qkv(x, angles, adapter)
+        k, v = (k, v) if order is None else (order.in_slot_order(a) for a in (k, v))
         keys = write_slots(kv[0], k, cache.index, keys=True)  # [b, kv, d, s]
         values = write_slots(kv[1], v, cache.index, keys=False)  # [b, kv, s, d]
         out = attend(q, keys, values, segment_ids, cache.segment_ids, positions, cache.positions,
-                     kv_major=True)
+                     kv_major=True, sharding=None if order is None else self.sharding)
         return self._out(out, adapter), (keys, values)
 
 
@@ -185,11 +191,11 @@ class Block(nnx.Module):
         return x, kv
 
     def decode_routed(self, x, positions, segment_ids, angles, kv, cache: KVCache,
-                      adapter: bool = True):
+                      adapter: bool = True, order: ContextSplit | None = None):
         """``decode`` that also returns the MoE routing (``routed``): ``(x, experts, dropped,
-        kv)``."""
+        kv)``; ``order``: the tokens' context-parallel order (``Attention.decode``)."""
         a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, angles, kv,
-                                      cache, adapter)
+                                      cache, adapter, order)
         return (*self._mlp(x + a, adapter, None), kv)
 
 
@@ -207,6 +213,8 @@ class Transformer(nnx.Module):
             dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
         self.tied_head_out_in = False  # set by the rollout engine (rlx.rollout.jax.decode_layout)
         self.unroll_decode = False  # decode unstacks the layers (rlx.models.stack.decode_model)
+        # an AttentionSharding whose context axis splits the tokens (rlx.models.parallel), or None
+        self.sharding = None
 
     def hidden_states(
         self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"] | None = None,
@@ -216,9 +224,30 @@ class Transformer(nnx.Module):
         """Final-norm hidden states ``[B, T, D]``; ``replay``: the experts of every token in
         every MoE layer (routing replay, ``run_layers``)."""
         positions, segment_ids = resolve_positions(input_ids, positions, segment_ids, attention_mask)
-        x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
-        return self.norm(self.run_layers(x, positions, segment_ids, angles, adapter,
-                                         replay=replay))
+        return self.forward(input_ids, positions, segment_ids, adapter, replay=replay)[0]
+
+    def forward(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
+                segment_ids: Int[Array, "b t"], adapter: bool = True, remat: bool = False,
+                policy=None, replay: Int[Array, "b t l k"] | None = None
+                ) -> tuple[Float[Array, "b t d"], Routes]:
+        """Final-norm hidden states and the MoE routing (``routed_layers``). Under context
+        parallelism (``sharding.context``) the layers run on each row's tokens in zig-zag order,
+        folded into rows split over the context devices (``rlx.kernels.attention.context.
+        ContextSplit``); inputs and outputs are in the natural order."""
+        shards = 1 if self.sharding is None else self.sharding.context_shards
+        if shards == 1:
+            x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
+            x, routes = self.routed_layers(x, positions, segment_ids, angles, adapter, remat,
+                                           policy, replay)
+            return self.norm(x), routes
+        split, t = ContextSplit(self.sharding), input_ids.shape[1]
+        ids, pos, seg = (split.enter(a) for a in (input_ids, positions, segment_ids))
+        rep = None if replay is None else split.enter(replay, fill=-1)  # -1: the router picks
+        x = split.split(self.embed_tokens(ids))
+        x, routes = self.routed_layers(x, pos, seg, self.rope_angles(pos), adapter, remat, policy,
+                                       rep)
+        leave = lambda a: None if a is None else split.leave(a, t)  # noqa: E731
+        return self.norm(leave(x)), Routes(leave(routes.experts), routes.dropped)
 
     def run_layers(self, x: Float[Array, "b t d"], positions, segment_ids, angles,
                    adapter: bool = True, remat: bool = False, policy=None,
@@ -281,11 +310,16 @@ class Transformer(nnx.Module):
         """``decode`` and the MoE routing of the new tokens (``routed_layers``): their experts and
         the (token, expert) pairs a dispatch capacity dropped."""
         cache = cache.record(positions, segment_ids)
+        t = input_ids.shape[1]
+        order = self._decode_order(t)
+        if order is not None:
+            input_ids, positions, segment_ids = (order.enter(a)
+                                                 for a in (input_ids, positions, segment_ids))
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
 
         def call(layer, x, kv):
             x, experts, drops, kv = layer.decode_routed(x, positions, segment_ids, angles, kv,
-                                                        cache, adapter)
+                                                        cache, adapter, order)
             return x, (kv, experts, drops)
 
         if cache.stacks != layer_counts(self):
@@ -304,7 +338,21 @@ class Transformer(nnx.Module):
                 parts.append(jnp.moveaxis(experts, 0, 2) if is_stacked(self) else experts[:, :, None])
                 dropped = dropped + jnp.sum(drops)
         routes = Routes(jnp.concatenate(parts, axis=2) if parts else None, dropped)
-        return self.norm(x), cache.advance(keys, values, input_ids.shape[1]), routes
+        if order is not None:
+            x = order.leave(x, t)
+            routes = routes._replace(experts=None if routes.experts is None
+                                     else order.leave(routes.experts, t))
+        return self.norm(x), cache.advance(keys, values, t), routes
+
+    def _decode_order(self, t: int) -> ContextSplit | None:
+        """The context-parallel layout of a cached call's ``t`` new tokens (a prefill or a
+        scored chunk): zig-zag and folded over the context devices where they are several and
+        ``t`` splits into ``2 x`` their number of chunks; else None (every context device runs
+        the whole call, as a one-token decode step does)."""
+        shards = 1 if self.sharding is None else self.sharding.context_shards
+        if shards == 1 or t % (2 * shards):
+            return None
+        return ContextSplit(self.sharding)
 
     def rope_angles(self, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
         """The rotary cosines and sines every layer uses (``rlx.models.layers.rope_angles``), for

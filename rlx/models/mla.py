@@ -38,6 +38,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from rlx.kernels.attention import MASK_VALUE, attend, attention_mask
+from rlx.kernels.attention.context import ContextSplit
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache, write_slots
 from rlx.models.layers import Linear, RMSNorm, quantize_activations, rotate, weight_value
@@ -142,8 +143,16 @@ class MLAttention(nnx.Module):
         return lin.act_quant == "none" or not (adapter and lin.lora is not None)
 
     def _qkv(self, x, angles, adapter: bool):
+        """Queries, keys and values of a sequence over itself. Under context parallelism the
+        latents are gathered over the context devices and expanded on each (``rlx.kernels.
+        attention.context``): per token 576 numbers move at DeepSeek-V3's shape, not every
+        head's key and value."""
         q_nope, q_rope = self.queries(x, angles, adapter)
-        keys, values = self.expand_kv(*self.latent_kv(x, angles, adapter), adapter)
+        latent, k_rope = self.latent_kv(x, angles, adapter)
+        if self.sharding is not None and self.sharding.context is not None:
+            split = ContextSplit(self.sharding)
+            latent, k_rope = (split.whole(a) for a in (latent, k_rope))
+        keys, values = self.expand_kv(latent, k_rope, adapter)
         return jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1), keys, values
 
     def _out(self, out: Float[Array, "b t h v"], adapter: bool) -> Float[Array, "b t d"]:
@@ -156,31 +165,39 @@ class MLAttention(nnx.Module):
                      causal_columns=True, sharding=self.sharding)
         return self._out(out, adapter)
 
-    def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
+    def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True,
+               order=None):
         """Attention of ``t`` new tokens over the latent cache; ``kv`` = this layer's (shared
         rotary keys ``[b, r, s]``, latents ``[b, s, c]``), both written at ``cache.index``.
         One token per row (a decode step) is ``absorbed``, more are ``expanded``; returns (out,
-        the layer's new (keys, latents)) like ``Attention.decode``."""
+        the layer's new (keys, latents)) like ``Attention.decode`` (``order``: its context-
+        parallel token order)."""
         latent, k_rope = self.latent_kv(x, angles, adapter)  # [b, t, c], [b, t, 1, r]
+        if order is not None:
+            latent, k_rope = (order.in_slot_order(a) for a in (latent, k_rope))
         rope_keys = write_slots(kv[0], k_rope[:, :, 0], cache.index, keys=True)  # [b, r, s]
         latents = write_slots(kv[1], latent, cache.index, keys=False)  # [b, s, c]
         seen = (segment_ids, cache.segment_ids, positions, cache.positions)
         q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
-        absorb = x.shape[1] == 1 and self.absorbable(adapter)
-        form = self.absorbed if absorb else self.expanded
-        out = form(q_nope, q_rope, rope_keys, latents, seen, adapter)  # [b, t, h, v]
+        if x.shape[1] == 1 and self.absorbable(adapter):
+            out = self.absorbed(q_nope, q_rope, rope_keys, latents, seen, adapter)
+        else:  # [b, t, h, v]
+            out = self.expanded(q_nope, q_rope, rope_keys, latents, seen, adapter,
+                                context=order is not None)
         return self._out(out, adapter), (rope_keys, latents)
 
     def expanded(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
                  rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],
-                 seen: Seen, adapter: bool = True) -> Float[Array, "b t h v"]:
+                 seen: Seen, adapter: bool = True, context: bool = False
+                 ) -> Float[Array, "b t h v"]:
         """Attention over the cached latents expanded into per-head keys and values
         (``expand_kv``), as the training forward pass computes it (``attend``: blockwise over
-        a long cache)."""
+        a long cache); ``context``: the queries' tokens are split over the context devices."""
         k_rope = jnp.swapaxes(rope_keys, 1, 2)[:, :, None, :]  # [b, s, 1, r]
         keys, values = self.expand_kv(latents, k_rope, adapter)  # [b, s, h, qk], [b, s, h, v]
         q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)  # [b, t, h, qk]
-        return attend(q, keys, values, *seen, scale=self.scale)
+        return attend(q, keys, values, *seen, scale=self.scale,
+                      sharding=self.sharding if context else None)
 
     def absorbed(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
                  rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],

@@ -53,7 +53,8 @@ from rlx.mesh import LogicalRules, batch_axes, logical_to_spec
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-    """Where experts and tokens live: ``mesh``, its ``expert`` axis and the token (batch) axes."""
+    """Where experts and tokens live: ``mesh``, its ``expert`` axis and the token axes (the
+    context axis, then the batch axes: ``rlx.kernels.attention.context.ContextSplit``)."""
 
     mesh: Mesh
     expert_axis: str
@@ -71,6 +72,9 @@ class ExpertParallel:
             raise ValueError(f"the logical 'expert' axis maps to several mesh axes {spec}; "
                              "token dispatch needs exactly one (the rules' ('expert', 'expert'))")
         tokens = tuple(a for a in batch_axes(rules) if mesh.shape[a] > 1)
+        seq = logical_to_spec(("seq",), rules, mesh)[0]  # context parallelism: the layers'
+        # rows are folded, split over the context axis first (rlx.kernels.attention.context)
+        tokens = ((seq,) if isinstance(seq, str) else ()) + tokens
         if spec not in tokens:
             raise ValueError(f"mesh axis {spec!r} holds experts but not tokens: add it to the "
                              "rules' 'batch' axes so that each device dispatches its own tokens")

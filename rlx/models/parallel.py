@@ -21,6 +21,8 @@ def parallelize(model: nnx.Module, mesh: Mesh | None, rules: LogicalRules,
     expert_parallel(model, mesh, rules, capacity_factor)
     sharding = AttentionSharding.of(mesh, rules)
     kinds = tuple(ATTENTION_LAYERS.values())
+    if hasattr(model, "sharding"):
+        model.sharding = sharding
     for _, node in nnx.iter_graph(model):
         if isinstance(node, kinds):
             node.sharding = sharding

@@ -200,7 +200,10 @@ COEFFS = {"resid": 3.6, "qkv": 1.5, "scores": 2.95, "mlp": 6.0, "moe_d": 0.83, "
           "lora": 1.9,  # mode "lora" only: base and adapter outputs kept apart (3 such points;
                         # refitted after LoRA's products became 2-D, which dropped XLA's
                         # transposed cotangent copies: 3.8 before)
-          "ckpt": 1.0}  # remat="layer": each layer's input, kept once (not fitted)
+          "ckpt": 1.0,  # remat="layer": each layer's input, kept once (not fitted)
+          # context parallelism: a layer's keys and values over the whole sequence, kept for
+          # the backward pass, and their gradient before its reduce-scatter (not fitted)
+          "gathered": 2.0}
 
 
 def _div(x: int, parts: int) -> float:
@@ -212,10 +215,11 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     c, m = spec.model, spec.mesh
     a = 2 if spec.dtype == "bfloat16" else 4
     rows = math.ceil(spec.micro_rows / spec.batch_shards)
-    n, t = rows * spec.seq_len, m.tensor
+    n, t = rows * spec.seq_len / m.context, m.tensor  # tokens per device: context splits rows
     f = {"resid": a * n * c.hidden_size,
          "qkv": a * n * _qkv_width(c, t),
-         "scores": 4 * rows * _div(c.num_heads, t) * _attention_pairs(spec.seq_len),
+         "scores": 4 * rows * _div(c.num_heads, t) * _attention_pairs(spec.seq_len, m.context),
+         "gathered": a * rows * spec.seq_len * _gathered_width(c, t) if m.context > 1 else 0.0,
          "mlp": 0.0, "moe_d": 0.0, "moe_f": 0.0, "router": 0.0, "lora": 0.0}
     if not c.is_sparse_layer(layer):
         f["mlp"] = a * n * _div(c.intermediate_size, t)
@@ -232,13 +236,16 @@ def _layer_features(spec: PlanSpec, layer: int) -> dict[str, float]:
     return f
 
 
-def _attention_pairs(length: int) -> int:
-    """f32 numbers per (row, head) that one layer's attention keeps for the backward pass: the
-    scores of the causal query blocks where the platform attends densely, else one log-sum-exp
-    per query (``rlx.kernels.attention``)."""
+def _attention_pairs(length: int, context: int = 1) -> float:
+    """f32 numbers per (row, head) and device that one layer's attention keeps for the backward
+    pass: the scores of the causal query blocks where the platform attends densely (under
+    context parallelism a device's queries over every key), else one log-sum-exp per query
+    (``rlx.kernels.attention``)."""
     if length <= current().dense_attention_slots:
+        if context > 1:
+            return length * length / context
         return sum((e - b) * e for b, e in causal_blocks(length))  # the blocks' query-key pairs
-    return length
+    return length / context
 
 
 def moe_slots(spec: PlanSpec, n: int) -> float:
@@ -267,6 +274,17 @@ def _qkv_width(c: ModelConfig, tensor: int) -> float:
         h * (m.qk_nope_head_dim + m.v_head_dim), tensor)
 
 
+def _gathered_width(c: ModelConfig, tensor: int) -> float:
+    """Per-token width (per device) of what context parallelism gathers for a layer's attention
+    over the whole sequence (``rlx.kernels.attention.context``): GQA's keys and values; MLA's
+    latent and shared rotary key, and the per-head keys and values expanded from them."""
+    m = c.mla
+    if m is None:
+        return _div(2 * c.num_kv_heads * c.head_dim, tensor)
+    return m.kv_lora_rank + m.qk_rope_head_dim + _div(
+        c.num_heads * (m.qk_head_dim + m.v_head_dim), tensor)
+
+
 def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
     """Feature bytes of the whole step: per-layer terms summed over the layers that keep them."""
     c, t = spec.model, spec.mesh.tensor
@@ -279,10 +297,11 @@ def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
         total["ckpt"] = sum(lf["resid"] for lf in layers)
     a = 2 if spec.dtype == "bfloat16" else 4
     rows = math.ceil(spec.micro_rows / spec.batch_shards)
-    total["logits"] = 4 * balanced_chunk(rows * spec.seq_len, spec.logprob_chunk) * _div(
+    tokens = rows * spec.seq_len / spec.mesh.context
+    total["logits"] = 4 * balanced_chunk(math.ceil(tokens), spec.logprob_chunk) * _div(
         c.vocab_size, t)
     total["grads"] = trainable
-    total["embed"] = a * rows * spec.seq_len * c.hidden_size
+    total["embed"] = a * tokens * c.hidden_size
     return total
 
 

@@ -18,7 +18,7 @@ dict; or ``model.path`` to a folder holding one, or naming an ``rlx.models.prese
 (``rlx.config.read_config``: a ``RunConfig``, its defaults where the file is silent). A run config
 (no ``plan`` section) is planned as the run it describes (``run_plan_fields``); ``--hbm-gb`` and
 ``--devices`` then name the machine. The config file, its variant and its overrides are read as
-``python -m rlx.launch`` reads them (``rlx.config.config_from_argv``).
+``python -m rlx.launch`` reads them (``rlx.commandline.config_from_argv``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import os
 import sys
 from typing import Any
 
-from rlx.config import RunConfig, config_from_argv, load_config_file, read_config
+from rlx.commandline import config_from_argv, load_config_file
+from rlx.config import RunConfig, read_config
 from rlx.errors import ConfigError
 from rlx.learner.batching import micro_rows
 from rlx.learner.state import MODES
@@ -108,6 +109,9 @@ def advice(p: Plan, devices_per_node: int) -> list[str]:
             tips.append("set plan.remat='layer' (keeps one layer's activations at a time)")
         if b["activations"] > 0.2 * p.peak and s.micro_rows > 1:
             tips.append(f"raise plan.micro_batches (now {s.micro_batches}) or lower plan.seq_len")
+        elif b["activations"] > 0.2 * p.peak and s.mesh.tensor * s.mesh.expert > 1:
+            tips.append("split each sequence over context-parallel devices (mesh.context, taken "
+                        "from mesh.tensor or mesh.expert)")
         if b["logprob_chunks"] > 0.1 * p.peak:
             tips.append(f"lower plan.logprob_chunk (now {s.logprob_chunk})")
     elif b["kv_cache"] > 0.1 * p.peak:
@@ -253,7 +257,7 @@ def parse_mesh(text: str) -> MeshShape:
 
 def command_line(argv, parser: argparse.ArgumentParser) -> tuple[Any, argparse.Namespace]:
     """The config of ``--config configs/X.py[:VARIANT] [--config.FIELD=VALUE ...]``, read as
-    ``python -m rlx.launch`` reads it (``rlx.config.config_from_argv``; a bad file or override
+    ``python -m rlx.launch`` reads it (``rlx.commandline.config_from_argv``; a bad file or override
     raises its ``ConfigError``), and ``parser``'s options from the other arguments."""
     cfg, rest = config_from_argv(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(rest)

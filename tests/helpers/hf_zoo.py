@@ -82,7 +82,11 @@ SIGMOID_ROUTED = ("deepseek_v3", "deepseek_v2_lite", "kimi_k2", "glm4_moe", "glm
 def _extra_configs() -> dict[str, transformers.PretrainedConfig]:
     """Shapes for servers whose CPU kernels want widths in multiples of 64 (SGLang's LoRA pool)."""
     wide = dict(_COMMON, hidden_size=64, intermediate_size=128)
-    return {"llama_wide": transformers.LlamaConfig(**wide, tie_word_embeddings=False)}
+    # DeepSeek-V3's attention (MLA) with every MLP dense, the kind of its first layers: attention
+    # checks without the routed experts' gates amplifying f32 rounding
+    mla_dense = {**_sigmoid_routed_configs()["deepseek_v3"].to_dict(), "first_k_dense_replace": 2}
+    return {"llama_wide": transformers.LlamaConfig(**wide, tie_word_embeddings=False),
+            "deepseek_v3_dense": transformers.DeepseekV3Config(**mla_dense)}
 
 
 def hf_config(family: str) -> transformers.PretrainedConfig:

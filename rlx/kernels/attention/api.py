@@ -8,7 +8,9 @@ platform's Pallas kernel where ``attention_kernel`` names one that computes the 
 (``splash`` on TPU); everything else runs ``blockwise`` in plain XLA with blocks of
 ``attention_block`` tokens. All compute the same function of the same inputs: the mask is given
 as per-token segment ids and positions (``rlx.kernels.attention.blockwise``'s docstring), never as
-a ``[t, s]`` tensor.
+a ``[t, s]`` tensor. Under context parallelism (a mesh whose ``context`` axis splits the tokens,
+``AttentionSharding.context``) each device runs one of these on its queries over the gathered
+keys (``rlx.kernels.attention.context``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from rlx.kernels.attention import splash
+from rlx.kernels.attention import context, splash
 from rlx.kernels.attention.blockwise import blockwise_attention
 from rlx.kernels.attention.dense import attention_mask, causal_attention, gqa_attention
 from rlx.mesh import LogicalRules, batch_axes, logical_to_spec
@@ -29,11 +31,13 @@ from rlx.platform.policy import PlatformPolicy, current
 @dataclasses.dataclass(frozen=True)
 class AttentionSharding:
     """Where a kernel that XLA cannot partition runs: each device its ``batch`` rows and its
-    share of the KV heads over ``heads`` (None: every device all heads)."""
+    share of the KV heads over ``heads`` (None: every device all heads); with ``context``, the
+    mesh axis that splits each row's tokens (context parallelism), its share of the queries."""
 
     mesh: Mesh
     batch: tuple[str, ...]
     heads: str | None
+    context: str | None = None
 
     @classmethod
     def of(cls, mesh: Mesh | None, rules: LogicalRules) -> "AttentionSharding | None":
@@ -43,7 +47,14 @@ class AttentionSharding:
             return None
         rows = tuple(a for a in batch_axes(rules) if mesh.shape[a] > 1)
         heads = logical_to_spec(("kv_heads",), rules, mesh)[0]
-        return cls(mesh, rows, heads if isinstance(heads, str) else None)
+        seq = logical_to_spec(("seq",), rules, mesh)[0]
+        return cls(mesh, rows, heads if isinstance(heads, str) else None,
+                   seq if isinstance(seq, str) else None)
+
+    @property
+    def context_shards(self) -> int:
+        """Devices each row's tokens are split over (1: no context parallelism)."""
+        return self.mesh.shape[self.context] if self.context else 1
 
     def map_rows_heads(self, fn, kv_heads: int):
         """``fn(q [b, kv, ...], k [b, kv, ...], v [b, kv, ...], segments [b, t])`` run per
@@ -67,8 +78,15 @@ def attend(
     requires an earlier or equal column, ``window`` fewer than ``window`` positions back.
     ``sinks``: per-head logits of attention sinks. ``scale`` multiplies the scores (default
     ``1 / sqrt(d)``). ``kv_major``: keys ``[b, kv, d, s]``, values ``[b, kv, s, dv]`` (the KV
-    cache's layouts). ``policy``: by default ``rlx.platform.current()``."""
+    cache's layouts). ``policy``: by default ``rlx.platform.current()``. A ``sharding`` with a
+    ``context`` axis: the queries' tokens are split over it (in any order; the mask comes from
+    positions), the keys gathered (``rlx.kernels.attention.context``)."""
     policy = policy or current()
+    if sharding is not None and sharding.context is not None:
+        local = lambda *a: attend(*a[:7], scale=scale, window=window, sinks=a[7],  # noqa: E731
+                                  kv_major=kv_major, policy=policy)
+        return context.attend_gathered(sharding, local, q, k, v, q_segments, kv_segments,
+                                       q_positions, kv_positions, sinks, kv_major)
     t = q.shape[1]
     s = k.shape[-1] if kv_major else k.shape[1]
     if sinks is None and (s <= policy.dense_attention_slots or (t == 1 and kv_major)):
