@@ -32,8 +32,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora.alpha = 32.0  # scale = alpha / rank
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # data-parallel replicas (product of the four sizes = device count)
+    c.mesh.data = 1  # data-parallel replicas (product of the five sizes = device count)
     c.mesh.fsdp = 1  # parameter / optimizer sharding
+    c.mesh.context = 1  # context parallelism: each sequence's tokens over this many devices
     c.mesh.tensor = 1  # tensor parallelism
     c.mesh.expert = 1  # expert parallelism (MoE)
 

@@ -42,8 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora.param_dtype = "float32"  # adapters and their AdamW state in f32
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # data-parallel replicas (product of the four sizes = 8 devices)
+    c.mesh.data = 1  # data-parallel replicas (product of the five sizes = 8 devices)
     c.mesh.fsdp = 1  # no parameter sharding besides the experts'
+    c.mesh.context = 1  # context parallelism: each sequence's tokens over this many devices
     c.mesh.tensor = 1  # no tensor parallelism
     c.mesh.expert = 8  # routed experts split 8 ways
 

@@ -45,8 +45,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora.param_dtype = "float32"  # adapters and their AdamW state in f32
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # data-parallel replicas (product of the four sizes = learner devices)
+    c.mesh.data = 1  # data-parallel replicas (product of the five sizes = learner devices)
     c.mesh.fsdp = 4  # adapters, optimizer state and the frozen base sharded over the 4 learner GPUs
+    c.mesh.context = 1  # context parallelism: each sequence's tokens over this many devices
     c.mesh.tensor = 1  # no tensor parallelism (1.5B fits one GPU)
     c.mesh.expert = 1  # dense model
 

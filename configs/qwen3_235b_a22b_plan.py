@@ -54,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = 1  # no data-parallel replicas
     c.mesh.fsdp = 1  # no parameter sharding besides the experts'
+    c.mesh.context = 1  # context parallelism: each sequence's tokens over this many devices
     c.mesh.tensor = 1  # no tensor parallelism
     c.mesh.expert = 16  # 128 experts -> 8 per device (16 TensorCores = 8 chips)
 

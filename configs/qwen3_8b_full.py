@@ -45,8 +45,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.quant.serving = "hf"  # unused by the built-in engine
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # data-parallel replicas (product of the four sizes = 16 devices)
+    c.mesh.data = 1  # data-parallel replicas (product of the five sizes = 16 devices)
     c.mesh.fsdp = 16  # parameters, gradients and AdamW state sharded over both hosts
+    c.mesh.context = 1  # context parallelism: each sequence's tokens over this many devices
     c.mesh.tensor = 1  # no tensor parallelism (8 KV heads would cap it at 8)
     c.mesh.expert = 1  # dense model
 

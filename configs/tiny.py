@@ -40,8 +40,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")  # MLA models: q/q_a/q_b, kv_a, kv_b
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = 1  # data-parallel replicas (product of the four sizes = device count)
+    c.mesh.data = 1  # data-parallel replicas (product of the five sizes = device count)
     c.mesh.fsdp = 1  # parameter / optimizer sharding
+    c.mesh.context = 1  # context parallelism: each sequence's tokens over this many devices
     c.mesh.tensor = 1  # tensor parallelism
     c.mesh.expert = 1  # expert parallelism (MoE)
 

@@ -59,7 +59,10 @@ CHIP_HBM_GIB = {"tpu7x": 192, "v5p": 95, "v6e": 32, "v5e": 16, "v5litepod": 16, 
 # are mostly what the features do not count: tile padding, fixed buffers).
 TPU_COEFFS = {"resid": 0.0, "qkv": 0.0, "scores": 0.656, "mlp": 0.0, "moe_d": 11.094,
               "moe_f": 0.0, "router": 0.0, "logits": 0.0, "grads": 2.566, "embed": 0.0,
-              "lora": 7.493, "ckpt": 1.035, "experts": 2.54}
+              "lora": 7.493, "ckpt": 1.035, "experts": 2.54,
+              # context parallelism's gathered keys and values: not fitted (no compiled point
+              # has context > 1); the CPU model's coefficient
+              "gathered": 2.0}
 # The whole-model train programs ``calibrate`` fits besides ``calibration_specs``: the arguments
 # of ``python -m rlx.plan`` and XLA:TPU's transient GB per device (the program total less its
 # arguments), rlx/plan/README.md's rows
