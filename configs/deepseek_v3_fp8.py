@@ -128,13 +128,13 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
 
 def long_context(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The ``long`` variant: 32,768 tokens per sequence (of the 163,840 positions YaRN gives), the
-    same 64 sequences per update, one per device pair per micro-batch, its tokens split over the
-    pair (context parallelism); shorter runs of it take ``--config.rollout.max_new_tokens``
-    (6,144: 8,192 tokens)."""
+    same 64 sequences per update, one per 4 devices per micro-batch, its tokens split over the 4
+    (context parallelism); shorter runs of it take ``--config.rollout.max_new_tokens`` (6,144:
+    8,192 tokens)."""
     c.output_dir = "runs/deepseek_v3_fp8_long"  # logs, metrics.jsonl, checkpoints
     c.data.max_prompt_tokens = 2048  # longer prompts are skipped and counted
     c.rollout.max_new_tokens = 30720  # completion cap (prompt + completion <= 32768 tokens)
-    c.mesh.context = 2  # each sequence's tokens over 2 devices (context parallelism) ...
-    c.mesh.expert = 4  # ... and the routed experts over 4 (the weights stay split 8 ways)
-    c.train.micro_batches = 16  # accumulation: 64 sequences, 1 per device pair per piece
+    c.mesh.context = 4  # each sequence's tokens over 4 devices (context parallelism) ...
+    c.mesh.expert = 2  # ... and the routed experts over 2 (the weights stay split 8 ways)
+    c.train.micro_batches = 32  # accumulation: 64 sequences, 1 per 4 devices per piece
     return c

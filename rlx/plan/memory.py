@@ -316,14 +316,17 @@ def kv_cache_per_token(c: ModelConfig) -> int:
 
 def kv_cache_bytes(spec: PlanSpec) -> int:
     """Built-in engine: every layer's cache buffers (GQA keys and values split over the tensor
-    axis with their KV heads; MLA's latent cache has no head axis and is whole on every device),
-    per-slot positions / segment ids and the shared write index."""
+    axis with their KV heads; MLA's latent cache has no head axis and is whole on every device;
+    both split over ``context`` along the slots), per-slot positions / segment ids (whole along
+    the slots) and the shared write index."""
     c, m = spec.model, spec.mesh
     rows = math.ceil(spec.rollout_rows / spec.batch_shards)
     slots = rows * spec.rollout_len
     per_token = (kv_cache_per_token(c) if c.mla is not None
                  else _div(c.num_kv_heads, m.tensor) * (c.head_dim + c.value_head_dim))
-    return int(c.num_layers * slots * per_token * _BYTES[spec.kv_dtype] + 2 * slots * 4 + 4)
+    layer_slots = rows * _div(spec.rollout_len, m.context)
+    return int(c.num_layers * layer_slots * per_token * _BYTES[spec.kv_dtype] + 2 * slots * 4
+               + 4)
 
 
 def step_bytes(spec: PlanSpec, trainable: int) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """The planner's KV cache equals the built-in engine's, per device: GQA layers cache every KV
 head's keys and values (split over the tensor axis), multi-head latent attention layers the
-latent and the shared rotary key (no head axis: whole on every device)."""
+latent and the shared rotary key (no head axis: whole on every device); under context
+parallelism both split over the context devices along the slots."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from rlx.models.families import SUPPORTED_ARCHITECTURES
 from rlx.models.kv_cache import KVCache
 from rlx.plan import plan
 from rlx.plan.memory import kv_cache_bytes, kv_cache_per_token, step_bytes, step_features
+from rlx.plan.aot_sample import generate_lowered
 from rlx.plan.spec import PlanSpec
 from rlx.rollout.jax.engine import cache_sharding
 from tests.helpers.hf_zoo import hf_config
@@ -32,14 +34,15 @@ def _engine_cache_bytes_per_device(cfg, mesh_shape: MeshShape, rows: int, length
     mesh = make_mesh(mesh_shape, jax.devices()[:mesh_shape.num_devices])
     cache = KVCache.zeros(cfg, rows, length, np.float32)
     layers = cache_sharding(mesh, cfg, SAMPLE_RULES, batch_shards(mesh, SAMPLE_RULES))
-    put = lambda xs: tuple(jax.device_put(x, layers) for x in xs)  # noqa: E731
-    cache = cache.replace(keys=put(cache.keys), values=put(cache.values),
+    put = lambda xs, s: tuple(jax.device_put(x, s) for x in xs)  # noqa: E731
+    cache = cache.replace(keys=put(cache.keys, layers[0]), values=put(cache.values, layers[1]),
                           positions=jax.device_put(cache.positions, batch_sharding(mesh, 2)),
                           segment_ids=jax.device_put(cache.segment_ids, batch_sharding(mesh, 2)))
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(cache))
 
 
-@pytest.mark.parametrize("mesh", [MeshShape(), MeshShape(data=2, tensor=2)], ids=str)
+@pytest.mark.parametrize("mesh", [MeshShape(), MeshShape(data=2, tensor=2),
+                                  MeshShape(context=2, tensor=2)], ids=str)
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2_lite", "kimi_k2", "qwen3_moe"])
 def test_kv_cache_bytes_equal_the_engines_cache(family, mesh):
     cfg = _config(family)
@@ -48,9 +51,9 @@ def test_kv_cache_bytes_equal_the_engines_cache(family, mesh):
     assert kv_cache_bytes(spec) == _engine_cache_bytes_per_device(cfg, mesh, 8, 48)
     if cfg.mla is not None:  # 16 + 8 (deepseek_v3, kimi_k2), 16 + 4 (deepseek_v2_lite)
         assert kv_cache_per_token(cfg) == cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-        rows = 8 // spec.batch_shards
-        assert kv_cache_bytes(spec) == (cfg.num_layers * rows * 48 * kv_cache_per_token(cfg) * 4
-                                        + 2 * rows * 48 * 4 + 4)
+        rows, slots = 8 // spec.batch_shards, 48 // mesh.context  # the slots split over context
+        assert kv_cache_bytes(spec) == (cfg.num_layers * rows * slots * kv_cache_per_token(cfg)
+                                        * 4 + 2 * rows * 48 * 4 + 4)
 
 
 def test_deepseek_v3_caches_576_numbers_per_token_and_layer():
@@ -87,3 +90,20 @@ def test_mla_attention_activations_count_its_own_projections():
                     seq_len=8, logprob_chunk=16, remat="none")
     assert step_features(spec, 0)["qkv"] == 2 * 12288
     assert plan(spec, hbm_gb=1.0).bytes["kv_cache"] == kv_cache_bytes(spec)
+
+
+def test_context_parallel_generate_keeps_its_cache_split():
+    """XLA's memory analysis of the engine's generate step (8 rows, 2,048 slots, f32 cache): with
+    ``context=2`` beside ``tensor=2`` each device holds half the cache's slots, and the decode
+    loop's one-row attention reduces over them where they lie; the step's temporaries fall by at
+    least the half of the cache a device no longer holds (no per-step gather of the cache)."""
+    cfg = _config("llama")
+    temps, caches = [], []
+    for shape in (MeshShape(tensor=2), MeshShape(context=2, tensor=2)):
+        spec = PlanSpec(model=cfg, mode="full", dtype="float32", param_dtype="float32",
+                        kv_dtype="float32", rollout_rows=8, rollout_len=2048, mesh=shape)
+        mesh = make_mesh(shape, jax.devices()[:shape.num_devices])
+        temps.append(generate_lowered(spec, mesh).compile().memory_analysis().temp_size_in_bytes)
+        caches.append(kv_cache_bytes(spec))
+    assert caches[1] < 0.55 * caches[0]
+    assert temps[0] - temps[1] >= caches[0] - caches[1], (temps, caches)

@@ -16,8 +16,10 @@ decode step's products there (``weight_layout``, ``rlx.rollout.jax.decode_layout
 learner's layout are transposed on arrival. Shared kernels keep the learner's layout: a transposed
 copy of them would be the second copy of the base that sharing avoids. For multi-head latent
 attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and shared rotary key,
-sharded over the batch only (``cache_sharding``), and decode steps absorb ``kv_b_proj``
-(``rlx.models.mla``). With the experts of an MoE model split
+sharded over the batch (``cache_sharding``), and decode steps absorb ``kv_b_proj``
+(``rlx.models.mla``). Under context parallelism (``mesh.context``) every cache splits its slots
+over the context devices, and a prefill or scored chunk splits its new tokens over them
+(``rlx.kernels.attention.context``). With the experts of an MoE model split
 over the mesh's ``expert`` axis, prefill and decode steps dispatch each token to its experts'
 devices, as the learner does (``rlx.models.moe_dispatch``, dropless unless
 ``capacity_factor`` > 0; ``dropped_pairs()`` counts the pairs a capacity drops, which a run logs
@@ -111,14 +113,21 @@ def unroll_decode(state: nnx.State, policy: PlatformPolicy) -> bool:
     return policy.unroll_decode_bytes is not None and weights <= policy.unroll_decode_bytes
 
 
-def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int) -> NamedSharding:
-    """Sharding of every layer's KV-cache buffers (``rlx.models.kv_cache``): GQA keys ``[b, kv,
-    d, s]`` and values ``[b, kv, s, d]`` over the batch and the KV heads; MLA's shared rotary keys
-    ``[b, r, s]`` and latents ``[b, s, c]`` have no head axis and split over the batch only."""
+def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int
+                   ) -> tuple[NamedSharding, NamedSharding]:
+    """Shardings of every layer's KV-cache keys and values (``rlx.models.kv_cache``): GQA keys
+    ``[b, kv, d, s]`` and values ``[b, kv, s, d]`` over the batch and the KV heads; MLA's shared
+    rotary keys ``[b, r, s]`` and latents ``[b, s, c]`` have no head axis and split over the
+    batch. Under context parallelism the slots ``s`` split over the context devices as well: a
+    decode step's one-row attention reduces over them where they lie, and a prefill or scored
+    chunk gathers one layer's slots at a time (``rlx.kernels.attention.context``)."""
+    c = mesh.shape.get("context", 1)
     if cfg.mla is not None:
-        return named_sharding(mesh, ("batch", None, None), rules, (dp, 1, 1))
-    return named_sharding(mesh, ("batch", "kv_heads", None, None), rules,
-                          (dp, cfg.num_kv_heads, 1, 1))
+        return (named_sharding(mesh, ("batch", None, "seq"), rules, (dp, 1, c)),
+                named_sharding(mesh, ("batch", "seq", None), rules, (dp, c, 1)))
+    kv = cfg.num_kv_heads
+    return (named_sharding(mesh, ("batch", "kv_heads", None, "seq"), rules, (dp, kv, 1, c)),
+            named_sharding(mesh, ("batch", "kv_heads", "seq", None), rules, (dp, kv, c, 1)))
 
 
 class JaxEngine:
@@ -240,11 +249,12 @@ class JaxEngine:
         model; ``cache_sharding``); None without a mesh."""
         if self.mesh is None:
             return None
-        kv = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
+        keys, values = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
         if self._stacks is not None:  # a stack's buffers: the layer axis first, whole
-            kv = NamedSharding(self.mesh, PartitionSpec(None, *kv.spec))
+            keys, values = (NamedSharding(self.mesh, PartitionSpec(None, *x.spec))
+                            for x in (keys, values))
         n = self._config.num_layers if self._stacks is None else len(self._stacks)
-        return (kv,) * n, (kv,) * n
+        return (keys,) * n, (values,) * n
 
     def _generate_fn(self, spec: SamplerSpec, new_tokens: int, keep: bool = False,
                      continued: bool = False):

@@ -194,14 +194,17 @@ def row_keys(seed: Int[Array, ""], uid_hash: UInt32[Array, " b"], sample_index: 
     return fold(jax.vmap(jax.random.fold_in, (None, 0))(base, uid_hash), sample_index)
 
 
-def _constrain(cache: KVCache, kv: NamedSharding | None, rows: NamedSharding | None) -> KVCache:
+def _constrain(cache: KVCache, kv: tuple[NamedSharding, NamedSharding] | None,
+               rows: NamedSharding | None) -> KVCache:
+    """``cache`` on its shardings: ``kv`` the keys' and the values' (``rlx.rollout.jax.engine.
+    cache_sharding``), ``rows`` the slots' positions and segment ids."""
     if kv is None:
         return cache
     if cache.stacks is not None:  # a scanned model's buffers: the layer axis first, whole
-        kv = NamedSharding(kv.mesh, PartitionSpec(None, *kv.spec))
+        kv = tuple(NamedSharding(x.mesh, PartitionSpec(None, *x.spec)) for x in kv)
     put = jax.lax.with_sharding_constraint
-    return cache.replace(keys=tuple(put(k, kv) for k in cache.keys),
-                         values=tuple(put(v, kv) for v in cache.values),
+    return cache.replace(keys=tuple(put(k, kv[0]) for k in cache.keys),
+                         values=tuple(put(v, kv[1]) for v in cache.values),
                          positions=put(cache.positions, rows), segment_ids=put(cache.segment_ids, rows))
 
 
@@ -282,7 +285,8 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static,
 
 def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int[Array, "u k"],
                   take: Bool[Array, " u"], prev: tuple | None = None, *, stacked: bool,
-                  kv_sharding: NamedSharding | None = None) -> tuple[tuple, tuple]:
+                  kv_sharding: tuple[NamedSharding, NamedSharding] | None = None
+                  ) -> tuple[tuple, tuple]:
     """The kept slots of a finished batch's cache buffers (``keys``, ``values``: one per layer or
     stack) as the ``KeptPrefix`` buffers of the rows of a new batch: row i holds slots
     ``slots[i]`` (in that order) of row ``rows[i]`` where ``take[i]``, elsewhere ``prev``'s row i
@@ -290,7 +294,7 @@ def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int
     with nothing kept, never attended to)."""
     row_axis = 1 if stacked else 0
 
-    def one(x, old, slot_axis: int):
+    def one(x, old, slot_axis: int, sharding):
         slot_axis %= x.ndim
         x = jnp.take(x, rows, axis=row_axis)  # [.., u, .., s, ..]
         shape = [1] * x.ndim
@@ -300,15 +304,16 @@ def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int
             mask = [1] * x.ndim
             mask[row_axis] = take.shape[0]
             out = jnp.where(take.reshape(mask), out, old)
-        if kv_sharding is not None:
-            spec = (None, *kv_sharding.spec) if stacked else kv_sharding.spec
-            out = jax.lax.with_sharding_constraint(out, NamedSharding(kv_sharding.mesh,
+        if sharding is not None:
+            spec = (None, *sharding.spec) if stacked else sharding.spec
+            out = jax.lax.with_sharding_constraint(out, NamedSharding(sharding.mesh,
                                                                       PartitionSpec(*spec)))
         return out
 
     old_k, old_v = prev if prev is not None else ((None,) * len(keys), (None,) * len(values))
-    return (tuple(one(k, o, -1) for k, o in zip(keys, old_k)),
-            tuple(one(v, o, -2) for v, o in zip(values, old_v)))
+    key_s, value_s = kv_sharding if kv_sharding is not None else (None, None)
+    return (tuple(one(k, o, -1, key_s) for k, o in zip(keys, old_k)),
+            tuple(one(v, o, -2, value_s) for v, o in zip(values, old_v)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +324,7 @@ class GenerateStatic:
     spec: SamplerSpec
     new_tokens: int  # output buffer length (the bucket of max_new_tokens)
     adapter: bool = True
-    kv_sharding: NamedSharding | None = None
+    kv_sharding: tuple[NamedSharding, NamedSharding] | None = None  # keys', values' (engine)
     row_sharding: NamedSharding | None = None
     record_routes: bool = False  # also return each fed token's experts (routing replay)
     count_dropped: bool = False  # also return the (token, expert) pairs a MoE capacity dropped
