@@ -45,7 +45,7 @@ def test_bad_values_name_the_field(tmp_path, patch, needle):
 def test_mesh_product_must_match_devices(tmp_path):
     cfg = parse_config({"model": {"path": str(tmp_path)}, "mesh": {"data": 2, "tensor": 2}})
     cfg.mesh.check_devices(4)
-    with pytest.raises(ConfigError, match=r"2\*1\*2\*1 = 4, but 8 devices .* product is 8"):
+    with pytest.raises(ConfigError, match=r"2\*1\*1\*2\*1 = 4, but 8 devices .* product is 8"):
         cfg.mesh.check_devices(8)
 
 

@@ -32,7 +32,7 @@ def test_launch_loads_shards_and_summarises(model_dir):
     assert r.returncode == 0, r.stderr
     assert "Qwen3MoeForCausalLM" in r.stdout
     assert "experts 8 top-2" in r.stdout
-    assert "'data': 2, 'fsdp': 1, 'tensor': 2, 'expert': 2" in r.stdout
+    assert "'data': 2, 'fsdp': 1, 'context': 1, 'tensor': 2, 'expert': 2" in r.stdout
 
 
 @pytest.mark.parametrize("override,needle", [

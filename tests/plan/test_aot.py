@@ -76,7 +76,10 @@ def test_aot_reads_config_overrides_and_variants(topo, capsys):
                              "--aot tpu7x:2x2x2")
     assert (spec.seq_len, spec.rollout_len) == (2048, 2048)
     assert (long.seq_len, long.rollout_len) == (8192, 8192)  # the long variant's 2048-token prompts
-    assert long == spec.replace(seq_len=8192, rollout_len=8192)
+    # the long variant splits each sequence over 4 context devices, experts over 2 (x2 on 16)
+    assert long.mesh.context == 4 and long.mesh.num_devices == spec.mesh.num_devices
+    assert long == spec.replace(seq_len=8192, rollout_len=8192, mesh=long.mesh,
+                                micro_batches=long.micro_batches)
     assert main(["--config", kimi, "--config.rollout.max_new_tokens=lots", "--aot",
                  "tpu7x:2x2x2"]) == 2
     assert capsys.readouterr().err.startswith(
