@@ -234,8 +234,7 @@ class Transformer(nnx.Module):
         parallelism (``sharding.context``) the layers run on each row's tokens in zig-zag order,
         folded into rows split over the context devices (``rlx.kernels.attention.context.
         ContextSplit``); inputs and outputs are in the natural order."""
-        shards = 1 if self.sharding is None else self.sharding.context_shards
-        if shards == 1:
+        if self._context_shards() == 1:
             x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
             x, routes = self.routed_layers(x, positions, segment_ids, angles, adapter, remat,
                                            policy, replay)
@@ -349,10 +348,14 @@ class Transformer(nnx.Module):
         scored chunk): zig-zag and folded over the context devices where they are several and
         ``t`` splits into ``2 x`` their number of chunks; else None (every context device runs
         the whole call, as a one-token decode step does)."""
-        shards = 1 if self.sharding is None else self.sharding.context_shards
+        shards = self._context_shards()
         if shards == 1 or t % (2 * shards):
             return None
         return ContextSplit(self.sharding)
+
+    def _context_shards(self) -> int:
+        """Devices each row's tokens are split over (``sharding.context``; 1 without)."""
+        return 1 if self.sharding is None else self.sharding.context_shards
 
     def rope_angles(self, positions: Int[Array, "b t"]) -> tuple[Array, Array]:
         """The rotary cosines and sines every layer uses (``rlx.models.layers.rope_angles``), for

@@ -56,11 +56,17 @@ class AttentionSharding:
         """Devices each row's tokens are split over (1: no context parallelism)."""
         return self.mesh.shape[self.context] if self.context else 1
 
+    def heads_for(self, kv_heads: int) -> str | None:
+        """The mesh axis a kernel's ``kv_heads`` KV heads (and their query groups) split over
+        inside a ``shard_map``: ``heads`` where it divides them, else None (whole)."""
+        if self.heads is None or kv_heads % self.mesh.shape[self.heads]:
+            return None
+        return self.heads
+
     def map_rows_heads(self, fn, kv_heads: int):
         """``fn(q [b, kv, ...], k [b, kv, ...], v [b, kv, ...], segments [b, t])`` run per
         device on its rows and KV heads."""
-        split = self.heads is not None and kv_heads % self.mesh.shape[self.heads] == 0
-        specs = splash.rows_heads_specs(self.batch, self.heads if split else None)
+        specs = splash.rows_heads_specs(self.batch, self.heads_for(kv_heads))
         return jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=specs[0],
                              check_vma=False)
 

@@ -142,8 +142,8 @@ class ContextSplit:
 def attend_gathered(sharding, local, q, k, v, q_segments, kv_segments, q_positions,
                     kv_positions, sinks=None, kv_major: bool = False):
     """``local(q, k, v, q_segments, kv_segments, q_positions, kv_positions, sinks)`` run per
-    device on its folded rows of queries (``ContextSplit``) and its KV heads (over
-    ``sharding.heads`` where they divide), over every slot's keys and values. ``k``/``v`` and
+    device on its folded rows of queries (``ContextSplit``) and its KV heads
+    (``AttentionSharding.heads_for``), over every slot's keys and values. ``k``/``v`` and
     their segments and positions are whole ``[b, s, ...]`` (a cache's ``[b, kv, ...]`` with
     ``kv_major``) or, with as many rows as ``q`` (a sequence over itself; MLA's keys come whole,
     expanded from gathered latents, its segments and positions folded), folded like it and
@@ -155,9 +155,7 @@ def attend_gathered(sharding, local, q, k, v, q_segments, kv_segments, q_positio
         k, v = split.whole(k), split.whole(v)
     if folded(kv_segments):
         kv_segments, kv_positions = split.whole(kv_segments), split.whole(kv_positions)
-    tp = sharding.mesh.shape[sharding.heads] if sharding.heads else 1
-    kv_heads = k.shape[1] if kv_major else k.shape[2]
-    heads = sharding.heads if kv_heads % tp == 0 and q.shape[2] % tp == 0 else None
+    heads = sharding.heads_for(k.shape[1] if kv_major else k.shape[2])
     rows = tuple(sharding.batch) or None
     q_spec = PartitionSpec((sharding.context, *sharding.batch), None, heads)
     kv_spec = PartitionSpec(rows, heads) if kv_major else PartitionSpec(rows, None, heads)
