@@ -3,10 +3,10 @@
 Configs are Python files with ``get_config()`` (see ``configs/``; ``configs/X.py:VARIANT`` calls
 ``get_config("VARIANT")``); command-line overrides use ``--config.a.b=v``, applied by
 ml_collections' ``config_flags`` (``rlx.commandline.config_from_argv``, the one reading of a
-command line that ``rlx.launch``, ``rlx.eval`` and ``rlx.plan`` share). ``parse_config`` walks the dataclass schema
-below, refuses unknown keys and wrong types with the dotted field name, then each section
-validates its values once. Every error is a ``ConfigError`` whose message is a single line naming
-the field and the fix.
+command line that ``rlx.launch``, ``rlx.eval`` and ``rlx.plan`` share). ``parse_config`` walks
+the dataclass schema below, refuses unknown keys and wrong types with the dotted field name, then
+each section validates its values once. Every error is a ``ConfigError`` whose message is a single
+line naming the field and the fix.
 """
 
 from __future__ import annotations

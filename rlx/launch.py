@@ -1,12 +1,12 @@
 """``python -m rlx.launch --config configs/X.py[:VARIANT] [--config.a.b=v ...] [--dry_run]``:
 the CLI.
 
-Reads the config file (``:VARIANT``: ``get_config("VARIANT")``) and its overrides as every
-command of rlx does (``rlx.commandline.config_from_argv``), validates it once (errors: one line naming
-the field, exit status 2), then builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C
-end it after the current step with a checkpoint (exit status 128 + signal number; while the run
-is still being built they stop it at once, cleaning up what was started), and
-``--config.resume=latest`` continues it. Exit
+Reads the config file (``:VARIANT``: ``get_config("VARIANT")``) and its overrides as every command
+of rlx does (``rlx.commandline.config_from_argv``), validates it once (errors: one line naming the
+field, exit status 2), then builds the run (``rlx.build``) and trains it; SIGTERM / Ctrl-C end it
+after the current step with a checkpoint (exit status 128 + signal number; while the run is still
+being built they stop it at once, cleaning up what was started), and ``--config.resume=latest``
+continues it. Exit
 status 3: too many non-finite updates in a row; 4: the rollout engine failed (no SGLang server
 left, or one that could not start); 5: a checkpoint or the metrics could not be written (e.g.
 the disk is full);

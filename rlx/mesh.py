@@ -1,12 +1,13 @@
 """Device mesh and logical-axis rules.
 
-One mesh with five named axes, ``(data, fsdp, context, tensor, expert)``. Parameters and activations carry
-*logical* axis names (``embed``, ``mlp``, ``heads``, ...); a rules table maps each logical name to
-mesh axes. Training and sampling use different tables: training shards weights over ``fsdp`` (ZeRO-3
-style, gathered per layer by XLA; the ``expert`` devices hold such shards too, gathered per layer
-by the scan, ``gathered_rules``), sampling keeps weights whole along ``fsdp`` and only splits them
-over ``tensor``/``expert`` so that a decode step needs no weight all-gather (the built-in engine's
-own copies; the learner's frozen base, which it reads as placed, is gathered layer by layer).
+One mesh with five named axes, ``(data, fsdp, context, tensor, expert)``. Parameters and activations
+carry *logical* axis names (``embed``, ``mlp``, ``heads``, ...); a rules table maps each logical
+name to mesh axes. Training and sampling use different tables: training shards weights over ``fsdp``
+(ZeRO-3 style, gathered per layer by XLA; the ``expert`` devices hold such shards too, gathered per
+layer by the scan, ``gathered_rules``), sampling keeps weights whole along ``fsdp`` and only splits
+them over ``tensor``/``expert`` so that a decode step needs no weight all-gather (the built-in
+engine's own copies; the learner's frozen base, which it reads as placed, is gathered layer by
+layer).
 
 The mesh is always passed explicitly; nothing here reads a global mesh. Axes are created as
 ``AxisType.Auto`` on purpose: GSPMD propagates shardings from the parameters and the batch, which is
@@ -124,7 +125,8 @@ def make_mesh(shape: MeshShape, devices: Sequence[jax.Device] | None = None) -> 
     devices = list(jax.devices() if devices is None else devices)
     if shape.num_devices != len(devices):
         raise ValueError(
-            f"mesh data*fsdp*context*tensor*expert = {'*'.join(map(str, shape.sizes))} = {shape.num_devices}"
+            f"mesh data*fsdp*context*tensor*expert = {'*'.join(map(str, shape.sizes))} = "
+            f"{shape.num_devices}"
             f" but {len(devices)} devices are available; set config.mesh sizes whose product is "
             f"{len(devices)}"
         )

@@ -3,6 +3,6 @@ pass@1, pass@k and the mean reward of a policy on the held-out split of the conf
 a progress bar, ``report.json`` and the per-problem results as ``problems.jsonl``. The command
 line only; the work is ``rlx.run.evaluation``.
 
-May import ``rlx.config``, ``rlx.commandline`` (the command line), ``rlx.run`` and the foundation (``rlx.types``, ``rlx.errors``,
-``rlx.mesh``).
+May import ``rlx.config``, ``rlx.commandline`` (the command line), ``rlx.run`` and the
+foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``).
 """
