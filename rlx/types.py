@@ -188,12 +188,14 @@ class StepMetrics(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. ``temperature == 0`` is greedy; ``top_k``/``top_p`` None means off."""
+    """How to sample. ``temperature == 0`` is greedy; ``top_k``/``top_p``/``min_p`` None means
+    off (applied in that order: ``rlx.rollout.jax.sampler``)."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None  # keep tokens at least min_p x as likely as the likeliest
     n: int = 1  # completions per prompt
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
@@ -213,6 +215,8 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k={self.top_k} must be >= 1")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
         if self.n < 1:
             raise ValueError(f"n={self.n} must be >= 1")
         if self.ignore_eos and (self.stop_token_ids or self.stop_strings):

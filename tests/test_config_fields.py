@@ -111,6 +111,8 @@ EFFECTS = {
     "rollout.max_new_tokens": ("loop", 4, {}),
     "rollout.temperature": ("loop", 0.5, {}),
     "rollout.top_p": ("loop", 0.9, {}),
+    "rollout.top_k": ("loop", 20, {}),
+    "rollout.min_p": ("loop", 0.05, {}),
     "rollout.eval_temperature": ("loop", 0.5, {}),
     "rollout.preflight_threshold": ("loop", 1e-4, {}),
     "rollout.preflight_every": ("loop", 1, {}),

@@ -255,6 +255,23 @@ class Tokenizer:
                                  "ids must be in [0, 2**32)") from None
         return _clean_up_spaces(text) if self.clean_up_tokenization_spaces else text
 
+    def token_bytes(self) -> list[bytes] | None:
+        """Every token id's bytes as `decode` joins them (before U+FFFD replacement and the space
+        clean-up), or None where the decoder's text is not such a concatenation. Byte-level BPE:
+        a token's characters through GPT-2's byte alphabet; SentencePiece: "▁" a space, `<0xNN>`
+        that byte; added tokens their content."""
+        decoder = repr(self._backend.decoder)
+        added = {t.content for t in self._backend.get_added_tokens_decoder().values()}
+        tokens = [self._backend.id_to_token(i) for i in range(self.vocab_size)]
+        if decoder.startswith("ByteLevel"):
+            byte_of = {c: b for b, c in _byte_alphabet().items()}
+            return [b"" if t is None else t.encode() if t in added or not set(t) <= byte_of.keys()
+                    else bytes(byte_of[c] for c in t) for t in tokens]
+        if "Metaspace" in decoder or "\u2581" in decoder or "▁" in decoder:
+            return [b"" if t is None else t.encode() if t in added else _piece_bytes(t)
+                    for t in tokens]
+        return None
+
     # ------------------------------------------------------------------------------- chat template
     def apply_chat_template(
         self,
@@ -332,6 +349,14 @@ def _read_chat_template(path: str, config: Mapping[str, Any]) -> str | None:
         named = {entry["name"]: entry["template"] for entry in template}
         template = named.get("default")
     return template
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """A SentencePiece token's bytes: `<0xNN>` (byte fallback) that byte, else its text with "▁"
+    for a space."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("▁", " ").encode()
 
 
 def _clean_up_spaces(text: str) -> str:

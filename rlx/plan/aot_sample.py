@@ -31,7 +31,9 @@ from rlx.plan.memory import kv_cache_per_token
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
 from rlx.quant.tensors import QTensor
 from rlx.rollout.jax.engine import Buckets, cache_sharding
-from rlx.rollout.jax.sampling import GenerateStatic, SamplerSpec, generate_batch, segment_ends
+from rlx.rollout.jax.sampler import Knobs, SamplerSpec
+from rlx.rollout.jax.sampling import GenerateStatic, generate_batch, segment_ends
+from rlx.rollout.jax.stops import Stops
 
 # XLA:TPU's generate-step temporaries per feature of ``sample_features`` (bytes per byte),
 # fitted by ``rlx.plan.aot.calibrate_sample``
@@ -90,11 +92,12 @@ def generate_lowered(spec: PlanSpec, mesh):
     args = [jax.ShapeDtypeStruct((rows, prompt), jnp.int32, sharding=row2)]
     args += [jax.ShapeDtypeStruct((rows,), dt, sharding=row1)
              for dt in (jnp.int32, jnp.int32, jnp.uint32, jnp.int32)]
-    args += [jax.ShapeDtypeStruct((), dt, sharding=rep)
-             for dt in (jnp.int32, jnp.float32, jnp.float32, jnp.int32)]
-    args.append(jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep))  # stop ids
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731
+    args += [scalar(jnp.int32), Knobs(*(scalar(jnp.float32) for _ in range(3))),
+             scalar(jnp.int32)]
+    args.append(Stops(jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep)))  # stop ids
     fn = jax.jit(functools.partial(generate_batch, static=static),
-                 in_shardings=(shardings, *(a.sharding for a in args)),
+                 in_shardings=(shardings, *jax.tree.map(lambda a: a.sharding, args)),
                  out_shardings=(row2, row2, row1, row1))
     return fn.lower(_abstract(state, shardings), *args)
 

@@ -21,6 +21,8 @@ class RolloutSection:
     max_new_tokens: int = 128  # completion length cap
     temperature: float = 1.0  # sampling temperature for training rollouts
     top_p: float = 1.0  # nucleus sampling (1.0 = off)
+    top_k: int = 0  # keep the k likeliest tokens (0 = off)
+    min_p: float = 0.0  # keep tokens at least min_p x as likely as the likeliest (0 = off)
     eval_temperature: float = 0.0  # 0 = greedy evaluation
     preflight_threshold: float = 1e-3  # max |log-prob diff| learner vs engine (stop above it)
     preflight_every: int = 0  # steps between parity preflights (0 = only before training)
@@ -40,3 +42,11 @@ class RolloutSection:
             raise ConfigError("config.rollout.group_size and max_new_tokens must be >= 1")
         if self.temperature < 0 or self.eval_temperature < 0 or not 0 < self.top_p <= 1:
             raise ConfigError("config.rollout temperatures must be >= 0 and top_p in (0, 1]")
+        if self.top_k < 0 or not 0 <= self.min_p <= 1:
+            raise ConfigError(f"config.rollout.top_k={self.top_k} must be >= 0 (0: off) and "
+                              f"min_p={self.min_p} in [0, 1] (0: off)")
+
+    def cuts(self) -> dict:
+        """The ``SamplingParams`` fields of the top-p, top-k and min-p settings (None: off)."""
+        return {"top_p": None if self.top_p >= 1.0 else self.top_p,
+                "top_k": self.top_k or None, "min_p": self.min_p or None}

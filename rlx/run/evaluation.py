@@ -131,8 +131,7 @@ def run_eval(cfg: RunConfig, opts: EvalOptions) -> dict[str, Any]:
     temperature = cfg.rollout.temperature if opts.temperature is None else opts.temperature
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, n=n,
                               temperature=temperature,
-                              top_p=None if cfg.rollout.top_p >= 1.0 else cfg.rollout.top_p,
-                              seed=cfg.seed, logprobs=False, stop_token_ids=(tokenizer.eos_id,))
+                              **cfg.rollout.cuts(), seed=cfg.seed, logprobs=False, stop_token_ids=(tokenizer.eos_id,))
     engine = make_engine(cfg, policy, tokenizer, mesh)
     reward = make_reward(cfg)
     start = time.perf_counter()

@@ -223,7 +223,7 @@ class Run:
         params = SamplingParams(
             max_new_tokens=r.max_new_tokens, n=1 if evaluation else r.group_size,
             temperature=r.eval_temperature if evaluation else r.temperature,
-            top_p=None if r.top_p >= 1.0 else r.top_p, seed=self.cfg.seed + step,
+            **r.cuts(), seed=self.cfg.seed + step,
             logprobs=not evaluation,  # evaluation and samples to look at need none
             stop_token_ids=(self.tokenizer.eos_id,))
         return params if evaluation else dataclasses.replace(params, **self.sampling_overrides)

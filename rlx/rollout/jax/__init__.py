@@ -1,7 +1,8 @@
 """The built-in JAX rollout engine: the learner's own model code and kernels sampling from the
-learner's own arrays (``engine``: ``JaxEngine``), its compiled prefill / decode loop and samplers
-(``sampling``), request bucketing (``batching``), the KV prefix cache of multi-turn episodes
-(``prefix_cache``) and its copy's weight layout (``decode_layout``).
+learner's own arrays (``engine``: ``JaxEngine``), its compiled prefill / decode loop
+(``sampling``), the token sampler (``sampler``: greedy, temperature, top-k, top-p, min-p), stop
+strings matched on the device (``stops``), request bucketing (``batching``), the KV prefix cache
+of multi-turn episodes (``prefix_cache``) and its copy's weight layout (``decode_layout``).
 """
 
 from __future__ import annotations

@@ -42,10 +42,11 @@ that row's keys and values gathered into its batch's cache and prefills only its
 by the next call, a weight update and leaving the context). ``prefilled_tokens()`` counts them.
 
 Stopping: a row ends on any of ``sampling.stop_token_ids`` (kept as its last token; end-of-sequence
-is not implicit, pass it there) or after ``max_new_tokens``. Stop strings are checked on the host
-after decoding: the completion is cut after the first token at which the decoded text contains a
-stop string (token granularity: that token is kept whole) and its finish reason becomes "stop".
-Rows with stop strings still run on device until a stop token or the budget.
+is not implicit, pass it there), at the token that completes one of ``sampling.stop_strings``
+(matched on the device by ``rlx.rollout.jax.stops``; kept whole) or after ``max_new_tokens``. The
+host checks the decoded text too (where the tokenizer cannot give its tokens' bytes, it is the
+only check): the completion is cut after the first token at which it contains a stop string and
+its finish reason becomes "stop".
 
 ``sampler_logp`` is the raw policy's log-prob of each sampled token (temperature 1, no top-k/top-p
 truncation): the quantity the learner recomputes, see ``rlx.rollout.jax.sampling``.
@@ -72,12 +73,14 @@ from rlx.models.moe import SparseMoE
 from rlx.models.parallel import parallelize
 from rlx.models.stack import cache_stacks
 from rlx.platform.policy import PlatformPolicy, current, policy_of
-from rlx.rollout.jax.batching import Buckets, pack_left, pow2, row_rollout, shared_prompts, uid_hash
+from rlx.rollout.jax.batching import Buckets, pack_left, row_rollout, shared_prompts, uid_hash
 from rlx.rollout.jax.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
-from rlx.rollout.jax.sampling import (GenerateStatic, KeptPrefix, SamplerSpec, gather_prefix,
-                                      generate_batch, sequence_logprobs)
 from rlx.rollout.jax.prefix_cache import CachedRow, PrefixCache, gather_plan, prompt_slots
+from rlx.rollout.jax.sampler import Knobs, SamplerSpec
+from rlx.rollout.jax.sampling import (GenerateStatic, KeptPrefix, gather_prefix,
+                                      generate_batch, sequence_logprobs)
+from rlx.rollout.jax.stops import StopTable, device_stops, stop_table
 from rlx.types import Prompt, Rollout, SamplingParams
 
 
@@ -157,6 +160,7 @@ class JaxEngine:
         self.weight_version = int(weight_version)
         self._seed, self._calls = seed, 0
         self._fns: dict = {}
+        self._stop_tables: dict[tuple[str, ...], StopTable | None] = {}
         self._prefix, self._prefilled = PrefixCache(), 0
         self._dropped = 0 if moe and capacity_factor else None  # (token, expert) pairs
         self._graphdef, self._state = None, None
@@ -270,7 +274,7 @@ class JaxEngine:
         if (static, continued) not in self._fns:
             fn = functools.partial(generate_batch, static=static)
             # ids [u, p], lens [u]; prompt of row, uid hash, sample index [b];
-            # seed, temperature, top_p, max_new, stops (, kept prefix); out: tokens, logps,
+            # seed, sampler knobs, max_new, stops (, kept prefix); out: tokens, logps,
             # lengths, stopped (and the prompt and completion routes, [b, p | n, l, k])
             # (and the pairs a capacity dropped) (and the cache's keys and values)
             outs = (2, 2, 1, 1) + ((4, 4) if self.record_routes else ())
@@ -281,7 +285,7 @@ class JaxEngine:
                            ) if continued else ()
                 more_out = ((NamedSharding(self.mesh, PartitionSpec()),)
                             if self._dropped is not None else ()) + (buffers if keep else ())
-            self._fns[static, continued] = self._jit(fn, (2, 1, 1, 1, 1), 5, outs, more_in,
+            self._fns[static, continued] = self._jit(fn, (2, 1, 1, 1, 1), 4, outs, more_in,
                                                      more_out)
         return self._fns[static, continued]
 
@@ -349,17 +353,15 @@ class JaxEngine:
         hashes[:len(reqs)] = [uid_hash(p.uid) for p, _ in reqs]
         index = np.zeros((rows,), np.int32)
         index[:len(reqs)] = [j for _, j in reqs]
-        stops = list(dict.fromkeys(sampling.stop_token_ids))
-        stop_ids = np.full((pow2(max(len(stops), 4)),), -1, np.int32)
-        stop_ids[:len(stops)] = stops
+        stops = device_stops(sampling.stop_token_ids, self._stop_table(sampling.stop_strings))
         spec = SamplerSpec(greedy=sampling.temperature == 0, top_k=sampling.top_k,
                            top_p=sampling.top_p is not None and sampling.top_p < 1,
-                           logprobs=sampling.logprobs)
+                           min_p=bool(sampling.min_p), logprobs=sampling.logprobs)
         keep = self._prefix.depth > 0 and not self.record_routes
         fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens), keep, prefix is not None)
-        scalars = (np.int32(seed), np.float32(sampling.temperature or 1.0),
-                   np.float32(sampling.top_p or 1.0), np.int32(sampling.max_new_tokens))
-        outs = fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stop_ids,
+        scalars = (np.int32(seed), Knobs.of(sampling.temperature, sampling.top_p, sampling.min_p),
+                   np.int32(sampling.max_new_tokens))
+        outs = fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stops,
                   *(() if prefix is None else (prefix,)))
         buffers = tuple(outs[-2:]) if keep else None  # stays on the device
         tokens, logps, lengths, stopped, *routes = jax.device_get(outs[:-2] if keep else outs)
@@ -399,6 +401,15 @@ class JaxEngine:
         this engine's prefills and decode steps so far, padding rows included; None when nothing
         can be dropped (a dense model, or dropless)."""
         return self._dropped
+
+    def _stop_table(self, strings: tuple[str, ...]) -> StopTable | None:
+        """The device automaton of ``strings`` (``rlx.rollout.jax.stops``), built once per set;
+        None without strings or for a tokenizer that cannot give its tokens' bytes (then only
+        the host cuts at them)."""
+        if strings not in self._stop_tables:
+            self._stop_tables[strings] = stop_table(self.tokenizer, strings,
+                                                    self._config.vocab_size)
+        return self._stop_tables[strings]
 
     def cached_sequences(self) -> int:
         """Sequences whose KV-cache rows the prefix cache holds now."""

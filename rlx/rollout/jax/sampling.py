@@ -12,19 +12,10 @@ With ``GenerateStatic.record_routes`` the prefill and every step run ``Transform
 and keep the experts each fed token went to in every MoE layer (routing replay: the learner then
 uses the sampler's experts); without it nothing is recorded and nothing else changes.
 
-Sampling (``sample_tokens``): greedy is ``argmax``; otherwise the logits are divided by the
-temperature, optionally cut to the ``top_k`` largest (``lax.top_k``) and/or to the nucleus (smallest
-set, in descending order, whose mass reaches ``top_p``; the token that crosses ``top_p`` is kept) and
-one token is drawn with ``categorical`` (a two-level inverse CDF, steady under last-bit changes
-of the logits). Every row has its own key, ``fold_in(fold_in(key(seed), uid_hash),
-sample_index)``, folded with the step number at every step, so a request's samples do not depend
-on how requests were batched or padded.
-
-The recorded log-prob is that of the *raw policy*: ``log_softmax`` of the model's f32 logits at
-temperature 1 over the whole vocabulary, evaluated at the sampled token, i.e. what the learner's
-``token_logprobs`` computes for the same sequence. It is not the log-prob of the tempered/truncated
-distribution the token was drawn from (under temperature != 1 or top-k/top-p those differ); the
-learner's importance ratios and the parity preflight compare raw-policy log-probs.
+Tokens are chosen by ``rlx.rollout.jax.sampler`` (greedy, or a draw after temperature, top-k,
+top-p and min-p; every row keyed by its request, so a request's samples do not depend on how
+requests were batched or padded), with the raw policy's log-prob of each: what the learner's
+``token_logprobs`` computes for the same sequence.
 """
 
 from __future__ import annotations
@@ -41,157 +32,8 @@ from jaxtyping import Array, Bool, Float, Int, UInt32
 from rlx.kernels.logprobs import token_logprobs
 from rlx.models.kv_cache import KVCache
 from rlx.models.stack import decode_model, layer_counts
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerSpec:
-    """The static part of the sampling settings (temperature and top_p values are traced)."""
-
-    greedy: bool = False
-    top_k: int | None = None
-    top_p: bool = False  # whether a nucleus cut is applied
-    logprobs: bool = True  # False: no log-sum-exp over the vocabulary; the log-probs are NaN
-
-
-CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
-
-
-def _count_le(cdf: Float[Array, " n"], u: Float[Array, ""]) -> Int[Array, ""]:
-    """Entries of a non-decreasing ``cdf`` that are <= ``u``: the index of the first one above."""
-    return jnp.sum(cdf <= u, dtype=jnp.int32)
-
-
-def _last_positive(w: Float[Array, " n"]) -> Int[Array, ""]:
-    return jnp.max(jnp.where(w > 0, jnp.arange(w.shape[0], dtype=jnp.int32), 0))
-
-
-def categorical(key, logits: Float[Array, " v"]) -> Int[Array, ""]:
-    """One draw from softmax(logits) by inverting its CDF in two levels, a uniform number each.
-
-    Exact in distribution like the Gumbel-max trick of ``jax.random.categorical`` but it needs two
-    random numbers per row instead of one per vocabulary entry (the PRNG dominated a decode step on
-    a CPU). No pass runs over the whole vocabulary sequentially (a flat ``cumsum`` + binary search
-    cost as much as the model's output projection on a CPU): the weights ``exp(logits - max)`` are
-    summed per block of ``CDF_BLOCK`` entries; a block is drawn by its share of the total (the
-    first whose cumulative mass exceeds ``u0`` x total), then an entry by its share of that block
-    (the first whose cumulative weight exceeds ``u1`` x the block's). P(entry) = P(block) x
-    P(entry | block) = its softmax probability.
-
-    Drawing the entry with its own number inside its block, rather than locating one number on
-    the whole vocabulary's running sum, keeps the draw steady under last-bit changes of the
-    logits (the same weights computed on another device count): in f32 a running sum near the
-    total mass of a near-uniform vocabulary is rounded to about 1e-3 of one entry's weight, a
-    sum inside a block to about 1e-5. Entries at -inf have zero width and are never drawn (a zero
-    weight never moves a cumulative sum past ``u``; rounding at the very end falls back to the
-    last positive entry).
-    """
-    v = logits.shape[0]
-    nb = -(-v // CDF_BLOCK)
-    w = jnp.exp(logits - jnp.max(logits))  # [v] unnormalised probabilities
-    blocks = jnp.pad(w, (0, nb * CDF_BLOCK - v)).reshape(nb, CDF_BLOCK)  # [nb, B]
-    mass = jnp.sum(blocks, axis=-1)  # [nb]
-    upto = jnp.cumsum(mass)  # [nb] inclusive
-    u = jax.random.uniform(key, (2,), jnp.float32)  # the block's number, the entry's number
-    blk = jnp.minimum(_count_le(upto, u[0] * upto[-1]), _last_positive(mass))
-    row = blocks[blk]  # [B]
-    within = jnp.cumsum(row)  # [B] inclusive
-    j = jnp.minimum(_count_le(within, u[1] * within[-1]), _last_positive(row))
-    return (blk * CDF_BLOCK + j).astype(jnp.int32)
-
-
-def first_argmax(x: Float[Array, "..."], axis: int = -1) -> tuple[Int[Array, " b"], Float[Array, " b"]]:
-    """(``jnp.argmax`` of a 2-d ``x`` over ``axis``, ties to the lowest index; the maxima).
-
-    ``axis=-1`` for rows ``[b, v]``, ``axis=0`` for vocabulary-major ``[v, b]`` (the engine's
-    greedy decode of a few rows). Tiled so that only one pass reads the whole vocabulary: the
-    maxima of ``CDF_BLOCK``-wide tiles, then the first tile holding the maximum, then the first
-    position in that tile. XLA:CPU runs the (value, index) pair reduction of ``argmax`` over a
-    whole vocabulary several times slower, and a mask-and-min formulation needs three passes. A
-    NaN row gives some index in range.
-    """
-    ax = axis % 2  # the vocabulary axis of x; tiles are [b, nt, B] (ax 1) or [nt, B, b] (ax 0)
-    v, b = x.shape[ax], x.shape[1 - ax]
-    nt = -(-v // CDF_BLOCK)
-    pad = [(0, 0), (0, 0)]
-    pad[ax] = (0, nt * CDF_BLOCK - v)
-    tiles = jnp.pad(x, pad, constant_values=-jnp.inf)
-    tiles = tiles.reshape((b, nt, CDF_BLOCK) if ax else (nt, CDF_BLOCK, b))
-    across, within = (1, 2) if ax else (0, 1)  # axes of the tile index and inside a tile
-    # the barrier keeps XLA from folding max(tile maxima) into a second pass over the vocabulary
-    tile_max = jax.lax.optimization_barrier(jnp.max(tiles, axis=within))  # [b, nt] or [nt, b]
-    top = jnp.max(tile_max, axis=across)  # [b]
-    t = jnp.argmax(tile_max == jnp.expand_dims(top, across), axis=across)  # [b] first such tile
-    pick = t[:, None, None] if ax else t[None, None, :]
-    tile = jnp.squeeze(jnp.take_along_axis(tiles, pick, axis=across), across)  # [b, B] / [B, b]
-    j = jnp.argmax(tile == jnp.expand_dims(top, ax), axis=ax)  # [b]
-    return jnp.minimum(t * CDF_BLOCK + j, v - 1).astype(jnp.int32), top
-
-
-def sample_tokens(logits: Float[Array, "b v"], keys, temperature: Float[Array, ""],
-                  top_p: Float[Array, ""], spec: SamplerSpec) -> Int[Array, " b"]:
-    """One token per row from f32 ``logits`` under ``spec``; ``keys`` holds one PRNG key per row."""
-    if spec.greedy:
-        return first_argmax(logits)[0]
-    z = logits / temperature  # [b, v]
-    if spec.top_k is None and not spec.top_p:
-        return jax.vmap(categorical)(keys, z)
-    if spec.top_k is not None:
-        vals, idx = jax.lax.top_k(z, min(spec.top_k, z.shape[-1]))  # [b, k] descending
-    else:
-        idx = jnp.argsort(-z, axis=-1)  # [b, v]
-        vals = jnp.take_along_axis(z, idx, axis=-1)
-    if spec.top_p:
-        probs = jax.nn.softmax(vals, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
-        vals = jnp.where(before < top_p, vals, -jnp.inf)  # the first token is always kept
-    choice = jax.vmap(categorical)(keys, vals)  # [b]
-    return jnp.take_along_axis(idx, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-
-
-def _pick(logits, keys, step, temperature, top_p, spec, vocab_axis: int = -1):
-    """Sampled token and its raw-policy log-prob for every row at ``step``.
-
-    The log-prob is ``log_softmax``'s arithmetic (``x - max - log(sum(exp(x - max)))``) at the
-    token only, so the [b, v] log-softmax is never written out; greedy reuses the row maxima.
-    ``vocab_axis=0``: greedy only, on vocabulary-major ``[v, b]`` logits. Without
-    ``spec.logprobs`` the log-probs are NaN and no pass over the vocabulary computes them.
-    """
-    logits = logits.astype(jnp.float32)  # [b, v] or [v, b]
-    ax = vocab_axis % 2
-    if ax == 0 and not spec.greedy:
-        raise ValueError("vocabulary-major logits are picked greedily only")
-    if spec.greedy:
-        tok, top = first_argmax(logits, ax)  # [b] each
-    else:
-        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
-        tok = sample_tokens(logits, step_keys, temperature, top_p, spec)  # [b]
-    if not spec.logprobs:
-        return tok, jnp.full(tok.shape, jnp.nan, jnp.float32)
-    if not spec.greedy:
-        top = jnp.max(logits, axis=-1)  # [b]
-    top = jnp.expand_dims(jax.lax.stop_gradient(top), ax)  # [b, 1] or [1, b]
-    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=ax))  # [b]
-    if spec.greedy:  # the picked logit is the maximum itself: no gather over the vocabulary
-        return tok, -lse
-    picked = jnp.take_along_axis(logits, jnp.expand_dims(tok, ax), axis=ax)  # [b, 1] or [1, b]
-    return tok, jnp.squeeze(picked - top, ax) - lse
-
-
-def _next_tokens(model, h, keys, step, temperature, top_p, spec: SamplerSpec, adapter: bool):
-    """``_pick`` on the logits of the last hidden states ``h [b, d]``: greedy decoding takes
-    them vocabulary-major when the head allows it (``Transformer.vocab_major_logits``)."""
-    if spec.greedy:
-        logits_t = model.vocab_major_logits(h, adapter)  # [v, b] or None
-        if logits_t is not None:
-            return _pick(logits_t, keys, step, temperature, top_p, spec, vocab_axis=0)
-    return _pick(model.logits(h, adapter), keys, step, temperature, top_p, spec)
-
-
-def row_keys(seed: Int[Array, ""], uid_hash: UInt32[Array, " b"], sample_index: Int[Array, " b"]):
-    """One typed PRNG key per row: ``fold_in(fold_in(key(seed), uid_hash), sample_index)``."""
-    base = jax.random.key(seed)
-    fold = jax.vmap(jax.random.fold_in, (0, 0))
-    return fold(jax.vmap(jax.random.fold_in, (None, 0))(base, uid_hash), sample_index)
+from rlx.rollout.jax.sampler import Knobs, SamplerSpec, next_tokens, row_keys
+from rlx.rollout.jax.stops import Stops
 
 
 def _constrain(cache: KVCache, kv: tuple[NamedSharding, NamedSharding] | None,
@@ -349,8 +191,8 @@ def segment_ends(new_tokens: int, max_segments: int = 4, min_steps: int = 32) ->
 
 def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens: Int[Array, " u"],
                    prompt_of_row: Int[Array, " b"], uid_hash: UInt32[Array, " b"],
-                   sample_index: Int[Array, " b"], seed: Int[Array, ""], temperature: Float[Array, ""],
-                   top_p: Float[Array, ""], max_new: Int[Array, ""], stop_ids: Int[Array, " k"],
+                   sample_index: Int[Array, " b"], seed: Int[Array, ""], knobs: Knobs,
+                   max_new: Int[Array, ""], stops: Stops,
                    kept: KeptPrefix | None = None, *, static: GenerateStatic):
     """Generate up to ``max_new`` tokens per row; row r continues prompt ``prompt_of_row[r]``
     (-1: a padding row). With as many prompts as rows, row r must continue prompt r. With
@@ -358,7 +200,8 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     holds ``kept.width`` more slots before the prompts': ``width`` below).
 
     Returns (tokens [b, n], raw-policy log-probs [b, n], lengths [b], stopped [b]); entries at or
-    beyond a row's length are 0. ``stopped``: the row ended on a stop token (kept as its last token).
+    beyond a row's length are 0. ``stopped``: the row ended on a stop token or completed a stop
+    string (``stops``; that token kept as its last).
     The cache starts at ``width + segment_ends(n)[0]`` slots and grows by a segment at a time;
     ``static.keep_cache`` adds its final keys and values (tuples, one per layer or stack).
     ``static.record_routes`` adds the experts every MoE layer chose for each token fed: the
@@ -376,20 +219,21 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     keys = row_keys(seed, uid_hash, sample_index)
     last, cache, prompt_lens, prompt_routes, dropped = _prefill(
         model, prompt_ids, prompt_lens, prompt_of_row, p + ends[0], static, kept)
-    tok, logp = _next_tokens(model, last, keys, 0, temperature, top_p, static.spec, static.adapter)
+    tok, logp = next_tokens(model, last, keys, 0, knobs, static.spec, static.adapter)
     inactive = prompt_lens == 0
-    stopped = jnp.isin(tok, stop_ids) & ~inactive
+    text, stopped = stops.check(stops.start(b), tok)
+    stopped = stopped & ~inactive
     carry = dict(step=jnp.ones((), jnp.int32), cache=cache, last=tok,
                  tokens=jnp.zeros((b, n), jnp.int32).at[:, 0].set(tok),
                  logps=jnp.zeros((b, n), jnp.float32).at[:, 0].set(logp),
                  lengths=jnp.where(inactive, 0, 1).astype(jnp.int32), stopped=stopped,
-                 done=stopped | inactive)
+                 done=stopped | inactive, text=text)
     if static.record_routes:
         carry["routes"] = jnp.full((b, n, *prompt_routes.shape[2:]), -1, ROUTE_DTYPE)
     if static.count_dropped:
         carry["dropped"] = dropped
     body = functools.partial(_decode_step, model=model, keys=keys, prompt_lens=prompt_lens,
-                             temperature=temperature, top_p=top_p, stop_ids=stop_ids, static=static)
+                             knobs=knobs, stops=stops, static=static)
     limit = jnp.minimum(max_new, n)
     for end in ends:
         if carry["cache"].length < p + end:
@@ -408,7 +252,7 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
     return out
 
 
-def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, static):
+def _decode_step(c, *, model, keys, prompt_lens, knobs, stops: Stops, static):
     """Feed every row's last token, sample the next one; finished rows keep their outputs."""
     step = c["step"]
     positions = (prompt_lens + step - 1)[:, None]  # [b, 1]
@@ -427,16 +271,16 @@ def _decode_step(c, *, model, keys, prompt_lens, temperature, top_p, stop_ids, s
     else:
         h, cache = model.decode(c["last"][:, None], positions, segments, c["cache"],
                                 static.adapter)
-    tok, logp = _next_tokens(model, h[:, 0], keys, step, temperature, top_p, static.spec,
-                             static.adapter)
+    tok, logp = next_tokens(model, h[:, 0], keys, step, knobs, static.spec, static.adapter)
     put = functools.partial(jax.lax.dynamic_update_index_in_dim, index=step, axis=1)
     tokens = put(c["tokens"], jnp.where(live, tok, 0))
     logps = put(c["logps"], jnp.where(live, logp, 0.0))
-    stopped = c["stopped"] | (live & jnp.isin(tok, stop_ids))
+    text, hit = stops.check(c["text"], tok)
+    stopped = c["stopped"] | (live & hit)
     return dict(step=step + 1, cache=_constrain(cache, static.kv_sharding, static.row_sharding),
                 last=tok, tokens=tokens, logps=logps,
                 lengths=jnp.where(live, step + 1, c["lengths"]), stopped=stopped,
-                done=c["done"] | stopped, **out)
+                done=c["done"] | stopped, text=text, **out)
 
 
 def sequence_logprobs(state: nnx.State, ids: Int[Array, "b t"], lens: Int[Array, " b"], *,

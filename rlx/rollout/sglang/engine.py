@@ -244,6 +244,8 @@ def sampling_payload(s: SamplingParams, sample_index: int) -> dict:
         out["top_p"] = s.top_p
     if s.top_k is not None:
         out["top_k"] = s.top_k
+    if s.min_p is not None:
+        out["min_p"] = s.min_p
     if s.seed is not None:
         out["sampling_seed"] = s.seed + sample_index
     return out

@@ -27,7 +27,9 @@ from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.quant import LoRA, LoraConfig, quantize_array
 from rlx.rollout.jax.engine import JaxEngine
-from rlx.rollout.jax.sampling import GenerateStatic, SamplerSpec, generate_batch
+from rlx.rollout.jax.sampler import Knobs, SamplerSpec
+from rlx.rollout.jax.sampling import GenerateStatic, generate_batch
+from rlx.rollout.jax.stops import Stops
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import hf_config, make_hf_model
@@ -115,8 +117,8 @@ def _loop_buffers(engine: JaxEngine, rows: int, prompt: int, new_tokens: int):
     static = GenerateStatic(engine._graphdef, SamplerSpec(), new_tokens, engine.adapter)
     row = jnp.zeros((rows,), jnp.int32)
     args = (jnp.zeros((rows, prompt), jnp.int32), row + prompt, row, row.astype(jnp.uint32), row,
-            jnp.int32(0), jnp.float32(1), jnp.float32(1), jnp.int32(new_tokens),
-            jnp.full((4,), -1, jnp.int32))
+            jnp.int32(0), Knobs.of(1.0, None, None), jnp.int32(new_tokens),
+            Stops(jnp.full((4,), -1, jnp.int32)))
     jaxpr = jax.make_jaxpr(functools.partial(generate_batch, static=static))(engine._state, *args)
     loops = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "while"]
     assert loops
