@@ -42,7 +42,7 @@ from jaxtyping import Array, Float, Int
 from rlx.kernels.attention import attend
 from rlx.kernels.attention.context import ContextSplit
 from rlx.models.hparams import ModelConfig
-from rlx.models.kv_cache import KVCache, write_slots
+from rlx.models.kv_cache import KVCache
 from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq, rotate, weight_value
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
@@ -139,11 +139,11 @@ class Attention(nnx.Module):
         """
         q, k, v = self._qkv(x, angles, adapter)
         k, v = (k, v) if order is None else (order.in_slot_order(a) for a in (k, v))
-        keys = write_slots(kv[0], k, cache.index, keys=True)  # [b, kv, d, s]
-        values = write_slots(kv[1], v, cache.index, keys=False)  # [b, kv, s, d]
+        kv = cache.store(kv, (k, v))
+        keys, values = cache.view(kv)  # [b, kv, d, s], [b, kv, s, d]
         out = attend(q, keys, values, segment_ids, cache.segment_ids, positions, cache.positions,
                      kv_major=True, sharding=None if order is None else self.sharding)
-        return self._out(out, adapter), (keys, values)
+        return self._out(out, adapter), kv
 
 
 def _dense_mlp(cfg: ModelConfig, p: Precision, rngs) -> DenseMLP:

@@ -28,8 +28,10 @@ carry their own positions (rotary embedding and causality use positions, not slo
 
 ``Transformer.decode(ids [B, T], positions, segment_ids, cache)`` runs the same ``Attention``,
 ``Block`` and MLP/MoE modules as the training forward pass; the only difference is that keys and
-values (or latents) are written into the cache at ``index .. index + T`` and queries attend to the
-whole cache under the usual position/segment mask (``rlx.kernels.attention``).
+values (or latents) are written into the cache (``store``: at ``index .. index + T``) and queries
+attend to the whole cache (``view``) under the usual position/segment mask
+(``rlx.kernels.attention``). ``rlx.models.paged_kv.PagedKVCache`` keeps the same interface over
+pages.
 """
 
 from __future__ import annotations
@@ -110,6 +112,17 @@ class KVCache:
         return self.replace(keys=tuple(map(layer, self.keys)),
                             values=tuple(map(layer, self.values)),
                             positions=take(self.positions), segment_ids=take(self.segment_ids))
+
+    def store(self, kv: tuple, new: tuple) -> tuple:
+        """One layer's (keys, values) buffers with ``new`` (keys, values) written at ``index``,
+        in the projections' layout (``write_slots``)."""
+        return (write_slots(kv[0], new[0], self.index, keys=True),
+                write_slots(kv[1], new[1], self.index, keys=False))
+
+    def view(self, kv: tuple) -> tuple:
+        """One layer's buffers as attention reads them: as they are (a paged cache gathers its
+        pages into this layout, ``rlx.models.paged_kv``)."""
+        return kv
 
     def advance(self, keys, values, steps: int) -> "KVCache":
         """The cache after a call that wrote ``steps`` tokens into every layer."""

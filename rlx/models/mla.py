@@ -40,7 +40,7 @@ from jaxtyping import Array, Float
 from rlx.kernels.attention import MASK_VALUE, attend, attention_mask
 from rlx.kernels.attention.context import ContextSplit
 from rlx.models.hparams import ModelConfig
-from rlx.models.kv_cache import KVCache, write_slots
+from rlx.models.kv_cache import KVCache
 from rlx.models.layers import Linear, RMSNorm, quantize_activations, rotate, weight_value
 
 # which cached slots the new tokens see: (their segment ids, the slots' segment ids, their
@@ -175,8 +175,8 @@ class MLAttention(nnx.Module):
         latent, k_rope = self.latent_kv(x, angles, adapter)  # [b, t, c], [b, t, 1, r]
         if order is not None:
             latent, k_rope = (order.in_slot_order(a) for a in (latent, k_rope))
-        rope_keys = write_slots(kv[0], k_rope[:, :, 0], cache.index, keys=True)  # [b, r, s]
-        latents = write_slots(kv[1], latent, cache.index, keys=False)  # [b, s, c]
+        kv = cache.store(kv, (k_rope[:, :, 0], latent))
+        rope_keys, latents = cache.view(kv)  # [b, r, s], [b, s, c]
         seen = (segment_ids, cache.segment_ids, positions, cache.positions)
         q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
         if x.shape[1] == 1 and self.absorbable(adapter):
@@ -184,7 +184,7 @@ class MLAttention(nnx.Module):
         else:  # [b, t, h, v]
             out = self.expanded(q_nope, q_rope, rope_keys, latents, seen, adapter,
                                 context=order is not None)
-        return self._out(out, adapter), (rope_keys, latents)
+        return self._out(out, adapter), kv
 
     def expanded(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
                  rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],
