@@ -197,7 +197,8 @@ def sample_tokens(logits: Float[Array, "b v"], keys, knobs: Knobs, spec: Sampler
 
 
 def pick(logits, keys, step, knobs: Knobs, spec: SamplerSpec, vocab_axis: int = -1):
-    """Sampled token and its raw-policy log-prob for every row at ``step``.
+    """Sampled token and its raw-policy log-prob for every row at ``step`` (one for all rows,
+    or each row's own ``[b]``).
 
     The log-prob is ``log_softmax``'s arithmetic (``x - max - log(sum(exp(x - max)))``) at the
     token only, so the [b, v] log-softmax is never written out; greedy reuses the row maxima.
@@ -211,7 +212,7 @@ def pick(logits, keys, step, knobs: Knobs, spec: SamplerSpec, vocab_axis: int = 
     if spec.greedy:
         tok, top = first_argmax(logits, ax)  # [b] each
     else:
-        step_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, step)
+        step_keys = jax.vmap(jax.random.fold_in, (0, 0 if jnp.ndim(step) else None))(keys, step)
         tok = sample_tokens(logits, step_keys, knobs, spec)  # [b]
     if not spec.logprobs:
         return tok, jnp.full(tok.shape, jnp.nan, jnp.float32)

@@ -1,0 +1,156 @@
+"""Device programs of the built-in engine's continuous batching over a paged KV cache.
+
+The engine keeps ``S`` decode slots. Their state is arrays (``Slots``); which request a slot
+serves, which pages it holds and when it is refilled is the host's (``rlx.rollout.jax.scheduler``),
+between calls of three compiled programs, each on the shared page pools
+(``rlx.models.paged_kv.PagedKVCache``, donated and returned):
+
+* ``prefill_chunk``: up to ``C`` prompt tokens of each of ``R`` sequences written into their
+  pages (chunked prefill: a long prompt takes several calls, interleaved with decode bursts),
+  returning each row's hidden state at its last token;
+* ``first_tokens``: a prompt's ``n`` samples' first tokens drawn from its last hidden state (the
+  samples then share its pages);
+* ``decode_burst``: up to ``K`` decode steps of every live slot, as one ``while_loop`` that stops
+  early when every slot is done, or when a slot finishes while requests wait
+  (``stop_on_free``): the host refills it at once.
+
+Host scheduling between fixed-length bursts rather than a scheduler inside the program: admission
+(which request, which pages, sharing a prefix by its tokens, preempting when pages run out), stop
+strings' bookkeeping and multi-turn continuations are irregular, data-dependent work that would
+need every waiting prompt on the device in fixed-size queues; a burst of ``K`` steps amortises
+the dispatch. A slot that finishes mid-burst idles for the rest of it (at most ``K - 1`` steps),
+and with ``stop_on_free`` not even that when requests wait.
+
+A slot's token ``j`` is drawn with the key of its request (``row_keys``: seed, prompt uid,
+sample index) folded with ``j``, and every row's arithmetic is its own, so a request's tokens and
+log-probs do not depend on the slots beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jaxtyping import Array, Bool, Float, Int, UInt32
+
+from rlx.models.paged_kv import PagedKVCache
+from rlx.models.stack import decode_model
+from rlx.rollout.jax.sampler import Knobs, SamplerSpec, next_tokens, row_keys
+from rlx.rollout.jax.stops import Stops
+
+
+@struct.dataclass
+class Slots:
+    """The decode slots' state (``S`` rows)."""
+
+    table: Int[Array, "s m"]  # each slot's pages in token order
+    length: Int[Array, " s"]  # tokens in its cache (the prompt and every fed token)
+    last: Int[Array, " s"]  # the last drawn token, fed next
+    generated: Int[Array, " s"]  # tokens drawn so far (the next one's step)
+    limit: Int[Array, " s"]  # max tokens to draw
+    live: Bool[Array, " s"]  # drawing
+    text: Int[Array, " s"]  # stop-string automaton state
+    uid_hash: UInt32[Array, " s"]
+    sample_index: Int[Array, " s"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContinuousStatic:
+    """Hashable settings of the compiled programs."""
+
+    graphdef: nnx.GraphDef
+    spec: SamplerSpec
+    burst: int = 16  # decode steps per burst (at most)
+    adapter: bool = True
+
+
+def _model(static: ContinuousStatic, state: nnx.State):
+    return decode_model(nnx.merge(static.graphdef, state))
+
+
+def prefill_chunk(state: nnx.State, pools: PagedKVCache, ids: Int[Array, "r c"],
+                  positions: Int[Array, "r c"], segments: Int[Array, "r c"],
+                  table: Int[Array, "r m"], lengths: Int[Array, " r"], *,
+                  static: ContinuousStatic) -> tuple[PagedKVCache, Float[Array, "r d"]]:
+    """Write ``ids`` (at ``positions``; segment 0: padding) into the rows' pages; returns the
+    pools and each row's final-norm hidden state at its last real token of the chunk."""
+    model = _model(static, state)
+    view = pools.with_rows(table, lengths)
+    h, out = model.decode(ids, positions, segments, view, static.adapter)
+    last = jnp.maximum(jnp.sum(segments > 0, axis=1) - 1, 0)
+    return out.with_rows(pools.table, pools.lengths), jnp.take_along_axis(
+        h, last[:, None, None], axis=1)[:, 0]
+
+
+def first_tokens(state: nnx.State, h: Float[Array, "n d"], uid_hash: UInt32[Array, " n"],
+                 sample_index: Int[Array, " n"], seed: Int[Array, ""], knobs: Knobs,
+                 stops: Stops, *, static: ContinuousStatic):
+    """Each sample's first token and its raw-policy log-prob from its prompt's last hidden
+    state (step 0 of its key), the stop automaton's state after it and whether it stops."""
+    model = _model(static, state)
+    keys = row_keys(seed, uid_hash, sample_index)
+    tok, logp = next_tokens(model, h, keys, 0, knobs, static.spec, static.adapter)
+    text, hit = stops.check(jnp.zeros_like(tok), tok)
+    return tok, logp, text, hit
+
+
+def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[Array, ""],
+                 knobs: Knobs, stops: Stops, stop_on_free: Bool[Array, ""], *,
+                 static: ContinuousStatic):
+    """Up to ``static.burst`` steps of every live slot: feed its last token, draw the next.
+
+    Returns (pools, slots, tokens [s, K], log-probs [s, K], drawn [s], stopped [s]): slot ``r``
+    drew ``drawn[r]`` tokens in this burst (columns ``0 .. drawn - 1``); ``stopped``: it ended on
+    a stop token or string (else a finished slot reached its limit)."""
+    model = _model(static, state)
+    s, k = slots.live.shape[0], static.burst
+    keys = row_keys(seed, slots.uid_hash, slots.sample_index)
+
+    def step(c):
+        sl, live = c["slots"], c["slots"].live
+        view = pools.replace(keys=c["kv"][0], values=c["kv"][1]).with_rows(sl.table, sl.length)
+        h, out = model.decode(sl.last[:, None], sl.length[:, None],
+                              live[:, None].astype(jnp.int32), view, static.adapter)
+        tok, logp = next_tokens(model, h[:, 0], keys, sl.generated, knobs, static.spec,
+                                static.adapter)
+        text, hit = stops.check(sl.text, tok)
+        done = live & (hit | (sl.generated + 1 >= sl.limit))
+        put = lambda buf, x: jax.lax.dynamic_update_index_in_dim(  # noqa: E731
+            buf, jnp.where(live, x, 0).astype(buf.dtype), c["i"], axis=1)
+        sl = sl.replace(length=sl.length + live, last=jnp.where(live, tok, sl.last),
+                        generated=sl.generated + live, live=live & ~done,
+                        text=jnp.where(live, text, sl.text))
+        return dict(i=c["i"] + 1, kv=(out.keys, out.values), slots=sl,
+                    tokens=put(c["tokens"], tok), logps=put(c["logps"], logp),
+                    drawn=c["drawn"] + live, stopped=c["stopped"] | (live & hit),
+                    freed=c["freed"] | jnp.any(done))
+
+    def more(c):
+        return (c["i"] < k) & jnp.any(c["slots"].live) & ~(stop_on_free & c["freed"])
+
+    c = dict(i=jnp.zeros((), jnp.int32), kv=(pools.keys, pools.values), slots=slots,
+             tokens=jnp.zeros((s, k), jnp.int32), logps=jnp.zeros((s, k), jnp.float32),
+             drawn=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool),
+             freed=jnp.zeros((), bool))
+    c = jax.lax.while_loop(more, step, c)
+    pools = pools.replace(keys=c["kv"][0], values=c["kv"][1])
+    return pools, c["slots"], c["tokens"], c["logps"], c["drawn"], c["stopped"]
+
+
+def compile_programs(model, spec: SamplerSpec, *, burst: int, adapter: bool = True):
+    """The three programs jitted on ``model``'s variables, pools donated, and the page copy
+    (``rlx.rollout.jax.scheduler.Programs``)."""
+    from rlx.models.paged_kv import copy_pages
+    from rlx.rollout.jax.scheduler import Programs
+
+    graphdef, state = nnx.split(model)
+    static = ContinuousStatic(graphdef, spec, burst, adapter)
+    prefill = jax.jit(functools.partial(prefill_chunk, static=static), donate_argnums=1)
+    first = jax.jit(functools.partial(first_tokens, static=static))
+    step = jax.jit(functools.partial(decode_burst, static=static), donate_argnums=1)
+    copy = jax.jit(copy_pages, donate_argnums=0)
+    return Programs(lambda *a: prefill(state, *a), lambda *a: first(state, *a),
+                    lambda *a: step(state, *a), copy)
