@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
-from rlx.models.paged_kv import PagedKVCache
+from rlx.models.paged_kv import PagedKVCache, copy_pages
 from rlx.models.stack import decode_model
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec, next_tokens, row_keys
 from rlx.rollout.jax.stops import Stops
@@ -55,6 +56,16 @@ class Slots:
     text: Int[Array, " s"]  # stop-string automaton state
     uid_hash: UInt32[Array, " s"]
     sample_index: Int[Array, " s"]
+
+
+@dataclasses.dataclass
+class Programs:
+    """The compiled programs (``rlx.rollout.jax.continuous``) bound to the engine's weights."""
+
+    prefill: Callable  # (pools, ids, positions, segments, table, lengths) -> (pools, h)
+    first: Callable  # (h, uid_hash, sample_index, seed, knobs) -> (tokens, logps)
+    burst: Callable  # (pools, slots, seed, knobs, stops, stop_on_free) -> (pools, slots, ...)
+    copy: Callable  # (pools, source, target) -> pools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +152,7 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
 
 
 def compile_programs(model, spec: SamplerSpec, *, burst: int, adapter: bool = True):
-    """The three programs jitted on ``model``'s variables, pools donated, and the page copy
-    (``rlx.rollout.jax.scheduler.Programs``)."""
-    from rlx.models.paged_kv import copy_pages
-    from rlx.rollout.jax.scheduler import Programs
-
+    """The three programs jitted on ``model``'s variables, pools donated, and the page copy."""
     graphdef, state = nnx.split(model)
     static = ContinuousStatic(graphdef, spec, burst, adapter)
     prefill = jax.jit(functools.partial(prefill_chunk, static=static), donate_argnums=1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlx.rollout.jax.batching import row_rollout, uid_hash
-from rlx.rollout.jax.continuous import Slots
+from rlx.rollout.jax.continuous import Programs, Slots
 from rlx.rollout.jax.pages import PagePool, SequencePages
 from rlx.types import Prompt, Rollout, SamplingParams
 
@@ -50,16 +50,6 @@ class _Running:
     seq: SequencePages
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class Programs:
-    """The compiled programs (``rlx.rollout.jax.continuous``) bound to the engine's weights."""
-
-    prefill: Callable  # (pools, ids, positions, segments, table, lengths) -> (pools, h)
-    first: Callable  # (h, uid_hash, sample_index, seed, knobs) -> (tokens, logps)
-    burst: Callable  # (pools, slots, seed, knobs, stops, stop_on_free) -> (pools, slots, ...)
-    copy: Callable  # (pools, source, target) -> pools
 
 
 class Scheduler:
