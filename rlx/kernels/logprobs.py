@@ -372,7 +372,10 @@ def token_logprobs(
         flat_h = jnp.pad(flat_h, ((0, pad), (0, 0)))  # [N + pad, D]
         flat_y = jnp.pad(flat_y, (0, pad))  # [N + pad]
     chunks_h = flat_h.reshape(n_chunks, chunk_size, d)  # [K, C, D]
-    chunks_y = flat_y.reshape(n_chunks, chunk_size)  # [K, C]
+    # [K, C] by a gather of constant indices, not a reshape: XLA:TPU (libtpu 0.0.52) fails to
+    # compile that reshape of int32 targets it places in alternate memory ("Reshape should have
+    # supported layout before reaching the emitter"; 8,192-token rows split 4 ways)
+    chunks_y = flat_y[np.arange(n_chunks * chunk_size).reshape(n_chunks, chunk_size)]
     if isinstance(project, LMHead):
         cfg = _Blocking(min(vocab_block, project.vocab_size), compute_entropy)
         outs = _blocked_logprobs(cfg, project, chunks_h, chunks_y)

@@ -26,8 +26,10 @@ with no per-head key or value ever formed (``absorbed``). A call with several ne
 prefill, a teacher-forced score) is compute-bound and runs the training path's order instead:
 it expands the cached latents into per-head keys and values (``expanded``). Both write the
 latent. A LoRA adapter on ``kv_b_proj`` is folded into the absorbed blocks (``kv_b_blocks``); a
-W8A8 activation quantizer on it quantizes the cached latents per token as the ``Linear`` does,
-except with an adapter as well (whose input is not quantized), where decode steps expand.
+W8A8 activation quantizer on it quantizes the cached latents per token as the ``Linear`` does; with
+an adapter as well (whose input is not quantized) the base's blocks meet the quantized latents and
+the adapter's delta the plain ones, two absorbed terms (``_absorbed_parts``): no decode step
+forms per-head keys or values.
 """
 
 from __future__ import annotations
@@ -117,30 +119,39 @@ class MLAttention(nnx.Module):
         k_rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, s, h, m.qk_rope_head_dim))
         return jnp.concatenate([k_nope, k_rope], axis=-1), values
 
-    def kv_b_blocks(self, dtype, adapter: bool = True
+    def kv_b_blocks(self, dtype, adapter: bool = True, base: bool = True
                     ) -> tuple[Float[Array, "c h n"], Float[Array, "c h v"]]:
         """``kv_b_proj``'s kernel split per head into its key block ``[kv_lora_rank, h,
         qk_nope_head_dim]`` and value block ``[kv_lora_rank, h, v_head_dim]``: the matrices an
         absorbed decode folds into the query and the output. A quantized kernel is dequantized, an
         ``[out, in]`` engine copy read back as ``[in, out]``, and with ``adapter`` an attached
         LoRA adapter's ``scaling * A B`` is added (in f32, rounded once): the adapter is linear,
-        so its delta is its output for the identity (dropout is off in the eval-mode decode)."""
+        so its delta is its output for the identity (dropout is off in the eval-mode decode).
+        ``base=False``: the adapter's delta alone."""
         m, lin = self.mla, self.kv_b_proj
         lora = adapter and lin.lora is not None
-        w = weight_value(lin.kernel, jnp.float32 if lora else dtype)
-        w = w.T if lin.kernel_layout == "out_in" else w  # [c, h * (n + v)]
+        if base:
+            w = weight_value(lin.kernel, jnp.float32 if lora else dtype)
+            w = w.T if lin.kernel_layout == "out_in" else w  # [c, h * (n + v)]
+        else:
+            w = jnp.zeros((), jnp.float32)
         if lora:
             eye = jnp.eye(m.kv_lora_rank, dtype=lin.dtype)
             w = (w + lin.lora(eye, jnp.float32).astype(jnp.float32)).astype(dtype)
         w = w.reshape(m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)
         return w[..., :m.qk_nope_head_dim], w[..., m.qk_nope_head_dim:]
 
-    def absorbable(self, adapter: bool = True) -> bool:
-        """Whether ``absorbed`` computes exactly what ``kv_b_proj`` would: not when a W8A8
-        activation quantizer feeds its base a quantized latent while an active adapter sees the
-        latent as it is."""
+    def _absorbed_parts(self, dtype, adapter: bool):
+        """``absorbed``'s terms: (key block, value block, whether that term's latent is the
+        activation-quantized one). One term, the base with the adapter folded in, unless a W8A8
+        quantizer feeds the base a quantized latent while an active adapter sees the latent as
+        it is: then the base on the quantized latent and the adapter's delta on the plain one
+        (both linear in the latent, so each absorbs on its own)."""
         lin = self.kv_b_proj
-        return lin.act_quant == "none" or not (adapter and lin.lora is not None)
+        if lin.act_quant == "none" or not (adapter and lin.lora is not None):
+            return [(*self.kv_b_blocks(dtype, adapter), True)]
+        return [(*self.kv_b_blocks(dtype, False), True),
+                (*self.kv_b_blocks(dtype, True, base=False), False)]
 
     def _qkv(self, x, angles, adapter: bool):
         """Queries, keys and values of a sequence over itself. Under context parallelism the
@@ -179,7 +190,7 @@ class MLAttention(nnx.Module):
         rope_keys, latents = cache.view(kv)  # [b, r, s], [b, s, c]
         seen = (segment_ids, cache.segment_ids, positions, cache.positions)
         q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
-        if x.shape[1] == 1 and self.absorbable(adapter):
+        if x.shape[1] == 1:
             out = self.absorbed(q_nope, q_rope, rope_keys, latents, seen, adapter)
         else:  # [b, t, h, v]
             out = self.expanded(q_nope, q_rope, rope_keys, latents, seen, adapter,
@@ -204,20 +215,27 @@ class MLAttention(nnx.Module):
                  seen: Seen, adapter: bool = True) -> Float[Array, "b t h v"]:
         """``expanded``'s attention with ``kv_b_proj`` absorbed (``kv_b_blocks``): scores
         ``(q_nope W_k) . latent + q_rope . k_rope``, output ``(probs . latent) W_v``; scores and
-        softmax in f32. The ``t`` tokens' heads are one ``[t * h]`` query axis, so each product
-        is one batched matrix product per row over the whole cache."""
+        softmax in f32 (``_absorbed_parts``: one such term, or two under W8A8 with an
+        adapter). The ``t`` tokens' heads are one ``[t * h]`` query axis, so each product is
+        one batched matrix product per row over the whole cache."""
         b, t, h, _ = q_nope.shape
         dtype = q_nope.dtype
-        w_k, w_v = self.kv_b_blocks(dtype, adapter)  # [c, h, n], [c, h, v]
-        lat = quantize_activations(latents.astype(dtype), self.kv_b_proj.act_quant)  # [b, s, c]
-        q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_k).reshape(b, t * h, -1)  # [b, th, c]
-        q_rot = q_rope.astype(dtype).reshape(b, t * h, -1)  # [b, th, r]
+        plain = latents.astype(dtype)  # [b, s, c]
+        quantized = quantize_activations(plain, self.kv_b_proj.act_quant)
+        parts = self._absorbed_parts(dtype, adapter)
         f32 = dict(preferred_element_type=jnp.float32)
-        scores = (jnp.einsum("bqc,bsc->bqs", q_lat, lat, **f32)
-                  + jnp.einsum("bqr,brs->bqs", q_rot, rope_keys.astype(dtype), **f32))
+        q_rot = q_rope.astype(dtype).reshape(b, t * h, -1)  # [b, th, r]
+        scores = jnp.einsum("bqr,brs->bqs", q_rot, rope_keys.astype(dtype), **f32)
+        for w_k, _, quant in parts:
+            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_k).reshape(b, t * h, -1)  # [b, th, c]
+            scores = scores + jnp.einsum("bqc,bsc->bqs", q_lat, quantized if quant else plain,
+                                         **f32)
         scores = scores.reshape(b, t, h, -1) * self.scale  # [b, t, h, s]
         mask = attention_mask(*seen)  # [b, t, s]: one decode step's row per query
         scores = jnp.where(mask[:, :, None, :], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, t * h, -1)
-        out_lat = jnp.einsum("bqs,bsc->bqc", probs, lat).reshape(b, t, h, -1)  # [b, t, h, c]
-        return jnp.einsum("bthc,chv->bthv", out_lat, w_v)
+        out = 0
+        for _, w_v, quant in parts:
+            lat = jnp.einsum("bqs,bsc->bqc", probs, quantized if quant else plain)
+            out = out + jnp.einsum("bthc,chv->bthv", lat.reshape(b, t, h, -1), w_v)
+        return out

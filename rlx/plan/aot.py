@@ -310,8 +310,9 @@ def spec_for(cfg: Any, args: argparse.Namespace, topo: Topology) -> PlanSpec:
     if args.rows or args.micro_batches:
         spec = spec.replace(rows=args.rows or spec.rows,
                             micro_batches=args.micro_batches or spec.micro_batches)
-    return spec.replace(rollout_rows=args.rollout_rows or spec.rollout_rows,
-                        rollout_len=args.rollout_len or spec.rollout_len)
+    length = args.rollout_len or spec.rollout_len
+    return spec.replace(rollout_rows=args.rollout_rows or spec.rollout_rows, rollout_len=length,
+                        rollout_prompt=spec.rollout_prompt if spec.rollout_prompt < length else 0)
 
 
 def main(argv=None) -> int:

@@ -38,8 +38,9 @@ from rlx.rollout.jax.stops import Stops
 # XLA:TPU's generate-step temporaries per feature of ``sample_features`` (bytes per byte),
 # fitted by ``rlx.plan.aot.calibrate_sample``
 SAMPLE_TPU_COEFFS = {"kv": 1.603, "resid": 0.0, "qkv": 0.0, "scores": 0.0, "moe_d": 2.526,
-                     "moe_f": 0.0, "experts": 2.145, "logits": 0.0, "expand": 0.0,
-                     "layer_w": 0.0, "moe_q": 1.122, "unpack": 0.72}
+                     "moe_f": 0.0, "experts": 2.145, "logits": 0.0,
+                     "layer_w": 0.0, "moe_q": 1.122, "unpack": 0.72, "gathered": 2.0,
+                     "kv_full": 4.5}
 # The whole-model generate programs ``calibrate_sample`` fits besides ``SAMPLE_CALIBRATION``: the
 # arguments of ``python -m rlx.plan`` and XLA:TPU's temporaries in GB per device
 # (rlx/plan/README.md's generate rows)
@@ -59,10 +60,11 @@ SAMPLE_CALIBRATION: tuple[str, ...] = (
 
 def generate_shapes(spec: PlanSpec) -> tuple[int, int, int]:
     """(rows, prompt width, new-token buffer) of the engine's bucket for ``spec``'s rollouts:
-    ``rollout_len`` split as a quarter prompt, three quarters completion (the 1T recipes: 512 +
-    1536), each rounded up as ``rlx.rollout.jax.engine.Buckets`` rounds them."""
+    ``rollout_len`` split as ``rollout_prompt`` prompt tokens (a run config's
+    ``max_prompt_tokens``; else a quarter) and the rest completion, each rounded up as
+    ``rlx.rollout.jax.engine.Buckets`` rounds them."""
     b, dp = Buckets(max_rows=spec.rollout_rows), batch_shards(spec.mesh, SAMPLE_RULES)
-    prompt = spec.rollout_len // 4
+    prompt = spec.rollout_prompt or spec.rollout_len // 4
     return b.rows(spec.rollout_rows, dp), b.prompt(prompt), b.new_tokens(spec.rollout_len - prompt)
 
 
@@ -175,13 +177,6 @@ def _one_layer(spec: PlanSpec):
     return abstract_model(one).layers[0]
 
 
-def _absorbed(layer) -> bool:
-    """Whether the engine's decode steps absorb MLA's ``kv_b_proj`` (``rlx.models.mla``): not
-    where an adapter on a W8A8 ``kv_b_proj`` sees the unquantized latent; then every decode step
-    expands the whole cache into per-head keys and values."""
-    return not hasattr(layer.self_attn, "absorbable") or layer.self_attn.absorbable(True)
-
-
 def _copy_bytes(spec: PlanSpec, w, float_copy: bool) -> int:
     """Bytes per element of weight ``w``'s working copy in a prefill: a quantized one's
     dequantized copy, f32 where ``QTensor.dequantize`` computes in f32 (f32 scales, as fp8
@@ -197,28 +192,32 @@ def sample_features(spec: PlanSpec) -> dict[str, float]:
     """Bytes per device of the generate step's buffers, one unit of each ``SAMPLE_TPU_COEFFS``.
 
     ``kv``: the cache of the bucket's rows as the prefill writes it (prompt + first segment
-    slots; the programs' peak is in the prefill, the cache grows by segments after it). Of the
-    prefill (rows x prompt tokens per device, one layer at a time): ``resid`` its hidden states,
+    slots, a device's share of them under ``context``; the programs' peak is in the prefill,
+    the cache grows by segments after it). Of the prefill (rows x prompt tokens per device: a
+    row's over ``context``; one layer at a time): ``gathered`` one layer's prompt keys and
+    values (MLA: latents) gathered whole under context parallelism, ``resid`` its hidden states,
     ``qkv`` its attention projections (MLA: also the per-head keys and values expanded over the
     first segment's slots), ``scores`` its f32 attention scores over those slots, ``layer_w``
     the largest layer's non-expert weights as the scan gathers (and dequantizes) them, and the
-    MoE terms of ``_moe_features``. ``logits``: one step's f32 logits; ``expand``: MLA's cache
-    expanded into per-head keys and values by decode steps that cannot absorb ``kv_b_proj``."""
+    MoE terms of ``_moe_features``. ``logits``: one step's f32 logits (MLA's decode steps absorb
+    ``kv_b_proj``: no per-head keys or values, ``rlx.models.mla``).
+    ``kv_full``: the whole cache (every slot of the bucket), the last decode segment's buffer."""
     c, m, layer = spec.model, spec.mesh, _one_layer(spec)
     a = 2 if spec.dtype == "bfloat16" else 4
     rows, p, new = generate_shapes(spec)
     r = math.ceil(rows / batch_shards(m, SAMPLE_RULES))
-    slots, n = p + segment_ends(new)[0], r * p
+    slots, n = p + segment_ends(new)[0], r * p // m.context
     per_token = kv_cache_per_token(c) if c.mla is not None else kv_cache_per_token(c) / m.tensor
     kv_bytes = 2 if spec.kv_dtype == "bfloat16" else 4
-    f = {"kv": c.num_layers * r * slots * per_token * kv_bytes,
+    f = {"kv": c.num_layers * r * slots // m.context * per_token * kv_bytes,
          "resid": a * n * c.hidden_size, "qkv": a * n * _qkv_width(spec),
-         "scores": 4 * r * c.num_heads / m.tensor * p * slots,
-         "logits": 4 * r * c.vocab_size / m.tensor, "expand": 0.0}
+         "scores": 4 * r * c.num_heads / m.tensor * p // m.context * slots,
+         "logits": 4 * r * c.vocab_size / m.tensor,
+         "gathered": a * r * p * per_token if m.context > 1 else 0.0,
+         "kv_full": c.num_layers * r * (p + new) // m.context * per_token * kv_bytes}
     if c.mla is not None:
         kv_width = c.num_heads / m.tensor * (c.mla.qk_nope_head_dim + c.mla.v_head_dim)
         f["qkv"] += a * r * slots * kv_width
-        f["expand"] = 0.0 if _absorbed(layer) else a * r * (p + new) * kv_width
     kinds = {c.is_sparse_layer(i) for i in range(c.num_layers)}
     f["layer_w"] = _copy_bytes(spec, layer.self_attn.o_proj.kernel, True) * max(
         _layer_weights(spec, k) for k in kinds)
@@ -248,17 +247,42 @@ def _moe_features(spec: PlanSpec, layer, n: int) -> dict[str, float]:
 
 def sample_temp(spec: PlanSpec, coeffs: dict[str, float] | None = None) -> int:
     """The TPU plan of the generate step's temporaries per device (``coeffs``: default
-    ``SAMPLE_TPU_COEFFS``)."""
+    ``SAMPLE_TPU_COEFFS``): the larger of its two phases, the prefill (every feature but
+    ``kv_full``, summed) and the last decode segment (``kv_full``: the whole cache, which the
+    last growth copies and the layer scan's outputs hold again)."""
     coeffs = SAMPLE_TPU_COEFFS if coeffs is None else coeffs
-    return int(sum(coeffs[k] * v for k, v in sample_features(spec).items()))
+    f = sample_features(spec)
+    prefill = sum(coeffs[k] * v for k, v in f.items() if k != "kv_full")
+    return int(max(prefill, coeffs["kv_full"] * f["kv_full"]))
+
+
+def _decode_binds(spec: PlanSpec, coeffs: dict[str, float]) -> bool:
+    """Whether ``spec``'s last decode segment outweighs its prefill under ``coeffs``."""
+    f = sample_features(spec)
+    return coeffs["kv_full"] * f["kv_full"] > sum(
+        coeffs[k] * v for k, v in f.items() if k != "kv_full")
 
 
 def fit_sample_coeffs(points: list[tuple[PlanSpec, int, float]]) -> dict[str, float]:
     """``SAMPLE_TPU_COEFFS`` fitted to (spec, XLA:TPU's temporaries in bytes, weight) points:
-    non-negative least squares on the weighted relative error of ``sample_temp``."""
+    the prefill features by non-negative least squares on the weighted relative error over the
+    points whose prefill phase binds, ``kv_full`` by least squares over the others; which phase
+    binds is re-decided from the fit until it settles (``sample_temp``)."""
     import numpy as np
     from scipy.optimize import nnls
-    keys = sorted(SAMPLE_TPU_COEFFS)
-    rows = [[w * sample_features(s)[k] / target for k in keys] for s, target, w in points]
-    coeffs, _ = nnls(np.asarray(rows), np.asarray([w for *_, w in points]))
-    return dict(zip(keys, (round(float(x), 3) for x in coeffs)))
+    keys = sorted(k for k in SAMPLE_TPU_COEFFS if k != "kv_full")
+    coeffs = dict(SAMPLE_TPU_COEFFS)
+    for _ in range(5):
+        decode = [_decode_binds(s, coeffs) for s, _, _ in points]
+        pre = [p for p, d in zip(points, decode) if not d]
+        rows = [[w * sample_features(s)[k] / t for k in keys] for s, t, w in pre]
+        fitted, _ = nnls(np.asarray(rows), np.asarray([w for *_, w in pre]))
+        new = dict(zip(keys, (round(float(x), 3) for x in fitted)))
+        full = [(sample_features(s)["kv_full"] / t, w) for (s, t, w), d in zip(points, decode)
+                if d]
+        new["kv_full"] = round(sum(w * x for x, w in full) / sum(w * x * x for x, w in full),
+                               3) if full else coeffs["kv_full"]
+        if new == coeffs:
+            break
+        coeffs = new
+    return coeffs

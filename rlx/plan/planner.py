@@ -205,6 +205,7 @@ def run_plan_fields(run: RunConfig) -> dict[str, Any]:
               "logprob_chunk": train.logprob_chunk, "remat": train.remat,
               "engine_copies_trainables": run.engine_copies_trainables, "rollout_rows": rows,
               "rows": rows // train.minibatches, "seq_len": length, "rollout_len": length,
+              "rollout_prompt": data.max_prompt_tokens,
               "kv_dtype": run.model.dtype}
     if train.tokens_per_micro_batch:
         fields.update(budget_fields(rows // train.minibatches, length, run))

@@ -51,6 +51,9 @@ class PlanSpec:
     mesh: MeshShape = MeshShape()
     rollout_rows: int = 64  # built-in engine: sequences decoded at once (global)
     rollout_len: int = 2048  # built-in engine: prompt + completion slots per sequence
+    # built-in engine: prompt tokens of those (a run config's data.max_prompt_tokens); 0: a
+    # quarter of rollout_len
+    rollout_prompt: int = 0
     kv_dtype: str = "bfloat16"  # built-in engine: KV cache dtype
     # whether the built-in engine holds its own copy of the trainable variables (a run's
     # RunConfig.engine_copies_trainables: an asynchronous one); False: it samples from the
@@ -75,6 +78,9 @@ class PlanSpec:
                      "rollout_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"plan.{name}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.rollout_prompt < self.rollout_len:
+            raise ValueError(f"plan.rollout_prompt={self.rollout_prompt} must be in [0, "
+                             f"plan.rollout_len={self.rollout_len}) (0: a quarter of it)")
         if self.rows % self.micro_batches:
             raise ValueError(f"plan.rows={self.rows} must be a multiple of plan.micro_batches="
                              f"{self.micro_batches}")

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_attention_on_gpu_equalsdense():
+def test_attention_on_gpu_equals_dense():
     """The GPU policy's attention (2k tokens: past any dense threshold) against dense attention,
     outputs and gradients, GQA with padding and packing."""
     b, t, h, kv, d = 2, 2048, 8, 2, 64

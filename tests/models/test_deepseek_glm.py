@@ -104,7 +104,8 @@ def test_absorbed_decode_folds_a_kv_b_adapter_and_a_quantized_kernel(zoo):
     """LoRA on ``kv_b_proj`` (rlx.quant.LoRA attached directly: ``apply_lora`` names GQA's
     projections) and an int8 ``kv_b_proj`` in the first layer: decode steps (absorbed) equal the
     forward pass (expanded); absorbed == expanded on each layer, adapter on and off, in the
-    learner's and in the engine's ``[out, in]`` layout, and under a W8A8 activation quantizer."""
+    learner's and in the engine's ``[out, in]`` layout, and under a W8A8 activation quantizer
+    (with an adapter too: the base term on the quantized latents, the adapter's on the plain)."""
     model = from_hf(make_hf_model("deepseek_v3", zoo))
     _kv_b_adapters(model)
     lin = model.layers[0].self_attn.kv_b_proj
@@ -121,8 +122,9 @@ def test_absorbed_decode_folds_a_kv_b_adapter_and_a_quantized_kernel(zoo):
             assert np.abs(with_lora - base).max() > 1e-2  # the adapter changes the attention
     attn = model.layers[1].self_attn
     attn.kv_b_proj.act_quant = "int8_token"  # the absorbed path quantizes the latents per token
-    assert not attn.absorbable(True) and attn.absorbable(False)
-    assert _absorbed_vs_expanded(attn, False)[0] <= 1e-5
+    for adapter in (True, False):  # with the adapter: base and delta absorbed apart
+        assert len(attn._absorbed_parts(jnp.float32, adapter)) == (2 if adapter else 1)
+        assert _absorbed_vs_expanded(attn, adapter)[0] <= 1e-5
 
 
 YARN_CASES = {  # (model type, rope dict as checkpoints write it); the width is the class's own

@@ -78,8 +78,9 @@ def test_aot_reads_config_overrides_and_variants(topo, capsys):
     assert (long.seq_len, long.rollout_len) == (8192, 8192)  # the long variant's 2048-token prompts
     # the long variant splits each sequence over 4 context devices, experts over 2 (x2 on 16)
     assert long.mesh.context == 4 and long.mesh.num_devices == spec.mesh.num_devices
-    assert long == spec.replace(seq_len=8192, rollout_len=8192, mesh=long.mesh,
-                                micro_batches=long.micro_batches)
+    assert (spec.rollout_prompt, long.rollout_prompt) == (512, 2048)  # max_prompt_tokens
+    assert long == spec.replace(seq_len=8192, rollout_len=8192, rollout_prompt=2048,
+                                mesh=long.mesh, micro_batches=long.micro_batches)
     assert main(["--config", kimi, "--config.rollout.max_new_tokens=lots", "--aot",
                  "tpu7x:2x2x2"]) == 2
     assert capsys.readouterr().err.startswith(
@@ -179,3 +180,25 @@ def test_the_sample_plan_is_within_10_percent_of_each_whole_model_generate_progr
         planned = state + p.bytes["kv_cache"] + p.bytes["decode_temp"]
         xla = state + temp_gb * 1e9
         assert abs(planned - xla) <= 0.10 * xla, (argv, planned / 1e9, xla / 1e9)
+
+
+def test_the_generate_fit_finds_both_phases():
+    """``fit_sample_coeffs`` on targets made by known coefficients (``sample_temp``: the larger
+    of the prefill and the last decode segment) gives them back: the 2,048-token programs'
+    prefill binds, the 32,768-token ones' whole cache."""
+    from rlx.plan.aot_sample import SAMPLE_TPU_COEFFS, fit_sample_coeffs
+
+    kimi = os.path.join(ROOT, "configs", "kimi_k2.py")
+    deepseek = os.path.join(ROOT, "configs", "deepseek_v3_fp8.py")
+    argv = [f"--config {kimi} --aot tpu7x:2x2x2 --capacity-factor 0",
+            f"--config {deepseek} --aot tpu7x:2x2x2",
+            f"--config {kimi}:long --aot tpu7x:2x2x2",
+            f"--config {deepseek}:long --aot tpu7x:2x2x2",
+            f"--config {kimi}:long --config.rollout.max_new_tokens=6144 --aot tpu7x:2x2x2"]
+    specs = [spec_from_argv(a)[0] for a in argv]
+    planted = dict(SAMPLE_TPU_COEFFS, kv_full=4.0)
+    points = [(s, sample_temp(s, planted), 1.0) for s in specs]
+    fitted = fit_sample_coeffs(points)
+    assert fitted["kv_full"] == pytest.approx(4.0, rel=0.01)
+    for s, target, _ in points:
+        assert sample_temp(s, fitted) == pytest.approx(target, rel=0.01)

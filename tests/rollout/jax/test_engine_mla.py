@@ -196,8 +196,8 @@ def test_adapters_and_quantized_kv_b_match_the_learner(zoo, act_quant):
         kv_b.kernel = quantize_array(kv_b.kernel[...], ("int8", "int4")[i], group_size=8,
                                      axes=kv_b.axes)
         kv_b.act_quant = act_quant
-    absorbs = [layer.self_attn.absorbable(True) for layer in model.layers]
-    assert absorbs == ([True, True] if act_quant == "none" else [False, True])
+    parts = [len(layer.self_attn._absorbed_parts(jnp.float32, True)) for layer in model.layers]
+    assert parts == ([1, 1] if act_quant == "none" else [2, 1])  # W8A8 + adapter: two terms
     engine = JaxEngine(model)
     sampling = SamplingParams(max_new_tokens=10, n=2, seed=11)
     first = _engine_vs_learner(engine, model, sample_prompts(), sampling)
