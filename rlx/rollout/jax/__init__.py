@@ -3,6 +3,8 @@ learner's own arrays (``engine``: ``JaxEngine``), its compiled prefill / decode 
 (``sampling``), the token sampler (``sampler``: greedy, temperature, top-k, top-p, min-p), stop
 strings matched on the device (``stops``), request bucketing (``batching``), the KV prefix cache
 of multi-turn episodes (``prefix_cache``) and its copy's weight layout (``decode_layout``).
+Continuous batching over a paged KV cache, not yet the engine's path: the compiled slot programs
+(``continuous``), the host's turn loop (``scheduler``) and page bookkeeping (``pages``).
 """
 
 from __future__ import annotations
