@@ -373,15 +373,19 @@ def token_logprobs(
         flat_y = jnp.pad(flat_y, (0, pad))  # [N + pad]
     chunks_h = flat_h.reshape(n_chunks, chunk_size, d)  # [K, C, D]
     # [K, C] by a gather of constant indices, not a reshape: XLA:TPU (libtpu 0.0.52) fails to
-    # compile that reshape of int32 targets it places in alternate memory ("Reshape should have
-    # supported layout before reaching the emitter"; 8,192-token rows split 4 ways)
+    # compile the reshape of a device's 8,192 per-token numbers into [8, 1024] chunks where it
+    # places them in alternate memory ("Reshape should have supported layout before reaching the
+    # emitter"; the :long recipes' 8,192-token rows split 4 ways)
     chunks_y = flat_y[np.arange(n_chunks * chunk_size).reshape(n_chunks, chunk_size)]
     if isinstance(project, LMHead):
         cfg = _Blocking(min(vocab_block, project.vocab_size), compute_entropy)
         outs = _blocked_logprobs(cfg, project, chunks_h, chunks_y)
     else:
         outs = _callable_logprobs(project, chunks_h, chunks_y, compute_entropy)
-    unchunk = lambda x: x.reshape(n_chunks * chunk_size)[:n_tokens].reshape(b, t)  # noqa: E731
+    # [K, C] -> [B, T] by a gather of constant indices too (its transpose, in the backward
+    # pass, the same reshape of f32 cotangents otherwise)
+    flat = np.arange(n_tokens).reshape(b, t)
+    unchunk = lambda x: x[flat // chunk_size, flat % chunk_size]  # noqa: E731
     logp = unchunk(outs[0])
     entropy = unchunk(outs[1]) if compute_entropy else None
     return logp, entropy
