@@ -267,7 +267,7 @@ class Tokenizer:
             byte_of = {c: b for b, c in _byte_alphabet().items()}
             return [b"" if t is None else t.encode() if t in added or not set(t) <= byte_of.keys()
                     else bytes(byte_of[c] for c in t) for t in tokens]
-        if "Metaspace" in decoder or "\u2581" in decoder or "▁" in decoder:
+        if "Metaspace" in decoder or "▁" in decoder:
             return [b"" if t is None else t.encode() if t in added else _piece_bytes(t)
                     for t in tokens]
         return None

@@ -257,22 +257,20 @@ def _moe_features(spec: PlanSpec, layer, n: int) -> dict[str, float]:
     return f
 
 
+def _phases(spec: PlanSpec, coeffs: dict[str, float]) -> tuple[float, float]:
+    """(prefill, last decode segment) temporaries of ``spec`` under ``coeffs``: every feature
+    but ``kv_full`` summed, and ``kv_full`` alone."""
+    f = sample_features(spec)
+    return (sum(coeffs[k] * v for k, v in f.items() if k != "kv_full"),
+            coeffs["kv_full"] * f["kv_full"])
+
+
 def sample_temp(spec: PlanSpec, coeffs: dict[str, float] | None = None) -> int:
     """The TPU plan of the generate step's temporaries per device (``coeffs``: default
-    ``SAMPLE_TPU_COEFFS``): the larger of its two phases, the prefill (every feature but
-    ``kv_full``, summed) and the last decode segment (``kv_full``: the whole cache, which the
-    last growth copies and the layer scan's outputs hold again)."""
-    coeffs = SAMPLE_TPU_COEFFS if coeffs is None else coeffs
-    f = sample_features(spec)
-    prefill = sum(coeffs[k] * v for k, v in f.items() if k != "kv_full")
-    return int(max(prefill, coeffs["kv_full"] * f["kv_full"]))
-
-
-def _decode_binds(spec: PlanSpec, coeffs: dict[str, float]) -> bool:
-    """Whether ``spec``'s last decode segment outweighs its prefill under ``coeffs``."""
-    f = sample_features(spec)
-    return coeffs["kv_full"] * f["kv_full"] > sum(
-        coeffs[k] * v for k, v in f.items() if k != "kv_full")
+    ``SAMPLE_TPU_COEFFS``): the larger of its two phases (``_phases``), the prefill and the last
+    decode segment (``kv_full``: the whole cache, which the last growth copies and the layer
+    scan's outputs hold again)."""
+    return int(max(_phases(spec, SAMPLE_TPU_COEFFS if coeffs is None else coeffs)))
 
 
 def fit_sample_coeffs(points: list[tuple[PlanSpec, int, float]]) -> dict[str, float]:
@@ -285,7 +283,7 @@ def fit_sample_coeffs(points: list[tuple[PlanSpec, int, float]]) -> dict[str, fl
     keys = sorted(k for k in SAMPLE_TPU_COEFFS if k != "kv_full")
     coeffs = dict(SAMPLE_TPU_COEFFS)
     for _ in range(5):
-        decode = [_decode_binds(s, coeffs) for s, _, _ in points]
+        decode = [d > p for p, d in (_phases(s, coeffs) for s, _, _ in points)]
         pre = [p for p, d in zip(points, decode) if not d]
         rows = [[w * sample_features(s)[k] / t for k in keys] for s, t, w in pre]
         fitted, _ = nnls(np.asarray(rows), np.asarray([w for *_, w in pre]))

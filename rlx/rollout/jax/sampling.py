@@ -242,6 +242,11 @@ def generate_batch(state: nnx.State, prompt_ids: Int[Array, "u p"], prompt_lens:
         stop = jnp.minimum(limit, end)
         carry = jax.lax.while_loop(lambda c, stop=stop: (c["step"] < stop) & ~jnp.all(c["done"]),
                                    body, carry)
+    return _outputs(carry, prompt_routes, static)
+
+
+def _outputs(carry: dict, prompt_routes, static: GenerateStatic) -> tuple:
+    """``generate_batch``'s results from its final carry (its docstring says which)."""
     out = carry["tokens"], carry["logps"], carry["lengths"], carry["stopped"]
     if static.record_routes:
         out = (*out, prompt_routes, carry["routes"])
