@@ -39,6 +39,7 @@ from rlx.errors import ConfigError
 from rlx.learner.losses import LossConfig, policy_loss
 from rlx.mesh import make_mesh
 from rlx.rollout.config import RolloutSection
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.sglang.config import SGLangSection
 from rlx.rollout.preflight import PreflightError, learner_logprobs
 from rlx.rollout.sglang.policy import client_options, launch_specs, loads_export
@@ -118,6 +119,13 @@ EFFECTS = {
     "rollout.preflight_every": ("loop", 1, {}),
     "rollout.weight_layout": ("engine", "in_out", {}),
     "rollout.partial": ("loop", True, {"train.max_staleness": 1}),
+    "rollout.jax.batching": ("engine", "lockstep", {}),
+    "rollout.jax.slots": ("engine", 4, {}),
+    "rollout.jax.page_size": ("engine", 8, {}),
+    "rollout.jax.kv_pages": ("engine", 64, {}),
+    "rollout.jax.prefill_chunk": ("engine", 64, {}),
+    "rollout.jax.prefill_rows": ("engine", 2, {}),
+    "rollout.jax.burst": ("engine", 4, {}),
     "rollout.sglang.urls": ("sglang", ["http://h:1"], SGLANG),
     "rollout.sglang.python": ("sglang", os.path.join(os.path.dirname(sys.executable), ".",
                                                      os.path.basename(sys.executable)), SGLANG),
@@ -137,7 +145,7 @@ EFFECTS = {
     "env.assistant_prefix": ("env", "<tool_call>\n", TOOLS),
 }
 SECTIONS = {"loss": LossConfig, "train": TrainSection, "rollout": RolloutSection,
-            "rollout.sglang": SGLangSection, "env": EnvSection}
+            "rollout.sglang": SGLangSection, "rollout.jax": JaxSection, "env": EnvSection}
 
 
 def _config(tmp_path, context: dict, **change) -> RunConfig:
@@ -288,7 +296,8 @@ def _engine(cfg: RunConfig) -> tuple:
         return (builder,)
     mesh, model, tokenizer = _policy(_shape_of(cfg))
     engine = make_engine(cfg, compile_steps(cfg, model, mesh), tokenizer, mesh)
-    return builder, engine.weight_layout
+    paged = engine._paged  # continuous batching's pool and programs (None: lockstep)
+    return builder, engine.weight_layout, paged and (paged.slots, paged.section)
 
 
 def _sglang(cfg: RunConfig) -> tuple:
@@ -325,7 +334,7 @@ OBSERVERS = {"env": _env, "loop": _loop, "learner": _learner, "loss": _loss, "en
 
 def test_every_field_has_a_row():
     fields = {f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-              if f.name != "sglang"}
+              if f.name not in ("sglang", "jax")}
     assert set(EFFECTS) == fields
 
 

@@ -138,6 +138,18 @@ class PagedKVCache:
                             new_positions=None, new_segments=None)
 
 
+def grow_pools(cache: PagedKVCache, pages: int) -> PagedKVCache:
+    """``cache`` with every pool extended to ``pages`` pages (zeros after the old ones)."""
+    axis = 0 if cache.stacks is None else 1
+
+    def one(x):
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, pages - x.shape[axis])
+        return jnp.pad(x, pad)
+
+    return cache.replace(keys=tuple(map(one, cache.keys)), values=tuple(map(one, cache.values)))
+
+
 def copy_pages(cache: PagedKVCache, source: Int[Array, " n"], target: Int[Array, " n"]
                ) -> PagedKVCache:
     """Every pool with pages ``source`` copied onto pages ``target`` (copy on write of a shared

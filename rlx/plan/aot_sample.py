@@ -30,7 +30,8 @@ from rlx.models.moe_dispatch import capacity
 from rlx.plan.memory import kv_cache_per_token
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
 from rlx.quant.tensors import QTensor
-from rlx.rollout.jax.engine import Buckets, cache_sharding
+from rlx.rollout.jax.cache_layout import cache_sharding
+from rlx.rollout.jax.engine import Buckets
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
 from rlx.rollout.jax.sampling import GenerateStatic, generate_batch, segment_ends
 from rlx.rollout.jax.stops import Stops

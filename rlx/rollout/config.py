@@ -1,12 +1,13 @@
 """The ``config.rollout`` section: how completions are sampled, by which engine (a name of
 ``rlx.rollout.registry.ENGINES``), and each backend's own section (``config.rollout.sglang``,
-``rlx.rollout.sglang.config``)."""
+``rlx.rollout.sglang.config``; ``config.rollout.jax``, ``rlx.rollout.jax.config``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from rlx.errors import ConfigError, one_of
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.decode_layout import LAYOUTS
 from rlx.rollout.registry import ENGINES
 from rlx.rollout.sglang.config import SGLangSection
@@ -33,11 +34,13 @@ class RolloutSection:
     # completion spanning a weight sync continues with the new weights (rlx.run.rollouts)
     partial: bool = False
     sglang: SGLangSection = SGLangSection()  # servers, used when engine == "sglang"
+    jax: JaxSection = JaxSection()  # the built-in engine's batching (slots, pages)
 
     def validate(self) -> None:
         one_of("config.rollout.engine", self.engine, ENGINES)
         one_of("config.rollout.weight_layout", self.weight_layout, LAYOUTS)
         self.sglang.validate(self.engine)
+        self.jax.validate()
         if self.group_size < 1 or self.max_new_tokens < 1:
             raise ConfigError("config.rollout.group_size and max_new_tokens must be >= 1")
         if self.temperature < 0 or self.eval_temperature < 0 or not 0 < self.top_p <= 1:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from rlx.rollout import jax as jax_backend
 from rlx.rollout import sglang as sglang_backend
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.serving import Serving
 from rlx.types import RolloutEngine
 
@@ -37,6 +38,7 @@ class EngineRequest:
     record_routes: bool  # record MoE routing for replay (config.train.router_replay)
     capacity_factor: float | None  # MoE token-dispatch capacity (config.model.capacity_factor)
     serving: Serving  # what server backends export and serve
+    jax: JaxSection = JaxSection()  # config.rollout.jax: the built-in engine's batching
 
 
 Builder = Callable[[EngineRequest], RolloutEngine]

@@ -33,7 +33,8 @@ def engine_request(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mes
                          weight_layout=cfg.rollout.weight_layout, trainable=MODES[cfg.train.mode],
                          copy_trainables=cfg.engine_copies_trainables,
                          record_routes=cfg.train.router_replay,
-                         capacity_factor=cfg.model.capacity_factor, serving=serving(cfg))
+                         capacity_factor=cfg.model.capacity_factor, serving=serving(cfg),
+                         jax=cfg.rollout.jax)
 
 
 def make_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mesh: Mesh) -> RolloutEngine:

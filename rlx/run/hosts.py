@@ -190,19 +190,21 @@ class Hosts:
             return tuple(examples)
         return tuple(e for part in multihost.allgather_objects(tuple(examples)) for e in part)
 
-    def share(self, rollouts: list[Rollout], seconds: float, dropped: int | None = None
-              ) -> tuple[list[Rollout], float, int | None]:
+    def share(self, rollouts: list[Rollout], seconds: float, counts: dict[str, int]
+              ) -> tuple[list[Rollout], float, dict[str, int]]:
         """The global rollouts (process order), generation seconds (the slowest process's) and
-        MoE pairs dropped (summed over the processes that generated; None where none counts),
-        on every process."""
+        the engines' counts (``GenerationCost.counts``, summed over the processes that
+        generated), on every process."""
         if not self.multi:
-            return rollouts, seconds, dropped
+            return rollouts, seconds, counts
         if self.rollouts == "primary":
-            return multihost.broadcast_object((list(rollouts), seconds, dropped))
-        parts = multihost.allgather_objects((list(rollouts), seconds, dropped))
-        counts = [d for *_, d in parts if d is not None]
-        return ([r for part, *_ in parts for r in part], max(t for _, t, _ in parts),
-                sum(counts) if counts else None)
+            return multihost.broadcast_object((list(rollouts), seconds, counts))
+        parts = multihost.allgather_objects((list(rollouts), seconds, counts))
+        total: dict[str, int] = {}
+        for *_, part in parts:
+            for name, n in part.items():
+                total[name] = total.get(name, 0) + n
+        return [r for part, *_ in parts for r in part], max(t for _, t, _ in parts), total
 
     def gather_scores(self, total: int, own: Sequence[int], scores: Sequence[float],
                       texts: Sequence[str], reasons: Sequence[str]

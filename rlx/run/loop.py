@@ -273,8 +273,8 @@ class Run:
             "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
             **self._env_metrics, **times,
         })
-        if cost.moe_dropped_pairs is not None:  # the engine's MoE capacity (learner/...: the update's)
-            record["rollout/moe_dropped_pairs"] = float(cost.moe_dropped_pairs)
+        for name, n in cost.counts.items():  # moe_dropped_pairs (learner/...: the update's), preempted
+            record[f"rollout/{name}"] = float(n)
         return record
 
     def _log(self, record, rollouts, texts, rewards, reasons) -> None:

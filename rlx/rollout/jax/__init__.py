@@ -1,10 +1,13 @@
 """The built-in JAX rollout engine: the learner's own model code and kernels sampling from the
-learner's own arrays (``engine``: ``JaxEngine``), its compiled prefill / decode loop
-(``sampling``), the token sampler (``sampler``: greedy, temperature, top-k, top-p, min-p), stop
-strings matched on the device (``stops``), request bucketing (``batching``), the KV prefix cache
-of multi-turn episodes (``prefix_cache``) and its copy's weight layout (``decode_layout``).
-Continuous batching over a paged KV cache, not yet the engine's path: the compiled slot programs
-(``continuous``), the host's turn loop (``scheduler``) and page bookkeeping (``pages``).
+learner's own arrays (``engine``: ``JaxEngine``; ``config``: ``config.rollout.jax``).
+
+Continuous batching over a paged KV cache (``paged``: what the engine runs): the compiled slot
+programs (``continuous``), the host's turn loop (``scheduler``) and page bookkeeping (``pages``).
+Lockstep batching (meshes, routing replay, MoE capacity, and ``batching="lockstep"``): request
+bucketing (``batching``), the compiled prefill / decode loop (``sampling``) and the KV prefix
+cache of multi-turn episodes (``prefix_cache``). Both use the token sampler (``sampler``: greedy,
+temperature, top-k, top-p, min-p), stop strings matched on the device (``stops``) and the
+engine copy's weight layout (``decode_layout``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ def build(request) -> JaxEngine:
     return JaxEngine(request.model, tokenizer=request.tokenizer, mesh=request.mesh,
                      seed=request.seed, weight_layout=request.weight_layout,
                      copy_weights=request.copy_trainables, shared=nnx.Not(request.trainable),
-                     record_routes=request.record_routes, capacity_factor=request.capacity_factor)
+                     record_routes=request.record_routes, capacity_factor=request.capacity_factor,
+                     settings=request.jax)
 
 
 __all__ = ["JaxEngine", "build"]

@@ -60,11 +60,11 @@ class Slots:
 
 @dataclasses.dataclass
 class Programs:
-    """The compiled programs (``rlx.rollout.jax.continuous``) bound to the engine's weights."""
+    """The compiled programs (``rlx.rollout.jax.continuous``)."""
 
-    prefill: Callable  # (pools, ids, positions, segments, table, lengths) -> (pools, h)
-    first: Callable  # (h, uid_hash, sample_index, seed, knobs) -> (tokens, logps)
-    burst: Callable  # (pools, slots, seed, knobs, stops, stop_on_free) -> (pools, slots, ...)
+    prefill: Callable  # (state, pools, ids, positions, segments, table, lengths) -> (pools, h)
+    first: Callable  # (state, h, uid_hash, sample_index, seed, knobs, stops) -> (tokens, ...)
+    burst: Callable  # (state, pools, slots, seed, knobs, stops, stop_on_free) -> (pools, ...)
     copy: Callable  # (pools, source, target) -> pools
 
 
@@ -151,13 +151,14 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
     return pools, c["slots"], c["tokens"], c["logps"], c["drawn"], c["stopped"]
 
 
-def compile_programs(model, spec: SamplerSpec, *, burst: int, adapter: bool = True):
-    """The three programs jitted on ``model``'s variables, pools donated, and the page copy."""
-    graphdef, state = nnx.split(model)
+def compile_programs(graphdef: nnx.GraphDef, spec: SamplerSpec, *, burst: int,
+                     adapter: bool = True) -> Programs:
+    """The three programs of ``graphdef``'s model jitted (each takes the weights' ``nnx.State``
+    first; pools donated), and the page copy. ``jax.jit`` compiles each once per shape: per
+    slot bucket and page-table width."""
     static = ContinuousStatic(graphdef, spec, burst, adapter)
-    prefill = jax.jit(functools.partial(prefill_chunk, static=static), donate_argnums=1)
-    first = jax.jit(functools.partial(first_tokens, static=static))
-    step = jax.jit(functools.partial(decode_burst, static=static), donate_argnums=1)
-    copy = jax.jit(copy_pages, donate_argnums=0)
-    return Programs(lambda *a: prefill(state, *a), lambda *a: first(state, *a),
-                    lambda *a: step(state, *a), copy)
+    return Programs(
+        jax.jit(functools.partial(prefill_chunk, static=static), donate_argnums=1),
+        jax.jit(functools.partial(first_tokens, static=static)),
+        jax.jit(functools.partial(decode_burst, static=static), donate_argnums=1),
+        jax.jit(copy_pages, donate_argnums=0))

@@ -17,36 +17,34 @@ learner's layout are transposed on arrival. Shared kernels keep the learner's la
 copy of them would be the second copy of the base that sharing avoids. For multi-head latent
 attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and shared rotary key,
 sharded over the batch (``cache_sharding``), and decode steps absorb ``kv_b_proj``
-(``rlx.models.mla``). Under context parallelism (``mesh.context``) every cache splits its slots
-over the context devices, and a prefill or scored chunk splits its new tokens over them
-(``rlx.kernels.attention.context``). With the experts of an MoE model split
-over the mesh's ``expert`` axis, prefill and decode steps dispatch each token to its experts'
-devices, as the learner does (``rlx.models.moe_dispatch``, dropless unless
+(``rlx.models.mla``). Under context parallelism (``mesh.context``) caches split their slots over
+the context devices, a prefill or scored chunk its new tokens (``rlx.kernels.attention.context``).
+With an MoE model's experts split over the mesh's ``expert`` axis, prefill and decode steps
+dispatch each token to its experts' devices, as the learner does (``rlx.models.moe_dispatch``, dropless unless
 ``capacity_factor`` > 0; ``dropped_pairs()`` counts the pairs a capacity drops, which a run logs
 per batch as ``rollout/moe_dropped_pairs``). ``record_routes=True`` (routing replay,
 ``config.train.router_replay``) puts on each rollout the experts every MoE layer chose for its
 prompt and completion tokens (``Rollout.routes``, -1 on the completion's last token, which is
 never fed).
 
-Requests are expanded to ``n`` rows per prompt, sorted by prompt length and cut into device batches
-of at most ``Buckets.max_rows`` rows. Each batch is padded to a *bucket*: rows, prompt width and
-new-token budget rounded up to powers of two (rows also to a multiple of the data-parallel size), so
-one compilation serves every batch of a bucket; ``compilations()`` counts them. Prompts are left
-padded; each row keeps its own positions, so padding does not change any row's tokens
-(``rlx.rollout.jax.sampling``).
+Batching (``settings``, ``config.rollout.jax``): by default continuously, over a paged KV cache
+(``rlx.rollout.jax.paged``): a fixed number of decode slots; a finished sequence leaves its slot
+at once and the next request takes it; prompts are prefilled in chunks between bursts of decode
+steps; the ``n`` samples of a prompt share its pages. Inside ``prefix_cache()`` finished
+sequences' pages stay indexed by their tokens, so an episode's next turn prefills only its new
+tokens (``prefilled_tokens()`` counts what is fed). ``batching_stats()``: decode steps, slot
+occupancy and preemptions of the last call. Meshes, routing replay and a dispatch capacity run
+lockstep for now (as ``batching="lockstep"`` does): requests expanded to ``n`` rows per prompt,
+sorted by length, cut into device batches padded to power-of-two buckets
+(``rlx.rollout.jax.batching``; ``compilations()`` counts programs), each run until its longest
+row ends (``rlx.rollout.jax.sampling``), with a row-gathering prefix cache
+(``rlx.rollout.jax.prefix_cache``). Either way a request's tokens do not depend on the requests
+beside it: samples are keyed by (seed, prompt uid, sample index).
 
-Multi-turn requests: inside ``prefix_cache()`` each call keeps the cache rows of the sequences it
-returned, and a request of the next call that extends one of them (an episode's next turn) gets
-that row's keys and values gathered into its batch's cache and prefills only its new tokens
-(``rlx.rollout.jax.prefix_cache``: same tokens and log-probs as a whole prefill; rows are dropped
-by the next call, a weight update and leaving the context). ``prefilled_tokens()`` counts them.
-
-Stopping: a row ends on any of ``sampling.stop_token_ids`` (kept as its last token; end-of-sequence
-is not implicit, pass it there), at the token that completes one of ``sampling.stop_strings``
-(matched on the device by ``rlx.rollout.jax.stops``; kept whole) or after ``max_new_tokens``. The
-host checks the decoded text too (where the tokenizer cannot give its tokens' bytes, it is the
-only check): the completion is cut after the first token at which it contains a stop string and
-its finish reason becomes "stop".
+Stopping: a row ends on any of ``sampling.stop_token_ids`` (kept; end-of-sequence is not
+implicit), at the token that completes one of ``sampling.stop_strings`` (matched on the device,
+``rlx.rollout.jax.stops``) or after ``max_new_tokens``. The host checks the decoded text too (for
+a tokenizer without token bytes, the only check), cutting after a stop string's first token.
 
 ``sampler_logp`` is the raw policy's log-prob of each sampled token (temperature 1, no top-k/top-p
 truncation): the quantity the learner recomputes, see ``rlx.rollout.jax.sampling``.
@@ -66,20 +64,22 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx.platform.compiled import CompiledPerShape
-from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, named_sharding,
-                      variable_shardings)
-from rlx.models.hparams import ModelConfig
+from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, variable_shardings
 from rlx.models.moe import SparseMoE
 from rlx.models.parallel import parallelize
 from rlx.models.stack import cache_stacks
 from rlx.platform.policy import PlatformPolicy, current, policy_of
 from rlx.rollout.jax.batching import Buckets, pack_left, row_rollout, shared_prompts, uid_hash
+from rlx.rollout.jax.cache_layout import cache_sharding, stacked
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.decode_layout import resolve_layout, to_out_in, transpose_update
 from rlx.rollout.errors import RolloutError
+from rlx.rollout.jax.paged import PagedServing
 from rlx.rollout.jax.prefix_cache import CachedRow, PrefixCache, gather_plan, prompt_slots
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
 from rlx.rollout.jax.sampling import (GenerateStatic, KeptPrefix, gather_prefix,
                                       generate_batch, sequence_logprobs)
+from rlx.rollout.jax.scheduler import Stats
 from rlx.rollout.jax.stops import StopTable, device_stops, stop_table
 from rlx.types import Prompt, Rollout, SamplingParams
 
@@ -116,23 +116,6 @@ def unroll_decode(state: nnx.State, policy: PlatformPolicy) -> bool:
     return policy.unroll_decode_bytes is not None and weights <= policy.unroll_decode_bytes
 
 
-def cache_sharding(mesh: Mesh, cfg: ModelConfig, rules: LogicalRules, dp: int
-                   ) -> tuple[NamedSharding, NamedSharding]:
-    """Shardings of every layer's KV-cache keys and values (``rlx.models.kv_cache``): GQA keys
-    ``[b, kv, d, s]`` and values ``[b, kv, s, d]`` over the batch and the KV heads; MLA's shared
-    rotary keys ``[b, r, s]`` and latents ``[b, s, c]`` have no head axis and split over the
-    batch. Under context parallelism the slots ``s`` split over the context devices as well: a
-    decode step's one-row attention reduces over them where they lie, and a prefill or scored
-    chunk gathers one layer's slots at a time (``rlx.kernels.attention.context``)."""
-    c = mesh.shape.get("context", 1)
-    if cfg.mla is not None:
-        return (named_sharding(mesh, ("batch", None, "seq"), rules, (dp, 1, c)),
-                named_sharding(mesh, ("batch", "seq", None), rules, (dp, c, 1)))
-    kv = cfg.num_kv_heads
-    return (named_sharding(mesh, ("batch", "kv_heads", None, "seq"), rules, (dp, kv, 1, c)),
-            named_sharding(mesh, ("batch", "kv_heads", "seq", None), rules, (dp, kv, c, 1)))
-
-
 class JaxEngine:
     """``RolloutEngine`` on the learner's own model (see the module docstring)."""
 
@@ -144,7 +127,8 @@ class JaxEngine:
                  copy_weights: bool = True, score_chunk: int = 256, weight_layout: str = "auto",
                  shared=nnx.filterlib.Nothing(), record_routes: bool = False,
                  capacity_factor: float | None = None,
-                 platform_policy: PlatformPolicy | None = None):
+                 platform_policy: PlatformPolicy | None = None,
+                 settings: JaxSection = JaxSection()):
         moe = any(isinstance(n, SparseMoE) for _, n in nnx.iter_graph(model))
         if record_routes and not moe:
             raise ValueError("JaxEngine(record_routes=True) records MoE routing, but the model "
@@ -158,6 +142,7 @@ class JaxEngine:
         self.weight_layout = resolve_layout(weight_layout, self.platform_policy)
         self.adapter, self.copy_weights, self.score_chunk = adapter, copy_weights, score_chunk
         self.weight_version = int(weight_version)
+        self.settings, self._paged = settings, None
         self._seed, self._calls = seed, 0
         self._fns: dict = {}
         self._stop_tables: dict[tuple[str, ...], StopTable | None] = {}
@@ -171,6 +156,8 @@ class JaxEngine:
         """Install a new model, or new values for some of its variables, as policy ``version``;
         the prefix cache's rows (the old version's) are dropped."""
         self._prefix.clear()
+        if self._paged is not None:
+            self._paged.clear()
         if isinstance(weights, nnx.Module):
             graphdef, state, self._transposed, self._shared, self._stacks = _eval_split(
                 weights, self.weight_layout, self.shared, self.mesh, self.rules,
@@ -181,6 +168,7 @@ class JaxEngine:
             if graphdef != self._graphdef:
                 self._fns.clear()
                 self._graphdef, self._state_shardings = graphdef, targets
+                self._paged = self._paged_serving(weights.precision.dtype)
         else:
             self._check_open()
             known = {p for p, _ in nnx.to_flat_state(self._state)}
@@ -254,9 +242,8 @@ class JaxEngine:
         if self.mesh is None:
             return None
         keys, values = cache_sharding(self.mesh, self._config, self.rules, self._data_parallel())
-        if self._stacks is not None:  # a stack's buffers: the layer axis first, whole
-            keys, values = (NamedSharding(self.mesh, PartitionSpec(None, *x.spec))
-                            for x in (keys, values))
+        if self._stacks is not None:
+            keys, values = stacked((keys, values))
         n = self._config.num_layers if self._stacks is None else len(self._stacks)
         return (keys,) * n, (values,) * n
 
@@ -296,7 +283,7 @@ class JaxEngine:
             kv = None if self.mesh is None else cache_sharding(
                 self.mesh, self._config, self.rules, self._data_parallel())
             self._fns[key] = CompiledPerShape(jax.jit(functools.partial(
-                gather_prefix, stacked=self._stacks is not None, kv_sharding=kv)))
+                gather_prefix, layers_stacked=self._stacks is not None, kv_sharding=kv)))
         return self._fns[key]
 
     def _score_fn(self):
@@ -317,9 +304,27 @@ class JaxEngine:
     def compilations(self) -> int:
         """Programs compiled so far (one per bucket and sampling mode, and the prefix cache's
         continued buckets and gathers)."""
-        return sum(f.compilations() for f in self._fns.values())
+        return sum(f.compilations() for f in self._fns.values()) + (
+            0 if self._paged is None else self._paged.compilations())
 
     # --- generation -----------------------------------------------------------------------
+    def _paged_serving(self, dtype) -> PagedServing | None:
+        """The continuous-batching path (``rlx.rollout.jax.paged``), where it serves: not yet on
+        a mesh of several devices, with routing replay or with a dispatch capacity (those run
+        lockstep)."""
+        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
+        if (self.settings.batching != "continuous" or len(devices) > 1 or self.record_routes
+                or self._dropped is not None):
+            return None
+        slots = self.settings.slots or self.platform_policy.decode_slots
+        return PagedServing(self._config, self._graphdef, self._stacks, dtype, self.settings,
+                            slots, devices[0], self.adapter)
+
+    def batching_stats(self) -> Stats | None:
+        """Decode steps, slot occupancy and preemptions of the last continuous ``generate``
+        (None when the engine runs lockstep)."""
+        return None if self._paged is None else self._paged.stats
+
     def generate(self, prompts: Sequence[Prompt], sampling: SamplingParams) -> list[Rollout]:
         """``sampling.n`` completions per prompt, prompt-major, tagged with ``weight_version``."""
         self._check_open()
@@ -330,6 +335,9 @@ class JaxEngine:
                 raise ValueError(f"prompt {p.uid!r} has no tokens")
         seed = sampling.seed if sampling.seed is not None else self._seed + self._calls
         self._calls += 1
+        if self._paged is not None:
+            return self._paged.run(self._state, prompts, sampling, seed, self._stops(sampling),
+                                   self.tokenizer, self.weight_version)
         rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         order = sorted(rows, key=lambda r: -len(prompts[r[0]].token_ids))
         out: dict[tuple[int, int], Rollout] = {}
@@ -353,14 +361,10 @@ class JaxEngine:
         hashes[:len(reqs)] = [uid_hash(p.uid) for p, _ in reqs]
         index = np.zeros((rows,), np.int32)
         index[:len(reqs)] = [j for _, j in reqs]
-        stops = device_stops(sampling.stop_token_ids, self._stop_table(sampling.stop_strings))
-        spec = SamplerSpec(greedy=sampling.temperature == 0, top_k=sampling.top_k,
-                           top_p=sampling.top_p is not None and sampling.top_p < 1,
-                           min_p=bool(sampling.min_p), logprobs=sampling.logprobs)
+        spec, stops = SamplerSpec.of(sampling), self._stops(sampling)
         keep = self._prefix.depth > 0 and not self.record_routes
         fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens), keep, prefix is not None)
-        scalars = (np.int32(seed), Knobs.of(sampling.temperature, sampling.top_p, sampling.min_p),
-                   np.int32(sampling.max_new_tokens))
+        scalars = (np.int32(seed), Knobs.of_sampling(sampling), np.int32(sampling.max_new_tokens))
         outs = fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stops,
                   *(() if prefix is None else (prefix,)))
         buffers = tuple(outs[-2:]) if keep else None  # stays on the device
@@ -384,23 +388,37 @@ class JaxEngine:
         it frees the kept rows (``rlx.rollout.jax.prefix_cache``; nested, the outermost). Routing
         replay (``record_routes``) keeps no rows: every request is prefilled whole."""
         self._prefix.depth += 1
+        if self._paged is not None:
+            self._paged.keep = True
         try:
             yield self
         finally:
             self._prefix.depth -= 1
             if not self._prefix.depth:
                 self._prefix.clear()
+                if self._paged is not None:
+                    self._paged.keep = False
+                    self._paged.clear()
 
     def prefilled_tokens(self) -> int:
         """Prompt tokens fed through prefills so far (a prompt shared by ``n`` samples once; a
         continued request only its new tokens)."""
-        return self._prefilled
+        return self._prefilled + (0 if self._paged is None else self._paged.prefilled)
+
+    def counters(self) -> dict[str, int]:
+        """Counts so far that a run logs per batch (``rollout/<name>``): "moe_dropped_pairs"
+        (``dropped_pairs``, where pairs can be dropped), "preempted" (continuous batching)."""
+        return ({} if self._dropped is None else {"moe_dropped_pairs": self._dropped}) | (
+            {} if self._paged is None else {"preempted": self._paged.preempted})
 
     def dropped_pairs(self) -> int | None:
         """(token, expert) pairs that the MoE dispatch capacity (``capacity_factor``) dropped in
         this engine's prefills and decode steps so far, padding rows included; None when nothing
         can be dropped (a dense model, or dropless)."""
         return self._dropped
+
+    def _stops(self, sampling: SamplingParams):
+        return device_stops(sampling.stop_token_ids, self._stop_table(sampling.stop_strings))
 
     def _stop_table(self, strings: tuple[str, ...]) -> StopTable | None:
         """The device automaton of ``strings`` (``rlx.rollout.jax.stops``), built once per set;
@@ -412,8 +430,9 @@ class JaxEngine:
         return self._stop_tables[strings]
 
     def cached_sequences(self) -> int:
-        """Sequences whose KV-cache rows the prefix cache holds now."""
-        return len(self._prefix)
+        """Sequences whose KV-cache rows the prefix cache holds now (continuous batching:
+        pages the prefix index holds)."""
+        return len(self._prefix) + (0 if self._paged is None else self._paged.cached_sequences())
 
     def _prompt_block(self, prompts: Sequence[Prompt], prompt_rows: int, kept: PrefixCache):
         """What the prompt rows prefill: the tokens after the kept sequence each prompt extends
@@ -461,7 +480,7 @@ class JaxEngine:
         return out
 
     def close(self) -> None:
-        self._state, self._fns = None, {}
+        self._state, self._fns, self._paged = None, {}, None
         self._prefix.clear()
 
     def _check_open(self) -> None:

@@ -74,6 +74,12 @@ class PagePool:
                 self._free.append(p)
         return freed
 
+    def grow(self, pages: int) -> None:
+        """Extend the pool to ``pages`` pages (the new ones free; held pages keep their ids)."""
+        self._free.extend(range(self.pages, pages))
+        self.refs += [0] * max(0, pages - self.pages)
+        self.pages = max(self.pages, pages)
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -42,6 +42,13 @@ class SamplerSpec:
     logprobs: bool = True  # False: no log-sum-exp over the vocabulary; the log-probs are NaN
     candidates: int = 1024  # top-p without top-k: the largest logits the nucleus is sought in
 
+    @classmethod
+    def of(cls, sampling) -> "SamplerSpec":
+        """The static settings of ``sampling`` (``rlx.types.SamplingParams``)."""
+        return cls(greedy=sampling.temperature == 0, top_k=sampling.top_k,
+                   top_p=sampling.top_p is not None and sampling.top_p < 1,
+                   min_p=bool(sampling.min_p), logprobs=sampling.logprobs)
+
 
 @struct.dataclass
 class Knobs:
@@ -57,6 +64,11 @@ class Knobs:
         f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
         return cls(f32(temperature or 1.0), f32(1.0 if top_p is None else top_p),
                    f32(min_p or 0.0))
+
+    @classmethod
+    def of_sampling(cls, sampling) -> "Knobs":
+        """The values of ``sampling`` (``rlx.types.SamplingParams``)."""
+        return cls.of(sampling.temperature, sampling.top_p, sampling.min_p)
 
 
 CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF

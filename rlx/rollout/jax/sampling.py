@@ -26,12 +26,13 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rlx.kernels.logprobs import token_logprobs
 from rlx.models.kv_cache import KVCache
 from rlx.models.stack import decode_model, layer_counts
+from rlx.rollout.jax.cache_layout import stacked
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec, next_tokens, row_keys
 from rlx.rollout.jax.stops import Stops
 
@@ -42,8 +43,8 @@ def _constrain(cache: KVCache, kv: tuple[NamedSharding, NamedSharding] | None,
     cache_sharding``), ``rows`` the slots' positions and segment ids."""
     if kv is None:
         return cache
-    if cache.stacks is not None:  # a scanned model's buffers: the layer axis first, whole
-        kv = tuple(NamedSharding(x.mesh, PartitionSpec(None, *x.spec)) for x in kv)
+    if cache.stacks is not None:  # a scanned model's buffers
+        kv = stacked(kv)
     put = jax.lax.with_sharding_constraint
     return cache.replace(keys=tuple(put(k, kv[0]) for k in cache.keys),
                          values=tuple(put(v, kv[1]) for v in cache.values),
@@ -126,7 +127,7 @@ def _prefill(model, prompt_ids, prompt_lens, prompt_of_row, length: int, static,
 
 
 def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int[Array, "u k"],
-                  take: Bool[Array, " u"], prev: tuple | None = None, *, stacked: bool,
+                  take: Bool[Array, " u"], prev: tuple | None = None, *, layers_stacked: bool,
                   kv_sharding: tuple[NamedSharding, NamedSharding] | None = None
                   ) -> tuple[tuple, tuple]:
     """The kept slots of a finished batch's cache buffers (``keys``, ``values``: one per layer or
@@ -134,7 +135,7 @@ def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int
     ``slots[i]`` (in that order) of row ``rows[i]`` where ``take[i]``, elsewhere ``prev``'s row i
     (or those slots all the same, when there is no ``prev``: rows left for another source or
     with nothing kept, never attended to)."""
-    row_axis = 1 if stacked else 0
+    row_axis = 1 if layers_stacked else 0
 
     def one(x, old, slot_axis: int, sharding):
         slot_axis %= x.ndim
@@ -146,13 +147,11 @@ def gather_prefix(keys: tuple, values: tuple, rows: Int[Array, " u"], slots: Int
             mask = [1] * x.ndim
             mask[row_axis] = take.shape[0]
             out = jnp.where(take.reshape(mask), out, old)
-        if sharding is not None:
-            spec = (None, *sharding.spec) if stacked else sharding.spec
-            out = jax.lax.with_sharding_constraint(out, NamedSharding(sharding.mesh,
-                                                                      PartitionSpec(*spec)))
-        return out
+        return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
 
     old_k, old_v = prev if prev is not None else ((None,) * len(keys), (None,) * len(values))
+    if kv_sharding is not None and layers_stacked:
+        kv_sharding = stacked(kv_sharding)
     key_s, value_s = kv_sharding if kv_sharding is not None else (None, None)
     return (tuple(one(k, o, -1, key_s) for k, o in zip(keys, old_k)),
             tuple(one(v, o, -2, value_s) for v, o in zip(values, old_v)))

@@ -1,17 +1,28 @@
 """The host side of continuous batching: requests into decode slots, pages to sequences.
 
-``Scheduler.run(prompts, sampling)`` serves every sample of every prompt through the programs of
-``rlx.rollout.jax.continuous``. Each turn of its loop:
+``Scheduler.run(state, prompts, sampling, ...)`` serves every sample of every prompt through the
+programs of ``rlx.rollout.jax.continuous``. Each turn of its loop:
 
-1. **admit**: the next waiting prompt whose samples fit the free slots takes pages for its
-   tokens and is queued for prefill;
+1. **admit**: the next waiting request takes pages for its tokens (those a ``PrefixIndex``
+   already holds are shared, not written again) and is queued for prefill, when the decode
+   slots can take its samples;
 2. **prefill**: one ``prefill_chunk`` call writes up to ``chunk`` more tokens of up to ``rows``
-   queued prompts (chunked prefill: bounded tokens between decode bursts);
+   queued requests (chunked prefill: bounded tokens between decode bursts; its rows are
+   ``rows``, a quarter of it ... as many as are queued);
 3. **start**: a prompt whose tokens are all written forks into its samples (full pages shared,
    the last partial page copied: ``SequencePages.fork``), each drawing its first token
-   (``first_tokens``) into a free slot;
-4. **decode**: every live slot gets the pages its next ``burst`` tokens need and one
-   ``decode_burst`` runs; slots that finish free their pages and are refilled next turn.
+   (``first_tokens``) into a slot;
+4. **decode**: every live sample gets the pages its next ``burst`` tokens need and one
+   ``decode_burst`` runs over them, packed into the smallest slot bucket that holds them
+   (``slots``, a quarter of it, a sixteenth ...) with a page table as wide as the longest
+   needs (a power of two, at most the call's longest sequence's): the long tail of a call runs
+   a small program, not the full one with most rows masked. Samples that finish free their pages; their slots are refilled next turn.
+
+When the pool runs out of pages for a decode burst, the latest started sample is preempted: its
+pages are released and it waits again with the tokens it drew; when it is admitted anew its
+prompt and tokens are prefilled again (recomputed) and it goes on drawing from where it was, with
+the same keys, so its tokens are those it would have drawn undisturbed. ``stats.preempted``
+counts these.
 """
 
 from __future__ import annotations
@@ -25,179 +36,314 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlx.rollout.jax.batching import row_rollout, uid_hash
+from rlx.rollout.jax.batching import pow2, row_rollout, uid_hash
 from rlx.rollout.jax.continuous import Programs, Slots
-from rlx.rollout.jax.pages import PagePool, SequencePages
+from rlx.rollout.jax.pages import OutOfPages, PagePool, PrefixIndex, SequencePages
+from rlx.rollout.errors import RolloutError
 from rlx.types import Prompt, Rollout, SamplingParams
+
+
+def _bucket(n: int, slots: int) -> int:
+    """Rows of a burst of ``n`` samples: ``slots``, or a quarter, a sixteenth ... of it
+    (at least ``n``); few shapes to compile, few idle rows."""
+    b = slots
+    while b % 4 == 0 and b // 4 >= n:
+        b //= 4
+    return b
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One sample being drawn: in a slot, or preempted (pages released, tokens kept)."""
+
+    index: int  # its prompt's position in the call
+    sample: int
+    uid: int  # the prompt uid's hash (its key, with ``sample``)
+    seq: SequencePages
+    tokens: list[int]
+    logps: list[float]
+    text: int = 0  # the stop-string automaton's state
+    started: int = 0  # start order: the latest started is preempted first
 
 
 @dataclasses.dataclass
 class _Prefill:
-    """A prompt being written into its pages."""
+    """A request being written into its pages: a prompt, or a preempted sample resuming."""
 
-    index: int  # the prompt's position in the call
+    index: int
     seq: SequencePages
+    tokens: Sequence[int]  # what its pages must hold
     samples: list[int]  # sample indices still to start
-    h: Any = None  # its last token's hidden state, once every token is written
+    resume: _Sample | None = None
+    h: Any = None  # the last token's hidden state, once every token is written
 
 
 @dataclasses.dataclass
-class _Running:
-    """A sample in a decode slot."""
+class Stats:
+    """What the last ``run`` did."""
 
-    index: int
-    sample: int
-    seq: SequencePages
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logps: list[float] = dataclasses.field(default_factory=list)
+    slots: int = 1  # the scheduler's decode slots
+    steps: int = 0  # decode steps (each of every burst)
+    drawn: int = 0  # tokens drawn by them (one per live slot and step)
+    prefilled: int = 0  # tokens written by prefill chunks
+    preempted: int = 0
+    bursts: int = 0
+
+    @property
+    def occupancy(self) -> float:
+        """Live slots per decode step over the slots."""
+        return self.drawn / max(1, self.steps * self.slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One ``run``'s inputs."""
+
+    state: Any
+    prompts: Sequence[Prompt]
+    sampling: SamplingParams
+    seed: np.int32
+    knobs: Any
+    stops: Any
+    tokenizer: Any
+    version: int
 
 
 class Scheduler:
     """Decode slots, page pool and the turn loop (module docstring)."""
 
-    def __init__(self, programs: Programs, pools, pool: PagePool, *, slots: int,
-                 pages_per_seq: int, chunk: int, rows: int, burst: int):
+    def __init__(self, programs: Programs, pools, pool: PagePool, *, slots: int, chunk: int,
+                 rows: int, burst: int):
         self.programs, self.pools, self.pool = programs, pools, pool
-        self.slots, self.pages_per_seq, self.chunk, self.rows = slots, pages_per_seq, chunk, rows
-        self.burst = burst
+        self.slots, self.chunk, self.rows, self.burst = slots, chunk, rows, burst
+        self.index: PrefixIndex | None = None  # set: finished sequences' pages are kept
+        self.stats = Stats(slots)
+        self._started = 0
 
     @property
-    def max_tokens(self) -> int:
-        return self.pages_per_seq * self.pool.page_size
+    def capacity(self) -> int:
+        """Tokens one sequence's cache can ever hold: the whole pool's."""
+        return (self.pool.pages - 1) * self.pool.page_size
 
-    def run(self, prompts: Sequence[Prompt], sampling: SamplingParams, seed: int, knobs, stops,
-            tokenizer=None, version: int = 0) -> list[Rollout]:
+    def run(self, state, prompts: Sequence[Prompt], sampling: SamplingParams, seed: int, knobs,
+            stops, tokenizer=None, version: int = 0) -> list[Rollout]:
+        """``sampling.n`` samples of each prompt, prompt-major."""
         for p in prompts:
-            if len(p.token_ids) + sampling.max_new_tokens > self.max_tokens:
-                raise ValueError(f"prompt {p.uid!r}: {len(p.token_ids)} tokens + max_new_tokens "
-                                 f"{sampling.max_new_tokens} exceed the {self.max_tokens} "
-                                 "tokens a sequence's pages can hold")
-        self._prompts, self._sampling, self._seed = prompts, sampling, np.int32(seed)
-        self._knobs, self._stops = knobs, stops
-        waiting = collections.deque(range(len(prompts)))
+            need = len(p.token_ids) + sampling.max_new_tokens - 1
+            if need > self.capacity:
+                raise ValueError(
+                    f"prompt {p.uid!r}: {len(p.token_ids)} tokens + max_new_tokens "
+                    f"{sampling.max_new_tokens} need {need} cache slots, more than the "
+                    f"{self.capacity} the engine's cache holds (rollout.kv_pages x "
+                    "rollout.page_size): shorten it or give the cache more pages")
+        self._call = _Call(state, prompts, sampling, np.int32(seed), knobs, stops, tokenizer,
+                           version)
+        self._longest = max(len(p.token_ids) for p in prompts) + sampling.max_new_tokens
+        self.stats = Stats(self.slots)
+        waiting: collections.deque = collections.deque(range(len(prompts)))
         prefilling: list[_Prefill] = []
-        ready: list[_Prefill] = []
-        running: dict[int, _Running] = {}
+        running: list[_Sample] = []
         done: dict[tuple[int, int], Rollout] = {}
-        state = self._empty_slots()
-        while waiting or prefilling or ready or running:
-            free = self.slots - len(running) - sum(len(r.samples) for r in prefilling + ready)
-            while waiting and free >= min(sampling.n, self.slots):
-                i = waiting.popleft()
-                seq = SequencePages()
-                seq.grow(self.pool, len(prompts[i].token_ids))
-                prefilling.append(_Prefill(i, seq, list(range(sampling.n))))
-                free -= sampling.n
-            if prefilling:
-                ready += self._prefill(prefilling)
-                prefilling = [p for p in prefilling if p not in ready]
-            state = self._start(ready, running, state, done, tokenizer, version)
-            ready = [r for r in ready if r.samples]
+        while waiting or prefilling or running:
+            moved = self._admit(waiting, prefilling, running)
+            moved = (self._start(prefilling, running, done) if prefilling else False) or moved
             if running:
-                state = self._decode(running, state, done, bool(waiting or ready), tokenizer,
-                                     version)
+                self._decode(running, waiting, done, bool(waiting) or any(
+                    p.samples for p in prefilling))
+            elif not moved:
+                raise RolloutError(f"the engine's cache ({self.pool.pages - 1} pages of "
+                                   f"{self.pool.page_size} tokens) cannot hold the next "
+                                   "request: give it more pages (rollout.kv_pages)")
         n = sampling.n
         return [done[i, j] for i in range(len(prompts)) for j in range(n)]
 
-    # --- the turn's steps --------------------------------------------------------------------
-    def _empty_slots(self) -> dict[str, np.ndarray]:
-        s, z = self.slots, np.zeros(self.slots, np.int32)
-        return dict(table=np.zeros((s, self.pages_per_seq), np.int32), length=z.copy(),
-                    last=z.copy(), generated=z.copy(), limit=z + 1, live=np.zeros(s, bool),
-                    text=z.copy(), uid_hash=np.zeros(s, np.uint32), sample_index=z.copy())
+    # --- pages ---------------------------------------------------------------------------
+    def _grow(self, seq: SequencePages, length: int) -> None:
+        """Pages for ``length`` tokens, evicting kept prefixes if short (``OutOfPages``)."""
+        try:
+            seq.grow(self.pool, length)
+        except OutOfPages:
+            if self.index is None:
+                raise
+            self.index.evict(self.pool.pages_for(length) - len(seq.pages))
+            seq.grow(self.pool, length)
 
-    def _table(self, seq: SequencePages) -> np.ndarray:
-        out = np.zeros(self.pages_per_seq, np.int32)
-        out[:len(seq.pages)] = seq.pages
-        return out
+    def _fork(self, seq: SequencePages):
+        try:
+            return seq.fork(self.pool)
+        except OutOfPages:
+            if self.index is None:
+                raise
+            self.index.evict(1)
+            return seq.fork(self.pool)
 
-    def _prefill(self, prefilling: list[_Prefill]) -> list[_Prefill]:
-        """One chunk of up to ``rows`` prompts; returns those now fully written (``h`` set)."""
-        batch = prefilling[:self.rows]
-        ids, pos, seg = (np.zeros((self.rows, self.chunk), np.int32) for _ in range(3))
-        table = np.zeros((self.rows, self.pages_per_seq), np.int32)
-        lengths = np.zeros(self.rows, np.int32)
+    # --- the turn's steps ----------------------------------------------------------------
+    def _admit(self, waiting: collections.deque, prefilling: list[_Prefill],
+               running: list[_Sample]) -> bool:
+        """Queue waiting requests for prefill while their samples fit the free slots and their
+        tokens the free pages; returns whether any was."""
+        call, admitted = self._call, False
+        free = self.slots - len(running) - sum(len(p.samples) for p in prefilling)
+        while waiting:
+            item = waiting[0]
+            resume = item if isinstance(item, _Sample) else None
+            index = item.index if resume else item
+            tokens = tuple(call.prompts[index].token_ids)
+            if resume:
+                tokens += tuple(resume.tokens[:-1])
+            samples = [resume.sample] if resume else list(range(call.sampling.n))
+            if free < min(len(samples), self.slots):
+                break
+            matched = self.index.match(tokens) if self.index is not None else []
+            seq = SequencePages(matched, len(matched) * self.pool.page_size)
+            try:
+                self._grow(seq, len(tokens))
+            except OutOfPages:
+                seq.release(self.pool)
+                break
+            waiting.popleft()
+            prefilling.append(_Prefill(index, seq, tokens, samples, resume))
+            free -= len(samples)
+            admitted = True
+        return admitted
+
+    def _prefill(self, prefilling: list[_Prefill]) -> bool:
+        """One chunk of the first ``rows`` requests still being written (False: none is)."""
+        batch = [p for p in prefilling if p.h is None][:self.rows]
+        if not batch:
+            return False
+        width = min(self.chunk, max(16, pow2(max(len(p.tokens) - p.seq.length for p in batch))))
+        rows = _bucket(len(batch), self.rows)
+        ids, pos, seg = (np.zeros((rows, width), np.int32) for _ in range(3))
+        m = max(len(p.seq.pages) for p in batch)
+        table = np.zeros((rows, pow2(m)), np.int32)
+        lengths = np.zeros(rows, np.int32)
         for r, p in enumerate(batch):
-            tokens = self._prompts[p.index].token_ids
             start = p.seq.length
-            n = min(self.chunk, len(tokens) - start)
-            ids[r, :n], pos[r, :n], seg[r, :n] = tokens[start:start + n], range(start, start + n), 1
-            table[r], lengths[r] = self._table(p.seq), start
+            n = min(width, len(p.tokens) - start)
+            ids[r, :n], pos[r, :n], seg[r, :n] = p.tokens[start:start + n], range(start,
+                                                                                  start + n), 1
+            table[r, :len(p.seq.pages)], lengths[r] = p.seq.pages, start
             p.seq.length += n
-        self.pools, h = self.programs.prefill(self.pools, ids, pos, seg, table, lengths)
-        out = []
+            self.stats.prefilled += n
+        self.pools, h = self.programs.prefill(self._call.state, self.pools, ids, pos, seg,
+                                              table, lengths)
         for r, p in enumerate(batch):
-            if p.seq.length == len(self._prompts[p.index].token_ids):
+            if p.seq.length == len(p.tokens):
                 p.h = h[r]
-                out.append(p)
-        return out
+        return True
 
-    def _start(self, ready: list[_Prefill], running: dict[int, _Running], state, done,
-               tokenizer, version):
-        """Fork ready prompts into free slots and draw their samples' first tokens."""
-        free = [s for s in range(self.slots) if s not in running]
-        starts = []  # (slot, prefill, sample, seq)
+    def _start(self, prefilling: list[_Prefill], running: list[_Sample], done) -> bool:
+        """Prefill a chunk, then start the samples of every fully written request that fit
+        the free slots (resumed ones go straight back to decoding). Returns whether anything
+        was written or started."""
+        moved, before = False, self.stats.prefilled
+        moved = self._prefill(prefilling)
+        free = self.slots - len(running)
+        starts: list[tuple[_Prefill, int, SequencePages]] = []
         copies = []
-        for p in ready:
+        for p in [p for p in prefilling if p.h is not None]:
             while p.samples and free:
-                j = p.samples.pop(0)
-                seq, copy = (p.seq, None) if not p.samples else p.seq.fork(self.pool)
+                if p.resume is not None:
+                    p.resume.seq, p.samples = p.seq, []
+                    running.append(p.resume)
+                    free, moved = free - 1, True
+                    break
+                try:
+                    seq, copy = (p.seq, None) if len(p.samples) == 1 else self._fork(p.seq)
+                except OutOfPages:
+                    break
                 copies += [copy] if copy else []
-                starts.append((free.pop(0), p, j, seq))
-        if not starts:
-            return state
+                starts.append((p, p.samples.pop(0), seq))
+                free -= 1
+        prefilling[:] = [p for p in prefilling if p.samples]
         if copies:
-            src, dst = np.zeros((2, self.slots), np.int32)
+            src, dst = np.zeros((2, pow2(len(copies))), np.int32)
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
             self.pools = self.programs.copy(self.pools, src, dst)
-        h = jnp.stack([p.h for _, p, _, _ in starts] + [starts[0][1].h] * (
-            self.slots - len(starts)))
-        hashes = np.zeros(self.slots, np.uint32)
-        index = np.zeros(self.slots, np.int32)
-        for n, (_, p, j, _) in enumerate(starts):
-            hashes[n], index[n] = uid_hash(self._prompts[p.index].uid), j
-        tok, logp, text, hit = jax.device_get(self.programs.first(
-            h, hashes, index, self._seed, self._knobs, self._stops))
-        limit = self._sampling.max_new_tokens
-        for n, (slot, p, j, seq) in enumerate(starts):
-            run = _Running(p.index, j, seq, [int(tok[n])], [float(logp[n])])
-            if hit[n] or limit == 1:
-                self._finish(run, bool(hit[n]), done, tokenizer, version)
-                continue
-            running[slot] = run
-            state["table"][slot] = self._table(seq)
-            for k, v in (("length", seq.length), ("last", tok[n]), ("generated", 1),
-                         ("limit", limit), ("live", True), ("text", text[n]),
-                         ("uid_hash", hashes[n]), ("sample_index", j)):
-                state[k][slot] = v
-        return state
+        if starts:
+            self._first(starts, running, done)
+        return moved or bool(starts)
 
-    def _decode(self, running: dict[int, _Running], state, done, waiting: bool, tokenizer,
-                version):
-        """Pages for every live slot's next ``burst`` tokens, then one burst."""
-        for slot, run in running.items():
-            run.seq.grow(self.pool, min(state["length"][slot] + self.burst, self.max_tokens))
-            run.seq.length = int(state["length"][slot])
-            state["table"][slot] = self._table(run.seq)
-        slots = Slots(**{k: jnp.asarray(v) for k, v in state.items()})
+    def _first(self, starts: list[tuple[_Prefill, int, SequencePages]], running: list[_Sample],
+               done) -> None:
+        """Draw the first token of each started sample."""
+        call = self._call
+        n = pow2(len(starts))
+        h = jnp.stack([p.h for p, _, _ in starts] + [starts[0][0].h] * (n - len(starts)))
+        hashes, index = np.zeros(n, np.uint32), np.zeros(n, np.int32)
+        for k, (p, j, _) in enumerate(starts):
+            hashes[k], index[k] = uid_hash(call.prompts[p.index].uid), j
+        tok, logp, text, hit = jax.device_get(self.programs.first(
+            call.state, h, hashes, index, call.seed, call.knobs, call.stops))
+        for k, (p, j, seq) in enumerate(starts):
+            self._started += 1
+            run = _Sample(p.index, j, int(hashes[k]), seq, [int(tok[k])], [float(logp[k])],
+                          int(text[k]), self._started)
+            if hit[k] or call.sampling.max_new_tokens == 1:
+                self._finish(run, bool(hit[k]), done)
+            else:
+                running.append(run)
+
+    def _reserve(self, running: list[_Sample], waiting: collections.deque) -> None:
+        """Pages for every sample's next burst; out of pages, the latest started samples are
+        preempted (back to the front of ``waiting``) until the others fit."""
+        limit = self._call.sampling.max_new_tokens
+        for run in sorted(running, key=lambda r: r.started):
+            want = run.seq.length + min(self.burst, limit - len(run.tokens))
+            while run in running:
+                try:
+                    self._grow(run.seq, want)
+                    break
+                except OutOfPages:
+                    victim = max(running, key=lambda r: r.started)
+                    running.remove(victim)
+                    victim.seq.release(self.pool)
+                    waiting.appendleft(victim)
+                    self.stats.preempted += 1
+
+    def _decode(self, running: list[_Sample], waiting: collections.deque, done,
+                pending: bool) -> None:
+        """One burst of every running sample, packed into its slot bucket."""
+        self._reserve(running, waiting)
+        if not running:
+            return
+        call, b = self._call, _bucket(len(running), self.slots)
+        m = min(pow2(max(len(r.seq.pages) for r in running)),
+                self.pool.pages_for(self._longest))
+        table = np.zeros((b, m), np.int32)
+        z = np.zeros(b, np.int32)
+        length, last, generated, limit, text, index = (z.copy() for _ in range(6))
+        hashes, live = np.zeros(b, np.uint32), np.zeros(b, bool)
+        for r, run in enumerate(running):
+            table[r, :len(run.seq.pages)] = run.seq.pages
+            length[r], last[r], generated[r] = run.seq.length, run.tokens[-1], len(run.tokens)
+            limit[r], text[r], index[r] = call.sampling.max_new_tokens, run.text, run.sample
+            hashes[r], live[r] = run.uid, True
+        slots = Slots(table, length, last, generated, limit, live, text, hashes, index)
         self.pools, after, tokens, logps, drawn, stopped = self.programs.burst(
-            self.pools, slots, self._seed, self._knobs, self._stops, np.bool_(waiting))
+            call.state, self.pools, slots, call.seed, call.knobs, call.stops,
+            np.bool_(pending))
         after, tokens, logps, drawn, stopped = jax.device_get(
             (after, tokens, logps, drawn, stopped))
-        state = {k: np.array(getattr(after, k)) for k in state}
-        for slot in list(running):
-            run = running[slot]
-            run.tokens += tokens[slot, :drawn[slot]].tolist()
-            run.logps += logps[slot, :drawn[slot]].tolist()
-            run.seq.length = int(state["length"][slot])
-            if not state["live"][slot]:
-                self._finish(running.pop(slot), bool(stopped[slot]), done, tokenizer, version)
-        return state
+        self.stats.bursts += 1
+        self.stats.steps += int(drawn.max())
+        self.stats.drawn += int(drawn.sum())
+        for r, run in enumerate(list(running)):
+            run.tokens += tokens[r, :drawn[r]].tolist()
+            run.logps += logps[r, :drawn[r]].tolist()
+            run.seq.length, run.text = int(after.length[r]), int(after.text[r])
+            if not after.live[r]:
+                running.remove(run)
+                self._finish(run, bool(stopped[r]), done)
 
-    def _finish(self, run: _Running, stopped: bool, done, tokenizer, version) -> None:
-        prompt = self._prompts[run.index]
+    def _finish(self, run: _Sample, stopped: bool, done) -> None:
+        call = self._call
+        prompt = call.prompts[run.index]
         done[run.index, run.sample] = row_rollout(
             prompt, run.sample, np.asarray(run.tokens, np.int32),
-            np.asarray(run.logps, np.float32), len(run.tokens), stopped, self._sampling,
-            tokenizer, version)
+            np.asarray(run.logps, np.float32), len(run.tokens), stopped, call.sampling,
+            call.tokenizer, call.version)
+        if self.index is not None:  # what the pages hold: the prompt and every fed token
+            self.index.put(tuple(prompt.token_ids) + tuple(run.tokens[:-1]), run.seq.pages)
         run.seq.release(self.pool)

@@ -6,6 +6,8 @@ alone (same tokens, log-probs <= 1e-6): slots, pages and neighbours change nothi
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from flax import nnx
 
 from rlx.models import from_hf
 from rlx.models.paged_kv import PagedKVCache
@@ -22,10 +24,11 @@ from tests.helpers.parity import sample_prompts, step_logprobs
 TOL = 1e-5
 
 
-def _scheduler(model, spec, *, slots=4, pages=40, page=4, per_seq=12):
+def _scheduler(model, spec, *, slots=4, pages=40, page=4):
     pools = PagedKVCache.zeros(model.config, pages, page, jnp.float32, layer_counts(model))
-    return Scheduler(compile_programs(model, spec, burst=4), pools, PagePool(pages, page),
-                     slots=slots, pages_per_seq=per_seq, chunk=8, rows=2, burst=4)
+    programs = compile_programs(nnx.graphdef(model), spec, burst=4)
+    return Scheduler(programs, pools, PagePool(pages, page), slots=slots, chunk=8, rows=2,
+                     burst=4)
 
 
 def test_continuous_batching_matches_the_learner_and_each_request_alone(tmp_path):
@@ -36,7 +39,7 @@ def test_continuous_batching_matches_the_learner_and_each_request_alone(tmp_path
     knobs = Knobs.of(1.0, None, None)
     stops = device_stops([5, 17], None)  # some rows stop early, others run to the cap
     sched = _scheduler(model, spec)
-    mixed = sched.run(prompts, sampling, 3, knobs, stops)
+    mixed = sched.run(nnx.state(model), prompts, sampling, 3, knobs, stops)
     assert sched.pool.free == sched.pool.pages - 1  # every page back
     lengths = [len(r.completion_ids) for r in mixed]
     assert min(lengths) < 20 and max(lengths) == 20
@@ -44,8 +47,35 @@ def test_continuous_batching_matches_the_learner_and_each_request_alone(tmp_path
     for r, ref in zip(mixed, learner):
         np.testing.assert_allclose(r.sampler_logp, ref, atol=TOL, rtol=0)
     for i, p in enumerate(prompts):
-        alone = _scheduler(model, spec).run([p], sampling, 3, knobs, stops)
+        alone = _scheduler(model, spec).run(nnx.state(model), [p], sampling, 3, knobs, stops)
         for j, r in enumerate(alone):
             got = mixed[2 * i + j]
             assert got.completion_ids.tolist() == r.completion_ids.tolist()
             np.testing.assert_allclose(got.sampler_logp, r.sampler_logp, atol=1e-6, rtol=0)
+
+
+def test_out_of_pages_preempts_and_recomputes_the_same_tokens(tmp_path):
+    """A pool too small for every slot's sequence at once: the latest started sample is
+    preempted and recomputed later; every request's tokens are those of a pool large enough,
+    and the preemptions are counted. Log-probs within the engine-vs-learner 1e-5: a resumed
+    sample's cache was written by a prefill of its tokens, not by the decode steps that drew
+    them (the same keys and values to rounding)."""
+    model = from_hf(make_hf_model("llama", str(tmp_path)))
+    prompts = sample_prompts((3, 11, 6, 17), seed=2)
+    sampling = SamplingParams(max_new_tokens=20, n=2, seed=5)
+    spec, knobs, stops = SamplerSpec(), Knobs.of(1.0, None, None), device_stops([], None)
+    roomy = _scheduler(model, spec).run(nnx.state(model), prompts, sampling, 5, knobs, stops)
+    tight = _scheduler(model, spec, pages=13)
+    got = tight.run(nnx.state(model), prompts, sampling, 5, knobs, stops)
+    assert tight.stats.preempted > 0 and tight.pool.free == tight.pool.pages - 1
+    for a, b in zip(roomy, got):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        np.testing.assert_allclose(a.sampler_logp, b.sampler_logp, atol=TOL, rtol=0)
+
+
+def test_a_request_longer_than_the_cache_is_refused(tmp_path):
+    model = from_hf(make_hf_model("llama", str(tmp_path)))
+    sched = _scheduler(model, SamplerSpec(), pages=5)  # 4 pages of 4 tokens
+    with pytest.raises(ValueError, match="17 tokens .* need 36 cache slots, more than the 16"):
+        sched.run(nnx.state(model), sample_prompts((17,)), SamplingParams(max_new_tokens=20),
+                  0, Knobs.of(1.0, None, None), device_stops([], None))

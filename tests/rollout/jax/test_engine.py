@@ -21,6 +21,7 @@ from rlx.models import from_hf
 from rlx.platform.policy import CPU, active
 from rlx.quant import GGUFTensor, LoraConfig, QuantConfig, apply_lora, quantize_model
 from rlx.quant.quantize import linears
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.engine import Buckets, JaxEngine
 from rlx.rollout.jax.sampling import segment_ends
 from rlx.types import SamplingParams
@@ -190,13 +191,14 @@ def test_shared_variables_are_the_callers_arrays(zoo, fmt):
         np.testing.assert_array_equal(held[path][...], var[...])
     sampling = SamplingParams(max_new_tokens=8, n=2, seed=4)
     rollouts = engine.generate(sample_prompts(), sampling)
+    compiled = engine.compilations()
     assert max_diff(step_logprobs(model, rollouts), [r.sampler_logp for r in rollouts]) <= TOL
     randomize_lora_b(model, seed=7)
     engine.update_weights(nnx.state(model, nnx.LoRAParam), version=1)
     after = dict(nnx.to_flat_state(engine._state))
     assert all(after[p][...] is v[...] for p, v in frozen.items())
     tuned = engine.generate(sample_prompts(), sampling)
-    assert engine.compilations() == 1
+    assert engine.compilations() == compiled  # an update of the same shapes compiles nothing
     assert max_diff(step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
 
 
@@ -319,9 +321,10 @@ def test_padded_prompts_equal_prompts_alone(zoo):
 
 
 def test_one_compilation_per_bucket_and_weight_updates(zoo):
-    """One program per (prompt rows, rows, prompt length, new tokens) bucket and sampling mode."""
+    """Lockstep batching: one program per (prompt rows, rows, prompt length, new tokens) bucket
+    and sampling mode."""
     model = from_hf(make_hf_model("llama", zoo))
-    engine = JaxEngine(model, weight_version=3)
+    engine = JaxEngine(model, weight_version=3, settings=JaxSection(batching="lockstep"))
     s = SamplingParams(max_new_tokens=8, n=1, seed=0)
     engine.generate(sample_prompts((3, 5, 7)), s)  # rows 4, prompt 16, new 16
     engine.generate(sample_prompts((9, 2, 4, 12), seed=1), s)  # same bucket
@@ -350,10 +353,11 @@ def test_mode_b_adapter_update_without_recompilation(zoo):
     engine = JaxEngine(model)
     s = SamplingParams(max_new_tokens=8, temperature=0.0)
     base = engine.generate(sample_prompts(), s)
+    compiled = engine.compilations()
     randomize_lora_b(model, scale=0.5)
     engine.update_weights(nnx.state(model, nnx.LoRAParam), version=1)
     tuned = engine.generate(sample_prompts(), s)
-    assert engine.compilations() == 1
+    assert engine.compilations() == compiled
     assert any(a.completion_ids.tolist() != b.completion_ids.tolist() for a, b in zip(base, tuned))
     assert max_diff(step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
 

@@ -17,6 +17,7 @@ import pytest
 
 from rlx.models import from_hf
 from rlx.models.stack import stack_layers
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.engine import Buckets, JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
@@ -25,6 +26,7 @@ from tests.helpers.moe import tiny_deepseek
 TOL = 1e-5
 SAMPLING = SamplingParams(max_new_tokens=8, n=2, temperature=1.0, seed=11)
 BUCKETS = Buckets(min_prompt=64)
+PAGE = 4
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,11 @@ def _tokens(rs, n: int) -> tuple[int, ...]:
     return tuple(int(t) for t in rs.randint(0, 97, n))
 
 
-def _turns(engine: JaxEngine, turns: int = 3):
+def _turns(engine: JaxEngine, turns: int = 3, page: int | None = None):
     """Each turn's prompts, rollouts, tokens prefilled and the count a prefix cache prefills
-    (sequences it just produced continue; see the module docstring)."""
+    (sequences it just produced continue; see the module docstring). ``page``: the engine
+    shares whole pages of this many tokens (continuous batching), so a continued prompt
+    prefills from the end of the last full page its previous sequence wrote."""
     rs = np.random.RandomState(0)
     prompts = [Prompt(f"p{i}", _tokens(rs, n)) for i, n in enumerate((3, 11, 6))]
     expected = sum(len(p.token_ids) for p in prompts)
@@ -53,22 +57,31 @@ def _turns(engine: JaxEngine, turns: int = 3):
                    for i, (r, x) in enumerate(zip(firsts, extra))] + [Prompt(f"new{t}",
                                                                             _tokens(rs, 4))]
         expected = sum(1 + len(x) for x in extra) + 4
+        if page is not None:  # written: the prompt and every completion token but the last
+            written = [len(r.prompt_ids) + len(r.completion_ids) - 1 for r in firsts[:-1]]
+            expected = sum(len(p.token_ids) - page * (w // page)
+                           for p, w in zip(prompts, written)) + 4
     return out
 
 
+@pytest.mark.parametrize("batching", ["continuous", "lockstep"])
 @pytest.mark.parametrize("kind", [
     # CI: the unrolled model's continued turns also run in tests/envs/test_episode_jax.py
     pytest.param("llama", marks=pytest.mark.slow), "llama stacked",
     pytest.param("deepseek_v3", marks=pytest.mark.slow)])
-def test_continued_requests_prefill_only_their_new_tokens(zoo, kind):
+def test_continued_requests_prefill_only_their_new_tokens(zoo, kind, batching):
+    """Lockstep keeps each sequence's cache row; continuous batching its full pages (of
+    ``PAGE`` tokens), which ``cached_sequences`` counts then."""
     if kind == "deepseek_v3":
         model = tiny_deepseek()
     else:
         model = from_hf(make_hf_model("llama", zoo))
         model = stack_layers(model) if kind.endswith("stacked") else model
-    engine, whole = JaxEngine(model, buckets=BUCKETS), JaxEngine(model, buckets=BUCKETS)
+    settings = JaxSection(batching=batching, page_size=PAGE)
+    engine, whole = (JaxEngine(model, buckets=BUCKETS, settings=settings) for _ in range(2))
+    paged = batching == "continuous"
     with engine.prefix_cache():
-        turns = _turns(engine)
+        turns = _turns(engine, page=PAGE if paged else None)
         held = engine.cached_sequences()
         engine.update_weights(model, engine.weight_version + 1)  # the same weights, a new version
         assert engine.cached_sequences() == 0
@@ -76,7 +89,8 @@ def test_continued_requests_prefill_only_their_new_tokens(zoo, kind):
         before = engine.prefilled_tokens()
         again = engine.generate(prompts, SAMPLING)
         assert engine.prefilled_tokens() - before == sum(len(p.token_ids) for p in prompts)
-    assert held == 3 * SAMPLING.n and engine.cached_sequences() == 0
+    assert engine.cached_sequences() == 0
+    assert held > 0 if paged else held == 3 * SAMPLING.n
     diffs = []
     for t, (prompts, rollouts, prefilled, expected) in enumerate(turns):
         assert prefilled == expected, f"turn {t}"
