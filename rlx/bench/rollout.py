@@ -281,6 +281,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts")
     p.add_argument("--parallel-setup", action="store_true",
                    help="build the sides at the same time (faster start; setup times then overlap)")
+    p.add_argument("--lengths", default="uniform", choices=("uniform", "longtail"),
+                   help="uniform: every request exactly --new tokens, rlx beside its peers; "
+                   "longtail: the built-in engine on a long-tailed mix (rlx.bench.longtail; "
+                   "--batch defaults to 64, --new to 256)")
     p.add_argument("--json", default="", help="write every figure to this file")
     p.add_argument("--workdir", default="", help="exports and logs go here (default: a temp folder)")
     p.add_argument("--sglang-python", default="", help="SGLang interpreter (default $RLX_SGLANG_PYTHON or .ci's venv)")
@@ -314,6 +318,8 @@ def _split(value: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
 
 def main(argv: list[str]) -> int:
     a = _parser().parse_args(argv)
+    if a.lengths == "longtail":
+        return _longtail(a, argv)
     models, batches = _split(a.model, MODELS, "--model"), _batches(a.batch)
     sides, modes = _split(a.sides, SIDES, "--sides"), _split(a.modes, CASES, "--modes")
     sglang = SGLangSetup(a.sglang_python, a.sglang_harness, a.sglang_url, a.sglang_args)
@@ -334,6 +340,29 @@ def main(argv: list[str]) -> int:
             for plan, record in zip(plans, records):
                 _print(plan.workload, record)
     write_json(a.json or None, payload)
+    return 0
+
+
+def _longtail(a: argparse.Namespace, argv: list[str]) -> int:
+    from rlx.bench.longtail import LongTail, markdown, measure, sglang_rows
+
+    given = lambda flag: any(x == flag or x.startswith(flag + "=") for x in argv)  # noqa: E731
+    w = LongTail(batch=_batches(a.batch)[0] if given("--batch") else 64,
+                 new=a.new if given("--new") else 256, lora_rank=a.lora_rank, seed=a.seed)
+    rows = measure(w, a.repeats, a.warmup)
+    sglang = SGLangSetup(a.sglang_python, a.sglang_harness, a.sglang_url, a.sglang_args)
+    if "sglang" in _split(a.sides, SIDES, "--sides"):
+        why = sglang.unavailable()
+        if why:
+            print(f"SGLang side skipped: {why}", file=sys.stderr)
+        else:
+            with tempfile.TemporaryDirectory(prefix="rlx-bench-longtail-") as tmp:
+                rows += sglang_rows(w, sglang, a.workdir or tmp, a.repeats, a.warmup)
+    print(f"\n### rollout, long-tailed lengths: SmolLM2 Q4_1 + LoRA {w.lora_rank}, {w.batch} "
+          f"requests up to {w.new} tokens, T={w.temperature}\n")
+    print(markdown(rows, w))
+    write_json(a.json or None, {"benchmark": "rollout-longtail", "workload":
+                                dataclasses.asdict(w), "rows": rows})
     return 0
 
 
