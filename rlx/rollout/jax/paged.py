@@ -95,6 +95,8 @@ class PagedServing:
 
     def run(self, state: nnx.State, prompts: Sequence[Prompt], sampling: SamplingParams,
             seed: int, stops, tokenizer, version: int) -> list[Rollout]:
+        if not prompts:
+            return []
         longest = max(len(p.token_ids) for p in prompts) + sampling.max_new_tokens
         s = self._ready(SamplerSpec.of(sampling), longest)
         out = s.run(state, prompts, sampling, seed, Knobs.of_sampling(sampling), stops, tokenizer,
