@@ -158,24 +158,24 @@ class Scheduler:
         return [done[i, j] for i in range(len(prompts)) for j in range(n)]
 
     # --- pages ---------------------------------------------------------------------------
-    def _grow(self, seq: SequencePages, length: int) -> None:
-        """Pages for ``length`` tokens, evicting kept prefixes if short (``OutOfPages``)."""
+    def _taking(self, take, want: int):
+        """``take()``, which holds free pages; short of them, kept prefixes are evicted first
+        until ``want`` pages are free (``OutOfPages`` if still short)."""
         try:
-            seq.grow(self.pool, length)
+            return take()
         except OutOfPages:
             if self.index is None:
                 raise
-            self.index.evict(self.pool.pages_for(length) - len(seq.pages))
-            seq.grow(self.pool, length)
+            self.index.evict(want)
+            return take()
+
+    def _grow(self, seq: SequencePages, length: int) -> None:
+        """Pages for ``length`` tokens."""
+        self._taking(lambda: seq.grow(self.pool, length),
+                     self.pool.pages_for(length) - len(seq.pages))
 
     def _fork(self, seq: SequencePages):
-        try:
-            return seq.fork(self.pool)
-        except OutOfPages:
-            if self.index is None:
-                raise
-            self.index.evict(1)
-            return seq.fork(self.pool)
+        return self._taking(lambda: seq.fork(self.pool), 1)
 
     # --- the turn's steps ----------------------------------------------------------------
     def _admit(self, waiting: collections.deque, prefilling: list[_Prefill],
@@ -237,7 +237,6 @@ class Scheduler:
         """Prefill a chunk, then start the samples of every fully written request that fit
         the free slots (resumed ones go straight back to decoding). Returns whether anything
         was written or started."""
-        moved, before = False, self.stats.prefilled
         moved = self._prefill(prefilling)
         free = self.slots - len(running)
         starts: list[tuple[_Prefill, int, SequencePages]] = []
