@@ -18,13 +18,15 @@ excluded (``--warmup`` rounds first); figures are medians of ``--repeats`` round
 Beside it, a real SGLang server (its CPU backend batches continuously) on rlx's f32 export of the
 same model (it serves no GGUF base with a LoRA adapter) gets the same token ids and settings:
 its own mix-over-uniform ratio is the peer's figure (``rlx.bench.sglang_setup``; skipped, with
-the reason, where its environment is missing).
+the reason, where its environment is missing). ``--sides sglang`` runs that side alone, an
+``rlx-...`` side the engine's rows alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 
 CHAT_ONE_WORD = ("Answer with one word only. What is the capital of {}?",
@@ -94,6 +96,7 @@ def measure(w: LongTail, repeats: int, warmup: int, small: int = 16) -> list[dic
                     if case == "mix" and stats is not None:
                         occupancy.append(stats.occupancy)
         rows.append(_row(mode, figures, occupancy, small))
+        print(rows[-1], file=sys.stderr, flush=True)  # a long run's figures as they come
         engine.close()
     return rows
 

@@ -349,9 +349,10 @@ def _longtail(a: argparse.Namespace, argv: list[str]) -> int:
     given = lambda flag: any(x == flag or x.startswith(flag + "=") for x in argv)  # noqa: E731
     w = LongTail(batch=_batches(a.batch)[0] if given("--batch") else 64,
                  new=a.new if given("--new") else 256, lora_rank=a.lora_rank, seed=a.seed)
-    rows = measure(w, a.repeats, a.warmup)
+    sides = _split(a.sides, SIDES, "--sides")
+    rows = measure(w, a.repeats, a.warmup) if any(s.startswith("rlx") for s in sides) else []
     sglang = SGLangSetup(a.sglang_python, a.sglang_harness, a.sglang_url, a.sglang_args)
-    if "sglang" in _split(a.sides, SIDES, "--sides"):
+    if "sglang" in sides:
         why = sglang.unavailable()
         if why:
             print(f"SGLang side skipped: {why}", file=sys.stderr)

@@ -41,8 +41,10 @@ from jaxtyping import Array, Float, Int
 
 from rlx.kernels.attention import attend
 from rlx.kernels.attention.context import ContextSplit
+from rlx.kernels.attention.paged import block_pages_for, gqa_paged
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache
+from rlx.models.paged_kv import PagedKVCache
 from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq, rotate, weight_value
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
@@ -140,6 +142,10 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, angles, adapter)
         k, v = (k, v) if order is None else (order.in_slot_order(a) for a in (k, v))
         kv = cache.store(kv, (k, v))
+        if isinstance(cache, PagedKVCache) and order is None:  # the pages read in place
+            out = gqa_paged(q, *kv, cache.table, cache.ends, positions, segment_ids,
+                            block_pages=block_pages_for(cache.page_size))
+            return self._out(out, adapter), kv
         keys, values = cache.view(kv)  # [b, kv, d, s], [b, kv, s, d]
         out = attend(q, keys, values, segment_ids, cache.segment_ids, positions, cache.positions,
                      kv_major=True, sharding=None if order is None else self.sharding)

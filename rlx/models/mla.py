@@ -41,9 +41,11 @@ from jaxtyping import Array, Float
 
 from rlx.kernels.attention import MASK_VALUE, attend, attention_mask
 from rlx.kernels.attention.context import ContextSplit
+from rlx.kernels.attention.paged import block_pages_for, gather_block, online_pages
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache
 from rlx.models.layers import Linear, RMSNorm, quantize_activations, rotate, weight_value
+from rlx.models.paged_kv import PagedKVCache
 
 # which cached slots the new tokens see: (their segment ids, the slots' segment ids, their
 # positions, the slots' positions), each [b, t] or [b, s] (rlx.kernels.attention.attend)
@@ -187,9 +189,12 @@ class MLAttention(nnx.Module):
         if order is not None:
             latent, k_rope = (order.in_slot_order(a) for a in (latent, k_rope))
         kv = cache.store(kv, (k_rope[:, :, 0], latent))
+        q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
+        if x.shape[1] == 1 and isinstance(cache, PagedKVCache):  # the pages read in place
+            out = self.absorbed_paged(q_nope, q_rope, kv, cache, positions, segment_ids, adapter)
+            return self._out(out, adapter), kv
         rope_keys, latents = cache.view(kv)  # [b, r, s], [b, s, c]
         seen = (segment_ids, cache.segment_ids, positions, cache.positions)
-        q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
         if x.shape[1] == 1:
             out = self.absorbed(q_nope, q_rope, rope_keys, latents, seen, adapter)
         else:  # [b, t, h, v]
@@ -238,4 +243,47 @@ class MLAttention(nnx.Module):
         for _, w_v, quant in parts:
             lat = jnp.einsum("bqs,bsc->bqc", probs, quantized if quant else plain)
             out = out + jnp.einsum("bthc,chv->bthv", lat.reshape(b, t, h, -1), w_v)
+        return out
+
+    def absorbed_paged(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
+                       kv: tuple, cache: PagedKVCache, positions, segment_ids,
+                       adapter: bool = True) -> Float[Array, "b t h v"]:
+        """``absorbed`` over the latent pages where they lie (``rlx.kernels.attention.paged``:
+        blocks of pages, online softmax in f32): each block's scores are ``absorbed``'s, its
+        terms are the probabilities times the block's latents (per part), projected by the
+        value blocks once after the last block."""
+        b, t, h, _ = q_nope.shape
+        dtype, c = q_nope.dtype, self.mla.kv_lora_rank
+        rope_pool, latent_pool = kv  # [P, r, page], [P, page, c]
+        parts = self._absorbed_parts(dtype, adapter)
+        f32 = dict(preferred_element_type=jnp.float32)
+        heads_first = lambda x: jnp.swapaxes(x, 1, 2).reshape(b, h * t, -1)  # noqa: E731
+        q_rot = heads_first(q_rope.astype(dtype))  # [b, ht, r]
+        q_lats = [heads_first(jnp.einsum("bthn,chn->bthc", q_nope, w_k)) for w_k, _, _ in parts]
+        act = self.kv_b_proj.act_quant
+
+        def latents(pages, quant):
+            plain = gather_block(latent_pool, pages).astype(dtype).reshape(b, -1, c)  # [b, k, c]
+            return quantize_activations(plain, act) if quant else plain
+
+        def score(pages):
+            rope = gather_block(rope_pool, pages).astype(dtype)  # [b, n, r, page]
+            s = jnp.einsum("bqr,bnrp->bqnp", q_rot, rope, **f32).reshape(b, h * t, -1)
+            for q_lat, (_, _, quant) in zip(q_lats, parts):
+                s = s + jnp.einsum("bqc,bsc->bqs", q_lat, latents(pages, quant), **f32)
+            return (s * self.scale).reshape(b, 1, h, t, -1)
+
+        def term(quant):
+            return lambda p, pages: jnp.einsum(
+                "bqs,bsc->bqc", p.astype(dtype).reshape(b, h * t, -1), latents(pages, quant),
+                **f32).reshape(b, 1, h, t, c)
+
+        lats = online_pages(score, [term(quant) for _, _, quant in parts], cache.table,
+                            cache.ends, positions, segment_ids, page_size=cache.page_size,
+                            block_pages=block_pages_for(cache.page_size),
+                            out_shapes=[(b, 1, h, t, c)] * len(parts))
+        out = 0
+        for lat, (_, w_v, _) in zip(lats, parts):  # [b, 1, h, t, c] -> [b, t, h, c]
+            lat = jnp.transpose(lat[:, 0], (0, 2, 1, 3)).astype(dtype)
+            out = out + jnp.einsum("bthc,chv->bthv", lat, w_v)
         return out

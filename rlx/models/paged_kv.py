@@ -11,11 +11,13 @@ A call's rows are sequences: ``table [b, m]`` lists each row's pages in token or
 of a row sits in page ``table[r, j // page_size]`` at offset ``j % page_size``; a sequence's
 position is its slot, no padding precedes it) and ``lengths [b]`` how many tokens it has written
 before the call. The new tokens (``record``) are written at their positions (``store``; padding
-tokens, segment 0, go to page 0, which no sequence holds); attention reads a row's pages gathered
-into the dense layout (``view``, ``m x page_size`` slots), its slots' positions and segments
-(``positions``, ``segment_ids``: 1 for a slot before the row's end, else 0), so the layers'
-attention code is the dense cache's. Which pages a row holds, their sharing between sequences and
-the free list are the host's (``rlx.rollout.jax.pages``).
+tokens, segment 0, go to page 0, which no sequence holds). Attention reads a row's pages where
+they lie (``rlx.kernels.attention.paged``: grouped-query attention, and multi-head latent
+attention's absorbed decode step), block by block up to the longest row's end; a call that needs
+per-head keys (MLA's prefill) sees the pages gathered into the dense layout instead (``view``,
+``m x page_size`` slots, with their ``positions`` and ``segment_ids``: 1 for a slot before the
+row's end, else 0), so that code is the dense cache's. Which pages a row holds, their sharing
+between sequences and the free list are the host's (``rlx.rollout.jax.pages``).
 """
 
 from __future__ import annotations

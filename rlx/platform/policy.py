@@ -65,6 +65,9 @@ class PlatformPolicy:
     dense_attention_slots: int = 0
     attention_kernel: str = "blockwise"
     attention_block: int = 512
+    # a paged KV cache's attention (rlx.kernels.attention.paged) reads this many key slots'
+    # pages per block
+    paged_attention_block: int = 512
     # the built-in engine's decode slots (rlx.rollout.jax.paged; config.rollout.jax.slots)
     decode_slots: int = 256
     # Pallas kernels run in the interpreter (any backend: tests of a kernel's numerics)
@@ -94,7 +97,8 @@ CPU = PlatformPolicy(
     wide_kv_cache=True, decode_layout="out_in", unroll_train_from_params=50_000_000,
     unroll_decode_bytes=1 << 30, few_row_products=True, byte_floats_as_bits=True,
     host_layout=True, experts_one_at_a_time=True, remat_train_options=CPU_REMAT_OPTIONS,
-    dense_attention_slots=512, attention_block=64, decode_slots=64)
+    dense_attention_slots=512, attention_block=64, paged_attention_block=32,
+    decode_slots=64)
 GPU = PlatformPolicy(grouped_products=True)
 TPU = PlatformPolicy(grouped_products=True, train_options=TPU_OPTIONS, attention_kernel="splash")
 POLICIES = {"cpu": CPU, "gpu": GPU, "cuda": GPU, "rocm": GPU, "tpu": TPU}

@@ -10,7 +10,8 @@ platform's Pallas kernel where ``attention_kernel`` names one that computes the 
 as per-token segment ids and positions (``rlx.kernels.attention.blockwise``'s docstring), never as
 a ``[t, s]`` tensor. Under context parallelism (a mesh whose ``context`` axis splits the tokens,
 ``AttentionSharding.context``) each device runs one of these on its queries over the gathered
-keys (``rlx.kernels.attention.context``).
+keys (``rlx.kernels.attention.context``). Over a paged KV cache the layers call
+``rlx.kernels.attention.paged`` instead, which reads the cache's pages in place.
 """
 
 from __future__ import annotations

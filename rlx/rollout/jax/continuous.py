@@ -11,8 +11,9 @@ between calls of three compiled programs, each on the shared page pools
 * ``first_tokens``: a prompt's ``n`` samples' first tokens drawn from its last hidden state (the
   samples then share its pages);
 * ``decode_burst``: up to ``K`` decode steps of every live slot, as one ``while_loop`` that stops
-  early when every slot is done, or when a slot finishes while requests wait
-  (``stop_on_free``): the host refills it at once.
+  early when every slot is done, when a slot finishes while requests wait (``stop_on_free``):
+  the host refills it at once, or when half the slots are free: the host packs the rest into
+  a smaller bucket.
 
 Host scheduling between fixed-length bursts rather than a scheduler inside the program: admission
 (which request, which pages, sharing a prefix by its tokens, preempting when pages run out), stop
@@ -139,8 +140,12 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
                     drawn=c["drawn"] + live, stopped=c["stopped"] | (live & hit),
                     freed=c["freed"] | jnp.any(done))
 
-    def more(c):
-        return (c["i"] < k) & jnp.any(c["slots"].live) & ~(stop_on_free & c["freed"])
+    start = jnp.sum(slots.live)
+
+    def more(c):  # a burst also ends when half its rows are free: the host packs it smaller
+        live = jnp.sum(c["slots"].live)
+        shrunk = (2 * live <= s) & (live < start)
+        return (c["i"] < k) & (live > 0) & ~(stop_on_free & c["freed"]) & ~shrunk
 
     c = dict(i=jnp.zeros((), jnp.int32), kv=(pools.keys, pools.values), slots=slots,
              tokens=jnp.zeros((s, k), jnp.int32), logps=jnp.zeros((s, k), jnp.float32),

@@ -14,9 +14,11 @@ programs of ``rlx.rollout.jax.continuous``. Each turn of its loop:
    (``first_tokens``) into a slot;
 4. **decode**: every live sample gets the pages its next ``burst`` tokens need and one
    ``decode_burst`` runs over them, packed into the smallest slot bucket that holds them
-   (``slots``, a quarter of it, a sixteenth ...) with a page table as wide as the longest
-   needs (a power of two, at most the call's longest sequence's): the long tail of a call runs
-   a small program, not the full one with most rows masked. Samples that finish free their pages; their slots are refilled next turn.
+   (``slots``, a half of it, a quarter ...), its page table as wide as the call's longest
+   sequence needs (attention reads a row's pages only up to the longest live row's end,
+   ``rlx.kernels.attention.paged``): the long tail of a call runs a small program, not the
+   full one with most rows masked. Samples that finish free their pages; their slots are
+   refilled next turn.
 
 When the pool runs out of pages for a decode burst, the latest started sample is preempted: its
 pages are released and it waits again with the tokens it drew; when it is admitted anew its
@@ -44,11 +46,13 @@ from rlx.types import Prompt, Rollout, SamplingParams
 
 
 def _bucket(n: int, slots: int) -> int:
-    """Rows of a burst of ``n`` samples: ``slots``, or a quarter, a sixteenth ... of it
-    (at least ``n``); few shapes to compile, few idle rows."""
+    """Rows of a burst of ``n`` samples: ``slots``, or a half, a quarter ... of it (at least
+    ``n``, and at least 2: one row's products run another kernel than several rows', and a
+    sample's numbers must not change when it is left alone); fewer than half the rows idle,
+    a program per bucket."""
     b = slots
-    while b % 4 == 0 and b // 4 >= n:
-        b //= 4
+    while b % 2 == 0 and b // 2 >= max(n, 2):
+        b //= 2
     return b
 
 
@@ -212,7 +216,8 @@ class Scheduler:
         batch = [p for p in prefilling if p.h is None][:self.rows]
         if not batch:
             return False
-        width = min(self.chunk, max(16, pow2(max(len(p.tokens) - p.seq.length for p in batch))))
+        longest = max(len(p.tokens) - p.seq.length for p in batch)
+        width = min(self.chunk, -(-longest // 16) * 16)  # tokens per row: a multiple of 16
         rows = _bucket(len(batch), self.rows)
         ids, pos, seg = (np.zeros((rows, width), np.int32) for _ in range(3))
         m = max(len(p.seq.pages) for p in batch)
@@ -268,7 +273,7 @@ class Scheduler:
                done) -> None:
         """Draw the first token of each started sample."""
         call = self._call
-        n = pow2(len(starts))
+        n = max(2, pow2(len(starts)))  # several rows, as ``_bucket``'s
         h = jnp.stack([p.h for p, _, _ in starts] + [starts[0][0].h] * (n - len(starts)))
         hashes, index = np.zeros(n, np.uint32), np.zeros(n, np.int32)
         for k, (p, j, _) in enumerate(starts):
@@ -308,8 +313,7 @@ class Scheduler:
         if not running:
             return
         call, b = self._call, _bucket(len(running), self.slots)
-        m = min(pow2(max(len(r.seq.pages) for r in running)),
-                self.pool.pages_for(self._longest))
+        m = self.pool.pages_for(self._longest)  # one width a call: attention stops at the ends
         table = np.zeros((b, m), np.int32)
         z = np.zeros(b, np.int32)
         length, last, generated, limit, text, index = (z.copy() for _ in range(6))
