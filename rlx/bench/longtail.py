@@ -13,7 +13,8 @@ the table gives useful tokens per second (completion tokens returned, over wall-
 the mix and at uniform length, their ratio (1.0: the long tail costs nothing), and for
 continuous batching its decode-slot occupancy on the mix. Uniform length is also run at 16
 requests (the first 16 of the mix), where the two batchings should be level. Compilation is
-excluded (``--warmup`` rounds first); figures are medians of ``--repeats`` rounds.
+excluded (``--warmup`` rounds first); figures are medians of ``--repeats`` rounds, in which the
+two batchings take turns.
 
 Beside it, a real SGLang server (its CPU backend batches continuously) on rlx's f32 export of the
 same model (it serves no GGUF base with a LoRA adapter) gets the same token ids and settings:
@@ -82,23 +83,25 @@ def measure(w: LongTail, repeats: int, warmup: int, small: int = 16) -> list[dic
     uniform = dataclasses.replace(stop, stop_token_ids=())
     cases = {"mix": (prompts, stop), "uniform": (prompts, uniform),
              f"uniform{small}": (prompts[:small], uniform)}
-    rows = []
-    for mode in MODES:
-        engine = JaxEngine(model, tokenizer=tokenizer, settings=JaxSection(batching=mode))
-        figures: dict[str, list] = {k: [] for k in cases}
-        occupancy = []
-        for r in range(warmup + repeats):
+    engines = {m: JaxEngine(model, tokenizer=tokenizer, settings=JaxSection(batching=m))
+               for m in MODES}
+    figures = {m: {k: [] for k in cases} for m in MODES}
+    occupancy: dict[str, list] = {m: [] for m in MODES}
+    for r in range(warmup + repeats):  # the modes alternate: a drifting machine hits both
+        for mode, engine in engines.items():
+            took = []
             for case, (ps, sampling) in cases.items():
                 seconds, tokens = _timed(engine, ps, sampling)
+                took.append(f"{case} {seconds:.1f} s")
+                stats = engine.batching_stats()
                 if r >= warmup:
-                    figures[case].append((seconds, tokens))
-                    stats = engine.batching_stats()
+                    figures[mode][case].append((seconds, tokens))
                     if case == "mix" and stats is not None:
-                        occupancy.append(stats.occupancy)
-        rows.append(_row(mode, figures, occupancy, small))
-        print(rows[-1], file=sys.stderr, flush=True)  # a long run's figures as they come
+                        occupancy[mode].append(stats.occupancy)
+            print(f"round {r}, {mode}: " + ", ".join(took), file=sys.stderr, flush=True)
+    for engine in engines.values():
         engine.close()
-    return rows
+    return [_row(m, figures[m], occupancy[m], small) for m in MODES]
 
 
 def _row(mode: str, figures: dict, occupancy: list, small: int) -> dict:
