@@ -93,9 +93,9 @@ def measure(w: LongTail, repeats: int, warmup: int, small: int = 16) -> list[dic
             for case, (ps, sampling) in cases.items():
                 seconds, tokens = _timed(engine, ps, sampling)
                 took.append(f"{case} {seconds:.1f} s")
-                stats = engine.batching_stats()
                 if r >= warmup:
                     figures[mode][case].append((seconds, tokens))
+                    stats = engine.batching_stats()
                     if case == "mix" and stats is not None:
                         occupancy[mode].append(stats.occupancy)
             print(f"round {r}, {mode}: " + ", ".join(took), file=sys.stderr, flush=True)

@@ -44,12 +44,12 @@ from rlx.kernels.attention.context import ContextSplit
 from rlx.kernels.attention.paged import block_pages_for, gqa_paged
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache
-from rlx.models.paged_kv import PagedKVCache
 from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq, rotate, weight_value
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
+from rlx.models.paged_kv import PagedKVCache
 from rlx.models.stack import is_stacked, layer_counts, scan
 
 

@@ -41,7 +41,7 @@ from jaxtyping import Array, Float
 
 from rlx.kernels.attention import MASK_VALUE, attend, attention_mask
 from rlx.kernels.attention.context import ContextSplit
-from rlx.kernels.attention.paged import block_pages_for, gather_block, online_pages
+from rlx.kernels.attention.paged import block_pages_for, online_pages
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache
 from rlx.models.layers import Linear, RMSNorm, quantize_activations, rotate, weight_value
@@ -262,23 +262,24 @@ class MLAttention(nnx.Module):
         q_lats = [heads_first(jnp.einsum("bthn,chn->bthc", q_nope, w_k)) for w_k, _, _ in parts]
         act = self.kv_b_proj.act_quant
 
-        def latents(pages, quant):
-            plain = gather_block(latent_pool, pages).astype(dtype).reshape(b, -1, c)  # [b, k, c]
-            return quantize_activations(plain, act) if quant else plain
+        def load(pages):  # the block's rotary keys [b, n, r, page] and latents [b, k, c]
+            plain = latent_pool[pages].astype(dtype).reshape(b, -1, c)
+            return rope_pool[pages].astype(dtype), {True: quantize_activations(plain, act),
+                                                    False: plain}
 
-        def score(pages):
-            rope = gather_block(rope_pool, pages).astype(dtype)  # [b, n, r, page]
+        def score(block):
+            rope, latents = block
             s = jnp.einsum("bqr,bnrp->bqnp", q_rot, rope, **f32).reshape(b, h * t, -1)
             for q_lat, (_, _, quant) in zip(q_lats, parts):
-                s = s + jnp.einsum("bqc,bsc->bqs", q_lat, latents(pages, quant), **f32)
+                s = s + jnp.einsum("bqc,bsc->bqs", q_lat, latents[quant], **f32)
             return (s * self.scale).reshape(b, 1, h, t, -1)
 
         def term(quant):
-            return lambda p, pages: jnp.einsum(
-                "bqs,bsc->bqc", p.astype(dtype).reshape(b, h * t, -1), latents(pages, quant),
+            return lambda p, block: jnp.einsum(
+                "bqs,bsc->bqc", p.astype(dtype).reshape(b, h * t, -1), block[1][quant],
                 **f32).reshape(b, 1, h, t, c)
 
-        lats = online_pages(score, [term(quant) for _, _, quant in parts], cache.table,
+        lats = online_pages(load, score, [term(quant) for _, _, quant in parts], cache.table,
                             cache.ends, positions, segment_ids, page_size=cache.page_size,
                             block_pages=block_pages_for(cache.page_size),
                             out_shapes=[(b, 1, h, t, c)] * len(parts))

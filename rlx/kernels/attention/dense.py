@@ -55,14 +55,26 @@ def gqa_attention(
         k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [b, kv, s, d]
         key_spec = "bkqd,bksd->bkqs"
     # a KV head's g query heads as one [g * t, d] operand: one product per (row, KV head)
-    qg = jnp.transpose(q.reshape(b, t, kv, g, d), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, d)
+    qg = query_groups(q, kv)
     scores = jnp.einsum(key_spec, qg, k, preferred_element_type=jnp.float32)
     scores = scores.reshape(b, kv, g, t, -1)  # [b, kv, g, t, s]
     scores = scores / math.sqrt(d) if scale is None else scores * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kv, g, t, dv)
-    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, dv)
+    return from_query_groups(out)
+
+
+def query_groups(q: Float[Array, "b t h d"], kv: int) -> Float[Array, "b kv gt d"]:
+    """A KV head's ``g`` query heads as one ``[g * t, d]`` operand (row ``gi * t + token``)."""
+    b, t, h, d = q.shape
+    return jnp.transpose(q.reshape(b, t, kv, h // kv, d), (0, 2, 3, 1, 4)).reshape(b, kv, -1, d)
+
+
+def from_query_groups(out: Float[Array, "b kv g t dv"]) -> Float[Array, "b t h dv"]:
+    """Per-(KV head, query head, token) outputs back to ``[b, t, h, dv]``."""
+    b, kv, g, t, dv = out.shape
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, kv * g, dv)
 
 
 CAUSAL_BLOCKS = 4  # most query blocks of `causal_attention`

@@ -1,7 +1,7 @@
 """Attention of new tokens over a paged KV cache, reading each row's pages where they lie.
 
 A row's cache is the pages its table lists (``rlx.models.paged_kv``): slot ``j`` of the row is
-offset ``j % page`` of page ``table[r, j // page]``. ``paged_attention`` walks the table in
+offset ``j % page`` of page ``table[r, j // page]``. ``online_pages`` walks the table in
 blocks of ``block_pages`` pages, gathering one block of keys and values at a time, and keeps an
 online softmax (running maximum, normaliser and un-normalised output, f32; FlashAttention's,
 arXiv:2205.14135) over the blocks in table order. The loop runs as many blocks as the longest
@@ -14,8 +14,10 @@ scores are masked: the running maximum stays, every rescale is ``exp(0) = 1``, e
 is 0). A sequence's attention is therefore bit-identical alone or beside longer rows, with any
 table width: the continuous-batching engine's batch invariance rests on it.
 
-The scores of one block are ``score(pages) -> [b, x, g, t, block]`` and its output term
-``values(probs, pages) -> [b, x, g, t, dv]`` per value kind: grouped-query attention
+A block is read once (``load(pages)``: the rows' pages of the pools, ``[b, n, ...]`` as they
+lie; the products read a block's pages and slots as two axes, with no copy into one slot axis);
+its scores are ``score(block) -> [b, x, g, t, slots]`` and its output term
+``values(probs, block) -> [b, x, g, t, dv]`` per value kind: grouped-query attention
 (``gqa_paged``: ``x`` KV heads of ``g`` query heads each) and multi-head latent attention's
 absorbed decode (``rlx.models.mla``: one latent shared by every head) give their own.
 """
@@ -24,18 +26,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from rlx.kernels.attention.blockwise import MASK_VALUE
+from rlx.kernels.attention.dense import from_query_groups, query_groups
 from rlx.platform.policy import PlatformPolicy, current
 
 _F32 = dict(preferred_element_type=jnp.float32)
 
-Score = Callable[[Int[Array, "b n"]], Float[Array, "b x g t k"]]
-Values = Callable[[Float[Array, "b x g t k"], Int[Array, "b n"]], Float[Array, "b x g t v"]]
+Load = Callable[[Int[Array, "b n"]], Any]
+Score = Callable[[Any], Float[Array, "b x g t k"]]
+Values = Callable[[Float[Array, "b x g t k"], Any], Float[Array, "b x g t v"]]
 
 
 def block_mask(pos: Int[Array, " k"], ends: Int[Array, " b"], q_positions: Int[Array, "b t"],
@@ -51,7 +56,7 @@ def block_mask(pos: Int[Array, " k"], ends: Int[Array, " b"], q_positions: Int[A
     return allowed[:, None, None]
 
 
-def online_pages(score: Score, values: Sequence[Values], table: Int[Array, "b m"],
+def online_pages(load: Load, score: Score, values: Sequence[Values], table: Int[Array, "b m"],
                  ends: Int[Array, " b"], q_positions: Int[Array, "b t"],
                  q_segments: Int[Array, "b t"], *, page_size: int, block_pages: int,
                  out_shapes: Sequence[tuple[int, ...]], window: int | None = None
@@ -68,14 +73,14 @@ def online_pages(score: Score, values: Sequence[Values], table: Int[Array, "b m"
 
     def body(j, carry):
         big, norm, accs = carry
-        pages = jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1)
+        block = load(jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1))
         pos = j * width + jnp.arange(width, dtype=jnp.int32)
         seen = block_mask(pos, ends, q_positions, q_segments, window)
-        s = jnp.where(seen, score(pages), MASK_VALUE)
+        s = jnp.where(seen, score(block), MASK_VALUE)
         new = jnp.maximum(big, jnp.max(s, axis=-1))
         rescale = jnp.exp(big - new)
         p = jnp.where(seen, jnp.exp(s - new[..., None]), 0.0)
-        accs = tuple(a * rescale[..., None] + f(p, pages) for a, f in zip(accs, values))
+        accs = tuple(a * rescale[..., None] + f(p, block) for a, f in zip(accs, values))
         return new, norm * rescale + jnp.sum(p, axis=-1), accs
 
     init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
@@ -83,12 +88,6 @@ def online_pages(score: Score, values: Sequence[Values], table: Int[Array, "b m"
     _, norm, accs = jax.lax.fori_loop(0, blocks, body, init)
     inv = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)[..., None]
     return tuple(a * inv for a in accs)
-
-
-def gather_block(pool: Array, pages: Int[Array, "b n"]) -> Array:
-    """One block of a pool ``[P, ...]``: ``[b, n, ...]``, the rows' pages as they lie (the
-    products below read a block's pages and slots as two axes: no copy into one slot axis)."""
-    return pool[pages]
 
 
 def gqa_paged(q: Float[Array, "b t h d"], keys: Float[Array, "P kv d page"],
@@ -102,20 +101,23 @@ def gqa_paged(q: Float[Array, "b t h d"], keys: Float[Array, "P kv d page"],
     kv, page, dv = keys.shape[1], keys.shape[-1], values.shape[-1]
     g = h // kv
     scale = 1 / math.sqrt(d) if scale is None else scale
-    qg = jnp.transpose(q.reshape(b, t, kv, g, d), (0, 2, 3, 1, 4)).reshape(b, kv, g * t, d)
+    qg = query_groups(q, kv)  # [b, kv, g * t, d]
 
-    def score(pages):
-        k = gather_block(keys, pages).astype(q.dtype)  # [b, n, kv, d, page]
-        return (jnp.einsum("bkqd,bnkdp->bkqnp", qg, k, **_F32) * scale).reshape(b, kv, g, t, -1)
+    def load(pages):  # [b, n, kv, d, page], [b, n, kv, page, dv]
+        return keys[pages].astype(q.dtype), values[pages].astype(q.dtype)
 
-    def out(p, pages):
-        v = gather_block(values, pages).astype(q.dtype)  # [b, n, kv, page, dv]
+    def score(block):
+        s = jnp.einsum("bkqd,bnkdp->bkqnp", qg, block[0], **_F32)
+        return (s * scale).reshape(b, kv, g, t, -1)
+
+    def out(p, block):
         p = p.astype(q.dtype).reshape(b, kv, g * t, -1, page)
-        return jnp.einsum("bkqnp,bnkpd->bkqd", p, v, **_F32).reshape(b, kv, g, t, dv)
+        return jnp.einsum("bkqnp,bnkpd->bkqd", p, block[1], **_F32).reshape(b, kv, g, t, dv)
 
-    (o,) = online_pages(score, (out,), table, ends, q_positions, q_segments, page_size=page,
-                        block_pages=block_pages, out_shapes=((b, kv, g, t, dv),), window=window)
-    return jnp.transpose(o, (0, 3, 1, 2, 4)).reshape(b, t, h, dv).astype(q.dtype)
+    (o,) = online_pages(load, score, (out,), table, ends, q_positions, q_segments,
+                        page_size=page, block_pages=block_pages,
+                        out_shapes=((b, kv, g, t, dv),), window=window)
+    return from_query_groups(o).astype(q.dtype)
 
 
 def block_pages_for(page_size: int, policy: PlatformPolicy | None = None) -> int:

@@ -45,13 +45,16 @@ from rlx.rollout.errors import RolloutError
 from rlx.types import Prompt, Rollout, SamplingParams
 
 
+# the fewest rows of a program: one row's products run another kernel than several rows', and
+# a sample's numbers must not change when it is left alone
+MIN_ROWS = 2
+
+
 def _bucket(n: int, slots: int) -> int:
     """Rows of a burst of ``n`` samples: ``slots``, or a half, a quarter ... of it (at least
-    ``n``, and at least 2: one row's products run another kernel than several rows', and a
-    sample's numbers must not change when it is left alone); fewer than half the rows idle,
-    a program per bucket."""
+    ``n`` and ``MIN_ROWS``); fewer than half the rows idle, a program per bucket."""
     b = slots
-    while b % 2 == 0 and b // 2 >= max(n, 2):
+    while b % 2 == 0 and b // 2 >= max(n, MIN_ROWS):
         b //= 2
     return b
 
@@ -273,7 +276,7 @@ class Scheduler:
                done) -> None:
         """Draw the first token of each started sample."""
         call = self._call
-        n = max(2, pow2(len(starts)))  # several rows, as ``_bucket``'s
+        n = max(MIN_ROWS, pow2(len(starts)))
         h = jnp.stack([p.h for p, _, _ in starts] + [starts[0][0].h] * (n - len(starts)))
         hashes, index = np.zeros(n, np.uint32), np.zeros(n, np.int32)
         for k, (p, j, _) in enumerate(starts):
