@@ -49,7 +49,7 @@ from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, 
                               mixed_einsum)
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
-from rlx.models.paged_kv import PagedKVCache
+from rlx.models.paged_kv import PagedKVCache, per_device, pool_specs, rows_spec
 from rlx.models.stack import is_stacked, layer_counts, scan
 
 
@@ -140,16 +140,33 @@ class Attention(nnx.Module):
         and gathered before they are written.
         """
         q, k, v = self._qkv(x, angles, adapter)
+        if isinstance(cache, PagedKVCache) and order is None:  # the pages read in place
+            out, kv = self._paged(q, k, v, kv, cache, positions, segment_ids)
+            return self._out(out, adapter), kv
         k, v = (k, v) if order is None else (order.in_slot_order(a) for a in (k, v))
         kv = cache.store(kv, (k, v))
-        if isinstance(cache, PagedKVCache) and order is None:  # the pages read in place
-            out = gqa_paged(q, *kv, cache.table, cache.ends, positions, segment_ids,
-                            block_pages=block_pages_for(cache.page_size))
-            return self._out(out, adapter), kv
         keys, values = cache.view(kv)  # [b, kv, d, s], [b, kv, s, d]
         out = attend(q, keys, values, segment_ids, cache.segment_ids, positions, cache.positions,
                      kv_major=True, sharding=None if order is None else self.sharding)
         return self._out(out, adapter), kv
+
+    def _paged(self, q, k, v, kv, cache: PagedKVCache, positions, segment_ids):
+        """Write ``k`` / ``v`` into the pages and attend over them (``gqa_paged``), on each
+        device's rows, pages and KV heads under a mesh (``per_device``)."""
+        def step(c, kv, q, k, v, positions, segment_ids):
+            kv = c.store(kv, (k, v))
+            return gqa_paged(q, *kv, c.table, c.ends, positions, segment_ids,
+                             block_pages=block_pages_for(c.page_size)), kv
+
+        sh = self.sharding
+        heads = None if sh is None else sh.heads_for(self.num_kv_heads)
+        specs = out_specs = None
+        if sh is not None:
+            tokens = rows_spec(sh, 4, (2, heads))
+            specs = (tokens, tokens, tokens, rows_spec(sh, 2), rows_spec(sh, 2))
+            out_specs = (tokens, pool_specs(sh, kv, heads))
+        return per_device(step, sh, cache, kv, (q, k, v, positions, segment_ids), specs,
+                          out_specs, heads)
 
 
 def _dense_mlp(cfg: ModelConfig, p: Precision, rngs) -> DenseMLP:

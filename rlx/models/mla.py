@@ -45,7 +45,7 @@ from rlx.kernels.attention.paged import block_pages_for, online_pages
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import KVCache
 from rlx.models.layers import Linear, RMSNorm, quantize_activations, rotate, weight_value
-from rlx.models.paged_kv import PagedKVCache
+from rlx.models.paged_kv import PagedKVCache, per_device, pool_specs, rows_spec
 
 # which cached slots the new tokens see: (their segment ids, the slots' segment ids, their
 # positions, the slots' positions), each [b, t] or [b, s] (rlx.kernels.attention.attend)
@@ -188,12 +188,17 @@ class MLAttention(nnx.Module):
         latent, k_rope = self.latent_kv(x, angles, adapter)  # [b, t, c], [b, t, 1, r]
         if order is not None:
             latent, k_rope = (order.in_slot_order(a) for a in (latent, k_rope))
-        kv = cache.store(kv, (k_rope[:, :, 0], latent))
+        new = (k_rope[:, :, 0], latent)
         q_nope, q_rope = self.queries(x, angles, adapter)  # [b, t, h, n], [b, t, h, r]
         if x.shape[1] == 1 and isinstance(cache, PagedKVCache):  # the pages read in place
-            out = self.absorbed_paged(q_nope, q_rope, kv, cache, positions, segment_ids, adapter)
+            out, kv = self.absorbed_paged(q_nope, q_rope, kv, new, cache, positions,
+                                          segment_ids, adapter)
             return self._out(out, adapter), kv
-        rope_keys, latents = cache.view(kv)  # [b, r, s], [b, s, c]
+        if isinstance(cache, PagedKVCache):  # a prefill: the pages gathered per row
+            (rope_keys, latents), kv = self._paged_view(kv, new, cache)
+        else:
+            kv = cache.store(kv, new)
+            rope_keys, latents = cache.view(kv)  # [b, r, s], [b, s, c]
         seen = (segment_ids, cache.segment_ids, positions, cache.positions)
         if x.shape[1] == 1:
             out = self.absorbed(q_nope, q_rope, rope_keys, latents, seen, adapter)
@@ -245,46 +250,87 @@ class MLAttention(nnx.Module):
             out = out + jnp.einsum("bthc,chv->bthv", lat.reshape(b, t, h, -1), w_v)
         return out
 
+    def _paged_view(self, kv: tuple, new: tuple, cache: PagedKVCache):
+        """``new`` written into the latent pages, and the rows' pages gathered into the dense
+        cache's layout (``PagedKVCache.view``), on each device's rows and pages (``per_device``).
+        Returns ((rope keys ``[b, r, s]``, latents ``[b, s, c]``), the layer's pools)."""
+        def step(c, kv, new):
+            kv = c.store(kv, new)
+            return c.view(kv), kv
+
+        sh, specs, out_specs = self.sharding, None, None
+        if sh is not None:
+            specs = ((rows_spec(sh, 3), rows_spec(sh, 3)),)
+            out_specs = ((rows_spec(sh, 3), rows_spec(sh, 3)), pool_specs(sh, kv))
+        return per_device(step, sh, cache, kv, (new,), specs, out_specs)
+
     def absorbed_paged(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
-                       kv: tuple, cache: PagedKVCache, positions, segment_ids,
-                       adapter: bool = True) -> Float[Array, "b t h v"]:
-        """``absorbed`` over the latent pages where they lie (``rlx.kernels.attention.paged``:
-        blocks of pages, online softmax in f32): each block's scores are ``absorbed``'s, its
-        terms are the probabilities times the block's latents (per part), projected by the
-        value blocks once after the last block."""
+                       kv: tuple, new: tuple, cache: PagedKVCache, positions, segment_ids,
+                       adapter: bool = True) -> tuple[Float[Array, "b t h v"], tuple]:
+        """``absorbed`` over the latent pages where they lie, after writing ``new`` (rotary
+        key, latent) into them: the queries are projected here, the pages read on each
+        device's rows and pages (``_paged_latents``), the value blocks applied after. Returns
+        (out, the layer's pools)."""
         b, t, h, _ = q_nope.shape
-        dtype, c = q_nope.dtype, self.mla.kv_lora_rank
-        rope_pool, latent_pool = kv  # [P, r, page], [P, page, c]
+        dtype = q_nope.dtype
         parts = self._absorbed_parts(dtype, adapter)
-        f32 = dict(preferred_element_type=jnp.float32)
         heads_first = lambda x: jnp.swapaxes(x, 1, 2).reshape(b, h * t, -1)  # noqa: E731
         q_rot = heads_first(q_rope.astype(dtype))  # [b, ht, r]
-        q_lats = [heads_first(jnp.einsum("bthn,chn->bthc", q_nope, w_k)) for w_k, _, _ in parts]
-        act = self.kv_b_proj.act_quant
-
-        def load(pages):  # the block's rotary keys [b, n, r, page] and latents [b, k, c]
-            plain = latent_pool[pages].astype(dtype).reshape(b, -1, c)
-            return rope_pool[pages].astype(dtype), {True: quantize_activations(plain, act),
-                                                    False: plain}
-
-        def score(block):
-            rope, latents = block
-            s = jnp.einsum("bqr,bnrp->bqnp", q_rot, rope, **f32).reshape(b, h * t, -1)
-            for q_lat, (_, _, quant) in zip(q_lats, parts):
-                s = s + jnp.einsum("bqc,bsc->bqs", q_lat, latents[quant], **f32)
-            return (s * self.scale).reshape(b, 1, h, t, -1)
-
-        def term(quant):
-            return lambda p, block: jnp.einsum(
-                "bqs,bsc->bqc", p.astype(dtype).reshape(b, h * t, -1), block[1][quant],
-                **f32).reshape(b, 1, h, t, c)
-
-        lats = online_pages(load, score, [term(quant) for _, _, quant in parts], cache.table,
-                            cache.ends, positions, segment_ids, page_size=cache.page_size,
-                            block_pages=block_pages_for(cache.page_size),
-                            out_shapes=[(b, 1, h, t, c)] * len(parts))
+        q_lats = tuple(heads_first(jnp.einsum("bthn,chn->bthc", q_nope, w_k))
+                       for w_k, _, _ in parts)
+        quants = tuple(quant for _, _, quant in parts)
+        lats, kv = self._paged_latents(q_rot, q_lats, quants, kv, new, cache, positions,
+                                       segment_ids, t)
         out = 0
         for lat, (_, w_v, _) in zip(lats, parts):  # [b, 1, h, t, c] -> [b, t, h, c]
             lat = jnp.transpose(lat[:, 0], (0, 2, 1, 3)).astype(dtype)
             out = out + jnp.einsum("bthc,chv->bthv", lat, w_v)
-        return out
+        return out, kv
+
+    def _paged_latents(self, q_rot, q_lats: tuple, quants: tuple, kv: tuple, new: tuple,
+                       cache: PagedKVCache, positions, segment_ids, t: int):
+        """``absorbed_paged``'s page reads (``rlx.kernels.attention.paged``: blocks of pages,
+        online softmax in f32): each block's scores are ``absorbed``'s, its terms the
+        probabilities times the block's latents (per part: ``quants`` whether the latents are
+        quantized). Returns the per-part ``[b, 1, h, t, c]`` and the layer's pools."""
+        act, c, scale = self.kv_b_proj.act_quant, self.mla.kv_lora_rank, self.scale
+        f32 = dict(preferred_element_type=jnp.float32)
+
+        def step(cache, kv, new, q_rot, q_lats, positions, segment_ids):
+            kv = cache.store(kv, new)
+            rope_pool, latent_pool = kv  # [P, r, page], [P, page, c]
+            b, ht, dtype = q_rot.shape[0], q_rot.shape[1], q_rot.dtype
+            h = ht // t
+
+            def load(pages):  # the block's rotary keys [b, n, r, page] and latents [b, k, c]
+                plain = latent_pool[pages].astype(dtype).reshape(b, -1, c)
+                return rope_pool[pages].astype(dtype), {True: quantize_activations(plain, act),
+                                                        False: plain}
+
+            def score(block):
+                rope, latents = block
+                s = jnp.einsum("bqr,bnrp->bqnp", q_rot, rope, **f32).reshape(b, ht, -1)
+                for q_lat, quant in zip(q_lats, quants):
+                    s = s + jnp.einsum("bqc,bsc->bqs", q_lat, latents[quant], **f32)
+                return (s * scale).reshape(b, 1, h, t, -1)
+
+            def term(quant):
+                return lambda p, block: jnp.einsum(
+                    "bqs,bsc->bqc", p.astype(dtype).reshape(b, ht, -1), block[1][quant],
+                    **f32).reshape(b, 1, h, t, c)
+
+            lats = online_pages(load, score, [term(q) for q in quants], cache.table,
+                                cache.ends, positions, segment_ids, page_size=cache.page_size,
+                                block_pages=block_pages_for(cache.page_size),
+                                out_shapes=[(b, 1, h, t, c)] * len(quants))
+            return tuple(lats), kv
+
+        sh, specs, out_specs = self.sharding, None, None
+        if sh is not None:
+            heads = sh.heads_for(self.num_heads)
+            query = rows_spec(sh, 3, (1, heads))  # [b, h * t, x]: heads first
+            specs = ((rows_spec(sh, 3), rows_spec(sh, 3)), query, (query,) * len(q_lats),
+                     rows_spec(sh, 2), rows_spec(sh, 2))
+            out_specs = ((rows_spec(sh, 5, (2, heads)),) * len(quants), pool_specs(sh, kv))
+        return per_device(step, sh, cache, kv, (new, q_rot, q_lats, positions, segment_ids),
+                          specs, out_specs)

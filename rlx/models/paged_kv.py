@@ -18,14 +18,24 @@ per-head keys (MLA's prefill) sees the pages gathered into the dense layout inst
 ``m x page_size`` slots, with their ``positions`` and ``segment_ids``: 1 for a slot before the
 row's end, else 0), so that code is the dense cache's. Which pages a row holds, their sharing
 between sequences and the free list are the host's (``rlx.rollout.jax.pages``).
+
+On a mesh every data shard has a pool of its own: the pools' page axis splits over the mesh's
+batch axes as the rows do, a row's table lists pages of its shard's pool by their ids there, and
+the layers write and read the pages inside a ``shard_map`` (``per_device``), each device on its
+rows, its pages and (GQA) its KV heads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
+from rlx.kernels.attention import AttentionSharding
 from rlx.models.hparams import ModelConfig
 from rlx.models.kv_cache import cache_dtype
 
@@ -140,14 +150,17 @@ class PagedKVCache:
                             new_positions=None, new_segments=None)
 
 
-def grow_pools(cache: PagedKVCache, pages: int) -> PagedKVCache:
-    """``cache`` with every pool extended to ``pages`` pages (zeros after the old ones)."""
+def grow_pools(cache: PagedKVCache, pages: int, shards: int = 1) -> PagedKVCache:
+    """``cache`` with every data shard's pool (``shards`` equal blocks of the page axis)
+    extended to ``pages`` pages, zeros after the old ones: the held pages keep their ids."""
     axis = 0 if cache.stacks is None else 1
 
     def one(x):
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, pages - x.shape[axis])
-        return jnp.pad(x, pad)
+        split = x.reshape(*x.shape[:axis], shards, -1, *x.shape[axis + 1:])
+        pad = [(0, 0)] * split.ndim
+        pad[axis + 1] = (0, pages - split.shape[axis + 1])
+        grown = jnp.pad(split, pad)
+        return grown.reshape(*x.shape[:axis], -1, *x.shape[axis + 1:])
 
     return cache.replace(keys=tuple(map(one, cache.keys)), values=tuple(map(one, cache.values)))
 
@@ -164,3 +177,42 @@ def copy_pages(cache: PagedKVCache, source: Int[Array, " n"], target: Int[Array,
         return x.at[idx].set(taken)
 
     return cache.replace(keys=tuple(map(one, cache.keys)), values=tuple(map(one, cache.values)))
+
+
+def per_device(fn: Callable, sharding: AttentionSharding | None, cache: PagedKVCache, kv: tuple,
+               args: tuple, specs: tuple, out_specs, heads: str | None = None):
+    """``fn(cache, kv, *args)`` with ``kv`` one layer's pools, run on each device's rows and
+    pages (module docstring): ``specs`` / ``out_specs`` are the ``shard_map`` specs of ``args``
+    and of the result (``rows_spec`` gives a row-major one), the pools split their pages over
+    the batch axes and GQA's KV heads over ``heads``. Without a mesh (``sharding`` None) it is
+    ``fn`` itself."""
+    if sharding is None:
+        return fn(cache, kv, *args)
+
+    def local(table, lengths, positions, segments, kv, *args):
+        return fn(cache.replace(keys=(), values=(), table=table, lengths=lengths,
+                                new_positions=positions, new_segments=segments), kv, *args)
+
+    row = rows_spec(sharding, 2)
+    in_specs = (row, rows_spec(sharding, 1), row, row, pool_specs(sharding, kv, heads), *specs)
+    return jax.shard_map(local, mesh=sharding.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(cache.table, cache.lengths, cache.new_positions,
+                                          cache.new_segments, kv, *args)
+
+
+def pool_specs(sharding: AttentionSharding, kv: tuple, heads: str | None = None) -> tuple:
+    """``per_device``'s specs of one layer's pools ``kv`` (to return them from ``fn``): pages
+    over the batch axes, GQA's KV heads (``[P, kv, ...]``) over ``heads``."""
+    rows = sharding.batch or None
+    return tuple(PartitionSpec(rows, heads if x.ndim == 4 else None, *[None] * (x.ndim - 2))
+                 for x in kv)
+
+
+def rows_spec(sharding: AttentionSharding, ndim: int, heads: tuple[int, str | None] = (0, None)
+              ) -> PartitionSpec:
+    """A ``shard_map`` spec of a row-major array of ``ndim`` axes: rows over the batch axes,
+    axis ``heads[0]`` over ``heads[1]``."""
+    axes = [sharding.batch or None] + [None] * (ndim - 1)
+    if heads[1] is not None:
+        axes[heads[0]] = heads[1]
+    return PartitionSpec(*axes)

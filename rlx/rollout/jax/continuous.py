@@ -32,12 +32,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
+from rlx.mesh import LogicalRules, batch_sharding
 from rlx.models.paged_kv import PagedKVCache, copy_pages
 from rlx.models.stack import decode_model
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec, next_tokens, row_keys
@@ -67,6 +70,7 @@ class Programs:
     first: Callable  # (state, h, uid_hash, sample_index, seed, knobs, stops) -> (tokens, ...)
     burst: Callable  # (state, pools, slots, seed, knobs, stops, stop_on_free) -> (pools, ...)
     copy: Callable  # (pools, source, target) -> pools
+    rows: Callable = lambda x: x  # a device array placed as the programs take row arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,7 @@ class ContinuousStatic:
     spec: SamplerSpec
     burst: int = 16  # decode steps per burst (at most)
     adapter: bool = True
+    shards: int = 1  # data shards: a program's rows are one equal block per shard
 
 
 def _model(static: ContinuousStatic, state: nnx.State):
@@ -140,11 +145,14 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
                     drawn=c["drawn"] + live, stopped=c["stopped"] | (live & hit),
                     freed=c["freed"] | jnp.any(done))
 
-    start = jnp.sum(slots.live)
+    def fullest(live):  # the live slots of the fullest shard's block
+        return jnp.max(jnp.sum(live.reshape(static.shards, -1), axis=1))
+
+    start = fullest(slots.live)
 
     def more(c):  # a burst also ends when half its rows are free: the host packs it smaller
-        live = jnp.sum(c["slots"].live)
-        shrunk = (2 * live <= s) & (live < start)
+        live = fullest(c["slots"].live)
+        shrunk = (2 * live * static.shards <= s) & (live < start)
         return (c["i"] < k) & (live > 0) & ~(stop_on_free & c["freed"]) & ~shrunk
 
     c = dict(i=jnp.zeros((), jnp.int32), kv=(pools.keys, pools.values), slots=slots,
@@ -156,14 +164,45 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
     return pools, c["slots"], c["tokens"], c["logps"], c["drawn"], c["stopped"]
 
 
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the programs' arguments and results lie on a mesh: the weights on the engine's
+    shardings, the pools' pages over the batch axes (``rlx.rollout.jax.cache_layout.
+    page_sharding``), every row array's rows over the batch axes, scalars whole."""
+
+    mesh: Mesh
+    rules: LogicalRules
+    state: Any  # the weights' shardings (an nnx.State of them)
+    pools: PagedKVCache  # of shardings
+
+    def rows(self, ndim: int) -> NamedSharding:
+        return batch_sharding(self.mesh, ndim, self.rules)
+
+    @property
+    def whole(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
 def compile_programs(graphdef: nnx.GraphDef, spec: SamplerSpec, *, burst: int,
-                     adapter: bool = True) -> Programs:
+                     adapter: bool = True, shards: int = 1,
+                     place: Placement | None = None) -> Programs:
     """The three programs of ``graphdef``'s model jitted (each takes the weights' ``nnx.State``
-    first; pools donated), and the page copy. ``jax.jit`` compiles each once per shape: per
-    slot bucket and page-table width."""
-    static = ContinuousStatic(graphdef, spec, burst, adapter)
-    return Programs(
-        jax.jit(functools.partial(prefill_chunk, static=static), donate_argnums=1),
-        jax.jit(functools.partial(first_tokens, static=static)),
-        jax.jit(functools.partial(decode_burst, static=static), donate_argnums=1),
-        jax.jit(copy_pages, donate_argnums=0))
+    first; pools donated), and the page copy; on a mesh (``place``) with their shardings
+    declared, over ``shards`` data shards. ``jax.jit`` compiles each once per shape: per slot
+    bucket and page-table width."""
+    static = ContinuousStatic(graphdef, spec, burst, adapter, shards)
+    fns = (functools.partial(prefill_chunk, static=static),
+           functools.partial(first_tokens, static=static),
+           functools.partial(decode_burst, static=static), copy_pages)
+    donate = (1, (), 1, 0)
+    if place is None:
+        return Programs(*(jax.jit(f, donate_argnums=d) for f, d in zip(fns, donate)))
+    r1, r2, w, pools, state = place.rows(1), place.rows(2), place.whole, place.pools, place.state
+    slots = Slots(r2, *[r1] * 8)
+    shardings = (((state, pools, r2, r2, r2, r2, r1), (pools, r2)),
+                 ((state, r2, r1, r1, w, w, w), (r1,) * 4),
+                 ((state, pools, slots, w, w, w, w), (pools, slots, r2, r2, r1, r1)),
+                 ((pools, w, w), pools))
+    return Programs(*(jax.jit(f, donate_argnums=d, in_shardings=i, out_shardings=o)
+                      for f, d, (i, o) in zip(fns, donate, shardings)),
+                    rows=lambda x: jax.device_put(x, place.rows(x.ndim)))

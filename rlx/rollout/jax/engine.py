@@ -33,7 +33,8 @@ at once and the next request takes it; prompts are prefilled in chunks between b
 steps; the ``n`` samples of a prompt share its pages. Inside ``prefix_cache()`` finished
 sequences' pages stay indexed by their tokens, so an episode's next turn prefills only its new
 tokens (``prefilled_tokens()`` counts what is fed). ``batching_stats()``: decode steps, slot
-occupancy and preemptions of the last call. Meshes, routing replay and a dispatch capacity run
+occupancy and preemptions of the last call; on a mesh every data shard has its own pool and block
+of slots. Context parallelism, routing replay and a dispatch capacity run
 lockstep for now (as ``batching="lockstep"`` does): requests expanded to ``n`` rows per prompt,
 sorted by length, cut into device batches padded to power-of-two buckets
 (``rlx.rollout.jax.batching``; ``compilations()`` counts programs), each run until its longest
@@ -309,16 +310,21 @@ class JaxEngine:
 
     # --- generation -----------------------------------------------------------------------
     def _paged_serving(self, dtype) -> PagedServing | None:
-        """The continuous-batching path (``rlx.rollout.jax.paged``), where it serves: not yet on
-        a mesh of several devices, with routing replay or with a dispatch capacity (those run
+        """The continuous-batching path (``rlx.rollout.jax.paged``), where it serves: not yet
+        under context parallelism, with routing replay or with a dispatch capacity (those run
         lockstep)."""
-        devices = jax.devices()[:1] if self.mesh is None else list(self.mesh.devices.flat)
-        if (self.settings.batching != "continuous" or len(devices) > 1 or self.record_routes
+        context = 1 if self.mesh is None else self.mesh.shape.get("context", 1)
+        if (self.settings.batching != "continuous" or context > 1 or self.record_routes
                 or self._dropped is not None):
             return None
         slots = self.settings.slots or self.platform_policy.decode_slots
+        if self.mesh is None or self.mesh.size == 1:
+            device = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
+            return PagedServing(self._config, self._graphdef, self._stacks, dtype,
+                                self.settings, slots, device, self.adapter)
         return PagedServing(self._config, self._graphdef, self._stacks, dtype, self.settings,
-                            slots, devices[0], self.adapter)
+                            slots, None, self.adapter, self.mesh, self.rules,
+                            self._state_shardings)
 
     def batching_stats(self) -> Stats | None:
         """Decode steps, slot occupancy and preemptions of the last continuous ``generate``

@@ -8,7 +8,10 @@ programs of ``rlx.rollout.jax.continuous`` compiled once per sampler setting, an
 left at 0, for every slot's longest sequence of the call (grown, and its programs compiled anew,
 when a later call needs more). Inside ``JaxEngine.prefix_cache()`` finished sequences' pages stay
 indexed by their tokens (``rlx.rollout.jax.pages.PrefixIndex``), so an episode's next turn writes
-only its new tokens; a weight update drops them.
+only its new tokens; a weight update drops them. On a mesh each data shard (the batch axes'
+devices) has a pool of its own and a block of the slots; the programs declare their shardings
+(``rlx.rollout.jax.continuous.Placement``) and the layers read their shard's pages in place
+(``rlx.models.paged_kv.per_device``); ``kv_pages`` counts one shard's pages.
 """
 
 from __future__ import annotations
@@ -17,14 +20,17 @@ from collections.abc import Sequence
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx.models.hparams import ModelConfig
+from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_shards
 from rlx.models.paged_kv import PagedKVCache, grow_pools
+from rlx.rollout.jax.cache_layout import page_sharding
 from rlx.rollout.jax.config import JaxSection
-from rlx.rollout.jax.continuous import Programs, compile_programs
+from rlx.rollout.jax.continuous import Placement, Programs, compile_programs
 from rlx.rollout.jax.pages import PagePool, PrefixIndex
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
-from rlx.rollout.jax.scheduler import Scheduler, Stats
+from rlx.rollout.jax.scheduler import Scheduler, Shard, Stats
 from rlx.types import Prompt, Rollout, SamplingParams
 
 
@@ -32,10 +38,14 @@ class PagedServing:
     """Pool, programs and scheduler of one engine (module docstring)."""
 
     def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, stacks, dtype,
-                 section: JaxSection, slots: int, device: jax.Device, adapter: bool = True):
+                 section: JaxSection, slots: int, device: jax.Device | None, adapter: bool = True,
+                 mesh: Mesh | None = None, rules: LogicalRules = SAMPLE_RULES, state_shardings=None):
         self.config, self.graphdef, self.stacks, self.dtype = config, graphdef, stacks, dtype
-        self.device = device  # the pools' (one device: meshes of several run lockstep)
-        self.section, self.slots, self.adapter = section, slots, adapter
+        self.device, self.mesh, self.rules = device, mesh, rules  # one device, or a mesh
+        self.state_shardings = state_shardings
+        self.shards = 1 if mesh is None else batch_shards(mesh, rules)
+        self.section, self.adapter = section, adapter
+        self.slots = -(-slots // self.shards) * self.shards  # a block of slots per data shard
         self._programs: dict[SamplerSpec, Programs] = {}
         self._scheduler: Scheduler | None = None
         self.keep = False  # finished sequences' pages stay indexed (prefix_cache)
@@ -51,46 +61,67 @@ class PagedServing:
                    for f in (p.prefill, p.first, p.burst, p.copy))
 
     def cached_sequences(self) -> int:
-        """Pages the prefix index holds."""
+        """Pages the prefix indexes hold."""
         s = self._scheduler
-        return 0 if s is None or s.index is None else len(s.index)
+        return 0 if s is None else sum(len(d.index) for d in s.shards if d.index is not None)
 
     def clear(self) -> None:
         """Drop the indexed prefixes (a weight update, leaving the prefix cache)."""
-        if self._scheduler is not None and self._scheduler.index is not None:
-            self._scheduler.index.clear()
+        for d in [] if self._scheduler is None else self._scheduler.shards:
+            if d.index is not None:
+                d.index.clear()
 
     def _pages(self, tokens: int) -> int:
-        """The pool's pages for sequences of up to ``tokens`` tokens in every slot."""
+        """Pages of each data shard's pool for sequences of up to ``tokens`` tokens in every
+        slot of the shard."""
         if self.section.kv_pages:
             return self.section.kv_pages
-        return self.slots * -(-tokens // self.section.page_size) + 1
+        return self.slots // self.shards * -(-tokens // self.section.page_size) + 1
+
+    def _placement(self, pages: int) -> Placement | None:
+        """The programs' shardings on the mesh for pools of ``pages`` pages per shard."""
+        if self.mesh is None:
+            return None
+        keys, values = page_sharding(self.mesh, self.config, self.rules, pages * self.shards,
+                                     self.section.page_size, self.stacks is not None)
+        n = self.config.num_layers if self.stacks is None else len(self.stacks)
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        pools = PagedKVCache((keys,) * n, (values,) * n, whole, whole, stacks=self.stacks,
+                             page_size=self.section.page_size)
+        return Placement(self.mesh, self.rules, self.state_shardings, pools)
+
+    def _place_pools(self, pools: PagedKVCache, pages: int) -> PagedKVCache:
+        """``pools`` committed where the programs take them (every call returns them so)."""
+        place = self._placement(pages)
+        return jax.device_put(pools, self.device if place is None else place.pools)
 
     def _ready(self, spec: SamplerSpec, tokens: int) -> Scheduler:
-        """The scheduler, its pool large enough for ``tokens``-token sequences, on ``spec``'s
+        """The scheduler, its pools large enough for ``tokens``-token sequences, on ``spec``'s
         programs."""
         if spec not in self._programs:
-            self._programs[spec] = compile_programs(self.graphdef, spec, burst=self.section.burst,
-                                                    adapter=self.adapter)
-        pages, s = self._pages(tokens), self._scheduler
+            self._programs[spec] = compile_programs(
+                self.graphdef, spec, burst=self.section.burst, adapter=self.adapter,
+                shards=self.shards, place=self._placement(self._pages(tokens)))
+        pages, s, size = self._pages(tokens), self._scheduler, self.section.page_size
         if s is None:
-            size = self.section.page_size
-            pools = jax.device_put(  # committed, as every call returns them
-                PagedKVCache.zeros(self.config, pages, size, self.dtype, self.stacks),
-                self.device)
+            pools = PagedKVCache.zeros(self.config, pages * self.shards, size, self.dtype,
+                                       self.stacks)
             s = self._scheduler = Scheduler(
-                self._programs[spec], pools, PagePool(pages, size), slots=self.slots,
+                self._programs[spec], self._place_pools(pools, pages),
+                [Shard(PagePool(pages, size)) for _ in range(self.shards)], slots=self.slots,
                 chunk=self.section.prefill_chunk, rows=self.section.prefill_rows,
                 burst=self.section.burst)
-        elif s.pool.pages < pages:  # the pages held (kept prefixes) keep their ids
-            s.pools = grow_pools(s.pools, pages)
-            s.pool.grow(pages)
+        elif s.shards[0].pool.pages < pages:  # the pages held (kept prefixes) keep their ids
+            s.pools = self._place_pools(grow_pools(s.pools, pages, self.shards), pages)
+            for d in s.shards:
+                d.pool.grow(pages)
         s.programs = self._programs[spec]
-        if self.keep and s.index is None:
-            s.index = PrefixIndex(s.pool)
-        elif not self.keep and s.index is not None:
-            s.index.clear()
-            s.index = None
+        for d in s.shards:
+            if self.keep and d.index is None:
+                d.index = PrefixIndex(d.pool)
+            elif not self.keep and d.index is not None:
+                d.index.clear()
+                d.index = None
         return s
 
     def run(self, state: nnx.State, prompts: Sequence[Prompt], sampling: SamplingParams,

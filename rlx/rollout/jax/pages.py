@@ -147,18 +147,20 @@ class PrefixIndex:
             self.pool.hold([page])
             self._pages[key] = page
 
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: Sequence[int], hold: bool = True) -> list[int]:
         """The pages of the longest indexed prefix of ``tokens`` (whole pages), each held once
-        more for the caller. At least one token is left unmatched (its logits start the
-        completion)."""
+        more for the caller (``hold``; else only looked up). At least one token is left
+        unmatched (its logits start the completion)."""
         out = []
         for key in page_keys(tokens[:-1], self.pool.page_size):
             page = self._pages.get(key)
             if page is None:
                 break
-            self._pages.move_to_end(key)
+            if hold:
+                self._pages.move_to_end(key)
             out.append(page)
-        self.pool.hold(out)
+        if hold:
+            self.pool.hold(out)
         return out
 
     def evict(self, want: int) -> int:

@@ -20,7 +20,14 @@ programs of ``rlx.rollout.jax.continuous``. Each turn of its loop:
    full one with most rows masked. Samples that finish free their pages; their slots are
    refilled next turn.
 
-When the pool runs out of pages for a decode burst, the latest started sample is preempted: its
+On a mesh the rows of every program split over the data shards (the mesh's batch axes), and
+each shard has a page pool of its own (``rlx.models.paged_kv.per_device``): a request is admitted
+to one shard (the one holding the longest prefix of its tokens, else the one with the most free
+slots), its samples decode in that shard's rows and its pages are that shard's, so a program's
+rows are ``shards`` equal blocks, one per shard, each bucketed as above.
+
+When a pool runs out of pages for a decode burst, the latest started sample of its shard is
+preempted: its
 pages are released and it waits again with the tokens it drew; when it is admitted anew its
 prompt and tokens are prefilled again (recomputed) and it goes on drawing from where it was, with
 the same keys, so its tokens are those it would have drawn undisturbed. ``stats.preempted``
@@ -71,6 +78,7 @@ class _Sample:
     logps: list[float]
     text: int = 0  # the stop-string automaton's state
     started: int = 0  # start order: the latest started is preempted first
+    shard: int = 0  # the data shard whose pool holds its pages
 
 
 @dataclasses.dataclass
@@ -83,6 +91,15 @@ class _Prefill:
     samples: list[int]  # sample indices still to start
     resume: _Sample | None = None
     h: Any = None  # the last token's hidden state, once every token is written
+    shard: int = 0
+
+
+@dataclasses.dataclass
+class Shard:
+    """One data shard's page pool and, inside ``prefix_cache()``, its index of kept pages."""
+
+    pool: PagePool
+    index: PrefixIndex | None = None
 
 
 @dataclasses.dataclass
@@ -119,18 +136,38 @@ class _Call:
 class Scheduler:
     """Decode slots, page pool and the turn loop (module docstring)."""
 
-    def __init__(self, programs: Programs, pools, pool: PagePool, *, slots: int, chunk: int,
-                 rows: int, burst: int):
-        self.programs, self.pools, self.pool = programs, pools, pool
+    def __init__(self, programs: Programs, pools, shards: Sequence[Shard], *, slots: int,
+                 chunk: int, rows: int, burst: int):
+        self.programs, self.pools, self.shards = programs, pools, list(shards)
+        if slots % len(self.shards):
+            raise ValueError(f"{slots} decode slots do not split over {len(self.shards)} shards")
         self.slots, self.chunk, self.rows, self.burst = slots, chunk, rows, burst
-        self.index: PrefixIndex | None = None  # set: finished sequences' pages are kept
         self.stats = Stats(slots)
         self._started = 0
 
     @property
+    def per_shard(self) -> int:
+        """Decode slots of each data shard."""
+        return self.slots // len(self.shards)
+
+    @property
     def capacity(self) -> int:
-        """Tokens one sequence's cache can ever hold: the whole pool's."""
-        return (self.pool.pages - 1) * self.pool.page_size
+        """Tokens one sequence's cache can ever hold: its shard's whole pool."""
+        pool = self.shards[0].pool
+        return (pool.pages - 1) * pool.page_size
+
+    def _pool(self, shard: int) -> PagePool:
+        return self.shards[shard].pool
+
+    def _blocks(self, items: Sequence, rows: int) -> tuple[int, list[int]]:
+        """Rows per shard of a program over ``items`` (each with a ``shard``), bucketed within
+        ``rows`` per shard, and each item's row: its shard's block, in order."""
+        counts, where = [0] * len(self.shards), []
+        for x in items:
+            where.append(counts[x.shard])
+            counts[x.shard] += 1
+        block = _bucket(max(counts), rows)
+        return block, [x.shard * block + i for x, i in zip(items, where)]
 
     def run(self, state, prompts: Sequence[Prompt], sampling: SamplingParams, seed: int, knobs,
             stops, tokenizer=None, version: int = 0) -> list[Rollout]:
@@ -158,31 +195,47 @@ class Scheduler:
                 self._decode(running, waiting, done, bool(waiting) or any(
                     p.samples for p in prefilling))
             elif not moved:
-                raise RolloutError(f"the engine's cache ({self.pool.pages - 1} pages of "
-                                   f"{self.pool.page_size} tokens) cannot hold the next "
-                                   "request: give it more pages (rollout.kv_pages)")
+                pool = self._pool(0)
+                raise RolloutError(f"the engine's cache ({pool.pages - 1} pages of "
+                                   f"{pool.page_size} tokens per data shard) cannot hold the "
+                                   "next request: give it more pages (rollout.kv_pages)")
         n = sampling.n
         return [done[i, j] for i in range(len(prompts)) for j in range(n)]
 
     # --- pages ---------------------------------------------------------------------------
-    def _taking(self, take, want: int):
-        """``take()``, which holds free pages; short of them, kept prefixes are evicted first
-        until ``want`` pages are free (``OutOfPages`` if still short)."""
+    def _taking(self, take, want: int, shard: int):
+        """``take()``, which holds free pages of ``shard``; short of them, its kept prefixes are
+        evicted first until ``want`` pages are free (``OutOfPages`` if still short)."""
         try:
             return take()
         except OutOfPages:
-            if self.index is None:
+            index = self.shards[shard].index
+            if index is None:
                 raise
-            self.index.evict(want)
+            index.evict(want)
             return take()
 
-    def _grow(self, seq: SequencePages, length: int) -> None:
-        """Pages for ``length`` tokens."""
-        self._taking(lambda: seq.grow(self.pool, length),
-                     self.pool.pages_for(length) - len(seq.pages))
+    def _grow(self, seq: SequencePages, length: int, shard: int) -> None:
+        """Pages of ``shard`` for ``length`` tokens."""
+        pool = self._pool(shard)
+        self._taking(lambda: seq.grow(pool, length), pool.pages_for(length) - len(seq.pages),
+                     shard)
 
-    def _fork(self, seq: SequencePages):
-        return self._taking(lambda: seq.fork(self.pool), 1)
+    def _fork(self, seq: SequencePages, shard: int):
+        return self._taking(lambda: seq.fork(self._pool(shard)), 1, shard)
+
+    def _place(self, tokens: Sequence[int], free: list[int], want: int) -> int | None:
+        """The shard a request of ``tokens`` whose ``want`` samples need free slots goes to:
+        among those with enough free slots, the one whose index holds the longest prefix of
+        its tokens, then the one with the most free slots; None if none has room."""
+        best, key = None, None
+        for d, shard in enumerate(self.shards):
+            if free[d] < want:
+                continue
+            k = (len(shard.index.match(tokens, hold=False)) if shard.index else 0, free[d])
+            if key is None or k > key:
+                best, key = d, k
+        return best
 
     # --- the turn's steps ----------------------------------------------------------------
     def _admit(self, waiting: collections.deque, prefilling: list[_Prefill],
@@ -190,7 +243,9 @@ class Scheduler:
         """Queue waiting requests for prefill while their samples fit the free slots and their
         tokens the free pages; returns whether any was."""
         call, admitted = self._call, False
-        free = self.slots - len(running) - sum(len(p.samples) for p in prefilling)
+        free = [self.per_shard] * len(self.shards)
+        for x in running + [p for p in prefilling for _ in p.samples]:
+            free[x.shard] -= 1
         while waiting:
             item = waiting[0]
             resume = item if isinstance(item, _Sample) else None
@@ -199,34 +254,42 @@ class Scheduler:
             if resume:
                 tokens += tuple(resume.tokens[:-1])
             samples = [resume.sample] if resume else list(range(call.sampling.n))
-            if free < min(len(samples), self.slots):
+            d = self._place(tokens, free, min(len(samples), self.per_shard))
+            if d is None:
                 break
-            matched = self.index.match(tokens) if self.index is not None else []
-            seq = SequencePages(matched, len(matched) * self.pool.page_size)
+            kept, pool = self.shards[d].index, self._pool(d)
+            matched = kept.match(tokens) if kept is not None else []
+            seq = SequencePages(matched, len(matched) * pool.page_size)
             try:
-                self._grow(seq, len(tokens))
+                self._grow(seq, len(tokens), d)
             except OutOfPages:
-                seq.release(self.pool)
+                seq.release(pool)
                 break
             waiting.popleft()
-            prefilling.append(_Prefill(index, seq, tokens, samples, resume))
-            free -= len(samples)
+            prefilling.append(_Prefill(index, seq, tokens, samples, resume, shard=d))
+            free[d] -= len(samples)
             admitted = True
         return admitted
 
     def _prefill(self, prefilling: list[_Prefill]) -> bool:
         """One chunk of the first ``rows`` requests still being written (False: none is)."""
-        batch = [p for p in prefilling if p.h is None][:self.rows]
+        per = max(1, self.rows // len(self.shards))  # rows per shard
+        batch, counts = [], [0] * len(self.shards)
+        for p in prefilling:
+            if p.h is None and counts[p.shard] < per:
+                batch.append(p)
+                counts[p.shard] += 1
         if not batch:
             return False
         longest = max(len(p.tokens) - p.seq.length for p in batch)
         width = min(self.chunk, -(-longest // 16) * 16)  # tokens per row: a multiple of 16
-        rows = _bucket(len(batch), self.rows)
+        block, where = self._blocks(batch, per)
+        rows = block * len(self.shards)
         ids, pos, seg = (np.zeros((rows, width), np.int32) for _ in range(3))
         m = max(len(p.seq.pages) for p in batch)
         table = np.zeros((rows, pow2(m)), np.int32)
         lengths = np.zeros(rows, np.int32)
-        for r, p in enumerate(batch):
+        for r, p in zip(where, batch):
             start = p.seq.length
             n = min(width, len(p.tokens) - start)
             ids[r, :n], pos[r, :n], seg[r, :n] = p.tokens[start:start + n], range(start,
@@ -236,7 +299,7 @@ class Scheduler:
             self.stats.prefilled += n
         self.pools, h = self.programs.prefill(self._call.state, self.pools, ids, pos, seg,
                                               table, lengths)
-        for r, p in enumerate(batch):
+        for r, p in zip(where, batch):
             if p.seq.length == len(p.tokens):
                 p.h = h[r]
         return True
@@ -246,23 +309,27 @@ class Scheduler:
         the free slots (resumed ones go straight back to decoding). Returns whether anything
         was written or started."""
         moved = self._prefill(prefilling)
-        free = self.slots - len(running)
+        free = [self.per_shard] * len(self.shards)
+        for run in running:
+            free[run.shard] -= 1
         starts: list[tuple[_Prefill, int, SequencePages]] = []
         copies = []
         for p in [p for p in prefilling if p.h is not None]:
-            while p.samples and free:
+            while p.samples and free[p.shard]:
                 if p.resume is not None:
-                    p.resume.seq, p.samples = p.seq, []
+                    p.resume.seq, p.resume.shard, p.samples = p.seq, p.shard, []
                     running.append(p.resume)
-                    free, moved = free - 1, True
+                    free[p.shard], moved = free[p.shard] - 1, True
                     break
                 try:
-                    seq, copy = (p.seq, None) if len(p.samples) == 1 else self._fork(p.seq)
+                    seq, copy = ((p.seq, None) if len(p.samples) == 1
+                                 else self._fork(p.seq, p.shard))
                 except OutOfPages:
                     break
-                copies += [copy] if copy else []
+                pages = self._pool(p.shard).pages  # copies name pages of the pools together
+                copies += [(p.shard * pages + copy[0], p.shard * pages + copy[1])] if copy else []
                 starts.append((p, p.samples.pop(0), seq))
-                free -= 1
+                free[p.shard] -= 1
         prefilling[:] = [p for p in prefilling if p.samples]
         if copies:
             src, dst = np.zeros((2, pow2(len(copies))), np.int32)
@@ -275,9 +342,10 @@ class Scheduler:
     def _first(self, starts: list[tuple[_Prefill, int, SequencePages]], running: list[_Sample],
                done) -> None:
         """Draw the first token of each started sample."""
-        call = self._call
-        n = max(MIN_ROWS, pow2(len(starts)))
-        h = jnp.stack([p.h for p, _, _ in starts] + [starts[0][0].h] * (n - len(starts)))
+        call, d = self._call, len(self.shards)
+        n = d * max(MIN_ROWS, pow2(-(-len(starts) // d)))  # rows over the shards
+        h = self.programs.rows(jnp.stack([p.h for p, _, _ in starts]
+                                         + [starts[0][0].h] * (n - len(starts))))
         hashes, index = np.zeros(n, np.uint32), np.zeros(n, np.int32)
         for k, (p, j, _) in enumerate(starts):
             hashes[k], index[k] = uid_hash(call.prompts[p.index].uid), j
@@ -286,7 +354,7 @@ class Scheduler:
         for k, (p, j, seq) in enumerate(starts):
             self._started += 1
             run = _Sample(p.index, j, int(hashes[k]), seq, [int(tok[k])], [float(logp[k])],
-                          int(text[k]), self._started)
+                          int(text[k]), self._started, p.shard)
             if hit[k] or call.sampling.max_new_tokens == 1:
                 self._finish(run, bool(hit[k]), done)
             else:
@@ -300,12 +368,13 @@ class Scheduler:
             want = run.seq.length + min(self.burst, limit - len(run.tokens))
             while run in running:
                 try:
-                    self._grow(run.seq, want)
+                    self._grow(run.seq, want, run.shard)
                     break
-                except OutOfPages:
-                    victim = max(running, key=lambda r: r.started)
+                except OutOfPages:  # the latest started of the same shard (its pool)
+                    victim = max((r for r in running if r.shard == run.shard),
+                                 key=lambda r: r.started)
                     running.remove(victim)
-                    victim.seq.release(self.pool)
+                    victim.seq.release(self._pool(victim.shard))
                     waiting.appendleft(victim)
                     self.stats.preempted += 1
 
@@ -315,13 +384,15 @@ class Scheduler:
         self._reserve(running, waiting)
         if not running:
             return
-        call, b = self._call, _bucket(len(running), self.slots)
-        m = self.pool.pages_for(self._longest)  # one width a call: attention stops at the ends
+        call = self._call
+        block, where = self._blocks(running, self.per_shard)
+        b = block * len(self.shards)
+        m = self._pool(0).pages_for(self._longest)  # one width a call: attention stops at ends
         table = np.zeros((b, m), np.int32)
         z = np.zeros(b, np.int32)
         length, last, generated, limit, text, index = (z.copy() for _ in range(6))
         hashes, live = np.zeros(b, np.uint32), np.zeros(b, bool)
-        for r, run in enumerate(running):
+        for r, run in zip(where, running):
             table[r, :len(run.seq.pages)] = run.seq.pages
             length[r], last[r], generated[r] = run.seq.length, run.tokens[-1], len(run.tokens)
             limit[r], text[r], index[r] = call.sampling.max_new_tokens, run.text, run.sample
@@ -335,7 +406,7 @@ class Scheduler:
         self.stats.bursts += 1
         self.stats.steps += int(drawn.max())
         self.stats.drawn += int(drawn.sum())
-        for r, run in enumerate(list(running)):
+        for r, run in zip(where, list(running)):
             run.tokens += tokens[r, :drawn[r]].tolist()
             run.logps += logps[r, :drawn[r]].tolist()
             run.seq.length, run.text = int(after.length[r]), int(after.text[r])
@@ -350,6 +421,7 @@ class Scheduler:
             prompt, run.sample, np.asarray(run.tokens, np.int32),
             np.asarray(run.logps, np.float32), len(run.tokens), stopped, call.sampling,
             call.tokenizer, call.version)
-        if self.index is not None:  # what the pages hold: the prompt and every fed token
-            self.index.put(tuple(prompt.token_ids) + tuple(run.tokens[:-1]), run.seq.pages)
-        run.seq.release(self.pool)
+        index = self.shards[run.shard].index
+        if index is not None:  # what the pages hold: the prompt and every fed token
+            index.put(tuple(prompt.token_ids) + tuple(run.tokens[:-1]), run.seq.pages)
+        run.seq.release(self._pool(run.shard))

@@ -15,7 +15,7 @@ from rlx.models.stack import layer_counts
 from rlx.rollout.jax.continuous import compile_programs
 from rlx.rollout.jax.pages import PagePool
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
-from rlx.rollout.jax.scheduler import Scheduler
+from rlx.rollout.jax.scheduler import Scheduler, Shard
 from rlx.rollout.jax.stops import device_stops
 from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
@@ -27,8 +27,8 @@ TOL = 1e-5
 def _scheduler(model, spec, *, slots=4, pages=40, page=4):
     pools = PagedKVCache.zeros(model.config, pages, page, jnp.float32, layer_counts(model))
     programs = compile_programs(nnx.graphdef(model), spec, burst=4)
-    return Scheduler(programs, pools, PagePool(pages, page), slots=slots, chunk=8, rows=2,
-                     burst=4)
+    return Scheduler(programs, pools, [Shard(PagePool(pages, page))], slots=slots, chunk=8,
+                     rows=2, burst=4)
 
 
 def test_continuous_batching_matches_the_learner_and_each_request_alone(tmp_path):
@@ -40,7 +40,8 @@ def test_continuous_batching_matches_the_learner_and_each_request_alone(tmp_path
     stops = device_stops([5, 17], None)  # some rows stop early, others run to the cap
     sched = _scheduler(model, spec)
     mixed = sched.run(nnx.state(model), prompts, sampling, 3, knobs, stops)
-    assert sched.pool.free == sched.pool.pages - 1  # every page back
+    pool = sched.shards[0].pool
+    assert pool.free == pool.pages - 1  # every page back
     lengths = [len(r.completion_ids) for r in mixed]
     assert min(lengths) < 20 and max(lengths) == 20
     learner = step_logprobs(model, mixed)
@@ -67,7 +68,8 @@ def test_out_of_pages_preempts_and_recomputes_the_same_tokens(tmp_path):
     roomy = _scheduler(model, spec).run(nnx.state(model), prompts, sampling, 5, knobs, stops)
     tight = _scheduler(model, spec, pages=13)
     got = tight.run(nnx.state(model), prompts, sampling, 5, knobs, stops)
-    assert tight.stats.preempted > 0 and tight.pool.free == tight.pool.pages - 1
+    pool = tight.shards[0].pool
+    assert tight.stats.preempted > 0 and pool.free == pool.pages - 1
     for a, b in zip(roomy, got):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         np.testing.assert_allclose(a.sampler_logp, b.sampler_logp, atol=TOL, rtol=0)

@@ -374,11 +374,33 @@ def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
     kernel = engine._state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
     heads = 0 if engine.weight_layout == "out_in" else 1  # the engine's copy: [heads, embed] on CPU
     assert kernel.addressable_shards[0].data.shape[heads] == kernel.shape[heads] // 2  # over tensor
+    assert engine.batching_stats().drawn > 0  # served continuously, a page pool per data shard
+    pool = engine._paged._scheduler.pools.keys[0]
+    assert pool.addressable_shards[0].data.shape[-4] == pool.shape[-4] // engine._data_parallel()
     for a, b in zip(single, sharded):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
     seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids)) for r in sharded]
     assert max_diff(engine.score(seqs), [r.sampler_logp for r in sharded]) <= TOL
+
+
+def test_data_shards_preempt_in_their_own_pools(zoo):
+    """4 data shards x tensor 2, each shard's pool too small for both of its slots' sequences:
+    samples are preempted and recomputed in their shard, and every request's tokens are those
+    of one device with room to spare."""
+    path = make_hf_model("llama", zoo)
+    prompts = sample_prompts((3, 11, 6, 17, 9, 4), seed=2)
+    sampling = SamplingParams(max_new_tokens=20, n=2, seed=5)
+    single = JaxEngine(from_hf(path)).generate(prompts, sampling)
+    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
+    tight = JaxSection(slots=8, page_size=4, kv_pages=13)  # 12 pages of 4 tokens per shard
+    engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh, settings=tight)
+    sharded = engine.generate(prompts, sampling)
+    assert engine.batching_stats().preempted > 0
+    assert all(d.pool.free == d.pool.pages - 1 for d in engine._paged._scheduler.shards)
+    for a, b in zip(single, sharded):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist()
+        assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

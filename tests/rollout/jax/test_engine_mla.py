@@ -152,12 +152,15 @@ def test_without_logprobs_the_same_tokens(zoo):
 
 
 def test_sharded_mesh_gives_the_same_tokens(zoo):
-    """8 devices (data 2, fsdp 2, tensor 2): the latent cache is split over the batch only."""
+    """8 devices (data 2, fsdp 2, tensor 2): the latent pages are split over the batch only
+    (a pool per data shard), the heads of the absorbed queries over tensor."""
     path = make_hf_model("deepseek_v3", zoo)
     sampling = SamplingParams(max_new_tokens=8, n=2, top_p=0.9, seed=5)
     single = JaxEngine(from_hf(path)).generate(sample_prompts(), sampling)
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
-    sharded = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh).generate(sample_prompts(), sampling)
+    engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh)
+    sharded = engine.generate(sample_prompts(), sampling)
+    assert engine.batching_stats().drawn > 0  # continuous: a latent page pool per data shard
     for a, b in zip(single, sharded):
         assert a.completion_ids.tolist() == b.completion_ids.tolist()
         assert np.abs(a.sampler_logp - b.sampler_logp).max() <= TOL
