@@ -39,7 +39,8 @@ from rlx.errors import ConfigError
 from rlx.learner.state import MODES
 from rlx.mesh import batch_shards, make_mesh
 from rlx.plan.aot_sample import (SAMPLE_CALIBRATION, SAMPLE_WHOLE_MODEL_POINTS, fit_sample_coeffs,
-                                 generate_lowered, local_expert_bytes, sample_temp)
+                                 generate_lowered, local_expert_bytes, paged_lowered,
+                                 sample_temp)
 from rlx.plan.memory import compiled_bytes, state_bytes, step_features
 from rlx.plan.planner import (CONFIG_HELP, GB, Plan, command_line, format_plan, parse_mesh, plan,
                               spec_from_config)
@@ -216,6 +217,36 @@ def compile_sample(spec: PlanSpec, topo: Topology) -> XlaMemory:
                    .compile().memory_analysis())
 
 
+def compile_paged(spec: PlanSpec, topo: Topology) -> dict[str, XlaMemory]:
+    """XLA:TPU's memory analysis of the continuous engine's decode burst and prefill chunk
+    (``rlx.plan.aot_sample.paged_lowered``) of ``spec`` on ``topo``."""
+    mesh = make_mesh(spec.mesh, list(topo.devices))
+    with compiling_for("tpu"):  # traced with TPU's policy, as measure compiles
+        lowered = paged_lowered(spec, mesh)
+    return {name: measure(lambda low=low: low.compile().memory_analysis())
+            for name, low in lowered.items()}
+
+
+def format_paged(p: Plan, topo: Topology, paged: dict[str, XlaMemory]) -> str:
+    """The continuous engine's programs beside the plan: arguments (the weights and each data
+    shard's page pools, donated and returned) and temporaries, per device."""
+    b = p.bytes
+    state = b["frozen"] + b["trainable"] + b["kv_cache"]
+    lines = [f"  {'continuous engine':22s}{'planner':>10s}{'XLA:TPU':>10s}"]
+    for name, xla in paged.items():
+        lines.append(f"  paged {name} (compiled in {xla.seconds:.0f} s)")
+        if xla.refused:
+            lines.append(f"    refused: {xla.refused}")
+        lines.append(_row("arguments (+ pages)", state, None if xla.refused else xla.argument))
+        lines.append(_row("temporaries", None, None if xla.refused else xla.temp))
+        lines.append(_row("outputs - aliased", None, None if xla.refused else
+                          xla.output - xla.alias))
+        lines.append(_row("program total", None, xla.total,
+                          "needed, > HBM" if xla.refused else
+                          f"of {topo.device_hbm_gib * GIB / GB:.1f} GB HBM"))
+    return "\n".join(lines)
+
+
 def gathered_rows(spec: PlanSpec) -> int:
     """How many devices' rows each device's activations hold on TPU: with routed experts split
     over the ``expert`` axis and the einsum path (``moe_impl="dense"``), XLA's sharding
@@ -300,7 +331,9 @@ def _args(argv) -> tuple[Any, argparse.Namespace]:
                    "at once (0: the config's)")
     p.add_argument("--rollout-len", type=int, default=0, help="the engine's prompt + "
                    "completion slots per sequence (0: the config's)")
-    p.add_argument("--steps", default="train,sample", help="programs to compile")
+    p.add_argument("--steps", default="train,sample", help="programs to compile: train, "
+                   "sample (the lockstep generate step), paged (the continuous engine's decode "
+                   "burst and prefill chunk)")
     return command_line(argv, p)
 
 
@@ -341,10 +374,14 @@ def main(argv=None) -> int:
     steps = set(args.steps.split(","))
     train = compile_train(spec, topo) if "train" in steps else None
     sample = compile_sample(spec, topo) if "sample" in steps else None
+    paged = compile_paged(spec, topo) if "paged" in steps else {}
     p = tpu_plan(spec, topo)
     print(format_plan(p, None, topo.chips * topo.per_chip))
     print(format_aot(p, topo, train, sample))
-    return 0 if all(x is None or not x.refused for x in (train, sample)) else 1
+    if paged:
+        print(format_paged(p, topo, paged))
+    return 0 if all(x is None or not x.refused
+                    for x in (train, sample, *paged.values())) else 1
 
 
 def calibration_specs() -> list[PlanSpec]:

@@ -30,10 +30,17 @@ from rlx.models.moe_dispatch import capacity
 from rlx.plan.memory import kv_cache_per_token
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
 from rlx.quant.tensors import QTensor
-from rlx.rollout.jax.cache_layout import cache_sharding
+from rlx.models.paged_kv import PagedKVCache
+from rlx.models.stack import cache_stacks
+from rlx.rollout.jax.batching import pow2
+from rlx.rollout.jax.cache_layout import cache_sharding, page_sharding
+from rlx.rollout.jax.config import JaxSection
+from rlx.rollout.jax.continuous import Placement, Slots, compile_programs
+from rlx.rollout.jax.paged import pool_pages
 from rlx.rollout.jax.engine import Buckets
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
 from rlx.rollout.jax.sampling import GenerateStatic, generate_batch, segment_ends
+from rlx.rollout.jax.scheduler import MIN_ROWS
 from rlx.rollout.jax.stops import Stops
 
 # XLA:TPU's generate-step temporaries per feature of ``sample_features`` (bytes per byte),
@@ -113,6 +120,62 @@ def generate_lowered(spec: PlanSpec, mesh):
                  in_shardings=(shardings, *jax.tree.map(lambda a: a.sharding, args)),
                  out_shardings=(row2, row2, row1, row1))
     return fn.lower(_abstract(state, shardings), *args)
+
+
+def paged_shapes(spec: PlanSpec, section: JaxSection = JaxSection()) -> dict[str, int]:
+    """The continuous engine's shapes for ``spec``'s rollouts (``rlx.rollout.jax.paged``):
+    ``slots`` decode slots (``rollout_rows``, a block per data shard), each data shard's pool
+    of ``pages`` pages (``spec.kv_pages``, else ``pool_pages``), a decode burst's page table
+    ``width``, and a prefill chunk's ``rows``, ``chunk`` tokens and table ``prefill_width`` (the
+    prompt's pages); ``section`` gives the rest of the engine's settings."""
+    shards, size = batch_shards(spec.mesh, SAMPLE_RULES), spec.page_size
+    slots = -(-spec.rollout_rows // shards) * shards
+    width = -(-spec.rollout_len // size)
+    prompt = spec.rollout_prompt or spec.rollout_len // 4
+    per = max(1, section.prefill_rows // shards)
+    pages = spec.kv_pages or pool_pages(spec.rollout_rows, spec.rollout_group, spec.rollout_len,
+                                        slots, shards, size)
+    return dict(shards=shards, slots=slots, pages=pages, width=width,
+                rows=shards * max(MIN_ROWS, min(per, pow2(-(-slots // shards)))),
+                chunk=min(section.prefill_chunk, -(-prompt // 16) * 16),
+                prefill_width=pow2(-(-prompt // size)))
+
+
+def paged_lowered(spec: PlanSpec, mesh, section: JaxSection = JaxSection()) -> dict:
+    """The continuous engine's decode burst and prefill chunk for ``spec`` (``paged_shapes``),
+    lowered on abstract arguments with the shardings the engine declares (``Placement``):
+    ``{"burst": ..., "prefill": ...}``."""
+    model = parallelize(abstract_model(spec), mesh, SAMPLE_RULES,
+                        spec.moe_capacity_factor or None)
+    model.eval()
+    graphdef, state = nnx.split(model)
+    n, stacks = paged_shapes(spec, section), cache_stacks(model)
+    total = n["pages"] * n["shards"]
+    keys, values = page_sharding(mesh, spec.model, SAMPLE_RULES, total, spec.page_size,
+                                 stacks is not None)
+    dtype = jnp.bfloat16 if spec.kv_dtype == "bfloat16" else jnp.float32
+    pools = jax.eval_shape(lambda: PagedKVCache.zeros(spec.model, total, spec.page_size, dtype,
+                                                      stacks))
+    rep = NamedSharding(mesh, PartitionSpec())
+    shard_pools = pools.replace(keys=(keys,) * len(pools.keys), values=(values,) * len(pools.keys),
+                                table=rep, lengths=rep)
+    place = Placement(mesh, SAMPLE_RULES, engine_shardings(state, mesh, spec), shard_pools)
+    programs = compile_programs(graphdef, SamplerSpec(), burst=section.burst,
+                                shards=n["shards"], place=place)
+    pools = _abstract(pools, shard_pools)
+    arg = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
+        shape, dt, sharding=place.rows(len(shape)))
+    scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731
+    knobs = Knobs(*(scalar(jnp.float32) for _ in range(3)))
+    stops = Stops(jax.ShapeDtypeStruct((4,), jnp.int32, sharding=rep))
+    s, r, c = n["slots"], n["rows"], n["chunk"]
+    slots = Slots(arg((s, n["width"])), *(arg((s,)) for _ in range(4)), arg((s,), jnp.bool_),
+                  arg((s,)), arg((s,), jnp.uint32), arg((s,)))
+    weights = _abstract(state, place.state)
+    return {"burst": programs.burst.lower(weights, pools, slots, scalar(jnp.int32), knobs, stops,
+                                          scalar(jnp.bool_)),
+            "prefill": programs.prefill.lower(weights, pools, *(arg((r, c)) for _ in range(3)),
+                                              arg((r, n["prefill_width"])), arg((r,)))}
 
 
 def engine_shardings(state, mesh, spec: PlanSpec):

@@ -47,6 +47,7 @@ from rlx.models import ModelConfig
 from rlx.models.moe_dispatch import capacity
 from rlx.models.parallel import parallelize
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
+from rlx.rollout.jax.paged import pool_pages
 from rlx.platform.policy import current
 from rlx.types import BATCH_FIELDS, TrainBatch
 
@@ -329,8 +330,31 @@ def kv_cache_bytes(spec: PlanSpec) -> int:
                + 4)
 
 
+def page_pool_bytes(spec: PlanSpec) -> int:
+    """The continuous engine's page pools per device (``rlx.rollout.jax.paged``): every layer's
+    pool of its data shard, ``kv_pages`` pages or ``pool_pages`` for the shard's share of
+    ``rollout_rows`` sequences of ``rollout_len`` tokens (as many slots as rows: an engine
+    with fewer, ``config.rollout.jax.slots``, holds fewer pages); GQA keys and values split over the
+    tensor axis with their KV heads, MLA's latent pages whole on every device of the shard."""
+    c, m = spec.model, spec.mesh
+    shards = spec.batch_shards
+    slots = -(-spec.rollout_rows // shards) * shards  # the engine's: a block per shard
+    pages = spec.kv_pages or pool_pages(spec.rollout_rows, spec.rollout_group, spec.rollout_len,
+                                        slots, shards, spec.page_size)
+    per_token = (kv_cache_per_token(c) if c.mla is not None
+                 else _div(c.num_kv_heads, m.tensor) * (c.head_dim + c.value_head_dim))
+    return int(c.num_layers * pages * spec.page_size * per_token * _BYTES[spec.kv_dtype])
+
+
+def engine_cache_bytes(spec: PlanSpec) -> int:
+    """The built-in engine's KV cache per device as it batches: page pools
+    (``page_pool_bytes``), or the lockstep cache (``kv_cache_bytes``)."""
+    return page_pool_bytes(spec) if spec.continuous else kv_cache_bytes(spec)
+
+
 def step_bytes(spec: PlanSpec, trainable: int) -> dict[str, int]:
-    """Per-device transient bytes of the train step by category, and the sampler's KV cache."""
+    """Per-device transient bytes of the train step by category, and the sampler's KV cache
+    (``engine_cache_bytes``)."""
     f = step_features(spec, trainable)
     part = {k: COEFFS[k] * v for k, v in f.items()}
     rows = math.ceil(spec.rows / spec.batch_shards)
@@ -340,4 +364,4 @@ def step_bytes(spec: PlanSpec, trainable: int) -> dict[str, int]:
         c.vocab_size, spec.mesh.tensor)
     return {"grads": int(part["grads"]), "activations": int(acts),
             "logprob_chunks": int(part["logits"]), "batch": 32 * rows * spec.seq_len,  # 8 int32/f32 fields the step reads
-            "kv_cache": kv_cache_bytes(spec), "decode_temp": int(decode_logits)}
+            "kv_cache": engine_cache_bytes(spec), "decode_temp": int(decode_logits)}

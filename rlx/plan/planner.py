@@ -206,7 +206,9 @@ def run_plan_fields(run: RunConfig) -> dict[str, Any]:
               "engine_copies_trainables": run.engine_copies_trainables, "rollout_rows": rows,
               "rows": rows // train.minibatches, "seq_len": length, "rollout_len": length,
               "rollout_prompt": data.max_prompt_tokens,
-              "kv_dtype": run.model.dtype}
+              "kv_dtype": run.model.dtype, "batching": rollout.jax.batching,
+              "page_size": rollout.jax.page_size, "kv_pages": rollout.jax.kv_pages,
+              "rollout_group": rollout.group_size}
     if train.tokens_per_micro_batch:
         fields.update(budget_fields(rows // train.minibatches, length, run))
     return fields

@@ -17,6 +17,7 @@ import dataclasses
 from flax import nnx
 
 from rlx.errors import one_of
+from rlx.rollout.jax.config import BATCHING
 from rlx.learner.state import MODES
 from rlx.learner.step import FORWARDS
 from rlx.mesh import MeshShape, batch_shards
@@ -55,6 +56,13 @@ class PlanSpec:
     # quarter of rollout_len
     rollout_prompt: int = 0
     kv_dtype: str = "bfloat16"  # built-in engine: KV cache dtype
+    # built-in engine's batching (config.rollout.jax): "continuous" over page pools (a data
+    # shard's pool: kv_pages pages of page_size tokens, 0: sized for its share of the
+    # rollout_rows, a group of rollout_group samples together), or "lockstep"
+    batching: str = "continuous"
+    page_size: int = 16
+    kv_pages: int = 0
+    rollout_group: int = 1
     # whether the built-in engine holds its own copy of the trainable variables (a run's
     # RunConfig.engine_copies_trainables: an asynchronous one); False: it samples from the
     # learner's own arrays
@@ -67,6 +75,7 @@ class PlanSpec:
     def __post_init__(self):
         one_of("plan.mode", self.mode, MODES)
         one_of("plan.remat", self.remat, FORWARDS)
+        one_of("plan.batching", self.batching, BATCHING)
         for name in ("dtype", "param_dtype", "kv_dtype"):
             one_of(f"plan.{name}", getattr(self, name), DTYPES)
         one_of("plan.moe_impl", self.moe_impl, MOE_IMPLS)
@@ -75,9 +84,11 @@ class PlanSpec:
             raise ValueError(f"plan.moe_capacity_factor={self.moe_capacity_factor} must be >= 0 "
                              "(0: dropless)")
         for name in ("rows", "seq_len", "micro_batches", "logprob_chunk", "rollout_rows",
-                     "rollout_len"):
+                     "rollout_len", "page_size", "rollout_group"):
             if getattr(self, name) < 1:
                 raise ValueError(f"plan.{name}={getattr(self, name)} must be >= 1")
+        if self.kv_pages < 0:
+            raise ValueError(f"plan.kv_pages={self.kv_pages} must be >= 0 (0: automatic)")
         if not 0 <= self.rollout_prompt < self.rollout_len:
             raise ValueError(f"plan.rollout_prompt={self.rollout_prompt} must be in [0, "
                              f"plan.rollout_len={self.rollout_len}) (0: a quarter of it)")
@@ -89,6 +100,12 @@ class PlanSpec:
     def batch_shards(self) -> int:
         """Devices the batch rows are split over (``rlx.mesh.batch_shards`` under TRAIN_RULES)."""
         return batch_shards(self.mesh)
+
+    @property
+    def continuous(self) -> bool:
+        """Whether the built-in engine batches continuously over page pools (the engine runs
+        lockstep under context parallelism)."""
+        return self.batching == "continuous" and self.mesh.context == 1
 
     @property
     def micro_rows(self) -> int:

@@ -21,9 +21,10 @@ from rlx.learner.step import compiler_options, model_forward
 from rlx.mesh import MeshShape
 from rlx.models import ModelConfig, MoEConfig
 from rlx.models.kv_cache import cache_dtype
-from rlx.plan.aot import (HELD_OUT_POINTS, WHOLE_MODEL_POINTS, compile_sample, compile_train,
-                          measure, spec_from_argv, topology, tpu_plan)
-from rlx.plan.aot_sample import SAMPLE_WHOLE_MODEL_POINTS, generate_shapes, sample_temp
+from rlx.plan.aot import (HELD_OUT_POINTS, WHOLE_MODEL_POINTS, compile_paged, compile_sample,
+                          compile_train, measure, spec_from_argv, topology, tpu_plan)
+from rlx.plan.aot_sample import (SAMPLE_WHOLE_MODEL_POINTS, generate_shapes, paged_shapes,
+                                 sample_temp)
 from rlx.plan.spec import PlanSpec
 from rlx.platform import CPU, TPU, compiling_for, current
 from rlx.quant import LoraConfig, QuantConfig
@@ -102,6 +103,26 @@ def test_train_and_generate_compile_and_match_the_plan(topo):
     rows, prompt, new = generate_shapes(SPEC)
     cache = MOE.num_layers * rows * (prompt + new) * 2 * 2 * 64 * 2 // 8  # bf16 keys, values
     assert sample.temp >= cache, (sample, cache)
+
+
+def test_the_continuous_engines_programs_compile_with_a_pool_per_data_shard(topo):
+    """The decode burst and prefill chunk of the continuous engine compile for TPU on the
+    8-shard mesh. The pools they donate and return (XLA's aliased bytes) are one data shard's
+    per device (9 pages: its slot's 128 tokens and the padding page), at most 2x with XLA:TPU's
+    tile padding (measured 2.0x), not the 8 shards' together (8x); the burst's other arguments
+    are the planned weights within 10% (tiles; the prefill computes no logits, and XLA drops
+    the unread output head from its arguments)."""
+    p = tpu_plan(SPEC, topo)
+    shapes = paged_shapes(SPEC)
+    assert (shapes["shards"], shapes["pages"]) == (8, 9)
+    pools = MOE.num_layers * 2 * shapes["pages"] * 16 * 2 * 64 * 2  # keys + values, bf16
+    state = p.bytes["frozen"] + p.bytes["trainable"]
+    for name, xla in compile_paged(SPEC, topo).items():
+        assert not xla.refused, name
+        assert pools <= xla.alias <= 2 * pools, (name, xla.alias, pools)
+        assert xla.argument - xla.alias <= 1.10 * state, (name, xla, state)
+        if name == "burst":
+            assert abs(xla.argument - xla.alias - state) <= 0.10 * state, (xla, state)
 
 
 def test_a_program_over_hbm_is_refused_with_its_size(topo):

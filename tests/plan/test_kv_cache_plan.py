@@ -14,10 +14,14 @@ from rlx.models import from_hf_config
 from rlx.models.families import SUPPORTED_ARCHITECTURES
 from rlx.models.kv_cache import KVCache
 from rlx.plan import plan
-from rlx.plan.memory import kv_cache_bytes, kv_cache_per_token, step_bytes, step_features
+from rlx.models.paged_kv import PagedKVCache
+from rlx.plan.memory import (engine_cache_bytes, kv_cache_bytes, kv_cache_per_token,
+                             page_pool_bytes, step_bytes, step_features)
 from rlx.plan.aot_sample import generate_lowered
 from rlx.plan.spec import PlanSpec
 from rlx.rollout.jax.cache_layout import cache_sharding
+from rlx.rollout.jax.config import JaxSection
+from rlx.rollout.jax.paged import PagedServing
 from tests.helpers.hf_zoo import hf_config
 
 ARCHITECTURE = {kind: arch for arch, kind in SUPPORTED_ARCHITECTURES.items()}  # by model_type
@@ -78,7 +82,7 @@ def test_deepseek_v3_caches_576_numbers_per_token_and_layer():
           f"per device for 64 x 4096 slots over 8 batch shards")
     assert per_token == 576 and expanded == 40960
     assert 2 * cfg.num_heads * cfg.head_dim == 49152
-    assert step_bytes(spec, 0)["kv_cache"] == kv_cache_bytes(spec)
+    assert step_bytes(spec, 0)["kv_cache"] == engine_cache_bytes(spec)
 
 
 def test_mla_attention_activations_count_its_own_projections():
@@ -89,7 +93,7 @@ def test_mla_attention_activations_count_its_own_projections():
     spec = PlanSpec(model=cfg, mode="full", dtype="float32", param_dtype="float32", rows=2,
                     seq_len=8, logprob_chunk=16, remat="none")
     assert step_features(spec, 0)["qkv"] == 2 * 12288
-    assert plan(spec, hbm_gb=1.0).bytes["kv_cache"] == kv_cache_bytes(spec)
+    assert plan(spec, hbm_gb=1.0).bytes["kv_cache"] == engine_cache_bytes(spec)
 
 
 def test_context_parallel_generate_keeps_its_cache_split():
@@ -107,3 +111,26 @@ def test_context_parallel_generate_keeps_its_cache_split():
         caches.append(kv_cache_bytes(spec))
     assert caches[1] < 0.55 * caches[0]
     assert temps[0] - temps[1] >= caches[0] - caches[1], (temps, caches)
+
+
+@pytest.mark.parametrize("mesh", [MeshShape(), MeshShape(data=2, tensor=2),
+                                  MeshShape(data=2, fsdp=2, expert=2)], ids=str)
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_page_pool_bytes_equal_the_continuous_engines_pools(family, mesh):
+    """The planner's page pools per device are the continuous engine's, placed as it places
+    them: a data shard's pool (sized for its share of the call's sequences, a prompt's 2
+    samples together), GQA's KV heads over tensor, MLA's latent pages whole."""
+    cfg = _config(family)
+    spec = PlanSpec(model=cfg, mode="full", dtype="float32", param_dtype="float32",
+                    kv_dtype="float32", rollout_rows=8, rollout_len=48, rollout_group=2,
+                    mesh=mesh)
+    several = mesh.num_devices > 1
+    m = make_mesh(mesh, jax.devices()[:mesh.num_devices]) if several else None
+    serving = PagedServing(cfg, None, None, np.float32, JaxSection(), 8,
+                           None if several else jax.devices()[0], mesh=m)
+    pages = serving._pages(48, 8, 2)
+    pools = serving._place_pools(PagedKVCache.zeros(cfg, pages * serving.shards, 16,
+                                                    np.float32), pages)
+    held = sum(x.addressable_shards[0].data.nbytes for x in pools.keys + pools.values)
+    assert page_pool_bytes(spec) == held
+    assert spec.continuous and step_bytes(spec, 0)["kv_cache"] == held

@@ -66,7 +66,8 @@ class Slots:
 class Programs:
     """The compiled programs (``rlx.rollout.jax.continuous``)."""
 
-    prefill: Callable  # (state, pools, ids, positions, segments, table, lengths) -> (pools, h)
+    # (state, pools, ids, positions, segments, table, lengths) -> (pools, h, dropped)
+    prefill: Callable
     first: Callable  # (state, h, uid_hash, sample_index, seed, knobs, stops) -> (tokens, ...)
     burst: Callable  # (state, pools, slots, seed, knobs, stops, stop_on_free) -> (pools, ...)
     copy: Callable  # (pools, source, target) -> pools
@@ -91,15 +92,17 @@ def _model(static: ContinuousStatic, state: nnx.State):
 def prefill_chunk(state: nnx.State, pools: PagedKVCache, ids: Int[Array, "r c"],
                   positions: Int[Array, "r c"], segments: Int[Array, "r c"],
                   table: Int[Array, "r m"], lengths: Int[Array, " r"], *,
-                  static: ContinuousStatic) -> tuple[PagedKVCache, Float[Array, "r d"]]:
+                  static: ContinuousStatic
+                  ) -> tuple[PagedKVCache, Float[Array, "r d"], Int[Array, ""]]:
     """Write ``ids`` (at ``positions``; segment 0: padding) into the rows' pages; returns the
-    pools and each row's final-norm hidden state at its last real token of the chunk."""
+    pools, each row's final-norm hidden state at its last real token of the chunk and the
+    (token, expert) pairs a MoE dispatch capacity dropped."""
     model = _model(static, state)
     view = pools.with_rows(table, lengths)
-    h, out = model.decode(ids, positions, segments, view, static.adapter)
+    h, out, routes = model.decode_routed(ids, positions, segments, view, static.adapter)
     last = jnp.maximum(jnp.sum(segments > 0, axis=1) - 1, 0)
     return out.with_rows(pools.table, pools.lengths), jnp.take_along_axis(
-        h, last[:, None, None], axis=1)[:, 0]
+        h, last[:, None, None], axis=1)[:, 0], routes.dropped
 
 
 def first_tokens(state: nnx.State, h: Float[Array, "n d"], uid_hash: UInt32[Array, " n"],
@@ -119,9 +122,10 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
                  static: ContinuousStatic):
     """Up to ``static.burst`` steps of every live slot: feed its last token, draw the next.
 
-    Returns (pools, slots, tokens [s, K], log-probs [s, K], drawn [s], stopped [s]): slot ``r``
-    drew ``drawn[r]`` tokens in this burst (columns ``0 .. drawn - 1``); ``stopped``: it ended on
-    a stop token or string (else a finished slot reached its limit)."""
+    Returns (pools, slots, tokens [s, K], log-probs [s, K], drawn [s], stopped [s], dropped):
+    slot ``r`` drew ``drawn[r]`` tokens in this burst (columns ``0 .. drawn - 1``); ``stopped``:
+    it ended on a stop token or string (else a finished slot reached its limit); ``dropped``:
+    the (token, expert) pairs a MoE dispatch capacity dropped, idle slots' included."""
     model = _model(static, state)
     s, k = slots.live.shape[0], static.burst
     keys = row_keys(seed, slots.uid_hash, slots.sample_index)
@@ -129,8 +133,9 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
     def step(c):
         sl, live = c["slots"], c["slots"].live
         view = pools.replace(keys=c["kv"][0], values=c["kv"][1]).with_rows(sl.table, sl.length)
-        h, out = model.decode(sl.last[:, None], sl.length[:, None],
-                              live[:, None].astype(jnp.int32), view, static.adapter)
+        h, out, routes = model.decode_routed(sl.last[:, None], sl.length[:, None],
+                                             live[:, None].astype(jnp.int32), view,
+                                             static.adapter)
         tok, logp = next_tokens(model, h[:, 0], keys, sl.generated, knobs, static.spec,
                                 static.adapter)
         text, hit = stops.check(sl.text, tok)
@@ -143,7 +148,7 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
         return dict(i=c["i"] + 1, kv=(out.keys, out.values), slots=sl,
                     tokens=put(c["tokens"], tok), logps=put(c["logps"], logp),
                     drawn=c["drawn"] + live, stopped=c["stopped"] | (live & hit),
-                    freed=c["freed"] | jnp.any(done))
+                    freed=c["freed"] | jnp.any(done), dropped=c["dropped"] + routes.dropped)
 
     def fullest(live):  # the live slots of the fullest shard's block
         return jnp.max(jnp.sum(live.reshape(static.shards, -1), axis=1))
@@ -158,10 +163,10 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
     c = dict(i=jnp.zeros((), jnp.int32), kv=(pools.keys, pools.values), slots=slots,
              tokens=jnp.zeros((s, k), jnp.int32), logps=jnp.zeros((s, k), jnp.float32),
              drawn=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool),
-             freed=jnp.zeros((), bool))
+             freed=jnp.zeros((), bool), dropped=jnp.zeros((), jnp.int32))
     c = jax.lax.while_loop(more, step, c)
     pools = pools.replace(keys=c["kv"][0], values=c["kv"][1])
-    return pools, c["slots"], c["tokens"], c["logps"], c["drawn"], c["stopped"]
+    return pools, c["slots"], c["tokens"], c["logps"], c["drawn"], c["stopped"], c["dropped"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +204,9 @@ def compile_programs(graphdef: nnx.GraphDef, spec: SamplerSpec, *, burst: int,
         return Programs(*(jax.jit(f, donate_argnums=d) for f, d in zip(fns, donate)))
     r1, r2, w, pools, state = place.rows(1), place.rows(2), place.whole, place.pools, place.state
     slots = Slots(r2, *[r1] * 8)
-    shardings = (((state, pools, r2, r2, r2, r2, r1), (pools, r2)),
+    shardings = (((state, pools, r2, r2, r2, r2, r1), (pools, r2, w)),
                  ((state, r2, r1, r1, w, w, w), (r1,) * 4),
-                 ((state, pools, slots, w, w, w, w), (pools, slots, r2, r2, r1, r1)),
+                 ((state, pools, slots, w, w, w, w), (pools, slots, r2, r2, r1, r1, w)),
                  ((pools, w, w), pools))
     return Programs(*(jax.jit(f, donate_argnums=d, in_shardings=i, out_shardings=o)
                       for f, d, (i, o) in zip(fns, donate, shardings)),

@@ -33,10 +33,10 @@ at once and the next request takes it; prompts are prefilled in chunks between b
 steps; the ``n`` samples of a prompt share its pages. Inside ``prefix_cache()`` finished
 sequences' pages stay indexed by their tokens, so an episode's next turn prefills only its new
 tokens (``prefilled_tokens()`` counts what is fed). ``batching_stats()``: decode steps, slot
-occupancy and preemptions of the last call; on a mesh every data shard has its own pool and block
-of slots. Context parallelism, routing replay and a dispatch capacity run
-lockstep for now (as ``batching="lockstep"`` does): requests expanded to ``n`` rows per prompt,
-sorted by length, cut into device batches padded to power-of-two buckets
+occupancy and preemptions of the last call; on a mesh every data shard has its own pool and
+block of slots. Context parallelism and routing replay run lockstep for now (as
+``batching="lockstep"`` does): requests expanded to ``n`` rows per prompt, sorted by length, cut
+into device batches padded to power-of-two buckets
 (``rlx.rollout.jax.batching``; ``compilations()`` counts programs), each run until its longest
 row ends (``rlx.rollout.jax.sampling``), with a row-gathering prefix cache
 (``rlx.rollout.jax.prefix_cache``). Either way a request's tokens do not depend on the requests
@@ -311,11 +311,9 @@ class JaxEngine:
     # --- generation -----------------------------------------------------------------------
     def _paged_serving(self, dtype) -> PagedServing | None:
         """The continuous-batching path (``rlx.rollout.jax.paged``), where it serves: not yet
-        under context parallelism, with routing replay or with a dispatch capacity (those run
-        lockstep)."""
+        under context parallelism or with routing replay (those run lockstep)."""
         context = 1 if self.mesh is None else self.mesh.shape.get("context", 1)
-        if (self.settings.batching != "continuous" or context > 1 or self.record_routes
-                or self._dropped is not None):
+        if self.settings.batching != "continuous" or context > 1 or self.record_routes:
             return None
         slots = self.settings.slots or self.platform_policy.decode_slots
         if self.mesh is None or self.mesh.size == 1:
@@ -342,8 +340,12 @@ class JaxEngine:
         seed = sampling.seed if sampling.seed is not None else self._seed + self._calls
         self._calls += 1
         if self._paged is not None:
-            return self._paged.run(self._state, prompts, sampling, seed, self._stops(sampling),
-                                   self.tokenizer, self.weight_version)
+            dropped = self._paged.dropped
+            out = self._paged.run(self._state, prompts, sampling, seed, self._stops(sampling),
+                                  self.tokenizer, self.weight_version)
+            if self._dropped is not None:
+                self._dropped += self._paged.dropped - dropped
+            return out
         rows = [(i, j) for i in range(len(prompts)) for j in range(sampling.n)]
         order = sorted(rows, key=lambda r: -len(prompts[r[0]].token_ids))
         out: dict[tuple[int, int], Rollout] = {}

@@ -5,8 +5,8 @@
 ``decode_slots``) over one pool of KV-cache pages per layer (``rlx.models.paged_kv``), the
 programs of ``rlx.rollout.jax.continuous`` compiled once per sampler setting, and the host's
 ``Scheduler`` (``rlx.rollout.jax.scheduler``). The pool is sized by ``JaxSection.kv_pages``, or,
-left at 0, for every slot's longest sequence of the call (grown, and its programs compiled anew,
-when a later call needs more). Inside ``JaxEngine.prefix_cache()`` finished sequences' pages stay
+left at 0, for the call's sequences at its longest (``pool_pages``; grown when a later call needs
+more). Inside ``JaxEngine.prefix_cache()`` finished sequences' pages stay
 indexed by their tokens (``rlx.rollout.jax.pages.PrefixIndex``), so an episode's next turn writes
 only its new tokens; a weight update drops them. On a mesh each data shard (the batch axes'
 devices) has a pool of its own and a block of the slots; the programs declare their shardings
@@ -34,6 +34,16 @@ from rlx.rollout.jax.scheduler import Scheduler, Shard, Stats
 from rlx.types import Prompt, Rollout, SamplingParams
 
 
+def pool_pages(sequences: int, n: int, tokens: int, slots: int, shards: int,
+               page_size: int) -> int:
+    """Pages of each data shard's pool sized for a call of ``sequences`` sequences (``n``
+    samples per prompt, which share a shard) of up to ``tokens`` tokens: as many sequences per
+    shard as the call spreads over the ``shards`` (a prompt's samples together), at most the
+    shard's ``slots / shards`` slots, each with its pages, and the padding page."""
+    per_shard = min(slots // shards, max(-(-sequences // shards), n))
+    return per_shard * -(-tokens // page_size) + 1
+
+
 class PagedServing:
     """Pool, programs and scheduler of one engine (module docstring)."""
 
@@ -49,7 +59,7 @@ class PagedServing:
         self._programs: dict[SamplerSpec, Programs] = {}
         self._scheduler: Scheduler | None = None
         self.keep = False  # finished sequences' pages stay indexed (prefix_cache)
-        self.prefilled = self.preempted = 0  # so far
+        self.prefilled = self.preempted = self.dropped = 0  # so far (dropped: MoE pairs)
 
     @property
     def stats(self) -> Stats:
@@ -71,12 +81,11 @@ class PagedServing:
             if d.index is not None:
                 d.index.clear()
 
-    def _pages(self, tokens: int) -> int:
-        """Pages of each data shard's pool for sequences of up to ``tokens`` tokens in every
-        slot of the shard."""
-        if self.section.kv_pages:
-            return self.section.kv_pages
-        return self.slots // self.shards * -(-tokens // self.section.page_size) + 1
+    def _pages(self, tokens: int, sequences: int, n: int) -> int:
+        """Pages of each data shard's pool: ``kv_pages``, else ``pool_pages`` of a call of
+        ``sequences`` sequences (``n`` per prompt) of up to ``tokens`` tokens."""
+        return self.section.kv_pages or pool_pages(sequences, n, tokens, self.slots,
+                                                   self.shards, self.section.page_size)
 
     def _placement(self, pages: int) -> Placement | None:
         """The programs' shardings on the mesh for pools of ``pages`` pages per shard."""
@@ -95,14 +104,14 @@ class PagedServing:
         place = self._placement(pages)
         return jax.device_put(pools, self.device if place is None else place.pools)
 
-    def _ready(self, spec: SamplerSpec, tokens: int) -> Scheduler:
-        """The scheduler, its pools large enough for ``tokens``-token sequences, on ``spec``'s
+    def _ready(self, spec: SamplerSpec, pages: int) -> Scheduler:
+        """The scheduler, its pools of at least ``pages`` pages per shard, on ``spec``'s
         programs."""
         if spec not in self._programs:
             self._programs[spec] = compile_programs(
                 self.graphdef, spec, burst=self.section.burst, adapter=self.adapter,
-                shards=self.shards, place=self._placement(self._pages(tokens)))
-        pages, s, size = self._pages(tokens), self._scheduler, self.section.page_size
+                shards=self.shards, place=self._placement(pages))
+        s, size = self._scheduler, self.section.page_size
         if s is None:
             pools = PagedKVCache.zeros(self.config, pages * self.shards, size, self.dtype,
                                        self.stacks)
@@ -129,9 +138,11 @@ class PagedServing:
         if not prompts:
             return []
         longest = max(len(p.token_ids) for p in prompts) + sampling.max_new_tokens
-        s = self._ready(SamplerSpec.of(sampling), longest)
+        s = self._ready(SamplerSpec.of(sampling),
+                        self._pages(longest, len(prompts) * sampling.n, sampling.n))
         out = s.run(state, prompts, sampling, seed, Knobs.of_sampling(sampling), stops, tokenizer,
                     version)
         self.prefilled += s.stats.prefilled
         self.preempted += s.stats.preempted
+        self.dropped += s.stats.dropped
         return out

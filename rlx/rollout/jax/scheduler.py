@@ -112,6 +112,7 @@ class Stats:
     prefilled: int = 0  # tokens written by prefill chunks
     preempted: int = 0
     bursts: int = 0
+    dropped: int = 0  # (token, expert) pairs a MoE dispatch capacity dropped
 
     @property
     def occupancy(self) -> float:
@@ -297,8 +298,9 @@ class Scheduler:
             table[r, :len(p.seq.pages)], lengths[r] = p.seq.pages, start
             p.seq.length += n
             self.stats.prefilled += n
-        self.pools, h = self.programs.prefill(self._call.state, self.pools, ids, pos, seg,
-                                              table, lengths)
+        self.pools, h, dropped = self.programs.prefill(self._call.state, self.pools, ids, pos,
+                                                       seg, table, lengths)
+        self.stats.dropped += int(dropped)
         for r, p in zip(where, batch):
             if p.seq.length == len(p.tokens):
                 p.h = h[r]
@@ -398,11 +400,12 @@ class Scheduler:
             limit[r], text[r], index[r] = call.sampling.max_new_tokens, run.text, run.sample
             hashes[r], live[r] = run.uid, True
         slots = Slots(table, length, last, generated, limit, live, text, hashes, index)
-        self.pools, after, tokens, logps, drawn, stopped = self.programs.burst(
+        self.pools, after, tokens, logps, drawn, stopped, dropped = self.programs.burst(
             call.state, self.pools, slots, call.seed, call.knobs, call.stops,
             np.bool_(pending))
-        after, tokens, logps, drawn, stopped = jax.device_get(
-            (after, tokens, logps, drawn, stopped))
+        after, tokens, logps, drawn, stopped, dropped = jax.device_get(
+            (after, tokens, logps, drawn, stopped, dropped))
+        self.stats.dropped += int(dropped)
         self.stats.bursts += 1
         self.stats.steps += int(drawn.max())
         self.stats.drawn += int(drawn.sum())

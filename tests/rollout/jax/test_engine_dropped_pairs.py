@@ -14,6 +14,7 @@ import pytest
 
 from rlx.mesh import MeshShape, make_mesh
 from rlx.quant import LoraConfig
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.quant import quantized_lora_model
@@ -35,8 +36,9 @@ def _recount(experts: np.ndarray, shards: int, split: int, num_experts: int) -> 
     return total
 
 
-def _generate(model, mesh, record: bool, factor: float | None):
-    engine = JaxEngine(model, mesh=mesh, record_routes=record, capacity_factor=factor)
+def _generate(model, mesh, record: bool, factor: float | None, batching: str = "lockstep"):
+    engine = JaxEngine(model, mesh=mesh, record_routes=record, capacity_factor=factor,
+                       settings=JaxSection(batching=batching))
     rs = np.random.RandomState(1)
     prompts = [Prompt(f"p{i}", tuple(int(t) for t in rs.randint(0, 97, PROMPT)))
                for i in range(ROWS)]
@@ -68,6 +70,17 @@ def test_the_engine_counts_the_pairs_its_capacity_drops(model):
     assert plain.dropped_pairs() == expected
     assert [r.completion_ids.tolist() for r in again] == [
         r.completion_ids.tolist() for r in rollouts]
+
+
+def test_continuous_batching_counts_the_pairs_its_capacity_drops(model):
+    """The continuous engine's programs (its own rows: a block per data shard) count what
+    their dispatch drops: some at a capacity factor of 0.5, none at one that holds every
+    pair."""
+    mesh = make_mesh(SHAPE)
+    tight, _ = _generate(model, mesh, record=False, factor=FACTOR, batching="continuous")
+    roomy, _ = _generate(model, mesh, record=False, factor=64.0, batching="continuous")
+    assert tight.batching_stats() is not None and roomy.batching_stats() is not None
+    assert tight.dropped_pairs() > 0 and roomy.dropped_pairs() == 0
 
 
 def test_dropless_engines_count_nothing(model):
