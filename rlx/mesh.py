@@ -74,6 +74,21 @@ SAMPLE_RULES: LogicalRules = (
 )
 
 
+def context_as_rows(rules: LogicalRules) -> LogicalRules:
+    """``rules`` with the ``context`` axis holding rows rather than each row's tokens: the
+    continuous engine's layout on a context-parallel mesh, where each sequence's pages stay on
+    one device and the context devices are more data shards."""
+    def one(name, target):
+        if name == "seq":
+            return None
+        if name == "batch":
+            axes = (target,) if isinstance(target, str) else tuple(target or ())
+            return axes + ("context",) if "context" not in axes else axes
+        return target
+
+    return tuple((name, one(name, target)) for name, target in rules)
+
+
 def gathered_rules(rules: LogicalRules) -> LogicalRules:
     """``rules`` as a layer's weights are used: the ``expert`` mesh axis holds only experts and
     tokens (``expert``, ``batch``); its FSDP shards of every other dimension are gathered."""

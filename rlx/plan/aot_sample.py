@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlx.mesh import SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards, variable_shardings
+from rlx.mesh import (SAMPLE_RULES, TRAIN_RULES, batch_sharding, batch_shards, context_as_rows,
+                      variable_shardings)
 from rlx.models.parallel import parallelize
 from rlx.models.moe_dispatch import capacity
 from rlx.plan.memory import kv_cache_per_token
@@ -128,7 +129,7 @@ def paged_shapes(spec: PlanSpec, section: JaxSection = JaxSection()) -> dict[str
     of ``pages`` pages (``spec.kv_pages``, else ``pool_pages``), a decode burst's page table
     ``width``, and a prefill chunk's ``rows``, ``chunk`` tokens and table ``prefill_width`` (the
     prompt's pages); ``section`` gives the rest of the engine's settings."""
-    shards, size = batch_shards(spec.mesh, SAMPLE_RULES), spec.page_size
+    shards, size = spec.page_shards, spec.page_size
     slots = -(-spec.rollout_rows // shards) * shards
     width = -(-spec.rollout_len // size)
     prompt = spec.rollout_prompt or spec.rollout_len // 4
@@ -145,13 +146,13 @@ def paged_lowered(spec: PlanSpec, mesh, section: JaxSection = JaxSection()) -> d
     """The continuous engine's decode burst and prefill chunk for ``spec`` (``paged_shapes``),
     lowered on abstract arguments with the shardings the engine declares (``Placement``):
     ``{"burst": ..., "prefill": ...}``."""
-    model = parallelize(abstract_model(spec), mesh, SAMPLE_RULES,
-                        spec.moe_capacity_factor or None)
+    rules = context_as_rows(SAMPLE_RULES)  # the engine's on a context-parallel mesh too
+    model = parallelize(abstract_model(spec), mesh, rules, spec.moe_capacity_factor or None)
     model.eval()
     graphdef, state = nnx.split(model)
     n, stacks = paged_shapes(spec, section), cache_stacks(model)
     total = n["pages"] * n["shards"]
-    keys, values = page_sharding(mesh, spec.model, SAMPLE_RULES, total, spec.page_size,
+    keys, values = page_sharding(mesh, spec.model, rules, total, spec.page_size,
                                  stacks is not None)
     dtype = jnp.bfloat16 if spec.kv_dtype == "bfloat16" else jnp.float32
     pools = jax.eval_shape(lambda: PagedKVCache.zeros(spec.model, total, spec.page_size, dtype,
@@ -159,7 +160,7 @@ def paged_lowered(spec: PlanSpec, mesh, section: JaxSection = JaxSection()) -> d
     rep = NamedSharding(mesh, PartitionSpec())
     shard_pools = pools.replace(keys=(keys,) * len(pools.keys), values=(values,) * len(pools.keys),
                                 table=rep, lengths=rep)
-    place = Placement(mesh, SAMPLE_RULES, engine_shardings(state, mesh, spec), shard_pools)
+    place = Placement(mesh, rules, engine_shardings(state, mesh, spec), shard_pools)
     programs = compile_programs(graphdef, SamplerSpec(), burst=section.burst,
                                 shards=n["shards"], place=place)
     pools = _abstract(pools, shard_pools)

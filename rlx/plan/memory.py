@@ -332,12 +332,12 @@ def kv_cache_bytes(spec: PlanSpec) -> int:
 
 def page_pool_bytes(spec: PlanSpec) -> int:
     """The continuous engine's page pools per device (``rlx.rollout.jax.paged``): every layer's
-    pool of its data shard, ``kv_pages`` pages or ``pool_pages`` for the shard's share of
+    pool of its data shard (``page_shards``: the context devices are data shards there), ``kv_pages`` pages or ``pool_pages`` for the shard's share of
     ``rollout_rows`` sequences of ``rollout_len`` tokens (as many slots as rows: an engine
     with fewer, ``config.rollout.jax.slots``, holds fewer pages); GQA keys and values split over the
     tensor axis with their KV heads, MLA's latent pages whole on every device of the shard."""
     c, m = spec.model, spec.mesh
-    shards = spec.batch_shards
+    shards = spec.page_shards
     slots = -(-spec.rollout_rows // shards) * shards  # the engine's: a block per shard
     pages = spec.kv_pages or pool_pages(spec.rollout_rows, spec.rollout_group, spec.rollout_len,
                                         slots, shards, spec.page_size)

@@ -103,9 +103,14 @@ class PlanSpec:
 
     @property
     def continuous(self) -> bool:
-        """Whether the built-in engine batches continuously over page pools (the engine runs
-        lockstep under context parallelism)."""
-        return self.batching == "continuous" and self.mesh.context == 1
+        """Whether the built-in engine batches continuously over page pools."""
+        return self.batching == "continuous"
+
+    @property
+    def page_shards(self) -> int:
+        """The continuous engine's data shards, each with its page pool: the batch shards and
+        the context devices (``rlx.mesh.context_as_rows``)."""
+        return self.batch_shards * self.mesh.context
 
     @property
     def micro_rows(self) -> int:

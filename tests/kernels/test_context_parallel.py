@@ -27,6 +27,7 @@ from rlx.models.parallel import parallelize
 from rlx.platform.policy import CPU, active
 from rlx.quant import LoraConfig, apply_lora
 from rlx.quant.config import GQA_TARGETS, MLA_TARGETS
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
@@ -142,19 +143,23 @@ def test_context_parallel_logprobs_and_grads_equal_one_device(zoo, family, mode,
         assert float(np.abs(a - b).max()) <= TOL * scale
 
 
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
-def test_context_parallel_engine_samples_and_scores_as_one_device(zoo, family):
-    """The built-in engine on context 2 x fsdp 2 x tensor 2: prefills and scored chunks split
-    over the context devices in zig-zag order (their keys gathered into the cache every context
-    device holds), decode steps whole. The same tokens, sampler log-probs and scores as one
-    device."""
+def test_context_parallel_engine_samples_and_scores_as_one_device(zoo, family, batching):
+    """The built-in engine on context 2 x fsdp 2 x tensor 2. Lockstep: prefills and scored
+    chunks split over the context devices in zig-zag order (their keys gathered into the cache
+    every context device holds), decode steps whole; continuous: the context devices are more
+    data shards (each sequence's pages on one device). The same tokens, sampler log-probs and
+    scores as one device."""
     path = make_hf_model(family, zoo)
     sampling = SamplingParams(max_new_tokens=10, n=2, top_p=0.9, seed=5)
     with active(BLOCKWISE):
         single = JaxEngine(from_hf(path)).generate(sample_prompts(), sampling)
         mesh = _mesh(MeshShape(fsdp=2, context=2, tensor=2))
-        engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh)
+        engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh,
+                           settings=JaxSection(batching=batching))
         split = engine.generate(sample_prompts(), sampling)
+        assert (engine.batching_stats() is not None) == (batching == "continuous")
         seqs = [(np.concatenate([r.prompt_ids, r.completion_ids]), len(r.prompt_ids))
                 for r in split]
         scores = engine.score(seqs)

@@ -3,6 +3,8 @@ group-limited routers) with an int4 base and random LoRA adapters.
 
 * The built-in engine records the experts of every token it feeds (prompt tokens in the prefill,
   each completion token when it is fed back); the completion's last token, never fed, gets -1.
+  Both batchings: continuous (prefill chunks, decode bursts over pages; also with samples
+  preempted and resumed) and lockstep.
   Shared prompt prefills (two samples per prompt) and left padding (prompts of 3, 11 and 6
   tokens) must not shift them.
 * Batched (``pad_rollouts``), the routes line up with ``input_ids``: the learner's free choice
@@ -25,6 +27,7 @@ from rlx.learner.step import StepConfig, make_logprob_step
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models import Transformer
 from rlx.quant import LoraConfig, apply_lora, quantize_model
+from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
 from tests.helpers.moe import tiny_deepseek
@@ -41,13 +44,22 @@ def tiny_moe(layers: int = 3, seed: int = 0) -> Transformer:
     return model
 
 
-@pytest.fixture(scope="module")
-def sampled():
+BATCHINGS = {"continuous": JaxSection(), "lockstep": JaxSection(batching="lockstep"),
+             # 8 pages of 4 tokens for 6 sequences of up to 17: samples are preempted and
+             # resumed, keeping the experts recorded before
+             "preempting": JaxSection(slots=4, page_size=4, kv_pages=9)}
+
+
+@pytest.fixture(scope="module", params=list(BATCHINGS))
+def sampled(request):
     model = tiny_moe()
-    engine = JaxEngine(model, record_routes=True)
+    engine = JaxEngine(model, record_routes=True, settings=BATCHINGS[request.param])
     prompts = [Prompt(f"p{i}", tuple(int(t) for t in np.random.RandomState(i).randint(0, 97, n)))
                for i, n in enumerate((3, 11, 6))]
     rollouts = engine.generate(prompts, SamplingParams(max_new_tokens=6, n=2, seed=3))
+    stats = engine.batching_stats()
+    assert (stats is None) == (request.param == "lockstep")
+    assert (request.param == "preempting") == bool(stats and stats.preempted)
     return model, rollouts
 
 

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from rlx.mesh import SAMPLE_RULES, MeshShape, batch_sharding, batch_shards, make_mesh
+from rlx.mesh import (SAMPLE_RULES, MeshShape, batch_sharding, batch_shards, context_as_rows,
+                      make_mesh)
 from rlx.models import from_hf_config
 from rlx.models.families import SUPPORTED_ARCHITECTURES
 from rlx.models.kv_cache import KVCache
@@ -114,12 +115,14 @@ def test_context_parallel_generate_keeps_its_cache_split():
 
 
 @pytest.mark.parametrize("mesh", [MeshShape(), MeshShape(data=2, tensor=2),
-                                  MeshShape(data=2, fsdp=2, expert=2)], ids=str)
+                                  MeshShape(data=2, fsdp=2, expert=2),
+                                  MeshShape(context=2, tensor=2)], ids=str)
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
 def test_page_pool_bytes_equal_the_continuous_engines_pools(family, mesh):
     """The planner's page pools per device are the continuous engine's, placed as it places
     them: a data shard's pool (sized for its share of the call's sequences, a prompt's 2
-    samples together), GQA's KV heads over tensor, MLA's latent pages whole."""
+    samples together; the context devices are data shards too), GQA's KV heads over tensor,
+    MLA's latent pages whole."""
     cfg = _config(family)
     spec = PlanSpec(model=cfg, mode="full", dtype="float32", param_dtype="float32",
                     kv_dtype="float32", rollout_rows=8, rollout_len=48, rollout_group=2,
@@ -127,7 +130,8 @@ def test_page_pool_bytes_equal_the_continuous_engines_pools(family, mesh):
     several = mesh.num_devices > 1
     m = make_mesh(mesh, jax.devices()[:mesh.num_devices]) if several else None
     serving = PagedServing(cfg, None, None, np.float32, JaxSection(), 8,
-                           None if several else jax.devices()[0], mesh=m)
+                           None if several else jax.devices()[0], mesh=m,
+                           rules=context_as_rows(SAMPLE_RULES))  # as the engine passes them
     pages = serving._pages(48, 8, 2)
     pools = serving._place_pools(PagedKVCache.zeros(cfg, pages * serving.shards, 16,
                                                     np.float32), pages)

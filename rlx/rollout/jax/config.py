@@ -14,8 +14,8 @@ class JaxSection:
     """The built-in engine's batching (``rlx.rollout.jax.paged``)."""
 
     # "continuous": decode slots over a paged KV cache, a finished sequence's slot refilled at
-    # once; "lockstep": each device batch runs until its longest row ends (context parallelism
-    # and routing replay run lockstep whatever this says, for now)
+    # once; "lockstep": each device batch runs until its longest row ends (routing replay runs
+    # lockstep whatever this says, for now)
     batching: str = "continuous"
     slots: int = 0  # decode slots (0: the platform's default, PlatformPolicy.decode_slots)
     page_size: int = 16  # tokens per KV-cache page

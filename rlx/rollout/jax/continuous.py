@@ -44,6 +44,7 @@ from rlx.mesh import LogicalRules, batch_sharding
 from rlx.models.paged_kv import PagedKVCache, copy_pages
 from rlx.models.stack import decode_model
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec, next_tokens, row_keys
+from rlx.rollout.jax.sampling import ROUTE_DTYPE
 from rlx.rollout.jax.stops import Stops
 
 
@@ -83,6 +84,7 @@ class ContinuousStatic:
     burst: int = 16  # decode steps per burst (at most)
     adapter: bool = True
     shards: int = 1  # data shards: a program's rows are one equal block per shard
+    record_routes: bool = False  # the programs also return each fed token's experts
 
 
 def _model(static: ContinuousStatic, state: nnx.State):
@@ -95,14 +97,16 @@ def prefill_chunk(state: nnx.State, pools: PagedKVCache, ids: Int[Array, "r c"],
                   static: ContinuousStatic
                   ) -> tuple[PagedKVCache, Float[Array, "r d"], Int[Array, ""]]:
     """Write ``ids`` (at ``positions``; segment 0: padding) into the rows' pages; returns the
-    pools, each row's final-norm hidden state at its last real token of the chunk and the
-    (token, expert) pairs a MoE dispatch capacity dropped."""
+    pools, each row's final-norm hidden state at its last real token of the chunk, the
+    (token, expert) pairs a MoE dispatch capacity dropped and, with ``static.record_routes``,
+    each token's experts ``[r, c, moe layers, k]``."""
     model = _model(static, state)
     view = pools.with_rows(table, lengths)
     h, out, routes = model.decode_routed(ids, positions, segments, view, static.adapter)
     last = jnp.maximum(jnp.sum(segments > 0, axis=1) - 1, 0)
-    return out.with_rows(pools.table, pools.lengths), jnp.take_along_axis(
-        h, last[:, None, None], axis=1)[:, 0], routes.dropped
+    result = (out.with_rows(pools.table, pools.lengths), jnp.take_along_axis(
+        h, last[:, None, None], axis=1)[:, 0], routes.dropped)
+    return result + ((routes.experts.astype(ROUTE_DTYPE),) if static.record_routes else ())
 
 
 def first_tokens(state: nnx.State, h: Float[Array, "n d"], uid_hash: UInt32[Array, " n"],
@@ -125,7 +129,9 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
     Returns (pools, slots, tokens [s, K], log-probs [s, K], drawn [s], stopped [s], dropped):
     slot ``r`` drew ``drawn[r]`` tokens in this burst (columns ``0 .. drawn - 1``); ``stopped``:
     it ended on a stop token or string (else a finished slot reached its limit); ``dropped``:
-    the (token, expert) pairs a MoE dispatch capacity dropped, idle slots' included."""
+    the (token, expert) pairs a MoE dispatch capacity dropped, idle slots' included; with
+    ``static.record_routes`` also the experts of each fed token ``[s, K, moe layers, k]`` (-1
+    where a slot fed none)."""
     model = _model(static, state)
     s, k = slots.live.shape[0], static.burst
     keys = row_keys(seed, slots.uid_hash, slots.sample_index)
@@ -148,7 +154,9 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
         return dict(i=c["i"] + 1, kv=(out.keys, out.values), slots=sl,
                     tokens=put(c["tokens"], tok), logps=put(c["logps"], logp),
                     drawn=c["drawn"] + live, stopped=c["stopped"] | (live & hit),
-                    freed=c["freed"] | jnp.any(done), dropped=c["dropped"] + routes.dropped)
+                    freed=c["freed"] | jnp.any(done), dropped=c["dropped"] + routes.dropped,
+                    routes=_put_routes(c["routes"], routes.experts[:, 0], live, c["i"])
+                    if static.record_routes else c["routes"])
 
     def fullest(live):  # the live slots of the fullest shard's block
         return jnp.max(jnp.sum(live.reshape(static.shards, -1), axis=1))
@@ -163,10 +171,24 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
     c = dict(i=jnp.zeros((), jnp.int32), kv=(pools.keys, pools.values), slots=slots,
              tokens=jnp.zeros((s, k), jnp.int32), logps=jnp.zeros((s, k), jnp.float32),
              drawn=jnp.zeros((s,), jnp.int32), stopped=jnp.zeros((s,), bool),
-             freed=jnp.zeros((), bool), dropped=jnp.zeros((), jnp.int32))
+             freed=jnp.zeros((), bool), dropped=jnp.zeros((), jnp.int32),
+             routes=_no_routes(model, s, k) if static.record_routes else jnp.zeros(()))
     c = jax.lax.while_loop(more, step, c)
     pools = pools.replace(keys=c["kv"][0], values=c["kv"][1])
-    return pools, c["slots"], c["tokens"], c["logps"], c["drawn"], c["stopped"], c["dropped"]
+    out = pools, c["slots"], c["tokens"], c["logps"], c["drawn"], c["stopped"], c["dropped"]
+    return out + ((c["routes"],) if static.record_routes else ())
+
+
+def _no_routes(model, s: int, k: int):
+    """A burst's expert record before its steps: -1 everywhere, ``[s, K, moe layers, top k]``."""
+    moe = model.config.moe
+    return jnp.full((s, k, len(moe.sparse_layers), moe.top_k), -1, ROUTE_DTYPE)
+
+
+def _put_routes(buf, experts, live, i):
+    """Step ``i``'s experts ``[s, moe layers, k]`` of the live slots into column ``i``."""
+    experts = jnp.where(live[:, None, None], experts, -1).astype(buf.dtype)
+    return jax.lax.dynamic_update_index_in_dim(buf, experts, i, axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,13 +211,13 @@ class Placement:
 
 
 def compile_programs(graphdef: nnx.GraphDef, spec: SamplerSpec, *, burst: int,
-                     adapter: bool = True, shards: int = 1,
-                     place: Placement | None = None) -> Programs:
+                     adapter: bool = True, shards: int = 1, place: Placement | None = None,
+                     record_routes: bool = False) -> Programs:
     """The three programs of ``graphdef``'s model jitted (each takes the weights' ``nnx.State``
     first; pools donated), and the page copy; on a mesh (``place``) with their shardings
     declared, over ``shards`` data shards. ``jax.jit`` compiles each once per shape: per slot
     bucket and page-table width."""
-    static = ContinuousStatic(graphdef, spec, burst, adapter, shards)
+    static = ContinuousStatic(graphdef, spec, burst, adapter, shards, record_routes)
     fns = (functools.partial(prefill_chunk, static=static),
            functools.partial(first_tokens, static=static),
            functools.partial(decode_burst, static=static), copy_pages)
@@ -204,9 +226,10 @@ def compile_programs(graphdef: nnx.GraphDef, spec: SamplerSpec, *, burst: int,
         return Programs(*(jax.jit(f, donate_argnums=d) for f, d in zip(fns, donate)))
     r1, r2, w, pools, state = place.rows(1), place.rows(2), place.whole, place.pools, place.state
     slots = Slots(r2, *[r1] * 8)
-    shardings = (((state, pools, r2, r2, r2, r2, r1), (pools, r2, w)),
+    routes = (place.rows(4),) if record_routes else ()
+    shardings = (((state, pools, r2, r2, r2, r2, r1), (pools, r2, w, *routes)),
                  ((state, r2, r1, r1, w, w, w), (r1,) * 4),
-                 ((state, pools, slots, w, w, w, w), (pools, slots, r2, r2, r1, r1, w)),
+                 ((state, pools, slots, w, w, w, w), (pools, slots, r2, r2, r1, r1, w, *routes)),
                  ((pools, w, w), pools))
     return Programs(*(jax.jit(f, donate_argnums=d, in_shardings=i, out_shardings=o)
                       for f, d, (i, o) in zip(fns, donate, shardings)),

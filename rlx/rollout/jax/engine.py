@@ -34,11 +34,12 @@ steps; the ``n`` samples of a prompt share its pages. Inside ``prefix_cache()`` 
 sequences' pages stay indexed by their tokens, so an episode's next turn prefills only its new
 tokens (``prefilled_tokens()`` counts what is fed). ``batching_stats()``: decode steps, slot
 occupancy and preemptions of the last call; on a mesh every data shard has its own pool and
-block of slots. Context parallelism and routing replay run lockstep for now (as
-``batching="lockstep"`` does): requests expanded to ``n`` rows per prompt, sorted by length, cut
-into device batches padded to power-of-two buckets
-(``rlx.rollout.jax.batching``; ``compilations()`` counts programs), each run until its longest
-row ends (``rlx.rollout.jax.sampling``), with a row-gathering prefix cache
+block of slots; a mesh's ``context`` devices are more data shards there (``context_as_rows``:
+each sequence's pages on one device); with routing replay (``record_routes``) the prefix
+index is off (every token is prefilled, so its experts are recorded). ``batching="lockstep"``
+(which splits a sequence's cache over the context devices): requests expanded to ``n`` rows per prompt, sorted by length, cut into device batches padded to
+power-of-two buckets (``rlx.rollout.jax.batching``; ``compilations()`` counts programs), each
+run until its longest row ends (``rlx.rollout.jax.sampling``), with a row-gathering prefix cache
 (``rlx.rollout.jax.prefix_cache``). Either way a request's tokens do not depend on the requests
 beside it: samples are keyed by (seed, prompt uid, sample index).
 
@@ -65,7 +66,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx.platform.compiled import CompiledPerShape
-from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, variable_shardings
+from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, context_as_rows,
+                      variable_shardings)
 from rlx.models.moe import SparseMoE
 from rlx.models.parallel import parallelize
 from rlx.models.stack import cache_stacks
@@ -135,6 +137,9 @@ class JaxEngine:
             raise ValueError("JaxEngine(record_routes=True) records MoE routing, but the model "
                              "has no MoE layer; leave it off (config.train.router_replay=False)")
         self.record_routes, self.capacity_factor = record_routes, capacity_factor
+        if (mesh is not None and mesh.shape.get("context", 1) > 1
+                and settings.batching == "continuous"):
+            rules = context_as_rows(rules)  # each sequence's pages on one device
         self.tokenizer, self.mesh, self.rules, self.buckets = tokenizer, mesh, rules, buckets
         self.shared = shared  # nnx filter: variables held as the caller's arrays, never copied
         # the platform's choices (rlx.platform.policy): by default those of the mesh's devices
@@ -310,19 +315,19 @@ class JaxEngine:
 
     # --- generation -----------------------------------------------------------------------
     def _paged_serving(self, dtype) -> PagedServing | None:
-        """The continuous-batching path (``rlx.rollout.jax.paged``), where it serves: not yet
-        under context parallelism or with routing replay (those run lockstep)."""
-        context = 1 if self.mesh is None else self.mesh.shape.get("context", 1)
-        if self.settings.batching != "continuous" or context > 1 or self.record_routes:
+        """The continuous-batching path (``rlx.rollout.jax.paged``), unless ``batching`` is
+        "lockstep"."""
+        if self.settings.batching != "continuous":
             return None
         slots = self.settings.slots or self.platform_policy.decode_slots
         if self.mesh is None or self.mesh.size == 1:
             device = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
             return PagedServing(self._config, self._graphdef, self._stacks, dtype,
-                                self.settings, slots, device, self.adapter)
+                                self.settings, slots, device, self.adapter,
+                                record_routes=self.record_routes)
         return PagedServing(self._config, self._graphdef, self._stacks, dtype, self.settings,
                             slots, None, self.adapter, self.mesh, self.rules,
-                            self._state_shardings)
+                            self._state_shardings, self.record_routes)
 
     def batching_stats(self) -> Stats | None:
         """Decode steps, slot occupancy and preemptions of the last continuous ``generate``

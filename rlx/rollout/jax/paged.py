@@ -49,10 +49,11 @@ class PagedServing:
 
     def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, stacks, dtype,
                  section: JaxSection, slots: int, device: jax.Device | None, adapter: bool = True,
-                 mesh: Mesh | None = None, rules: LogicalRules = SAMPLE_RULES, state_shardings=None):
+                 mesh: Mesh | None = None, rules: LogicalRules = SAMPLE_RULES, state_shardings=None,
+                 record_routes: bool = False):
         self.config, self.graphdef, self.stacks, self.dtype = config, graphdef, stacks, dtype
         self.device, self.mesh, self.rules = device, mesh, rules  # one device, or a mesh
-        self.state_shardings = state_shardings
+        self.state_shardings, self.record_routes = state_shardings, record_routes
         self.shards = 1 if mesh is None else batch_shards(mesh, rules)
         self.section, self.adapter = section, adapter
         self.slots = -(-slots // self.shards) * self.shards  # a block of slots per data shard
@@ -110,7 +111,7 @@ class PagedServing:
         if spec not in self._programs:
             self._programs[spec] = compile_programs(
                 self.graphdef, spec, burst=self.section.burst, adapter=self.adapter,
-                shards=self.shards, place=self._placement(pages))
+                shards=self.shards, place=self._placement(pages), record_routes=self.record_routes)
         s, size = self._scheduler, self.section.page_size
         if s is None:
             pools = PagedKVCache.zeros(self.config, pages * self.shards, size, self.dtype,
@@ -119,16 +120,17 @@ class PagedServing:
                 self._programs[spec], self._place_pools(pools, pages),
                 [Shard(PagePool(pages, size)) for _ in range(self.shards)], slots=self.slots,
                 chunk=self.section.prefill_chunk, rows=self.section.prefill_rows,
-                burst=self.section.burst)
+                burst=self.section.burst, record_routes=self.record_routes)
         elif s.shards[0].pool.pages < pages:  # the pages held (kept prefixes) keep their ids
             s.pools = self._place_pools(grow_pools(s.pools, pages, self.shards), pages)
             for d in s.shards:
                 d.pool.grow(pages)
         s.programs = self._programs[spec]
+        keep = self.keep and not self.record_routes  # recorded routes: every token prefilled
         for d in s.shards:
-            if self.keep and d.index is None:
+            if keep and d.index is None:
                 d.index = PrefixIndex(d.pool)
-            elif not self.keep and d.index is not None:
+            elif not keep and d.index is not None:
                 d.index.clear()
                 d.index = None
         return s

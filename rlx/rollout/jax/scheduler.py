@@ -79,6 +79,7 @@ class _Sample:
     text: int = 0  # the stop-string automaton's state
     started: int = 0  # start order: the latest started is preempted first
     shard: int = 0  # the data shard whose pool holds its pages
+    routes: list = dataclasses.field(default_factory=list)  # experts of its fed tokens, in order
 
 
 @dataclasses.dataclass
@@ -92,6 +93,7 @@ class _Prefill:
     resume: _Sample | None = None
     h: Any = None  # the last token's hidden state, once every token is written
     shard: int = 0
+    routes: list = dataclasses.field(default_factory=list)  # experts of its written tokens
 
 
 @dataclasses.dataclass
@@ -138,8 +140,9 @@ class Scheduler:
     """Decode slots, page pool and the turn loop (module docstring)."""
 
     def __init__(self, programs: Programs, pools, shards: Sequence[Shard], *, slots: int,
-                 chunk: int, rows: int, burst: int):
+                 chunk: int, rows: int, burst: int, record_routes: bool = False):
         self.programs, self.pools, self.shards = programs, pools, list(shards)
+        self.record_routes = record_routes  # the programs return the fed tokens' experts
         if slots % len(self.shards):
             raise ValueError(f"{slots} decode slots do not split over {len(self.shards)} shards")
         self.slots, self.chunk, self.rows, self.burst = slots, chunk, rows, burst
@@ -290,17 +293,23 @@ class Scheduler:
         m = max(len(p.seq.pages) for p in batch)
         table = np.zeros((rows, pow2(m)), np.int32)
         lengths = np.zeros(rows, np.int32)
+        written = []
         for r, p in zip(where, batch):
             start = p.seq.length
             n = min(width, len(p.tokens) - start)
+            written.append(n)
             ids[r, :n], pos[r, :n], seg[r, :n] = p.tokens[start:start + n], range(start,
                                                                                   start + n), 1
             table[r, :len(p.seq.pages)], lengths[r] = p.seq.pages, start
             p.seq.length += n
             self.stats.prefilled += n
-        self.pools, h, dropped = self.programs.prefill(self._call.state, self.pools, ids, pos,
-                                                       seg, table, lengths)
+        self.pools, h, dropped, *experts = self.programs.prefill(
+            self._call.state, self.pools, ids, pos, seg, table, lengths)
         self.stats.dropped += int(dropped)
+        if experts:
+            experts = np.asarray(jax.device_get(experts[0]))
+            for r, p, n in zip(where, batch, written):
+                p.routes.append(experts[r, :n])
         for r, p in zip(where, batch):
             if p.seq.length == len(p.tokens):
                 p.h = h[r]
@@ -356,7 +365,7 @@ class Scheduler:
         for k, (p, j, seq) in enumerate(starts):
             self._started += 1
             run = _Sample(p.index, j, int(hashes[k]), seq, [int(tok[k])], [float(logp[k])],
-                          int(text[k]), self._started, p.shard)
+                          int(text[k]), self._started, p.shard, list(p.routes))
             if hit[k] or call.sampling.max_new_tokens == 1:
                 self._finish(run, bool(hit[k]), done)
             else:
@@ -400,11 +409,9 @@ class Scheduler:
             limit[r], text[r], index[r] = call.sampling.max_new_tokens, run.text, run.sample
             hashes[r], live[r] = run.uid, True
         slots = Slots(table, length, last, generated, limit, live, text, hashes, index)
-        self.pools, after, tokens, logps, drawn, stopped, dropped = self.programs.burst(
-            call.state, self.pools, slots, call.seed, call.knobs, call.stops,
-            np.bool_(pending))
-        after, tokens, logps, drawn, stopped, dropped = jax.device_get(
-            (after, tokens, logps, drawn, stopped, dropped))
+        self.pools, *outs = self.programs.burst(call.state, self.pools, slots, call.seed,
+                                                call.knobs, call.stops, np.bool_(pending))
+        after, tokens, logps, drawn, stopped, dropped, *experts = jax.device_get(outs)
         self.stats.dropped += int(dropped)
         self.stats.bursts += 1
         self.stats.steps += int(drawn.max())
@@ -412,10 +419,20 @@ class Scheduler:
         for r, run in zip(where, list(running)):
             run.tokens += tokens[r, :drawn[r]].tolist()
             run.logps += logps[r, :drawn[r]].tolist()
+            run.routes += [experts[0][r, :drawn[r]]] if experts else []
             run.seq.length, run.text = int(after.length[r]), int(after.text[r])
             if not after.live[r]:
                 running.remove(run)
                 self._finish(run, bool(stopped[r]), done)
+
+    def _routes(self, run: _Sample, prompt: int) -> tuple:
+        """``row_rollout``'s routes of a finished sample: its prompt's and its completion's
+        experts, -1 on the last token (never fed); () when not recorded."""
+        if not self.record_routes:
+            return ()
+        fed = np.concatenate(run.routes)  # the prompt, then every completion token but the last
+        last = np.full((1, *fed.shape[1:]), -1, fed.dtype)
+        return fed[:prompt], np.concatenate([fed[prompt:], last])
 
     def _finish(self, run: _Sample, stopped: bool, done) -> None:
         call = self._call
@@ -423,7 +440,7 @@ class Scheduler:
         done[run.index, run.sample] = row_rollout(
             prompt, run.sample, np.asarray(run.tokens, np.int32),
             np.asarray(run.logps, np.float32), len(run.tokens), stopped, call.sampling,
-            call.tokenizer, call.version)
+            call.tokenizer, call.version, self._routes(run, len(prompt.token_ids)))
         index = self.shards[run.shard].index
         if index is not None:  # what the pages hold: the prompt and every fed token
             index.put(tuple(prompt.token_ids) + tuple(run.tokens[:-1]), run.seq.pages)
