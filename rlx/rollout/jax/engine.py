@@ -15,14 +15,11 @@ engine's own copy holds float projection kernels transposed, ``[out, in]``, the 
 decode step's products there (``weight_layout``, ``rlx.rollout.jax.decode_layout``); updates in the
 learner's layout are transposed on arrival. Shared kernels keep the learner's layout: a transposed
 copy of them would be the second copy of the base that sharing avoids. For multi-head latent
-attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and shared rotary key,
-sharded over the batch (``cache_sharding``), and decode steps absorb ``kv_b_proj``
-(``rlx.models.mla``). Under context parallelism (``mesh.context``) caches split their slots over
-the context devices, a prefill or scored chunk its new tokens (``rlx.kernels.attention.context``).
-With an MoE model's experts split over the mesh's ``expert`` axis, prefill and decode steps
-dispatch each token to its experts' devices, as the learner does (``rlx.models.moe_dispatch``, dropless unless
-``capacity_factor`` > 0; ``dropped_pairs()`` counts the pairs a capacity drops, which a run logs
-per batch as ``rollout/moe_dropped_pairs``). ``record_routes=True`` (routing replay,
+attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and shared rotary key
+and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``). With an MoE model's experts split
+over the mesh's ``expert`` axis, tokens go to their experts' devices, as the learner's do
+(``rlx.models.moe_dispatch``, dropless unless ``capacity_factor`` > 0; ``dropped_pairs()``
+counts the pairs a capacity drops, logged per batch as ``rollout/moe_dropped_pairs``). ``record_routes=True`` (routing replay,
 ``config.train.router_replay``) puts on each rollout the experts every MoE layer chose for its
 prompt and completion tokens (``Rollout.routes``, -1 on the completion's last token, which is
 never fed).
@@ -30,18 +27,17 @@ never fed).
 Batching (``settings``, ``config.rollout.jax``): by default continuously, over a paged KV cache
 (``rlx.rollout.jax.paged``): a fixed number of decode slots; a finished sequence leaves its slot
 at once and the next request takes it; prompts are prefilled in chunks between bursts of decode
-steps; the ``n`` samples of a prompt share its pages. Inside ``prefix_cache()`` finished
-sequences' pages stay indexed by their tokens, so an episode's next turn prefills only its new
-tokens (``prefilled_tokens()`` counts what is fed). ``batching_stats()``: decode steps, slot
-occupancy and preemptions of the last call; on a mesh every data shard has its own pool and
-block of slots; a mesh's ``context`` devices are more data shards there (``context_as_rows``:
-each sequence's pages on one device); with routing replay (``record_routes``) the prefix
-index is off (every token is prefilled, so its experts are recorded). ``batching="lockstep"``
-(which splits a sequence's cache over the context devices): requests expanded to ``n`` rows per prompt, sorted by length, cut into device batches padded to
-power-of-two buckets (``rlx.rollout.jax.batching``; ``compilations()`` counts programs), each
-run until its longest row ends (``rlx.rollout.jax.sampling``), with a row-gathering prefix cache
-(``rlx.rollout.jax.prefix_cache``). Either way a request's tokens do not depend on the requests
-beside it: samples are keyed by (seed, prompt uid, sample index).
+steps; the ``n`` samples of a prompt share its pages; on a mesh each data shard has its pool
+and block of slots, the ``context`` devices too (``context_as_rows``). Inside
+``prefix_cache()`` finished sequences' pages stay indexed by their tokens, so an episode's next
+turn prefills only its new tokens (``prefilled_tokens()`` counts what is fed; not while routes
+are recorded). ``batching_stats()``: decode steps, slot occupancy and preemptions of the last
+call. ``batching="lockstep"``, and any mesh across processes: requests expanded to ``n`` rows
+per prompt, sorted by length, cut into device batches padded to power-of-two buckets
+(``rlx.rollout.jax.batching``; ``compilations()`` counts programs), each run until its longest
+row ends (``rlx.rollout.jax.sampling``; a sequence's cache split over the context devices), with
+a row-gathering prefix cache (``rlx.rollout.jax.prefix_cache``). Either way a request's tokens
+do not depend on the requests beside it: samples are keyed by (seed, prompt uid, sample index).
 
 Stopping: a row ends on any of ``sampling.stop_token_ids`` (kept; end-of-sequence is not
 implicit), at the token that completes one of ``sampling.stop_strings`` (matched on the device,
@@ -137,8 +133,8 @@ class JaxEngine:
             raise ValueError("JaxEngine(record_routes=True) records MoE routing, but the model "
                              "has no MoE layer; leave it off (config.train.router_replay=False)")
         self.record_routes, self.capacity_factor = record_routes, capacity_factor
-        if (mesh is not None and mesh.shape.get("context", 1) > 1
-                and settings.batching == "continuous"):
+        self.mesh, self.settings = mesh, settings
+        if mesh is not None and mesh.shape.get("context", 1) > 1 and self._continuous():
             rules = context_as_rows(rules)  # each sequence's pages on one device
         self.tokenizer, self.mesh, self.rules, self.buckets = tokenizer, mesh, rules, buckets
         self.shared = shared  # nnx filter: variables held as the caller's arrays, never copied
@@ -148,7 +144,7 @@ class JaxEngine:
         self.weight_layout = resolve_layout(weight_layout, self.platform_policy)
         self.adapter, self.copy_weights, self.score_chunk = adapter, copy_weights, score_chunk
         self.weight_version = int(weight_version)
-        self.settings, self._paged = settings, None
+        self._paged = None
         self._seed, self._calls = seed, 0
         self._fns: dict = {}
         self._stop_tables: dict[tuple[str, ...], StopTable | None] = {}
@@ -315,19 +311,22 @@ class JaxEngine:
 
     # --- generation -----------------------------------------------------------------------
     def _paged_serving(self, dtype) -> PagedServing | None:
-        """The continuous-batching path (``rlx.rollout.jax.paged``), unless ``batching`` is
-        "lockstep"."""
-        if self.settings.batching != "continuous":
+        """The continuous-batching path (``rlx.rollout.jax.paged``) where ``_continuous``."""
+        if not self._continuous():
             return None
         slots = self.settings.slots or self.platform_policy.decode_slots
-        if self.mesh is None or self.mesh.size == 1:
-            device = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
-            return PagedServing(self._config, self._graphdef, self._stacks, dtype,
-                                self.settings, slots, device, self.adapter,
-                                record_routes=self.record_routes)
+        mesh = self.mesh if self.mesh is not None and self.mesh.size > 1 else None
+        one = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
         return PagedServing(self._config, self._graphdef, self._stacks, dtype, self.settings,
-                            slots, None, self.adapter, self.mesh, self.rules,
+                            slots, None if mesh else one, self.adapter, mesh, self.rules,
                             self._state_shardings, self.record_routes)
+
+    def _continuous(self) -> bool:
+        """``batching`` "continuous", not on a mesh across processes (whose rows the host
+        scheduler cannot feed and read all: lockstep there, for now)."""
+        across = self.mesh is not None and any(d.process_index != jax.process_index()
+                                               for d in self.mesh.devices.flat)
+        return self.settings.batching == "continuous" and not across
 
     def batching_stats(self) -> Stats | None:
         """Decode steps, slot occupancy and preemptions of the last continuous ``generate``
