@@ -167,13 +167,15 @@ def _continued(rollout) -> int:
 
 def test_tiny_run_trains_on_three_turn_episodes_with_learner_parity(tmp_path):
     """One-step-off (the next batch's episodes are generated while this one trains) with dynamic
-    sampling."""
+    sampling, on the lockstep engine, whose prefix cache continues a row at its exact last token
+    (the continuous engine's shares whole pages: ``tests/rollout/jax/test_prefix_cache.py``)."""
     from rlx.run.build import build
 
     cfg = config_dict("tiny", tmp_path / "run", **{
         "env.kind": "tools", "env.max_episode_tokens": 256, "rollout.max_new_tokens": 16,
         "train.steps": 1, "train.max_staleness": 1, "train.dynamic_sampling": True,
-        "data.eval_size": 0, "train.checkpoint_every": 0, "mesh.data": 8})
+        "data.eval_size": 0, "train.checkpoint_every": 0, "mesh.data": 8,
+        "rollout.jax.batching": "lockstep"})
     run = build(cfg, progress=False)
     try:
         run.env = EnvRunner(Chatter, run.tokenizer, max_episode_tokens=96)

@@ -72,7 +72,9 @@ class Programs:
     first: Callable  # (state, h, uid_hash, sample_index, seed, knobs, stops) -> (tokens, ...)
     burst: Callable  # (state, pools, slots, seed, knobs, stops, stop_on_free) -> (pools, ...)
     copy: Callable  # (pools, source, target) -> pools
-    rows: Callable = lambda x: x  # a device array placed as the programs take row arrays
+    # a row array (numpy or on a device) placed as the programs take them: a multi-process
+    # job's jit takes no numpy array with a sharding other than replicated
+    rows: Callable = lambda x: x
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,7 +84,9 @@ class PagedServing:
 
     def _pages(self, tokens: int, sequences: int, n: int) -> int:
         """Pages of each data shard's pool: ``kv_pages``, else ``pool_pages`` of a call of
-        ``sequences`` sequences (``n`` per prompt) of up to ``tokens`` tokens."""
+        ``sequences`` sequences (``n`` per prompt) of up to ``tokens`` tokens; inside
+        ``prefix_cache()`` every slot's (kept pages stay beside the call's)."""
+        sequences = self.slots if self.keep else sequences
         return self.section.kv_pages or pool_pages(sequences, n, tokens, self.slots,
                                                    self.shards, self.section.page_size)
 

@@ -230,16 +230,12 @@ class Scheduler:
 
     def _place(self, tokens: Sequence[int], free: list[int], want: int) -> int | None:
         """The shard a request of ``tokens`` whose ``want`` samples need free slots goes to:
-        among those with enough free slots, the one whose index holds the longest prefix of
-        its tokens, then the one with the most free slots; None if none has room."""
-        best, key = None, None
-        for d, shard in enumerate(self.shards):
-            if free[d] < want:
-                continue
-            k = (len(shard.index.match(tokens, hold=False)) if shard.index else 0, free[d])
-            if key is None or k > key:
-                best, key = d, k
-        return best
+        the one whose index holds the longest prefix of its tokens, then the one with the most
+        free slots; None (it waits) if that one has no room, so that an episode's next turn
+        stays with its kept pages."""
+        kept = [len(d.index.match(tokens, hold=False)) if d.index else 0 for d in self.shards]
+        best = max(range(len(self.shards)), key=lambda d: (kept[d], free[d]))
+        return best if free[best] >= want else None
 
     # --- the turn's steps ----------------------------------------------------------------
     def _admit(self, waiting: collections.deque, prefilling: list[_Prefill],
@@ -303,8 +299,9 @@ class Scheduler:
             table[r, :len(p.seq.pages)], lengths[r] = p.seq.pages, start
             p.seq.length += n
             self.stats.prefilled += n
+        put = self.programs.rows  # placed as the program takes them (a mesh's rows)
         self.pools, h, dropped, *experts = self.programs.prefill(
-            self._call.state, self.pools, ids, pos, seg, table, lengths)
+            self._call.state, self.pools, *map(put, (ids, pos, seg, table, lengths)))
         self.stats.dropped += int(dropped)
         if experts:
             experts = np.asarray(jax.device_get(experts[0]))
@@ -361,7 +358,8 @@ class Scheduler:
         for k, (p, j, _) in enumerate(starts):
             hashes[k], index[k] = uid_hash(call.prompts[p.index].uid), j
         tok, logp, text, hit = jax.device_get(self.programs.first(
-            call.state, h, hashes, index, call.seed, call.knobs, call.stops))
+            call.state, h, self.programs.rows(hashes), self.programs.rows(index), call.seed,
+            call.knobs, call.stops))
         for k, (p, j, seq) in enumerate(starts):
             self._started += 1
             run = _Sample(p.index, j, int(hashes[k]), seq, [int(tok[k])], [float(logp[k])],
@@ -408,7 +406,9 @@ class Scheduler:
             length[r], last[r], generated[r] = run.seq.length, run.tokens[-1], len(run.tokens)
             limit[r], text[r], index[r] = call.sampling.max_new_tokens, run.text, run.sample
             hashes[r], live[r] = run.uid, True
-        slots = Slots(table, length, last, generated, limit, live, text, hashes, index)
+        slots = jax.tree.map(self.programs.rows,
+                             Slots(table, length, last, generated, limit, live, text, hashes,
+                                   index))
         self.pools, *outs = self.programs.burst(call.state, self.pools, slots, call.seed,
                                                 call.knobs, call.stops, np.bool_(pending))
         after, tokens, logps, drawn, stopped, dropped, *experts = jax.device_get(outs)

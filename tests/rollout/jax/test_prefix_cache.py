@@ -15,6 +15,7 @@ least 64 tokens keep the programs few: one whole-prefill bucket, one continued.
 import numpy as np
 import pytest
 
+from rlx.mesh import MeshShape, make_mesh
 from rlx.models import from_hf
 from rlx.models.stack import stack_layers
 from rlx.rollout.jax.config import JaxSection
@@ -109,3 +110,17 @@ def test_continued_requests_prefill_only_their_new_tokens(zoo, kind, batching):
     print(f"max |diff| of sampler log-probs, continued vs whole prefill: {max(diffs):.2e}; "
           f"programs compiled: {engine.compilations()}")
     assert max(diffs) <= TOL
+
+
+def test_continued_requests_on_data_shards_prefill_only_their_new_tokens(zoo):
+    """Continuous batching on 4 data shards x tensor 2: each data shard keeps the pages of the
+    sequences it finished (the requests spread over the shards), and a continued request goes
+    to the shard holding its pages, so each turn prefills what one device does."""
+    mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
+    engine = JaxEngine(from_hf(make_hf_model("llama", zoo), mesh=mesh), mesh=mesh,
+                       buckets=BUCKETS, settings=JaxSection(page_size=PAGE))
+    with engine.prefix_cache():
+        turns = _turns(engine, page=PAGE)
+    assert engine.batching_stats() is not None
+    for t, (prompts, _, prefilled, expected) in enumerate(turns):
+        assert prefilled == expected, f"turn {t}"
