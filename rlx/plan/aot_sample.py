@@ -34,7 +34,7 @@ from rlx.quant.tensors import QTensor
 from rlx.models.paged_kv import PagedKVCache
 from rlx.models.stack import cache_stacks
 from rlx.rollout.jax.batching import pow2
-from rlx.rollout.jax.cache_layout import cache_sharding, page_sharding
+from rlx.rollout.jax.cache_layout import cache_sharding
 from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.continuous import Placement, Slots, compile_programs
 from rlx.rollout.jax.paged import pool_pages
@@ -152,18 +152,15 @@ def paged_lowered(spec: PlanSpec, mesh, section: JaxSection = JaxSection()) -> d
     graphdef, state = nnx.split(model)
     n, stacks = paged_shapes(spec, section), cache_stacks(model)
     total = n["pages"] * n["shards"]
-    keys, values = page_sharding(mesh, spec.model, rules, total, spec.page_size,
-                                 stacks is not None)
     dtype = jnp.bfloat16 if spec.kv_dtype == "bfloat16" else jnp.float32
     pools = jax.eval_shape(lambda: PagedKVCache.zeros(spec.model, total, spec.page_size, dtype,
                                                       stacks))
-    rep = NamedSharding(mesh, PartitionSpec())
-    shard_pools = pools.replace(keys=(keys,) * len(pools.keys), values=(values,) * len(pools.keys),
-                                table=rep, lengths=rep)
-    place = Placement(mesh, rules, engine_shardings(state, mesh, spec), shard_pools)
+    place = Placement.of(mesh, rules, spec.model, stacks, total, spec.page_size,
+                         engine_shardings(state, mesh, spec))
     programs = compile_programs(graphdef, SamplerSpec(), burst=section.burst,
                                 shards=n["shards"], place=place)
-    pools = _abstract(pools, shard_pools)
+    pools = _abstract(pools, place.pools)
+    rep = place.whole
     arg = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(  # noqa: E731
         shape, dt, sharding=place.rows(len(shape)))
     scalar = lambda dt: jax.ShapeDtypeStruct((), dt, sharding=rep)  # noqa: E731

@@ -41,8 +41,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int, UInt32
 
 from rlx.mesh import LogicalRules, batch_sharding
+from rlx.models.hparams import ModelConfig
 from rlx.models.paged_kv import PagedKVCache, copy_pages
 from rlx.models.stack import decode_model
+from rlx.rollout.jax.cache_layout import page_sharding
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec, next_tokens, row_keys
 from rlx.rollout.jax.sampling import ROUTE_DTYPE
 from rlx.rollout.jax.stops import Stops
@@ -203,6 +205,17 @@ class Placement:
     rules: LogicalRules
     state: Any  # the weights' shardings (an nnx.State of them)
     pools: PagedKVCache  # of shardings
+
+    @classmethod
+    def of(cls, mesh: Mesh, rules: LogicalRules, config: ModelConfig, stacks, pages: int,
+           page_size: int, state) -> "Placement":
+        """The placement of pools of ``pages`` pages in all (every data shard's) for the model
+        of ``config`` (``stacks``: a scanned one's layers per stack), weights on ``state``."""
+        keys, values = page_sharding(mesh, config, rules, pages, page_size, stacks is not None)
+        n = config.num_layers if stacks is None else len(stacks)
+        whole = NamedSharding(mesh, PartitionSpec())
+        return cls(mesh, rules, state, PagedKVCache((keys,) * n, (values,) * n, whole, whole,
+                                                    stacks=stacks, page_size=page_size))
 
     def rows(self, ndim: int) -> NamedSharding:
         return batch_sharding(self.mesh, ndim, self.rules)

@@ -20,12 +20,11 @@ from collections.abc import Sequence
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from rlx.models.hparams import ModelConfig
 from rlx.mesh import SAMPLE_RULES, LogicalRules, batch_shards
 from rlx.models.paged_kv import PagedKVCache, grow_pools
-from rlx.rollout.jax.cache_layout import page_sharding
 from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.continuous import Placement, Programs, compile_programs
 from rlx.rollout.jax.pages import PagePool, PrefixIndex
@@ -94,13 +93,8 @@ class PagedServing:
         """The programs' shardings on the mesh for pools of ``pages`` pages per shard."""
         if self.mesh is None:
             return None
-        keys, values = page_sharding(self.mesh, self.config, self.rules, pages * self.shards,
-                                     self.section.page_size, self.stacks is not None)
-        n = self.config.num_layers if self.stacks is None else len(self.stacks)
-        whole = NamedSharding(self.mesh, PartitionSpec())
-        pools = PagedKVCache((keys,) * n, (values,) * n, whole, whole, stacks=self.stacks,
-                             page_size=self.section.page_size)
-        return Placement(self.mesh, self.rules, self.state_shardings, pools)
+        return Placement.of(self.mesh, self.rules, self.config, self.stacks,
+                            pages * self.shards, self.section.page_size, self.state_shardings)
 
     def _place_pools(self, pools: PagedKVCache, pages: int) -> PagedKVCache:
         """``pools`` committed where the programs take them (every call returns them so)."""

@@ -27,10 +27,9 @@ slots), its samples decode in that shard's rows and its pages are that shard's, 
 rows are ``shards`` equal blocks, one per shard, each bucketed as above.
 
 When a pool runs out of pages for a decode burst, the latest started sample of its shard is
-preempted: its
-pages are released and it waits again with the tokens it drew; when it is admitted anew its
-prompt and tokens are prefilled again (recomputed) and it goes on drawing from where it was, with
-the same keys, so its tokens are those it would have drawn undisturbed. ``stats.preempted``
+preempted: its pages are released and it waits again with the tokens it drew; when it is
+admitted anew its prompt and tokens are prefilled again (recomputed) and it goes on drawing
+from where it was, with the same keys, so its tokens are those it would have drawn undisturbed. ``stats.preempted``
 counts these.
 """
 
