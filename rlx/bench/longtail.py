@@ -120,8 +120,7 @@ def sglang_rows(w: LongTail, setup, root: str, repeats: int, warmup: int) -> lis
     """The SGLang row: the same requests, served by a server on rlx's f32 export."""
     import os
 
-    import requests
-
+    from rlx.bench.rollout_sides import sglang_generate
     from rlx.bench.sglang_setup import sglang_server
     from rlx.bench.workloads import export_hf, load_model
 
@@ -136,15 +135,10 @@ def sglang_rows(w: LongTail, setup, root: str, repeats: int, warmup: int) -> lis
         figures: dict[str, list] = {k: [] for k in cases}
         for r in range(warmup + repeats):
             for case, (batch, sampling) in cases.items():
-                payload = {"input_ids": batch, "sampling_params": {**sampling,
-                                                                  "sampling_seed": w.seed}}
                 start = time.perf_counter()
-                answer = requests.post(f"{url}/generate", json=payload, timeout=3600)
+                tokens = sum(sglang_generate(url, batch, {**sampling, "sampling_seed": w.seed},
+                                             3600))
                 seconds = time.perf_counter() - start
-                if answer.status_code != 200:
-                    raise RuntimeError(f"SGLang /generate answered {answer.status_code}: "
-                                       f"{answer.text[:300]}")
-                tokens = sum(int(o["meta_info"]["completion_tokens"]) for o in answer.json())
                 if r >= warmup:
                     figures[case].append((seconds, tokens))
     return [_row("SGLang f32 (continuous)", figures, [], 16)]

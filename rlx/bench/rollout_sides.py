@@ -132,12 +132,21 @@ def sglang_rollout(url: str, prompts: list[list[int]], new: int, load_folder: st
                   "temperature": 0.0 if case == "greedy" else 1.0, "top_p": 1.0, "top_k": -1}
         if case == "sampled":
             params["sampling_seed"] = next(seeds)
-        payload = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
         with _Clock(server_pgid) as c:
-            r = requests.post(f"{url}/generate", json=payload, timeout=timeout_s)
-        if r.status_code != 200:
-            raise RuntimeError(f"SGLang /generate answered {r.status_code}: {r.text[:300]}")
-        counts = [int(o["meta_info"]["completion_tokens"]) for o in r.json()]
+            counts = sglang_generate(url, prompts, params, timeout_s, return_logprob=True)
         return _figures(c.seconds, c.cpu_s if server_pgid else None, counts, new, "sglang")
 
     return run
+
+
+def sglang_generate(url: str, prompts: list[list[int]], params: dict, timeout_s: float,
+                    **extra) -> list[int]:
+    """One ``/generate`` call of the SGLang server at ``url`` on token ids with
+    ``sampling_params`` ``params``; returns each completion's token count."""
+    import requests
+
+    payload = {"input_ids": prompts, "sampling_params": params, **extra}
+    r = requests.post(f"{url}/generate", json=payload, timeout=timeout_s)
+    if r.status_code != 200:
+        raise RuntimeError(f"SGLang /generate answered {r.status_code}: {r.text[:300]}")
+    return [int(o["meta_info"]["completion_tokens"]) for o in r.json()]

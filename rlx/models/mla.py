@@ -236,19 +236,15 @@ class MLAttention(nnx.Module):
         f32 = dict(preferred_element_type=jnp.float32)
         q_rot = q_rope.astype(dtype).reshape(b, t * h, -1)  # [b, th, r]
         scores = jnp.einsum("bqr,brs->bqs", q_rot, rope_keys.astype(dtype), **f32)
-        for w_k, _, quant in parts:
-            q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_k).reshape(b, t * h, -1)  # [b, th, c]
-            scores = scores + jnp.einsum("bqc,bsc->bqs", q_lat, quantized if quant else plain,
-                                         **f32)
+        for q_lat, (_, _, quant) in zip(_latent_queries(q_nope, parts), parts):
+            scores = scores + jnp.einsum("bqc,bsc->bqs", q_lat.reshape(b, t * h, -1),
+                                         quantized if quant else plain, **f32)
         scores = scores.reshape(b, t, h, -1) * self.scale  # [b, t, h, s]
         mask = attention_mask(*seen)  # [b, t, s]: one decode step's row per query
         scores = jnp.where(mask[:, :, None, :], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, t * h, -1)
-        out = 0
-        for _, w_v, quant in parts:
-            lat = jnp.einsum("bqs,bsc->bqc", probs, quantized if quant else plain)
-            out = out + jnp.einsum("bthc,chv->bthv", lat.reshape(b, t, h, -1), w_v)
-        return out
+        return _latent_values([jnp.einsum("bqs,bsc->bqc", probs, quantized if quant else plain
+                                          ).reshape(b, t, h, -1) for _, _, quant in parts], parts)
 
     def _paged_view(self, kv: tuple, new: tuple, cache: PagedKVCache):
         """``new`` written into the latent pages, and the rows' pages gathered into the dense
@@ -276,16 +272,13 @@ class MLAttention(nnx.Module):
         parts = self._absorbed_parts(dtype, adapter)
         heads_first = lambda x: jnp.swapaxes(x, 1, 2).reshape(b, h * t, -1)  # noqa: E731
         q_rot = heads_first(q_rope.astype(dtype))  # [b, ht, r]
-        q_lats = tuple(heads_first(jnp.einsum("bthn,chn->bthc", q_nope, w_k))
-                       for w_k, _, _ in parts)
+        q_lats = tuple(map(heads_first, _latent_queries(q_nope, parts)))
         quants = tuple(quant for _, _, quant in parts)
         lats, kv = self._paged_latents(q_rot, q_lats, quants, kv, new, cache, positions,
                                        segment_ids, t)
-        out = 0
-        for lat, (_, w_v, _) in zip(lats, parts):  # [b, 1, h, t, c] -> [b, t, h, c]
-            lat = jnp.transpose(lat[:, 0], (0, 2, 1, 3)).astype(dtype)
-            out = out + jnp.einsum("bthc,chv->bthv", lat, w_v)
-        return out, kv
+        lats = [jnp.transpose(lat[:, 0], (0, 2, 1, 3)).astype(dtype)  # -> [b, t, h, c]
+                for lat in lats]
+        return _latent_values(lats, parts), kv
 
     def _paged_latents(self, q_rot, q_lats: tuple, quants: tuple, kv: tuple, new: tuple,
                        cache: PagedKVCache, positions, segment_ids, t: int):
@@ -334,3 +327,14 @@ class MLAttention(nnx.Module):
             out_specs = ((rows_spec(sh, 5, (2, heads)),) * len(quants), pool_specs(sh, kv))
         return per_device(step, sh, cache, kv, (new, q_rot, q_lats, positions, segment_ids),
                           specs, out_specs)
+
+
+def _latent_queries(q_nope: Float[Array, "b t h n"], parts) -> tuple:
+    """Each absorbed part's queries in the latent space, ``q_nope W_k``: ``[b, t, h, c]``."""
+    return tuple(jnp.einsum("bthn,chn->bthc", q_nope, w_k) for w_k, _, _ in parts)
+
+
+def _latent_values(lats, parts) -> Float[Array, "b t h v"]:
+    """The heads' outputs from each part's attended latents ``[b, t, h, c]``: the sum of
+    ``lat W_v``."""
+    return sum(jnp.einsum("bthc,chv->bthv", lat, w_v) for lat, (_, w_v, _) in zip(lats, parts))

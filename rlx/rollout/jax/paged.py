@@ -29,7 +29,7 @@ from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.jax.continuous import Placement, Programs, compile_programs
 from rlx.rollout.jax.pages import PagePool, PrefixIndex
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
-from rlx.rollout.jax.scheduler import Scheduler, Shard, Stats
+from rlx.rollout.jax.scheduler import Scheduler, Shard, Stats, longest
 from rlx.types import Prompt, Rollout, SamplingParams
 
 
@@ -135,9 +135,8 @@ class PagedServing:
             seed: int, stops, tokenizer, version: int) -> list[Rollout]:
         if not prompts:
             return []
-        longest = max(len(p.token_ids) for p in prompts) + sampling.max_new_tokens
-        s = self._ready(SamplerSpec.of(sampling),
-                        self._pages(longest, len(prompts) * sampling.n, sampling.n))
+        s = self._ready(SamplerSpec.of(sampling), self._pages(
+            longest(prompts, sampling), len(prompts) * sampling.n, sampling.n))
         out = s.run(state, prompts, sampling, seed, Knobs.of_sampling(sampling), stops, tokenizer,
                     version)
         self.prefilled += s.stats.prefilled

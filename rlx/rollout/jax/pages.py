@@ -147,12 +147,14 @@ class PrefixIndex:
             self.pool.hold([page])
             self._pages[key] = page
 
-    def match(self, tokens: Sequence[int], hold: bool = True) -> list[int]:
+    def match(self, tokens: Sequence[int], hold: bool = True,
+              keys: Sequence[bytes] | None = None) -> list[int]:
         """The pages of the longest indexed prefix of ``tokens`` (whole pages), each held once
         more for the caller (``hold``; else only looked up). At least one token is left
-        unmatched (its logits start the completion)."""
+        unmatched (its logits start the completion): ``keys``, where the caller has them, are
+        ``page_keys`` of ``tokens[:-1]``."""
         out = []
-        for key in page_keys(tokens[:-1], self.pool.page_size):
+        for key in page_keys(tokens[:-1], self.pool.page_size) if keys is None else keys:
             page = self._pages.get(key)
             if page is None:
                 break

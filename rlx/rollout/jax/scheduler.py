@@ -46,7 +46,7 @@ import numpy as np
 
 from rlx.rollout.jax.batching import pow2, row_rollout, uid_hash
 from rlx.rollout.jax.continuous import Programs, Slots
-from rlx.rollout.jax.pages import OutOfPages, PagePool, PrefixIndex, SequencePages
+from rlx.rollout.jax.pages import OutOfPages, PagePool, PrefixIndex, SequencePages, page_keys
 from rlx.rollout.errors import RolloutError
 from rlx.types import Prompt, Rollout, SamplingParams
 
@@ -54,6 +54,11 @@ from rlx.types import Prompt, Rollout, SamplingParams
 # the fewest rows of a program: one row's products run another kernel than several rows', and
 # a sample's numbers must not change when it is left alone
 MIN_ROWS = 2
+
+
+def longest(prompts: Sequence[Prompt], sampling: SamplingParams) -> int:
+    """Tokens of a call's longest sequence: its longest prompt and every new token."""
+    return max(len(p.token_ids) for p in prompts) + sampling.max_new_tokens
 
 
 def _bucket(n: int, slots: int) -> int:
@@ -162,6 +167,11 @@ class Scheduler:
     def _pool(self, shard: int) -> PagePool:
         return self.shards[shard].pool
 
+    @property
+    def _indexed(self) -> bool:
+        """Whether kept prefixes are indexed (inside ``prefix_cache()``)."""
+        return any(d.index is not None for d in self.shards)
+
     def _blocks(self, items: Sequence, rows: int) -> tuple[int, list[int]]:
         """Rows per shard of a program over ``items`` (each with a ``shard``), bucketed within
         ``rows`` per shard, and each item's row: its shard's block, in order."""
@@ -185,7 +195,7 @@ class Scheduler:
                     "rollout.page_size): shorten it or give the cache more pages")
         self._call = _Call(state, prompts, sampling, np.int32(seed), knobs, stops, tokenizer,
                            version)
-        self._longest = max(len(p.token_ids) for p in prompts) + sampling.max_new_tokens
+        self._longest = longest(prompts, sampling)
         self.stats = Stats(self.slots)
         waiting: collections.deque = collections.deque(range(len(prompts)))
         prefilling: list[_Prefill] = []
@@ -227,12 +237,12 @@ class Scheduler:
     def _fork(self, seq: SequencePages, shard: int):
         return self._taking(lambda: seq.fork(self._pool(shard)), 1, shard)
 
-    def _place(self, tokens: Sequence[int], free: list[int], want: int) -> int | None:
-        """The shard a request of ``tokens`` whose ``want`` samples need free slots goes to:
-        the one whose index holds the longest prefix of its tokens, then the one with the most
-        free slots; None (it waits) if that one has no room, so that an episode's next turn
-        stays with its kept pages."""
-        kept = [len(d.index.match(tokens, hold=False)) if d.index else 0 for d in self.shards]
+    def _place(self, tokens: Sequence[int], keys, free: list[int], want: int) -> int | None:
+        """The shard a request of ``tokens`` (``keys``: their ``page_keys``, the last token
+        left out) whose ``want`` samples need free slots goes to: the one whose index holds the
+        longest prefix of its tokens, then the one with the most free slots; None (it waits) if
+        that one has no room, so that an episode's next turn stays with its kept pages."""
+        kept = [len(d.index.match(tokens, False, keys)) if d.index else 0 for d in self.shards]
         best = max(range(len(self.shards)), key=lambda d: (kept[d], free[d]))
         return best if free[best] >= want else None
 
@@ -253,11 +263,12 @@ class Scheduler:
             if resume:
                 tokens += tuple(resume.tokens[:-1])
             samples = [resume.sample] if resume else list(range(call.sampling.n))
-            d = self._place(tokens, free, min(len(samples), self.per_shard))
+            keys = page_keys(tokens[:-1], self._pool(0).page_size) if self._indexed else None
+            d = self._place(tokens, keys, free, min(len(samples), self.per_shard))
             if d is None:
                 break
             kept, pool = self.shards[d].index, self._pool(d)
-            matched = kept.match(tokens) if kept is not None else []
+            matched = kept.match(tokens, keys=keys) if kept is not None else []
             seq = SequencePages(matched, len(matched) * pool.page_size)
             try:
                 self._grow(seq, len(tokens), d)
