@@ -90,6 +90,9 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.rollout.eval_temperature = 0.0  # greedy evaluation
     c.rollout.preflight_threshold = 0.05  # same modules, sampling shardings: bf16 reduction order only
     c.rollout.preflight_every = 0  # parity checked before training only
+    c.rollout.jax = ml_collections.ConfigDict()  # the built-in engine's batching
+    c.rollout.jax.batching = "continuous"  # decode slots over page pools ("lockstep": per batch)
+    c.rollout.jax.page_size = 16  # tokens per KV-cache page
 
     c.train = ml_collections.ConfigDict()
     c.train.mode = "lora"  # frozen int4 base + adapters (LoRA mode)

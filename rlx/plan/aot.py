@@ -4,8 +4,11 @@ configs/X.py[:VARIANT] [--config.FIELD=VALUE ...] --aot TOPOLOGY [--mesh ...] [-
 
 Compiles, on any host (libtpu from PyPI, no TPU attached), rlx's real train step
 (``rlx.learner.step.make_train_step``, via ``rlx.plan.memory.compiled_bytes``) and the built-in
-engine's generate step (``rlx.rollout.jax.sampling.generate_batch``: prefill and the decode
-loops over the KV cache, jitted with the engine's sampling shardings) for a TPU topology
+engine's generate programs as the config batches (``config.rollout.jax.batching``): continuous,
+the decode burst and prefill chunk over each data shard's page pools
+(``rlx.plan.aot_sample.paged_lowered``); lockstep, the generate step
+(``rlx.rollout.jax.sampling.generate_batch``: prefill and the decode loops over the KV cache),
+each jitted with the engine's shardings, for a TPU topology
 (``jax.experimental.topologies``; e.g. ``tpu7x:2x2x2``), on abstract inputs: the model is built
 with ``nnx.eval_shape`` (quantized base leaves as ``QTensor`` shapes, LoRA adapters, optax
 state), so a 1T-parameter model costs no host memory. Prints XLA's ``memory_analysis()`` per
@@ -293,7 +296,7 @@ def format_aot(p: Plan, topo: Topology, train: XlaMemory | None, sample: XlaMemo
              f"{topo.per_chip}, {topo.device_hbm_gib:g} GiB HBM per device "
              f"({topo.device_hbm_gib * topo.per_chip:g} GiB per chip)",
              f"  {'per device (GB)':22s}{'planner':>10s}{'XLA:TPU':>10s}"]
-    for name, xla in (("train step", train), ("sample step", sample)):
+    for name, xla in (("train step", train), ("sample step (lockstep)", sample)):
         if xla is None:
             continue
         lines.append(f"  {name} (compiled in {xla.seconds:.0f} s)")
@@ -332,8 +335,9 @@ def _args(argv) -> tuple[Any, argparse.Namespace]:
     p.add_argument("--rollout-len", type=int, default=0, help="the engine's prompt + "
                    "completion slots per sequence (0: the config's)")
     p.add_argument("--steps", default="train,sample", help="programs to compile: train, "
-                   "sample (the lockstep generate step), paged (the continuous engine's decode "
-                   "burst and prefill chunk)")
+                   "sample (the engine's generate programs as config.rollout.jax.batching "
+                   "batches: continuous, the decode burst and prefill chunk over page pools; "
+                   "lockstep, the generate step)")
     return command_line(argv, p)
 
 
@@ -372,9 +376,13 @@ def main(argv=None) -> int:
         print(f"rlx.plan: {e}", file=sys.stderr)
         return 2
     steps = set(args.steps.split(","))
+    if steps - {"train", "sample", "none"}:
+        print(f"rlx.plan: --steps {args.steps}: each of train, sample (or none)", file=sys.stderr)
+        return 2
     train = compile_train(spec, topo) if "train" in steps else None
-    sample = compile_sample(spec, topo) if "sample" in steps else None
-    paged = compile_paged(spec, topo) if "paged" in steps else {}
+    sampled = "sample" in steps
+    sample = compile_sample(spec, topo) if sampled and not spec.continuous else None
+    paged = compile_paged(spec, topo) if sampled and spec.continuous else {}
     p = tpu_plan(spec, topo)
     print(format_plan(p, None, topo.chips * topo.per_chip))
     print(format_aot(p, topo, train, sample))

@@ -86,6 +86,13 @@ def test_aot_reads_config_overrides_and_variants(topo, capsys):
                  "tpu7x:2x2x2"]) == 2
     assert capsys.readouterr().err.startswith(
         "rlx.plan: config error: flag --config.rollout.max_new_tokens=lots: invalid literal")
+    # --steps sample compiles the engine's programs as the config batches them
+    lockstep, _ = spec_from_argv(f"--config {kimi} --config.rollout.jax.batching=lockstep "
+                                 "--aot tpu7x:2x2x2")
+    assert spec.continuous and not lockstep.continuous
+    assert lockstep == spec.replace(batching="lockstep")
+    assert main(["--config", kimi, "--aot", "tpu7x:2x2x2", "--steps", "train,paged"]) == 2
+    assert "--steps train,paged: each of train, sample" in capsys.readouterr().err
 
 
 def test_train_and_generate_compile_and_match_the_plan(topo):
