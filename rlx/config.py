@@ -33,6 +33,9 @@ from rlx.quant.config import LoraConfig, QuantConfig
 from rlx.rollout.config import RolloutSection
 
 
+ROLLOUTS = ("primary", "per_host", "global")
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedSection:
     """Multi-host runs (``jax.distributed``; ``rlx.run.hosts`` says which process does what); off for
@@ -43,7 +46,10 @@ class DistributedSection:
     coordinator_address: str = ""  # "host:port"; empty: auto-detect (TPU, SLURM)
     num_processes: int = 0  # 0: auto-detect
     process_id: int = 0  # ignored when auto-detecting
-    rollouts: str = "primary"  # "primary": process 0 samples all prompts | "per_host": each its own
+    # "global": every process runs the built-in engine as one program over the whole mesh, on
+    # the learner's arrays | "primary": process 0 samples all prompts | "per_host": each its own
+    # (both from a host copy of the model)
+    rollouts: str = "primary"
     data_shards: int = 0  # 0: one per process; fixed (a multiple of it): same batches on any count
     # seconds a process may go silent before the others count it lost and stop (rlx.run.multihost)
     heartbeat_timeout_s: int = 300
@@ -54,7 +60,7 @@ class DistributedSection:
         if self.enabled and self.num_processes and not (0 <= self.process_id < self.num_processes):
             raise ConfigError(f"config.distributed.process_id={self.process_id} must be in "
                               f"[0, {self.num_processes})")
-        one_of("config.distributed.rollouts", self.rollouts, ("primary", "per_host"))
+        one_of("config.distributed.rollouts", self.rollouts, ROLLOUTS)
         if self.data_shards < 0:
             raise ConfigError("config.distributed.data_shards must be >= 0 (0 = one per process)")
         if self.heartbeat_timeout_s < 2:
@@ -269,6 +275,7 @@ class RunConfig:
             raise ConfigError("config.rollout.partial=True continues generations across weight "
                               "syncs, which needs batches in flight: set train.max_staleness >= 1")
         self._check_env()
+        self._check_global_rollouts()
         if self.train.router_replay and self.rollout.engine != "jax":
             raise ConfigError(f"config.train.router_replay=True needs the routed experts of "
                               f"every sampled token, which only the built-in engine records "
@@ -303,6 +310,17 @@ class RunConfig:
         if clash:
             raise ConfigError(f"config.env.kind={self.env.kind!r} runs whole episodes, which "
                               f"{clash[0]} does not support; turn it off or use env.kind='single'")
+
+    def _check_global_rollouts(self) -> None:
+        """``distributed.rollouts="global"``: the built-in engine, single-turn completions (every
+        process runs every step alike; tool calls would run on each)."""
+        if self.distributed.rollouts != "global":
+            return
+        if self.rollout.engine != "jax" or self.env.kind != "single":
+            raise ConfigError(f"config.distributed.rollouts='global' runs the built-in engine "
+                              f"(rollout.engine='jax') on single-turn completions (env.kind="
+                              f"'single'); got rollout.engine={self.rollout.engine!r}, env.kind="
+                              f"{self.env.kind!r}: use distributed.rollouts='primary' there")
 
     def _check_critic(self) -> None:
         gae, critic = self.train.advantage in TOKEN_ESTIMATORS, self.critic

@@ -252,3 +252,17 @@ def variable_shardings(tree, mesh: Mesh, rules: LogicalRules = TRAIN_RULES):
         return named_sharding(mesh, axes, rules, shape)
 
     return jax.tree.map(one, tree, is_leaf=_is_variable)
+
+
+def host_values(tree):
+    """Numpy values of a pytree of device arrays on this process. An array spanning several
+    processes' devices (a mesh across processes) is all-gathered first: a collective, so every
+    process makes the call with the same tree."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(one, tree)

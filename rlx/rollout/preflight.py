@@ -14,10 +14,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rlx.kernels.logprobs import token_logprobs
+from rlx.mesh import host_values
 
 Sequences = Sequence[tuple[Sequence[int], int]]  # (token ids, prompt length)
 
@@ -52,8 +52,8 @@ def learner_logprobs(model, sequences: Sequences, chunk_size: int = 256, **call_
     mask = np.zeros_like(ids)
     for r, (seq, _) in enumerate(sequences):
         ids[r, : len(seq)], mask[r, : len(seq)] = seq, 1
-    logp = _score(model, jnp.asarray(ids), jnp.asarray(mask), chunk_size, tuple(sorted(call_kw.items())))
-    logp = np.asarray(logp)
+    # numpy in (placed beside the weights, also on a mesh across processes), numpy out
+    logp = host_values(_score(model, ids, mask, chunk_size, tuple(sorted(call_kw.items()))))
     return [logp[r, p - 1 : len(seq) - 1] for r, (seq, p) in enumerate(sequences)]
 
 

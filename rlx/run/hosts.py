@@ -10,6 +10,12 @@ In each step:
    reading shards 0 and 1 sees the global batch of two processes reading one each).
 2. rollouts (``distributed.rollouts``):
 
+   * ``"global"``: every process's prompts are gathered to every process, and every process runs
+     the built-in engine as one program over the whole mesh, on the learner's own arrays (no host
+     copy of the model; only token ids, log-probs and lengths reach the hosts). The engine's
+     calls are collectives, so they run on the thread that runs the train steps, in the same
+     order on every process: generation does not overlap an update (``max_staleness`` keeps its
+     meaning, one-step-off batches are generated before the update that trains on the older);
    * ``"primary"``: every process's prompts are gathered to process 0, whose engine samples all of
      them; the rollouts are broadcast to every process;
    * ``"per_host"``: each process samples its own prompts with its own engine; the rollouts are
@@ -23,13 +29,15 @@ In each step:
    padded batch come out identical on every process;
 4. batch: each process puts only its own rows of that batch on its devices (``take_local_rows``,
    ``global_batch``) for the compiled steps;
-5. weights: an engine runs on its own process's devices (a process-local mesh: the learner's
-   arrays span every process, an engine's computations must not), built from a host copy of the
-   learner's weights; after each update the trainable variables are all-gathered (``to_host``)
-   and installed, as an ``nnx.State``, where an engine runs.
+5. weights: ``"global"``: the engine reads the learner's arrays where they lie, as on one process.
+   ``"primary"`` and ``"per_host"``: an engine runs on its own process's devices (a
+   process-local mesh), built from a host copy of the learner's weights; after each update the
+   trainable variables are all-gathered (``to_host``) and installed, as an ``nnx.State``, where
+   an engine runs.
 
-Evaluation, the parity preflight and ``Run.generate`` run on process 0 and share their result (or
-their error) with the others. Metrics and logs are written by process 0 (``MetricsLogger``);
+Evaluation, the parity preflight and ``Run.generate`` run on every process with ``"global"``
+(the same engine calls, the same result), else on process 0, which shares its result (or its
+error) with the others. Metrics and logs are written by process 0 (``MetricsLogger``);
 checkpoints by every process together (orbax), with the run's position gathered into one record
 (``position``: every data shard's state, every process's rollouts in flight), so a checkpoint
 resumes on another process count that divides ``data_shards`` (``restore_position``). A signal on
@@ -101,7 +109,7 @@ def local_mesh(mesh: Mesh) -> Mesh:
 class Hosts:
     """This process's part in the run (see the module docstring); the identity on one process."""
 
-    rollouts: str = "primary"  # "primary" | "per_host" (config.distributed.rollouts)
+    rollouts: str = "primary"  # "global" | "primary" | "per_host" (config.distributed.rollouts)
     data_shards: int = 0  # 0: one per process
     index: int = dataclasses.field(default_factory=jax.process_index)
     count: int = dataclasses.field(default_factory=jax.process_count)
@@ -129,9 +137,14 @@ class Hosts:
         return self.count > 1
 
     @property
+    def spmd(self) -> bool:
+        """Several processes running one engine program over the whole mesh (``"global"``)."""
+        return self.multi and self.rollouts == "global"
+
+    @property
     def runs_engine(self) -> bool:
         """Whether this process samples (and so holds an engine)."""
-        return not self.multi or self.rollouts == "per_host" or self.index == 0
+        return not self.multi or self.rollouts in ("global", "per_host") or self.index == 0
 
     # --- build --------------------------------------------------------------------------------
     def prompt_data(self, make: Callable[[int, int, int], grain.DatasetIterator],
@@ -144,18 +157,18 @@ class Hosts:
 
     def engine(self, make: Callable[[Compiled, Mesh], RolloutEngine], compiled: Compiled,
                mesh: Mesh) -> RolloutEngine | None:
-        """``make(compiled, mesh)``: one process on the learner's own; several on this process's
-        devices from a host copy of the learner's weights, and only where it samples (else None).
-        A failure on any process is raised on every process (none waits for the others)."""
+        """``make(compiled, mesh)``: one process, or ``"global"``, on the learner's own; else on
+        this process's devices from a host copy of the learner's weights, and only where it
+        samples (else None). A failure on any process is raised on every process (none waits
+        for the others)."""
         if not self.multi:
             return make(compiled, mesh)
-        host = dataclasses.replace(compiled, state=compiled.state.replace(
-            params=multihost.to_host(compiled.state.params),
-            frozen=multihost.to_host(compiled.state.frozen)))
         engine = None
         try:
-            if self.runs_engine:
-                engine = make(host, local_mesh(mesh))
+            if self.spmd:
+                engine = make(compiled, mesh)
+            elif self.runs_engine:
+                engine = make(self._host_copy(compiled), local_mesh(mesh))
         except Exception as e:  # noqa: BLE001 - shared below, then raised
             self._agree_on_failure(e)
             raise
@@ -166,6 +179,13 @@ class Hosts:
                 engine.close()
             raise
         return engine
+
+    @staticmethod
+    def _host_copy(compiled: Compiled) -> Compiled:
+        """``compiled`` with the policy's parameters and frozen base as host numpy (collective)."""
+        return dataclasses.replace(compiled, state=compiled.state.replace(
+            params=multihost.to_host(compiled.state.params),
+            frozen=multihost.to_host(compiled.state.frozen)))
 
     def _agree_on_failure(self, error: BaseException | None) -> None:
         """Share this process's error; raise on a process that had none when another had one."""
@@ -178,11 +198,11 @@ class Hosts:
     # --- one step -------------------------------------------------------------------------------
     def to_generate(self, prompts: Sequence[Prompt]) -> Sequence[Prompt]:
         """The prompts this process's engine samples: its own (one process, "per_host"), every
-        process's (process 0 in "primary"), or none."""
+        process's (every process in "global", process 0 in "primary"), or none."""
         if not self.multi or self.rollouts == "per_host":
             return prompts
         everyone = multihost.allgather_objects(tuple(prompts))
-        return tuple(p for part in everyone for p in part) if self.index == 0 else ()
+        return tuple(p for part in everyone for p in part) if self.spmd or self.index == 0 else ()
 
     def all_examples(self, examples: Sequence[Any]) -> tuple[Any, ...]:
         """Every process's examples of this step, in process order (DPO's pairs), everywhere."""
@@ -195,7 +215,7 @@ class Hosts:
         """The global rollouts (process order), generation seconds (the slowest process's) and
         the engines' counts (``GenerationCost.counts``, summed over the processes that
         generated), on every process."""
-        if not self.multi:
+        if not self.multi or self.spmd:  # "global": every process holds them all already
             return rollouts, seconds, counts
         if self.rollouts == "primary":
             return multihost.broadcast_object((list(rollouts), seconds, counts))
@@ -235,16 +255,17 @@ class Hosts:
         return np.asarray(multihost.to_host(x) if self.multi else jax.device_get(x))
 
     def engine_weights(self, compiled: Compiled) -> nnx.Module | nnx.State | None:
-        """What ``RolloutEngine.update_weights`` takes after an update: one process the whole
-        model, several the trainable variables (all-gathered; every process takes part)."""
-        if not self.multi:
+        """What ``RolloutEngine.update_weights`` takes after an update: one process (or
+        "global") the whole model, on the devices; else the trainable variables (all-gathered;
+        every process takes part)."""
+        if not self.multi or self.spmd:
             return compiled.model()
         return multihost.to_host(compiled.state.params)
 
     def sync_weights(self, engine: RolloutEngine | None, compiled: Compiled, version: int) -> None:
-        """The learner's current weights to the engine as ``version``: one process the whole
-        model; several the trainable variables (all-gathered), where an engine runs."""
-        if not self.multi:
+        """The learner's current weights to the engine as ``version``: one process (or "global")
+        the whole model; else the trainable variables (all-gathered), where an engine runs."""
+        if not self.multi or self.spmd:
             engine.update_weights(compiled.model(), version)
             return
         params = multihost.to_host(compiled.state.params)
@@ -252,8 +273,9 @@ class Hosts:
             engine.update_weights(params, version)
 
     def learner_model(self, compiled: Compiled) -> nnx.Module:
-        """The learner's model: one process its own; several a host copy (for process 0's checks)."""
-        if not self.multi:
+        """The learner's model: one process (or "global") its own; else a host copy (for process
+        0's checks)."""
+        if not self.multi or self.spmd:
             return compiled.model()
         return nnx.merge(compiled.graphdef, multihost.to_host(compiled.state.params),
                          multihost.to_host(compiled.state.frozen))
@@ -269,6 +291,11 @@ class Hosts:
                 params=multihost.to_host(critic.params),
                 frozen=None if critic.frozen is None else multihost.to_host(critic.frozen))))
         return host.critic()
+
+    def with_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, which calls the engine: on every process with "global" (the engine's
+        calls are collectives; each gets the same result), else ``on_primary``."""
+        return fn(*args) if self.spmd else self.on_primary(fn, *args)
 
     def on_primary(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on process 0; its result (or its error, raised) on every process."""

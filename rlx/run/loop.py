@@ -358,7 +358,7 @@ class Run:
         """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);
         raises ``PreflightError`` above ``rollout.preflight_threshold``, else logs the figures."""
         self.queue.wait()  # the engine serves the learner's weights, and is idle
-        report = self.hosts.on_primary(self._preflight, self.hosts.learner_model(self.compiled))
+        report = self.hosts.with_engine(self._preflight, self.hosts.learner_model(self.compiled))
         self.logger.log(self.step_count, report.scalars())
         self.metrics.append({"step": self.step_count, **report.scalars()})
         return report
@@ -381,7 +381,7 @@ class Run:
     def evaluate(self) -> dict[str, float]:
         """Greedy (``rollout.eval_temperature``) accuracy on the held-out set."""
         self.queue.wait()
-        record = self.hosts.on_primary(self._evaluate)
+        record = self.hosts.with_engine(self._evaluate)
         self.metrics.append({"step": self.step_count, **record})
         self.logger.log(self.step_count, record)
         return record
@@ -412,7 +412,7 @@ class Run:
         prompts = [Prompt(f"gen-{i}", tuple(self.tokenizer.encode_chat(
             [{"role": "user", "content": t}], add_generation_prompt=True))) for i, t in enumerate(texts)]
         self.queue.wait()
-        outs = self.hosts.on_primary(lambda: self.engine.generate(prompts, base))
+        outs = self.hosts.with_engine(lambda: self.engine.generate(prompts, base))
         return [self.tokenizer.decode(r.completion_ids.tolist(), skip_special_tokens=True) for r in outs]
 
     def _episodes(self, texts: Sequence[str], tools: Sequence[str],
@@ -424,7 +424,8 @@ class Run:
                              assistant_prefix=env.assistant_prefix)
         examples = [user_example(f"gen-{i}", "generate", t) for i, t in enumerate(texts)]
         self.queue.wait()
-        episodes = self.hosts.on_primary(lambda: runner.episodes(self.engine, examples, sampling))
+        episodes = self.hosts.with_engine(lambda: runner.episodes(self.engine, examples,
+                                                                      sampling))
         return [transcript(e) for e in episodes]
 
     def summary(self) -> str:

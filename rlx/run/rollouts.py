@@ -217,6 +217,15 @@ class RolloutQueue:
         return self.source()
 
     def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """``fn(*args)`` on the engine's worker thread; with "global" rollouts (the engine's
+        calls are collectives, made in the same order on every process) at once, here."""
+        if self.hosts.spmd:
+            job: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                job.set_result(fn(*args))
+            except Exception as e:  # noqa: BLE001 - raised where the job's result is taken
+                job.set_exception(e)
+            return job
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "rlx-rollout")
         job = self._pool.submit(fn, *args)
@@ -252,7 +261,7 @@ class RolloutQueue:
         if not hosts.multi or hosts.rollouts == "per_host":
             return tuple(batch.examples)
         everyone = hosts.all_examples(batch.examples)
-        return everyone if hosts.index == 0 else ()
+        return everyone if hosts.spmd or hosts.index == 0 else ()
 
     def advance(self) -> None:
         """``rollout.partial``: one more segment of every batch in flight, with the weights the

@@ -27,7 +27,7 @@ COMPARED = ("learner/loss", "learner/pg_loss", "learner/kl", "learner/grad_norm"
 def _parse(argv=None) -> argparse.Namespace:
     p = add_process_args(argparse.ArgumentParser(description=__doc__))
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--rollouts", choices=("primary", "per_host"), default="primary")
+    p.add_argument("--rollouts", choices=("primary", "per_host", "global"), default="primary")
     p.add_argument("--resume-after", type=int, default=0)
     p.add_argument("--max-staleness", type=int, default=0, help="config.train.max_staleness")
     p.add_argument("--train", action="store_true", help="Run.train (preflight, evaluations, "

@@ -8,6 +8,8 @@ differs between completions (so advantages and gradients are not zero), as:
 * 2 processes x 4 devices (gloo collectives), ``distributed.rollouts="primary"`` (process 0's
   engine samples every prompt, rollouts broadcast), one-step-off, through ``Run.train`` (parity
   preflight, evaluations, a checkpoint per step, the stop-signal agreement);
+* 2 processes x 4 devices, ``rollouts="global"`` (every process runs the engine as one program
+  over the whole mesh, on the learner's arrays), one-step-off, through ``Run.train``;
 * 2 processes x 4 devices, ``rollouts="per_host"`` (each process samples its own prompts),
   synchronous, 2 steps, closed, rebuilt with ``resume=latest`` (every process restores its part of
   the orbax checkpoint and its own data position) and a 3rd step.
@@ -70,10 +72,13 @@ def runs(tmp_path_factory):
                               "--max-staleness", "1", "--rollouts", "primary"),
         "per_host_resumed": _job(tmp / "per_host_resumed.npz", tmp / "per_host_resumed", 2,
                                  "--rollouts", "per_host", "--resume-after", "2"),
+        "global_async": _job(tmp / "global_async.npz", tmp / "global_async", 2, "--train",
+                             "--max-staleness", "1", "--rollouts", "global"),
     }
     # two waves: the second finds the programs of its topologies in the compilation cache
     _run_all(jobs["single_sync"] + jobs["primary_async"], tmp)
     _run_all(jobs["single_async"] + jobs["per_host_resumed"], tmp)
+    _run_all(jobs["global_async"], tmp)
     return {name: dict(np.load(tmp / f"{name}.npz")) for name in jobs}
 
 
@@ -99,6 +104,17 @@ def test_primary_rollouts_one_step_off_match_one_process(runs):
     multi, single = runs["primary_async"], runs["single_async"]
     _assert_same_run(multi, single)
     np.testing.assert_array_equal(multi["evals"], single["evals"])  # process 0 evaluated
+    assert len(multi["preflight"]) == 1 and multi["preflight"][0] <= TOL
+    np.testing.assert_array_equal(multi["generated"], single["generated"])
+
+
+@pytest.mark.slow  # CI: about 3 min of 2-process runs; tests/run/test_multihost.py covers 2 processes == 1
+def test_global_rollouts_one_step_off_match_one_process(runs):
+    """Every process runs the engine over the whole mesh, on the learner's arrays: the same
+    tokens, updates, evaluations, preflight and samples as one process."""
+    multi, single = runs["global_async"], runs["single_async"]
+    _assert_same_run(multi, single)
+    np.testing.assert_array_equal(multi["evals"], single["evals"])
     assert len(multi["preflight"]) == 1 and multi["preflight"][0] <= TOL
     np.testing.assert_array_equal(multi["generated"], single["generated"])
 
@@ -154,4 +170,17 @@ def test_data_shards_concatenate_in_shard_order():
         Hosts.from_config(parse_config(config))
     config["distributed"]["rollouts"] = "everyone"
     with pytest.raises(ConfigError, match="distributed.rollouts"):
+        parse_config(config)
+
+
+def test_global_rollouts_are_the_built_in_engines_single_turns():
+    """``rollouts="global"`` runs the built-in engine on every process; another engine, or
+    episodes whose tool calls would run on each process, are refused naming the way out."""
+    from tests.helpers.multihost_run_driver import _config, _parse
+
+    config = _config(_parse(["--out", "unused", "--output-dir", "unused", "--rollouts",
+                             "global"]))
+    assert parse_config(config).distributed.rollouts == "global"
+    config["rollout"].update(engine="sglang", sglang={"urls": ["http://127.0.0.1:1"]})
+    with pytest.raises(ConfigError, match="rollouts='global' runs the built-in engine.*'primary'"):
         parse_config(config)

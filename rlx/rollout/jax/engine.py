@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from rlx.platform.compiled import CompiledPerShape
 from rlx.mesh import (SAMPLE_RULES, LogicalRules, batch_sharding, batch_shards, context_as_rows,
-                      variable_shardings)
+                      host_values, variable_shardings)
 from rlx.models.moe import SparseMoE
 from rlx.models.parallel import parallelize
 from rlx.models.stack import cache_stacks
@@ -380,7 +380,7 @@ class JaxEngine:
         outs = fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stops,
                   *(() if prefix is None else (prefix,)))
         buffers = tuple(outs[-2:]) if keep else None  # stays on the device
-        tokens, logps, lengths, stopped, *routes = jax.device_get(outs[:-2] if keep else outs)
+        tokens, logps, lengths, stopped, *routes = host_values(outs[:-2] if keep else outs)
         if self._dropped is not None:
             self._dropped += int(routes.pop())
         rollouts = [row_rollout(p, j, tokens[r], logps[r], int(lengths[r]), bool(stopped[r]),
@@ -487,7 +487,7 @@ class JaxEngine:
             width = self.buckets.prompt(max(len(s) for s, _ in chunk))
             ids, lens = pack_left([list(s) for s, _ in chunk],
                                    self.buckets.rows(len(chunk), self._data_parallel()), width)
-            logp = np.asarray(jax.device_get(self._score_fn()(self._state, *self._rows(ids, lens))))
+            logp = host_values(self._score_fn()(self._state, *self._rows(ids, lens)))
             out += [logp[r, width - len(s) + p - 1: width - 1] for r, (s, p) in enumerate(chunk)]
         return out
 
