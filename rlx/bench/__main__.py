@@ -46,6 +46,9 @@ BENCHMARKS = {
     "longctx": Benchmark(
         "rlx.bench.longctx", "train step and prefill at 1k-32k tokens: seconds, tokens/s, memory"
     ),
+    "hosts": Benchmark(
+        "rlx.bench.hosts", "peak memory per process of a full-mode run: 1 x 8 vs 2 x 4 devices"
+    ),
     "compile": Benchmark(
         "rlx.bench.compile", "train-step compile time, 4 vs 32 layers: scanned vs unrolled"
     ),

@@ -164,11 +164,12 @@ class Hosts:
         if not self.multi:
             return make(compiled, mesh)
         engine = None
+        host = None if self.spmd else self._host_copy(compiled)  # collective: every process
         try:
             if self.spmd:
                 engine = make(compiled, mesh)
             elif self.runs_engine:
-                engine = make(self._host_copy(compiled), local_mesh(mesh))
+                engine = make(host, local_mesh(mesh))
         except Exception as e:  # noqa: BLE001 - shared below, then raised
             self._agree_on_failure(e)
             raise
