@@ -9,6 +9,10 @@ run that must not outlive it). Process 0 is ``python -m rlx.launch``; process 1 
 ``tests/reliability/dead_host_driver.py``, the same run killing itself at one point of step 3:
 in generation, inside the train step's collectives, or while a checkpoint is being written.
 
+The same run with ``distributed.rollouts="global"`` (generation one program over both processes'
+devices) has process 1 die as it starts generating step 3, leaving process 0 inside the engine's
+collectives.
+
 Process 0 must exit with status 6 (``rlx.run.multihost.Watchdog``; the runtime's own abort would
 be 134) with one line naming process 1 and the last complete checkpoint, leave none of its child
 processes alive, and list only complete checkpoints (the one being written when process 1 died is
@@ -72,7 +76,7 @@ def get_config():
                    reward="test:hash_graded", sample_every=0)
     c.distributed = ml_collections.ConfigDict(dict(
         enabled=True, coordinator_address="", num_processes=2, process_id=0,
-        rollouts="per_host", data_shards=2, heartbeat_timeout_s={timeout}))
+        rollouts={rollouts!r}, data_shards=2, heartbeat_timeout_s={timeout}))
     return c
 """
 
@@ -82,9 +86,10 @@ def _env(cache) -> dict[str, str]:
                      JAX_COMPILATION_CACHE_DIR=str(cache))
 
 
-def _config(tmp, name: str) -> tuple[str, str]:
+def _config(tmp, name: str, rollouts: str = "per_host") -> tuple[str, str]:
     out, path = str(tmp / name), tmp / f"{name}.py"
-    path.write_text(CONFIG.format(root=ROOT, out=out, steps=STEPS, timeout=TIMEOUT_S))
+    path.write_text(CONFIG.format(root=ROOT, out=out, steps=STEPS, timeout=TIMEOUT_S,
+                                  rollouts=rollouts))
     return str(path), out
 
 
@@ -160,10 +165,10 @@ def uninterrupted(tmp_path_factory):
     return tmp, _final_params(out)
 
 
-def _kill_and_watch(tmp, point: str, kill_step: int):
+def _kill_and_watch(tmp, point: str, kill_step: int, rollouts: str = "per_host"):
     """Process 0 by the CLI, process 1 killing itself at ``point`` of step ``kill_step``; process
     0's exit status, its stderr, the children it had, and the run's output folder."""
-    config, out = _config(tmp, point)
+    config, out = _config(tmp, point, rollouts)
     port = free_port()
     log0, log1 = open(tmp / f"{point}.0.log", "w+"), open(tmp / f"{point}.1.log", "w+")
     survivor = _launch(config, 0, port, log0, tmp)
@@ -192,8 +197,9 @@ def _read(log) -> str:
     return log.read()
 
 
-def _check_survivor(tmp, point: str, kill_step: int = KILL_STEP) -> tuple[str, str]:
-    code, stderr, children, out, config = _kill_and_watch(tmp, point, kill_step)
+def _check_survivor(tmp, point: str, kill_step: int = KILL_STEP,
+                    rollouts: str = "per_host") -> tuple[str, str]:
+    code, stderr, children, out, config = _kill_and_watch(tmp, point, kill_step, rollouts)
     folder = os.path.join(out, "checkpoints")
     kept = committed_steps(folder)
     assert code == 6, stderr[-4000:]
@@ -223,6 +229,14 @@ def test_a_process_killed_in_the_train_step_stops_the_other(tmp_path):
     """The survivor's side alone, at one kill point of step 2 (the whole run, every kill point
     and the relaunch that matches the uninterrupted run: the slow test below)."""
     _check_survivor(tmp_path, "train", kill_step=2)
+
+
+@pytest.mark.slow  # a 2-process run to its third step
+def test_a_process_killed_in_global_generation_stops_the_other(tmp_path):
+    """With ``distributed.rollouts="global"`` generation is one program over both processes'
+    devices: a process killed as it starts generating leaves the other inside its collectives,
+    and the watchdog stops it as anywhere else."""
+    _check_survivor(tmp_path, "generate", rollouts="global")
 
 
 @pytest.mark.slow  # two 2-process runs and a relaunch: minutes on 2 cores
