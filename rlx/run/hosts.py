@@ -274,12 +274,17 @@ class Hosts:
             engine.update_weights(params, version)
 
     def learner_model(self, compiled: Compiled) -> nnx.Module:
-        """The learner's model: one process (or "global") its own; else a host copy (for process
-        0's checks)."""
-        if not self.multi or self.spmd:
+        """The learner's model: one process its own; several a host copy (process 0 writes an
+        export from it)."""
+        if not self.multi:
             return compiled.model()
         return nnx.merge(compiled.graphdef, multihost.to_host(compiled.state.params),
                          multihost.to_host(compiled.state.frozen))
+
+    def preflight_model(self, compiled: Compiled) -> nnx.Module:
+        """The learner's model the parity preflight scores with: its own arrays where every
+        process runs the check ("global"), else ``learner_model``."""
+        return compiled.model() if self.spmd else self.learner_model(compiled)
 
     def critic(self, compiled: Compiled) -> tuple[nnx.Module, Any] | None:
         """PPO's critic (body module, value head) as ``Compiled.critic``: one process its own;

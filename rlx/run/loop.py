@@ -358,7 +358,7 @@ class Run:
         """Learner vs engine log-probs on a fixed probe (greedy replies to 4 held-out prompts);
         raises ``PreflightError`` above ``rollout.preflight_threshold``, else logs the figures."""
         self.queue.wait()  # the engine serves the learner's weights, and is idle
-        report = self.hosts.with_engine(self._preflight, self.hosts.learner_model(self.compiled))
+        report = self.hosts.with_engine(self._preflight, self.hosts.preflight_model(self.compiled))
         self.logger.log(self.step_count, report.scalars())
         self.metrics.append({"step": self.step_count, **report.scalars()})
         return report

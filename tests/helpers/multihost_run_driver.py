@@ -5,13 +5,15 @@ Run as ``python -m tests.helpers.multihost_run_driver --out result.npz --output-
 process (P = 1 runs alone on D devices, without ``jax.distributed``). ``--resume-after K`` closes
 the run after K steps (a checkpoint is saved after each step) and continues in a run built with
 ``config.resume=latest``. Process 0 writes the per-step losses and records, the prompt uids each
-step consumed (all processes') and the final trainable params to ``--out``.
+step consumed (all processes'), the final trainable params and the files of the run's export
+(``Run.export``) to ``--out``.
 ``tests/run/test_multihost_run.py`` compares 2 x 4 against 1 x 8.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import numpy as np
 
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
     evals = [r["eval/accuracy"] for r in current.metrics if "eval/accuracy" in r]
     preflight = [r["preflight/max_abs"] for r in current.metrics if "preflight/max_abs" in r]
     texts = current.generate(["What is 2 + 3?"], max_new_tokens=4)
+    exported = current.export(os.path.join(args.output_dir, "export"))
     current.close()
     if not multihost.is_primary():
         return None
@@ -131,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
     out["uids"] = np.array([[u for part in everyone for u in part[s]] for s in range(STEPS)])
     out["evals"], out["preflight"] = np.array(evals), np.array(preflight)
     out["generated"] = np.array(texts)
+    out["exported"] = np.array(sorted(os.listdir(exported["policy"])))
     out["steps"] = np.array(current.step_count)
     out["process_count"] = np.array(jax.process_count())
     out["device_count"] = np.array(jax.device_count())

@@ -91,6 +91,8 @@ def _assert_same_run(multi: dict, single: dict) -> None:
     assert np.ptp(single["record:reward/mean"]) > 0  # rewards differ: real gradients
     for name in EXACT:
         np.testing.assert_array_equal(multi[name], single[name], err_msg=name)
+    np.testing.assert_array_equal(multi["exported"], single["exported"])  # every process took part
+    assert "adapter_model.safetensors" in single["exported"]
     params = [k for k in single if k.startswith("param:")]
     assert len(params) == 28 and sorted(params) == sorted(k for k in multi if k.startswith("param:"))
     assert max(np.abs(single[k]).max() for k in params if "lora_b" in k) > 1e-3  # they moved
