@@ -253,7 +253,7 @@ class Hosts:
 
     def to_numpy(self, x: jax.Array) -> np.ndarray:
         """A device array of the global batch as host numpy, on every process."""
-        return np.asarray(multihost.to_host(x) if self.multi else jax.device_get(x))
+        return multihost.to_host(x)
 
     def engine_weights(self, compiled: Compiled) -> nnx.Module | nnx.State | None:
         """What ``RolloutEngine.update_weights`` takes after an update: one process (or
@@ -278,8 +278,7 @@ class Hosts:
         export from it)."""
         if not self.multi:
             return compiled.model()
-        return nnx.merge(compiled.graphdef, multihost.to_host(compiled.state.params),
-                         multihost.to_host(compiled.state.frozen))
+        return self._host_copy(compiled).model()
 
     def preflight_model(self, compiled: Compiled) -> nnx.Module:
         """The learner's model the parity preflight scores with: its own arrays where every

@@ -53,7 +53,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from rlx.io.checkpoint import committed_steps
-from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding
+from rlx.mesh import TRAIN_RULES, LogicalRules, batch_sharding, host_values
 
 LOST_PROCESS_EXIT = 6  # the exit status of a process whose peer was lost (``Watchdog``)
 
@@ -221,10 +221,9 @@ def broadcast_from_primary(tree: Any) -> Any:
 
 
 def to_host(tree: Any) -> Any:
-    """Full numpy values of (possibly non-addressable) global arrays, on every process."""
-    if jax.process_count() == 1:
-        return jax.tree.map(np.asarray, jax.device_get(tree))
-    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+    """Full numpy values of (possibly non-addressable) global arrays, on every process
+    (``rlx.mesh.host_values``)."""
+    return host_values(tree)
 
 
 def _encode(obj: Any) -> np.ndarray:
