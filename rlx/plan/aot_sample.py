@@ -36,12 +36,11 @@ from rlx.models.stack import cache_stacks
 from rlx.rollout.jax.batching import pow2
 from rlx.rollout.jax.cache_layout import cache_sharding
 from rlx.rollout.jax.config import JaxSection
-from rlx.rollout.jax.continuous import Placement, Slots, compile_programs
+from rlx.rollout.jax.continuous import MIN_ROWS, Placement, Slots, compile_programs
 from rlx.rollout.jax.paged import pool_pages
 from rlx.rollout.jax.engine import Buckets
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
 from rlx.rollout.jax.sampling import GenerateStatic, generate_batch, segment_ends
-from rlx.rollout.jax.scheduler import MIN_ROWS
 from rlx.rollout.jax.stops import Stops
 
 # XLA:TPU's generate-step temporaries per feature of ``sample_features`` (bytes per byte),
@@ -171,7 +170,7 @@ def paged_lowered(spec: PlanSpec, mesh, section: JaxSection = JaxSection()) -> d
                   arg((s,)), arg((s,), jnp.uint32), arg((s,)))
     weights = _abstract(state, place.state)
     return {"burst": programs.burst.lower(weights, pools, slots, scalar(jnp.int32), knobs, stops,
-                                          scalar(jnp.bool_)),
+                                          scalar(jnp.bool_), scalar(jnp.int32)),
             "prefill": programs.prefill.lower(weights, pools, *(arg((r, c)) for _ in range(3)),
                                               arg((r, n["prefill_width"])), arg((r,)))}
 

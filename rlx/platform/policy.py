@@ -70,6 +70,11 @@ class PlatformPolicy:
     paged_attention_block: int = 512
     # the built-in engine's decode slots (rlx.rollout.jax.paged; config.rollout.jax.slots)
     decode_slots: int = 256
+    # its decode bursts' row buckets per halving of the slots (rlx.rollout.jax.continuous.
+    # slot_buckets): 1 (halves) where a decode step costs about the same at any row count (an
+    # accelerator reads the weights whatever the rows), 2 (also three quarters) where rows cost
+    # compute (XLA:CPU); each bucket is one more program to compile
+    slot_buckets_per_octave: int = 1
     # Pallas kernels run in the interpreter (any backend: tests of a kernel's numerics)
     pallas_interpret: bool = False
     # XLA options of every train step, and those added where the step recomputes activations
@@ -98,7 +103,7 @@ CPU = PlatformPolicy(
     unroll_decode_bytes=1 << 30, few_row_products=True, byte_floats_as_bits=True,
     host_layout=True, experts_one_at_a_time=True, remat_train_options=CPU_REMAT_OPTIONS,
     dense_attention_slots=512, attention_block=64, paged_attention_block=32,
-    decode_slots=64)
+    decode_slots=64, slot_buckets_per_octave=2)
 GPU = PlatformPolicy(grouped_products=True)
 TPU = PlatformPolicy(grouped_products=True, train_options=TPU_OPTIONS, attention_kernel="splash")
 POLICIES = {"cpu": CPU, "gpu": GPU, "cuda": GPU, "rocm": GPU, "tpu": TPU}

@@ -12,8 +12,8 @@ between calls of three compiled programs, each on the shared page pools
   samples then share its pages);
 * ``decode_burst``: up to ``K`` decode steps of every live slot, as one ``while_loop`` that stops
   early when every slot is done, when a slot finishes while requests wait (``stop_on_free``):
-  the host refills it at once, or when half the slots are free: the host packs the rest into
-  a smaller bucket.
+  the host refills it at once, or when the live slots fit the next smaller slot bucket
+  (``shrink_at``, ``slot_buckets``): the host packs them into it.
 
 Host scheduling between fixed-length bursts rather than a scheduler inside the program: admission
 (which request, which pages, sharing a prefix by its tokens, preempting when pages run out), stop
@@ -50,6 +50,28 @@ from rlx.rollout.jax.sampling import ROUTE_DTYPE
 from rlx.rollout.jax.stops import Stops
 
 
+# the fewest rows of a program: one row's products run another kernel than several rows', and
+# a sample's numbers must not change when it is left alone
+MIN_ROWS = 2
+
+
+def slot_buckets(slots: int, per_octave: int = 1) -> tuple[int, ...]:
+    """Row counts a burst's program may have, largest first: ``slots`` and its halves while
+    they divide evenly, none under ``MIN_ROWS``; with ``per_octave`` 2 also three quarters of
+    each (64: 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2). A bucket leaves fewer than half its rows
+    idle (a third with ``per_octave`` 2); every bucket is a program to compile
+    (``PlatformPolicy.slot_buckets_per_octave``)."""
+    if per_octave not in (1, 2):
+        raise ValueError(f"slot buckets per octave must be 1 or 2, got {per_octave}")
+    out, b = [slots], slots
+    while b % 2 == 0 and b // 2 >= MIN_ROWS:
+        if per_octave == 2 and b % 4 == 0 and 3 * b // 4 > b // 2:
+            out.append(3 * b // 4)
+        b //= 2
+        out.append(b)
+    return tuple(out)
+
+
 @struct.dataclass
 class Slots:
     """The decode slots' state (``S`` rows)."""
@@ -72,7 +94,8 @@ class Programs:
     # (state, pools, ids, positions, segments, table, lengths) -> (pools, h, dropped)
     prefill: Callable
     first: Callable  # (state, h, uid_hash, sample_index, seed, knobs, stops) -> (tokens, ...)
-    burst: Callable  # (state, pools, slots, seed, knobs, stops, stop_on_free) -> (pools, ...)
+    # (state, pools, slots, seed, knobs, stops, stop_on_free, shrink_at) -> (pools, ...)
+    burst: Callable
     copy: Callable  # (pools, source, target) -> pools
     # a row array (numpy or on a device) placed as the programs take them: a multi-process
     # job's jit takes no numpy array with a sharding other than replicated
@@ -126,9 +149,11 @@ def first_tokens(state: nnx.State, h: Float[Array, "n d"], uid_hash: UInt32[Arra
 
 
 def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[Array, ""],
-                 knobs: Knobs, stops: Stops, stop_on_free: Bool[Array, ""], *,
-                 static: ContinuousStatic):
-    """Up to ``static.burst`` steps of every live slot: feed its last token, draw the next.
+                 knobs: Knobs, stops: Stops, stop_on_free: Bool[Array, ""],
+                 shrink_at: Int[Array, ""], *, static: ContinuousStatic):
+    """Up to ``static.burst`` steps of every live slot: feed its last token, draw the next;
+    the burst ends early once the fullest shard's live slots fit ``shrink_at`` rows (the next
+    smaller slot bucket; 0: never).
 
     Returns (pools, slots, tokens [s, K], log-probs [s, K], drawn [s], stopped [s], dropped):
     slot ``r`` drew ``drawn[r]`` tokens in this burst (columns ``0 .. drawn - 1``); ``stopped``:
@@ -167,9 +192,9 @@ def decode_burst(state: nnx.State, pools: PagedKVCache, slots: Slots, seed: Int[
 
     start = fullest(slots.live)
 
-    def more(c):  # a burst also ends when half its rows are free: the host packs it smaller
+    def more(c):  # a burst also ends when its rows fit a smaller bucket: the host packs them
         live = fullest(c["slots"].live)
-        shrunk = (2 * live * static.shards <= s) & (live < start)
+        shrunk = (live <= shrink_at) & (live < start)
         return (c["i"] < k) & (live > 0) & ~(stop_on_free & c["freed"]) & ~shrunk
 
     c = dict(i=jnp.zeros((), jnp.int32), kv=(pools.keys, pools.values), slots=slots,
@@ -244,7 +269,8 @@ def compile_programs(graphdef: nnx.GraphDef, spec: SamplerSpec, *, burst: int,
     routes = (place.rows(4),) if record_routes else ()
     shardings = (((state, pools, r2, r2, r2, r2, r1), (pools, r2, w, *routes)),
                  ((state, r2, r1, r1, w, w, w), (r1,) * 4),
-                 ((state, pools, slots, w, w, w, w), (pools, slots, r2, r2, r1, r1, w, *routes)),
+                 ((state, pools, slots, w, w, w, w, w),
+                  (pools, slots, r2, r2, r1, r1, w, *routes)),
                  ((pools, w, w), pools))
     return Programs(*(jax.jit(f, donate_argnums=d, in_shardings=i, out_shardings=o)
                       for f, d, (i, o) in zip(fns, donate, shardings)),

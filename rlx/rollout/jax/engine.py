@@ -319,7 +319,8 @@ class JaxEngine:
         one = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
         return PagedServing(self._config, self._graphdef, self._stacks, dtype, self.settings,
                             slots, None if mesh else one, self.adapter, mesh, self.rules,
-                            self._state_shardings, self.record_routes)
+                            self._state_shardings, self.record_routes,
+                            self.platform_policy.slot_buckets_per_octave)
 
     def _continuous(self) -> bool:
         """``batching`` "continuous", not on a mesh across processes (whose rows the host

@@ -49,12 +49,13 @@ class PagedServing:
     def __init__(self, config: ModelConfig, graphdef: nnx.GraphDef, stacks, dtype,
                  section: JaxSection, slots: int, device: jax.Device | None, adapter: bool = True,
                  mesh: Mesh | None = None, rules: LogicalRules = SAMPLE_RULES, state_shardings=None,
-                 record_routes: bool = False):
+                 record_routes: bool = False, per_octave: int = 1):
         self.config, self.graphdef, self.stacks, self.dtype = config, graphdef, stacks, dtype
         self.device, self.mesh, self.rules = device, mesh, rules  # one device, or a mesh
         self.state_shardings, self.record_routes = state_shardings, record_routes
         self.shards = 1 if mesh is None else batch_shards(mesh, rules)
         self.section, self.adapter = section, adapter
+        self.per_octave = per_octave  # slot buckets (rlx.rollout.jax.continuous.slot_buckets)
         self.slots = -(-slots // self.shards) * self.shards  # a block of slots per data shard
         self._programs: dict[SamplerSpec, Programs] = {}
         self._scheduler: Scheduler | None = None
@@ -116,7 +117,8 @@ class PagedServing:
                 self._programs[spec], self._place_pools(pools, pages),
                 [Shard(PagePool(pages, size)) for _ in range(self.shards)], slots=self.slots,
                 chunk=self.section.prefill_chunk, rows=self.section.prefill_rows,
-                burst=self.section.burst, record_routes=self.record_routes)
+                burst=self.section.burst, record_routes=self.record_routes,
+                per_octave=self.per_octave)
         elif s.shards[0].pool.pages < pages:  # the pages held (kept prefixes) keep their ids
             s.pools = self._place_pools(grow_pools(s.pools, pages, self.shards), pages)
             for d in s.shards:

@@ -14,7 +14,7 @@ programs of ``rlx.rollout.jax.continuous``. Each turn of its loop:
    (``first_tokens``) into a slot;
 4. **decode**: every live sample gets the pages its next ``burst`` tokens need and one
    ``decode_burst`` runs over them, packed into the smallest slot bucket that holds them
-   (``slots``, a half of it, a quarter ...), its page table as wide as the call's longest
+   (``slot_buckets``: ``slots``, three quarters, a half, three eighths ...), its page table as wide as the call's longest
    sequence needs (attention reads a row's pages only up to the longest live row's end,
    ``rlx.kernels.attention.paged``): the long tail of a call runs a small program, not the
    full one with most rows masked. Samples that finish free their pages; their slots are
@@ -45,15 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlx.rollout.jax.batching import pow2, row_rollout, uid_hash
-from rlx.rollout.jax.continuous import Programs, Slots
+from rlx.rollout.jax.continuous import MIN_ROWS, Programs, Slots, slot_buckets
 from rlx.rollout.jax.pages import OutOfPages, PagePool, PrefixIndex, SequencePages, page_keys
 from rlx.rollout.errors import RolloutError
 from rlx.types import Prompt, Rollout, SamplingParams
-
-
-# the fewest rows of a program: one row's products run another kernel than several rows', and
-# a sample's numbers must not change when it is left alone
-MIN_ROWS = 2
 
 
 def longest(prompts: Sequence[Prompt], sampling: SamplingParams) -> int:
@@ -61,13 +56,10 @@ def longest(prompts: Sequence[Prompt], sampling: SamplingParams) -> int:
     return max(len(p.token_ids) for p in prompts) + sampling.max_new_tokens
 
 
-def _bucket(n: int, slots: int) -> int:
-    """Rows of a burst of ``n`` samples: ``slots``, or a half, a quarter ... of it (at least
-    ``n`` and ``MIN_ROWS``); fewer than half the rows idle, a program per bucket."""
-    b = slots
-    while b % 2 == 0 and b // 2 >= max(n, MIN_ROWS):
-        b //= 2
-    return b
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    """Rows of a burst of ``n`` samples: the smallest of ``buckets`` (``slot_buckets``, the
+    largest first) that holds ``n`` (at least ``MIN_ROWS``), a program per bucket."""
+    return min(b for b in buckets if b >= max(n, MIN_ROWS) or b == buckets[0])
 
 
 @dataclasses.dataclass
@@ -144,12 +136,14 @@ class Scheduler:
     """Decode slots, page pool and the turn loop (module docstring)."""
 
     def __init__(self, programs: Programs, pools, shards: Sequence[Shard], *, slots: int,
-                 chunk: int, rows: int, burst: int, record_routes: bool = False):
+                 chunk: int, rows: int, burst: int, record_routes: bool = False,
+                 per_octave: int = 1):
         self.programs, self.pools, self.shards = programs, pools, list(shards)
         self.record_routes = record_routes  # the programs return the fed tokens' experts
         if slots % len(self.shards):
             raise ValueError(f"{slots} decode slots do not split over {len(self.shards)} shards")
         self.slots, self.chunk, self.rows, self.burst = slots, chunk, rows, burst
+        self.buckets = slot_buckets(self.per_shard, per_octave)  # a burst's rows per shard
         self.stats = Stats(slots)
         self._started = 0
 
@@ -172,14 +166,14 @@ class Scheduler:
         """Whether kept prefixes are indexed (inside ``prefix_cache()``)."""
         return any(d.index is not None for d in self.shards)
 
-    def _blocks(self, items: Sequence, rows: int) -> tuple[int, list[int]]:
-        """Rows per shard of a program over ``items`` (each with a ``shard``), bucketed within
-        ``rows`` per shard, and each item's row: its shard's block, in order."""
+    def _blocks(self, items: Sequence, buckets: Sequence[int]) -> tuple[int, list[int]]:
+        """Rows per shard of a program over ``items`` (each with a ``shard``), the smallest of
+        ``buckets`` that holds them, and each item's row: its shard's block, in order."""
         counts, where = [0] * len(self.shards), []
         for x in items:
             where.append(counts[x.shard])
             counts[x.shard] += 1
-        block = _bucket(max(counts), rows)
+        block = _bucket(max(counts), buckets)
         return block, [x.shard * block + i for x, i in zip(items, where)]
 
     def run(self, state, prompts: Sequence[Prompt], sampling: SamplingParams, seed: int, knobs,
@@ -293,7 +287,7 @@ class Scheduler:
             return False
         longest = max(len(p.tokens) - p.seq.length for p in batch)
         width = min(self.chunk, -(-longest // 16) * 16)  # tokens per row: a multiple of 16
-        block, where = self._blocks(batch, per)
+        block, where = self._blocks(batch, slot_buckets(per))
         rows = block * len(self.shards)
         ids, pos, seg = (np.zeros((rows, width), np.int32) for _ in range(3))
         m = max(len(p.seq.pages) for p in batch)
@@ -404,7 +398,7 @@ class Scheduler:
         if not running:
             return
         call = self._call
-        block, where = self._blocks(running, self.per_shard)
+        block, where = self._blocks(running, self.buckets)
         b = block * len(self.shards)
         m = self._pool(0).pages_for(self._longest)  # one width a call: attention stops at ends
         table = np.zeros((b, m), np.int32)
@@ -419,8 +413,10 @@ class Scheduler:
         slots = jax.tree.map(self.programs.rows,
                              Slots(table, length, last, generated, limit, live, text, hashes,
                                    index))
+        smaller = [n for n in self.buckets if n < block]  # live rows that end the burst
         self.pools, *outs = self.programs.burst(call.state, self.pools, slots, call.seed,
-                                                call.knobs, call.stops, np.bool_(pending))
+                                                call.knobs, call.stops, np.bool_(pending),
+                                                np.int32(max(smaller, default=0)))
         after, tokens, logps, drawn, stopped, dropped, *experts = jax.device_get(outs)
         self.stats.dropped += int(dropped)
         self.stats.bursts += 1

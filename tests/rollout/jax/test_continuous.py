@@ -12,7 +12,7 @@ from flax import nnx
 from rlx.models import from_hf
 from rlx.models.paged_kv import PagedKVCache
 from rlx.models.stack import layer_counts
-from rlx.rollout.jax.continuous import compile_programs
+from rlx.rollout.jax.continuous import compile_programs, slot_buckets
 from rlx.rollout.jax.pages import PagePool
 from rlx.rollout.jax.sampler import Knobs, SamplerSpec
 from rlx.rollout.jax.scheduler import Scheduler, Shard
@@ -24,11 +24,19 @@ from tests.helpers.parity import sample_prompts, step_logprobs
 TOL = 1e-5
 
 
-def _scheduler(model, spec, *, slots=4, pages=40, page=4):
+def _scheduler(model, spec, *, slots=4, pages=40, page=4, per_octave=1):
     pools = PagedKVCache.zeros(model.config, pages, page, jnp.float32, layer_counts(model))
     programs = compile_programs(nnx.graphdef(model), spec, burst=4)
     return Scheduler(programs, pools, [Shard(PagePool(pages, page))], slots=slots, chunk=8,
-                     rows=2, burst=4)
+                     rows=2, burst=4, per_octave=per_octave)
+
+
+def test_slot_buckets():
+    assert slot_buckets(64) == (64, 32, 16, 8, 4, 2)
+    assert slot_buckets(64, 2) == (64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2)
+    assert slot_buckets(12, 2) == (12, 9, 6, 3) and slot_buckets(5, 2) == (5,)
+    with pytest.raises(ValueError, match="per octave"):
+        slot_buckets(64, 3)
 
 
 def test_continuous_batching_matches_the_learner_and_each_request_alone(tmp_path):
@@ -38,7 +46,7 @@ def test_continuous_batching_matches_the_learner_and_each_request_alone(tmp_path
     spec = SamplerSpec()
     knobs = Knobs.of(1.0, None, None)
     stops = device_stops([5, 17], None)  # some rows stop early, others run to the cap
-    sched = _scheduler(model, spec)
+    sched = _scheduler(model, spec, per_octave=2)  # bursts of 4, 3 and 2 rows
     mixed = sched.run(nnx.state(model), prompts, sampling, 3, knobs, stops)
     pool = sched.shards[0].pool
     assert pool.free == pool.pages - 1  # every page back
