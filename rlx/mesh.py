@@ -74,6 +74,31 @@ SAMPLE_RULES: LogicalRules = (
 )
 
 
+def fsdp_as_tensor(rules: LogicalRules) -> LogicalRules:
+    """``rules`` with the ``fsdp`` devices splitting what ``tensor`` splits (attention heads, MLP
+    features, the vocabulary, experts' features) rather than holding rows of their own: the
+    sampling layout of a full-parameter run, whose engine copy of the weights (the decode
+    layout's transposed kernels, an asynchronous run's trainables) is then split over the fsdp
+    devices like the learner's, not whole on each (``sampling_rules``)."""
+    def one(name, target):
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        if name == "batch":
+            axes = tuple(a for a in axes if a != "fsdp")
+        elif "tensor" in axes and "fsdp" not in axes:
+            axes = axes + ("fsdp",)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return tuple((name, one(name, target)) for name, target in rules)
+
+
+def sampling_rules(mode: str) -> LogicalRules:
+    """The built-in engine's rules in a run of training ``mode``: ``SAMPLE_RULES`` (weights
+    whole along ``fsdp``, rows split over it) in LoRA mode, whose engine reads the frozen base
+    as the learner holds it and copies only small adapters; in full mode ``fsdp_as_tensor``, so
+    that what the engine holds of its own (every parameter) is split over the fsdp devices."""
+    return fsdp_as_tensor(SAMPLE_RULES) if mode == "full" else SAMPLE_RULES
+
+
 def context_as_rows(rules: LogicalRules) -> LogicalRules:
     """``rules`` with the ``context`` axis holding rows rather than each row's tokens: the
     continuous engine's layout on a context-parallel mesh, where each sequence's pages stay on

@@ -6,7 +6,9 @@
   it samples from the learner's own frozen arrays (``rlx.rollout.jax.engine``, ``shared``), and
   in a synchronous run from its trainable arrays too; an asynchronous run's engine
   (``engine_copies_trainables``) copies the trainable variables (LoRA mode the adapters, full
-  mode every parameter), under ``SAMPLE_RULES`` (whole along ``fsdp``); and the load transient,
+  mode every parameter), and the ``out_in`` decode layout (XLA:CPU) the trainable float kernels
+  it transposes, under the engine's rules (``rlx.mesh.sampling_rules``: LoRA mode whole along
+  ``fsdp``, full mode split over it); and the load transient,
   the checkpoint's largest tensor (``load_tensor_bytes``).
 * ``step_bytes``: the train step's transient memory per device (gradients, saved activations,
   log-prob chunks, the batch) from a layer-by-layer count of what the backward pass keeps (see
@@ -41,9 +43,10 @@ from rlx.kernels.attention import causal_blocks
 from rlx.kernels.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import FORWARDS, StepConfig, make_train_step
-from rlx.mesh import (MESH_AXES, SAMPLE_RULES, TRAIN_RULES, LogicalRules, MeshShape,
-                      logical_to_spec, make_mesh)
+from rlx.mesh import (MESH_AXES, TRAIN_RULES, LogicalRules, MeshShape, logical_to_spec,
+                      make_mesh, sampling_rules)
 from rlx.models import ModelConfig
+from rlx.models.layers import Linear
 from rlx.models.moe_dispatch import capacity
 from rlx.models.parallel import parallelize
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
@@ -92,18 +95,24 @@ def _representative(spec: PlanSpec) -> tuple[PlanSpec, dict[int, int]]:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_leaves(key: str, spec: PlanSpec) -> tuple[tuple[bool, tuple, Any, Any, int], ...]:
-    """(trainable?, shape, dtype, logical axes, layer multiplicity) of every state leaf."""
+def _abstract_leaves(key: str, spec: PlanSpec
+                     ) -> tuple[tuple[bool, tuple, Any, Any, int, bool], ...]:
+    """(trainable?, shape, dtype, logical axes, layer multiplicity, float ``Linear`` kernel?) of
+    every state leaf."""
     del key  # the cache key: the spec without its mesh (shapes do not depend on the mesh)
     small, weight = _representative(spec)
-    _, params, frozen = nnx.split(abstract_model(small), trainable_filter(small), ...)
+    model = abstract_model(small)
+    kernels = {tuple(p) + ("kernel",) for p, node in nnx.iter_graph(model)
+               if isinstance(node, Linear) and isinstance(node.kernel, nnx.Variable)}
+    _, params, frozen = nnx.split(model, trainable_filter(small), ...)
     out = []
     for trainable, state in ((True, params), (False, frozen)):
         for path, var in nnx.to_flat_state(state):
             axes = var.get_metadata().get("logical_axes") if isinstance(var, nnx.Variable) else None
             leaf = jax.tree.leaves(var)[0]
             times = weight[path[1]] if path[0] == "layers" else 1
-            out.append((trainable, tuple(leaf.shape), leaf.dtype, axes, times))
+            out.append((trainable, tuple(leaf.shape), leaf.dtype, axes, times,
+                        tuple(path) in kernels))
     return tuple(out)
 
 
@@ -115,12 +124,16 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     """
     sizes, total, engine = _Sizes(spec), {True: 0, False: 0}, 0
     meshless = spec.replace(mesh=MeshShape())  # the cache's key: shapes do not depend on the mesh
-    for trainable, shape, dtype, axes, times in _abstract_leaves(repr(meshless), meshless):
+    rules = sampling_rules(spec.mode)
+    for trainable, shape, dtype, axes, times, linear in _abstract_leaves(repr(meshless),
+                                                                         meshless):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
-        if trainable and spec.engine_copies_trainables:  # an asynchronous engine's own copy;
-            # the frozen base (and a synchronous run's trainable variables) it shares with the
-            # learner
-            engine += times * _shard_elems(shape, axes, sizes, SAMPLE_RULES) * np.dtype(
+        # the engine's own copies: an asynchronous engine's of every trainable variable, the
+        # out_in layout's of the trainable float kernels; the frozen base (and a synchronous
+        # run's other trainable variables) it shares with the learner
+        if trainable and (spec.engine_copies_trainables or (
+                linear and spec.decode_layout == "out_in")):
+            engine += times * _shard_elems(shape, axes, sizes, rules) * np.dtype(
                 dtype).itemsize
     # PPO's critic (rlx.learner.critic): a copy of the trainable variables, sharded alike, and
     # the replicated f32 value head (kernel [D] and bias)
@@ -141,7 +154,7 @@ def load_tensor_bytes(spec: PlanSpec) -> int:
     full = spec.replace(mode="full", mesh=MeshShape())
     experts = spec.model.moe.num_experts if spec.model.moe is not None else 1
     largest = 0
-    for _, shape, dtype, axes, _ in _abstract_leaves(repr(full), full):
+    for _, shape, dtype, axes, _, _ in _abstract_leaves(repr(full), full):
         per = experts if axes is not None and "expert" in axes else 1
         largest = max(largest, math.prod(shape) // per * np.dtype(dtype).itemsize)
     return largest

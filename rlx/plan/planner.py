@@ -190,6 +190,12 @@ def run_sections(cfg: Any) -> RunConfig:
     return read_config(raw)
 
 
+# the decode layout a run config's weight_layout="auto" plans with: the accelerators' (the
+# learner's own; XLA:CPU's out_in holds a transposed copy of every trainable kernel: plan a run
+# that samples on CPU with --config.rollout.weight_layout=out_in)
+ACCELERATOR_LAYOUT = "in_out"
+
+
 def run_plan_fields(run: RunConfig) -> dict[str, Any]:
     """``PlanSpec`` fields of a run config (one without a ``plan`` section): one optimizer
     update's rows (``prompts_per_step x group_size / minibatches``) of ``max_prompt_tokens +
@@ -208,7 +214,9 @@ def run_plan_fields(run: RunConfig) -> dict[str, Any]:
               "rollout_prompt": data.max_prompt_tokens,
               "kv_dtype": run.model.dtype, "batching": rollout.jax.batching,
               "page_size": rollout.jax.page_size, "kv_pages": rollout.jax.kv_pages,
-              "rollout_group": rollout.group_size}
+              "rollout_group": rollout.group_size,
+              "decode_layout": ACCELERATOR_LAYOUT if rollout.weight_layout == "auto"
+              else rollout.weight_layout}
     if train.tokens_per_micro_batch:
         fields.update(budget_fields(rows // train.minibatches, length, run))
     return fields

@@ -67,6 +67,10 @@ class PlanSpec:
     # RunConfig.engine_copies_trainables: an asynchronous one); False: it samples from the
     # learner's own arrays
     engine_copies_trainables: bool = False
+    # the built-in engine's weight layout (config.rollout.weight_layout as resolved for the
+    # platform that samples, rlx.rollout.jax.decode_layout): "out_in" holds every trainable
+    # float Linear kernel transposed, a copy of its own even in a synchronous run
+    decode_layout: str = "in_out"
     # PPO's learned critic (config.critic.enabled): a copy of the trainable variables (lora: a
     # second adapter on the same base; full: a copy of the policy, an upper bound for a smaller
     # critic.path model) plus the f32 value head, each with AdamW moments
@@ -74,6 +78,7 @@ class PlanSpec:
 
     def __post_init__(self):
         one_of("plan.mode", self.mode, MODES)
+        one_of("plan.decode_layout", self.decode_layout, ("in_out", "out_in"))
         one_of("plan.remat", self.remat, FORWARDS)
         one_of("plan.batching", self.batching, BATCHING)
         for name in ("dtype", "param_dtype", "kv_dtype"):

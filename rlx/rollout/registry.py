@@ -16,6 +16,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import Mesh
 
+from rlx.mesh import SAMPLE_RULES, LogicalRules
 from rlx.rollout import jax as jax_backend
 from rlx.rollout import sglang as sglang_backend
 from rlx.rollout.jax.config import JaxSection
@@ -39,6 +40,7 @@ class EngineRequest:
     capacity_factor: float | None  # MoE token-dispatch capacity (config.model.capacity_factor)
     serving: Serving  # what server backends export and serve
     jax: JaxSection = JaxSection()  # config.rollout.jax: the built-in engine's batching
+    rules: LogicalRules = SAMPLE_RULES  # the built-in engine's sharding rules on ``mesh``
 
 
 Builder = Callable[[EngineRequest], RolloutEngine]

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig
 from rlx.learner.state import MODES
 from rlx.learner.step import Compiled
+from rlx.mesh import sampling_rules
 from rlx.models.tokenizer import Tokenizer
 from rlx.quant.loading import resolve_quant
 from rlx.rollout.registry import EngineRequest, make_engine as build_engine
@@ -34,7 +35,7 @@ def engine_request(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mes
                          copy_trainables=cfg.engine_copies_trainables,
                          record_routes=cfg.train.router_replay,
                          capacity_factor=cfg.model.capacity_factor, serving=serving(cfg),
-                         jax=cfg.rollout.jax)
+                         jax=cfg.rollout.jax, rules=sampling_rules(cfg.train.mode))
 
 
 def make_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mesh: Mesh) -> RolloutEngine:

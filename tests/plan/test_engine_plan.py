@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from rlx.learner.state import MODES, OptimizerConfig, create_train_state, make_optimizer
-from rlx.mesh import MeshShape, make_mesh
+from rlx.mesh import MeshShape, make_mesh, sampling_rules
 from rlx.models import from_hf
 from rlx.plan.memory import load_tensor_bytes, state_bytes
 from rlx.plan.spec import PlanSpec
@@ -65,7 +65,7 @@ def _build(path: str, mode: str, mesh):
     assert all(_buffers([a]) == _buffers([b]) for a, b in placed)
     del model, loaded, placed
     engine = JaxEngine(nnx.merge(graphdef, state.params, state.frozen), mesh=mesh,
-                       shared=nnx.Not(MODES[mode]))
+                       shared=nnx.Not(MODES[mode]), rules=sampling_rules(mode))
     old = {id(x) for x in before}
     return state, engine, [x for x in jax.live_arrays() if id(x) not in old]
 
@@ -91,9 +91,15 @@ def test_planned_weight_state_equals_the_live_buffers(zoo, mode, shape):
     spec = PlanSpec(model=engine._config, mode=mode, quant=QUANT, lora=LORA, dtype="float32",
                     param_dtype="float32", mesh=shape, engine_copies_trainables=True)
     planned = state_bytes(spec)
-    # a synchronous run's engine samples from the learner's own arrays: no copy planned
+    # a synchronous run's engine samples from the learner's own arrays: no copy planned, but
+    # for the kernels the out_in layout (XLA:CPU's) holds transposed
     synchronous = spec.replace(engine_copies_trainables=False)
     assert state_bytes(synchronous)["engine"] == 0 < planned["engine"]
+    transposed = [v[...] for p, v in nnx.to_flat_state(engine._state)
+                  if tuple(p) in engine._transposed]
+    assert (mode == "full") == bool(transposed)  # LoRA mode's kernels are the frozen base's
+    assert state_bytes(synchronous.replace(decode_layout="out_in"))["engine"] == \
+        _on_first_device(transposed)
     measured = {k: _on_first_device(jax.tree.leaves(v)) for k, v in (
         ("frozen", state.frozen), ("trainable", state.params), ("engine", own))}
     for key, value in measured.items():

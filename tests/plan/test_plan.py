@@ -91,7 +91,8 @@ def test_kimi_k2_lora_fits_one_node_synchronous_or_one_step_off():
     the built-in engine samples from the learner's own arrays, base and adapters, and it fits one
     node; one-step-off, the engine's copy of the adapters (whole along ``embed``: the sampling
     rules) still fits it. Full mode needs 14 nodes synchronous; one-step-off, its engine's copy of
-    every parameter is whole along fsdp and no node count fits it."""
+    every parameter is split over the fsdp devices as the learner's is (``fsdp_as_tensor``: a
+    node more halves it), and 16 nodes fit it."""
     spec = spec_from_config(load_config_file(KIMI))
     assert 1.0e12 < spec.model.num_params() < 1.1e12 and spec.mesh.num_devices == 8
     assert spec.model.mla is not None and not spec.engine_copies_trainables
@@ -115,8 +116,8 @@ def test_kimi_k2_lora_fits_one_node_synchronous_or_one_step_off():
     assert a.bytes["optimizer"] == 2 * a.bytes["trainable"] < 2 * a.bytes["engine"]
     two = plan(spec.replace(mode="full", engine_copies_trainables=True,
                             mesh=dataclasses.replace(spec.mesh, fsdp=2)), 141)
-    assert two.bytes["engine"] == a.bytes["engine"] > two.bytes["trainable"]
-    assert nodes_needed(spec.replace(mode="full", engine_copies_trainables=True), 141) is None
+    assert 0.5 * a.bytes["engine"] <= two.bytes["engine"] < 0.51 * a.bytes["engine"]
+    assert nodes_needed(spec.replace(mode="full", engine_copies_trainables=True), 141) == 16
     assert nodes_needed(spec.replace(mode="full"), 141) == 14
 
 

@@ -27,7 +27,7 @@ def build(request) -> JaxEngine:
                      seed=request.seed, weight_layout=request.weight_layout,
                      copy_weights=request.copy_trainables, shared=nnx.Not(request.trainable),
                      record_routes=request.record_routes, capacity_factor=request.capacity_factor,
-                     settings=request.jax)
+                     settings=request.jax, rules=request.rules)
 
 
 __all__ = ["JaxEngine", "build"]
