@@ -7,10 +7,13 @@ AdamW moments are sharded ZeRO-3 style over all 16 devices (``mesh.fsdp = 16``),
 1/16 of the 8.2B parameters, their gradients and optimizer state (the memory planner,
 ``rlx.plan``, puts the train step at about 49 GB per device). Rollouts come from the built-in
 engine on the same mesh (``distributed.rollouts = "global"``): every host runs it as one program
-with the learner's own modules, prompts split over the devices, so every host takes part and no
-weights leave the devices. Its weights are resharded on the devices from the learner's to the
-sampling layout, whole along ``fsdp`` (split over ``tensor`` only): a second, unsharded copy of
-the bf16 parameters on each device. SGLang needs a single learner process.
+with the learner's own modules and arrays, prompts split over the 16 devices, so every host
+takes part and no weights leave the devices. The run is synchronous, so the engine holds no
+weights of its own: it reads the learner's bf16 parameters where they lie, 1/16 on each device,
+and its programs gather them a layer at a time as the learner's forward pass does; each device
+decodes its rows with its own KV cache. (One step off, ``train.max_staleness = 1``, the engine
+keeps a copy of the parameters, split over the 16 devices as the learner's: ``rlx.mesh.
+sampling_rules``.) SGLang needs a single learner process.
 There is no KL term: full mode keeps no reference copy of the weights.
 
 ``model.path`` is the Hub id (each host fetches it into its Hugging Face cache; a local folder

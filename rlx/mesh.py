@@ -77,9 +77,9 @@ SAMPLE_RULES: LogicalRules = (
 def fsdp_as_tensor(rules: LogicalRules) -> LogicalRules:
     """``rules`` with the ``fsdp`` devices splitting what ``tensor`` splits (attention heads, MLP
     features, the vocabulary, experts' features) rather than holding rows of their own: the
-    sampling layout of a full-parameter run, whose engine copy of the weights (the decode
-    layout's transposed kernels, an asynchronous run's trainables) is then split over the fsdp
-    devices like the learner's, not whole on each (``sampling_rules``)."""
+    sampling layout of a full-parameter run whose engine copies the weights (an asynchronous
+    run's), which are then split over the fsdp devices like the learner's state, not whole on
+    each (``sampling_rules``)."""
     def one(name, target):
         axes = (target,) if isinstance(target, str) else tuple(target or ())
         if name == "batch":
@@ -91,12 +91,18 @@ def fsdp_as_tensor(rules: LogicalRules) -> LogicalRules:
     return tuple((name, one(name, target)) for name, target in rules)
 
 
-def sampling_rules(mode: str) -> LogicalRules:
-    """The built-in engine's rules in a run of training ``mode``: ``SAMPLE_RULES`` (weights
-    whole along ``fsdp``, rows split over it) in LoRA mode, whose engine reads the frozen base
-    as the learner holds it and copies only small adapters; in full mode ``fsdp_as_tensor``, so
-    that what the engine holds of its own (every parameter) is split over the fsdp devices."""
-    return fsdp_as_tensor(SAMPLE_RULES) if mode == "full" else SAMPLE_RULES
+def sampling_rules(mode: str, copies: bool) -> LogicalRules:
+    """The built-in engine's rules in a run of training ``mode`` whose engine ``copies`` the
+    trainable variables (an asynchronous run's: the learner donates them at each update).
+
+    ``SAMPLE_RULES`` (rows split over ``fsdp``, weights whole along it) where the engine reads
+    the learner's arrays as placed: the frozen base, a synchronous run's trainables (gathered a
+    layer at a time by the programs, each device decoding its rows with its own KV cache), and
+    where its copy is small (LoRA mode's adapters). A full-mode engine that copies every
+    parameter takes ``fsdp_as_tensor``: whole along ``fsdp`` that copy would be the model on
+    every device; split like the learner's state, the fsdp devices decode the rows together
+    (and hold their KV cache split over KV heads where those divide, else whole)."""
+    return fsdp_as_tensor(SAMPLE_RULES) if mode == "full" and copies else SAMPLE_RULES
 
 
 def context_as_rows(rules: LogicalRules) -> LogicalRules:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rlx.mesh import (TRAIN_RULES, batch_sharding, batch_shards, context_as_rows, sampling_rules,
+from rlx.mesh import (TRAIN_RULES, batch_sharding, batch_shards, context_as_rows,
                       variable_shardings)
 from rlx.models.parallel import parallelize
 from rlx.models.moe_dispatch import capacity
@@ -81,7 +81,7 @@ def generate_shapes(spec: PlanSpec) -> tuple[int, int, int]:
     ``rollout_len`` split as ``rollout_prompt`` prompt tokens (a run config's
     ``max_prompt_tokens``; else a quarter) and the rest completion, each rounded up as
     ``rlx.rollout.jax.engine.Buckets`` rounds them."""
-    b, dp = Buckets(max_rows=spec.rollout_rows), batch_shards(spec.mesh, sampling_rules(spec.mode))
+    b, dp = Buckets(max_rows=spec.rollout_rows), batch_shards(spec.mesh, spec.engine_rules)
     prompt = spec.rollout_prompt or spec.rollout_len // 4
     return b.rows(spec.rollout_rows, dp), b.prompt(prompt), b.new_tokens(spec.rollout_len - prompt)
 
@@ -98,7 +98,7 @@ def _abstract(tree, shardings):
 def generate_lowered(spec: PlanSpec, mesh):
     """The engine's generate function for ``spec``, lowered on abstract arguments: every row its
     own prompt, sampled at temperature with log-probs (the training rollouts)."""
-    rules = sampling_rules(spec.mode)
+    rules = spec.engine_rules
     model = parallelize(abstract_model(spec), mesh, rules,
                         spec.moe_capacity_factor or None)  # as the engine's _eval_split
     model.eval()
@@ -145,7 +145,7 @@ def paged_lowered(spec: PlanSpec, mesh, section: JaxSection = JaxSection()) -> d
     """The continuous engine's decode burst and prefill chunk for ``spec`` (``paged_shapes``),
     lowered on abstract arguments with the shardings the engine declares (``Placement``):
     ``{"burst": ..., "prefill": ...}``."""
-    rules = context_as_rows(sampling_rules(spec.mode))  # the engine's, context: rows
+    rules = context_as_rows(spec.engine_rules)  # the engine's, context: rows
     model = parallelize(abstract_model(spec), mesh, rules, spec.moe_capacity_factor or None)
     model.eval()
     graphdef, state = nnx.split(model)
@@ -182,7 +182,7 @@ def engine_shardings(state, mesh, spec: PlanSpec):
     the sampling rules."""
     shared = nnx.Not(trainable_filter(spec)) if spec.engine_copies_trainables else ...
     train = nnx.to_flat_state(variable_shardings(state, mesh, TRAIN_RULES))
-    sample = nnx.to_flat_state(variable_shardings(state, mesh, sampling_rules(spec.mode)))
+    sample = nnx.to_flat_state(variable_shardings(state, mesh, spec.engine_rules))
     held = {tuple(p) for p, _ in nnx.to_flat_state(nnx.filter_state(state, shared))}
     return nnx.from_flat_state([(p, t if tuple(p) in held else s)
                                 for (p, t), (_, s) in zip(train, sample)])
@@ -278,7 +278,7 @@ def sample_features(spec: PlanSpec) -> dict[str, float]:
     c, m, layer = spec.model, spec.mesh, _one_layer(spec)
     a = 2 if spec.dtype == "bfloat16" else 4
     rows, p, new = generate_shapes(spec)
-    r = math.ceil(rows / batch_shards(m, sampling_rules(spec.mode)))
+    r = math.ceil(rows / batch_shards(m, spec.engine_rules))
     slots, n = p + segment_ends(new)[0], r * p // m.context
     per_token = kv_cache_per_token(c) if c.mla is not None else kv_cache_per_token(c) / m.tensor
     kv_bytes = 2 if spec.kv_dtype == "bfloat16" else 4

@@ -6,9 +6,10 @@
   it samples from the learner's own frozen arrays (``rlx.rollout.jax.engine``, ``shared``), and
   in a synchronous run from its trainable arrays too; an asynchronous run's engine
   (``engine_copies_trainables``) copies the trainable variables (LoRA mode the adapters, full
-  mode every parameter), and the ``out_in`` decode layout (XLA:CPU) the trainable float kernels
-  it transposes, under the engine's rules (``rlx.mesh.sampling_rules``: LoRA mode whole along
-  ``fsdp``, full mode split over it); and the load transient,
+  mode every parameter) under the engine's rules (``rlx.mesh.sampling_rules``: LoRA mode whole
+  along ``fsdp``, full mode split over it), and a synchronous one with the ``out_in`` decode
+  layout (XLA:CPU) the trainable float kernels it transposes, placed as the learner's; and the
+  load transient,
   the checkpoint's largest tensor (``load_tensor_bytes``).
 * ``step_bytes``: the train step's transient memory per device (gradients, saved activations,
   log-prob chunks, the batch) from a layer-by-layer count of what the backward pass keeps (see
@@ -44,7 +45,7 @@ from rlx.kernels.logprobs import balanced_chunk
 from rlx.learner.state import OptimizerConfig, TrainState, make_optimizer, state_shardings
 from rlx.learner.step import FORWARDS, StepConfig, make_train_step
 from rlx.mesh import (MESH_AXES, TRAIN_RULES, LogicalRules, MeshShape, logical_to_spec,
-                      make_mesh, sampling_rules)
+                      make_mesh)
 from rlx.models import ModelConfig
 from rlx.models.layers import Linear
 from rlx.models.moe_dispatch import capacity
@@ -124,17 +125,18 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     """
     sizes, total, engine = _Sizes(spec), {True: 0, False: 0}, 0
     meshless = spec.replace(mesh=MeshShape())  # the cache's key: shapes do not depend on the mesh
-    rules = sampling_rules(spec.mode)
+    rules = spec.engine_rules
     for trainable, shape, dtype, axes, times, linear in _abstract_leaves(repr(meshless),
                                                                          meshless):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
-        # the engine's own copies: an asynchronous engine's of every trainable variable, the
-        # out_in layout's of the trainable float kernels; the frozen base (and a synchronous
-        # run's other trainable variables) it shares with the learner
-        if trainable and (spec.engine_copies_trainables or (
-                linear and spec.decode_layout == "out_in")):
-            engine += times * _shard_elems(shape, axes, sizes, rules) * np.dtype(
-                dtype).itemsize
+        # the engine's own copies: an asynchronous engine's of every trainable variable (by the
+        # sampling rules), a synchronous one's of the trainable float kernels the out_in layout
+        # transposes (placed as the learner's); the frozen base (and a synchronous run's other
+        # trainable variables) it shares with the learner
+        if trainable and spec.engine_copies_trainables:
+            engine += times * _shard_elems(shape, axes, sizes, rules) * np.dtype(dtype).itemsize
+        elif trainable and linear and spec.decode_layout == "out_in":
+            engine += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
     # PPO's critic (rlx.learner.critic): a copy of the trainable variables, sharded alike, and
     # the replicated f32 value head (kernel [D] and bias)
     critic = total[True] + 4 * (spec.model.hidden_size + 1) if spec.critic else 0

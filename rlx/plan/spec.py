@@ -20,7 +20,7 @@ from rlx.errors import one_of
 from rlx.rollout.jax.config import BATCHING
 from rlx.learner.state import MODES
 from rlx.learner.step import FORWARDS
-from rlx.mesh import MeshShape, batch_shards
+from rlx.mesh import LogicalRules, MeshShape, batch_shards, sampling_rules
 from rlx.models import ModelConfig, Precision, Transformer
 from rlx.models.decoder import DTYPES
 from rlx.models.loading import SCAN_MODES
@@ -130,6 +130,11 @@ class PlanSpec:
         """Whether the layers run scanned (``rlx.models.stack``), as a run would decide."""
         return self.scan_layers == "on" or (self.scan_layers == "auto"
                                             and scan_default(self.model.num_layers))
+
+    @property
+    def engine_rules(self) -> LogicalRules:
+        """The built-in engine's sharding rules in this run (``rlx.mesh.sampling_rules``)."""
+        return sampling_rules(self.mode, self.engine_copies_trainables)
 
     def replace(self, **kw) -> "PlanSpec":
         return dataclasses.replace(self, **kw)

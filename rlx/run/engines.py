@@ -35,7 +35,8 @@ def engine_request(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mes
                          copy_trainables=cfg.engine_copies_trainables,
                          record_routes=cfg.train.router_replay,
                          capacity_factor=cfg.model.capacity_factor, serving=serving(cfg),
-                         jax=cfg.rollout.jax, rules=sampling_rules(cfg.train.mode))
+                         jax=cfg.rollout.jax, rules=sampling_rules(cfg.train.mode,
+                                                                  cfg.engine_copies_trainables))
 
 
 def make_engine(cfg: RunConfig, compiled: Compiled, tokenizer: Tokenizer, mesh: Mesh) -> RolloutEngine:

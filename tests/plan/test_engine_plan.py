@@ -49,7 +49,8 @@ def _buffers(arrays) -> set[int]:
 
 
 def _build(path: str, mode: str, mesh):
-    """The learner's state and the engine, as a run builds them; the arrays they created."""
+    """The learner's state and the engine, as a run builds them; the arrays they created; the
+    model's graph."""
     before = jax.live_arrays()  # kept alive: no new array reuses one of their ids
     model = from_hf(path, mesh=mesh)
     if mode == "lora":
@@ -65,9 +66,9 @@ def _build(path: str, mode: str, mesh):
     assert all(_buffers([a]) == _buffers([b]) for a, b in placed)
     del model, loaded, placed
     engine = JaxEngine(nnx.merge(graphdef, state.params, state.frozen), mesh=mesh,
-                       shared=nnx.Not(MODES[mode]), rules=sampling_rules(mode))
+                       shared=nnx.Not(MODES[mode]), rules=sampling_rules(mode, True))
     old = {id(x) for x in before}
-    return state, engine, [x for x in jax.live_arrays() if id(x) not in old]
+    return state, engine, [x for x in jax.live_arrays() if id(x) not in old], graphdef
 
 
 @pytest.mark.parametrize("mode", ["lora", "full"])
@@ -75,7 +76,7 @@ def _build(path: str, mode: str, mesh):
 def test_planned_weight_state_equals_the_live_buffers(zoo, mode, shape):
     path = make_hf_model("llama", zoo)
     mesh = make_mesh(shape, jax.devices()[:shape.num_devices])
-    state, engine, new = _build(path, mode, mesh)
+    state, engine, new, graphdef = _build(path, mode, mesh)
     held = jax.tree.leaves(engine._state)
     frozen = {id(x) for x in jax.tree.leaves(state.frozen)}
     learner = {id(x) for x in jax.tree.leaves(state)}
@@ -95,11 +96,14 @@ def test_planned_weight_state_equals_the_live_buffers(zoo, mode, shape):
     # for the kernels the out_in layout (XLA:CPU's) holds transposed
     synchronous = spec.replace(engine_copies_trainables=False)
     assert state_bytes(synchronous)["engine"] == 0 < planned["engine"]
-    transposed = [v[...] for p, v in nnx.to_flat_state(engine._state)
-                  if tuple(p) in engine._transposed]
+    sync = JaxEngine(nnx.merge(graphdef, state.params, state.frozen), mesh=mesh,
+                     shared=nnx.Not(MODES[mode]), copy_weights=False,
+                     rules=sampling_rules(mode, False))
+    transposed = [v[...] for p, v in nnx.to_flat_state(sync._state) if tuple(p) in sync._transposed]
     assert (mode == "full") == bool(transposed)  # LoRA mode's kernels are the frozen base's
     assert state_bytes(synchronous.replace(decode_layout="out_in"))["engine"] == \
         _on_first_device(transposed)
+    sync.close()
     measured = {k: _on_first_device(jax.tree.leaves(v)) for k, v in (
         ("frozen", state.frozen), ("trainable", state.params), ("engine", own))}
     for key, value in measured.items():

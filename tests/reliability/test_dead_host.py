@@ -11,7 +11,7 @@ in generation, inside the train step's collectives, or while a checkpoint is bei
 
 The same run with ``distributed.rollouts="global"`` (generation one program over both processes'
 devices) has process 1 die as it starts generating step 3, leaving process 0 inside the engine's
-collectives.
+collectives; relaunched, it too ends with the uninterrupted run's parameters.
 
 Process 0 must exit with status 6 (``rlx.run.multihost.Watchdog``; the runtime's own abort would
 be 134) with one line naming process 1 and the last complete checkpoint, leave none of its child
@@ -168,9 +168,10 @@ def uninterrupted(tmp_path_factory):
 def _kill_and_watch(tmp, point: str, kill_step: int, rollouts: str = "per_host"):
     """Process 0 by the CLI, process 1 killing itself at ``point`` of step ``kill_step``; process
     0's exit status, its stderr, the children it had, and the run's output folder."""
-    config, out = _config(tmp, point, rollouts)
+    name = point if rollouts == "per_host" else f"{point}-{rollouts}"  # one folder per run
+    config, out = _config(tmp, name, rollouts)
     port = free_port()
-    log0, log1 = open(tmp / f"{point}.0.log", "w+"), open(tmp / f"{point}.1.log", "w+")
+    log0, log1 = open(tmp / f"{name}.0.log", "w+"), open(tmp / f"{name}.1.log", "w+")
     survivor = _launch(config, 0, port, log0, tmp)
     victim = subprocess.Popen(
         [sys.executable, "-m", "tests.reliability.dead_host_driver", "--config", config,
@@ -231,12 +232,15 @@ def test_a_process_killed_in_the_train_step_stops_the_other(tmp_path):
     _check_survivor(tmp_path, "train", kill_step=2)
 
 
-@pytest.mark.slow  # a 2-process run to its third step
-def test_a_process_killed_in_global_generation_stops_the_other(tmp_path):
+@pytest.mark.slow  # a 2-process run to its third step and a relaunch: minutes on 2 cores
+def test_a_process_killed_in_global_generation_stops_the_other_and_the_run_resumes(uninterrupted):
     """With ``distributed.rollouts="global"`` generation is one program over both processes'
     devices: a process killed as it starts generating leaves the other inside its collectives,
-    and the watchdog stops it as anywhere else."""
-    _check_survivor(tmp_path, "generate", rollouts="global")
+    and the watchdog stops it as anywhere else; relaunched, the run ends where the
+    uninterrupted one did (whose processes sampled their own prompts: the same tokens, each
+    keyed by seed, prompt and sample)."""
+    config, out = _check_survivor(uninterrupted[0], "generate", rollouts="global")
+    _relaunch_matches(uninterrupted, config, out)
 
 
 @pytest.mark.slow  # two 2-process runs and a relaunch: minutes on 2 cores
@@ -247,12 +251,13 @@ def test_a_process_killed_mid_step_stops_the_other_and_the_run_resumes(uninterru
     _relaunch_matches(uninterrupted, config, out)
 
 
-@pytest.fixture(scope="module")
-def two_process_checkpoint(uninterrupted):
-    """The run's first 2 steps by 2 processes x 4 devices, checkpointed after each."""
-    tmp = uninterrupted[0]
-    config, out = _config(tmp, "first_two")
-    _both(config, tmp, "first_two", "--config.train.steps=2")
+@pytest.fixture(scope="module", params=["per_host", "global"])
+def two_process_checkpoint(uninterrupted, request):
+    """The run's first 2 steps by 2 processes x 4 devices, checkpointed after each, with each
+    rollouts mode."""
+    tmp, name = uninterrupted[0], f"first_two_{request.param}"
+    config, out = _config(tmp, name, request.param)
+    _both(config, tmp, name, "--config.train.steps=2")
     assert committed_steps(os.path.join(out, "checkpoints"))[-1] == 2
     return config, out
 

@@ -19,10 +19,10 @@ attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and 
 and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``). With an MoE model's experts split
 over the mesh's ``expert`` axis, tokens go to their experts' devices, as the learner's do
 (``rlx.models.moe_dispatch``, dropless unless ``capacity_factor`` > 0; ``dropped_pairs()``
-counts the pairs a capacity drops, logged per batch as ``rollout/moe_dropped_pairs``). ``record_routes=True`` (routing replay,
-``config.train.router_replay``) puts on each rollout the experts every MoE layer chose for its
-prompt and completion tokens (``Rollout.routes``, -1 on the completion's last token, which is
-never fed).
+counts the pairs a capacity drops, logged per batch as ``rollout/moe_dropped_pairs``).
+``record_routes=True`` (routing replay, ``config.train.router_replay``) puts on each rollout
+the experts every MoE layer chose for its prompt and completion tokens (``Rollout.routes``, -1
+on the completion's last token, which is never fed).
 
 Batching (``settings``, ``config.rollout.jax``): by default continuously, over a paged KV cache
 (``rlx.rollout.jax.paged``): a fixed number of decode slots; a finished sequence leaves its slot
@@ -191,8 +191,7 @@ class JaxEngine:
         """Whether the engine reads ``variable`` on its own sharding: a held shared array, or,
         when the engine copies no weights, any array already placed on the engine's mesh (the
         learner's adapters, split by the training rules)."""
-        value = variable.get_value()
-        sharding = getattr(value, "sharding", None)
+        sharding = getattr(variable.get_value(), "sharding", None)
         return self._held(path, variable) or (
             not self.copy_weights and isinstance(sharding, NamedSharding)
             and sharding.mesh == self.mesh)
@@ -314,11 +313,11 @@ class JaxEngine:
         """The continuous-batching path (``rlx.rollout.jax.paged``) where ``_continuous``."""
         if not self._continuous():
             return None
-        slots = self.settings.slots or self.platform_policy.decode_slots
         mesh = self.mesh if self.mesh is not None and self.mesh.size > 1 else None
         one = jax.devices()[0] if self.mesh is None else self.mesh.devices.flat[0]
         return PagedServing(self._config, self._graphdef, self._stacks, dtype, self.settings,
-                            slots, None if mesh else one, self.adapter, mesh, self.rules,
+                            self.settings.slots or self.platform_policy.decode_slots,
+                            None if mesh else one, self.adapter, mesh, self.rules,
                             self._state_shardings, self.record_routes,
                             self.platform_policy.slot_buckets_per_octave)
 

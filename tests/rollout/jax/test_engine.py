@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from rlx.learner.batching import pad_rollouts
-from rlx.mesh import MeshShape, make_mesh
+from rlx.mesh import MeshShape, make_mesh, sampling_rules
 from rlx.models import from_hf
 from rlx.platform.policy import CPU, active
 from rlx.quant import GGUFTensor, LoraConfig, QuantConfig, apply_lora, quantize_model
@@ -362,18 +362,23 @@ def test_mode_b_adapter_update_without_recompilation(zoo):
     assert max_diff(step_logprobs(model, tuned), [r.sampler_logp for r in tuned]) <= TOL
 
 
-@pytest.mark.parametrize("family,shape", [
-    ("llama", MeshShape(data=2, fsdp=2, tensor=2)), ("qwen3_moe", MeshShape(data=2, tensor=2, expert=2))])
-def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape):
+@pytest.mark.parametrize("family,shape,full", [
+    ("llama", MeshShape(data=2, fsdp=2, tensor=2), False),
+    ("qwen3_moe", MeshShape(data=2, tensor=2, expert=2), False),
+    # an asynchronous full-mode run's copy: the fsdp devices split heads as tensor ones do
+    ("llama", MeshShape(data=2, fsdp=2, tensor=2), True)], ids=["llama", "qwen3_moe", "llama-full"])
+def test_sharded_mesh_gives_the_same_tokens(zoo, family, shape, full):
     path = make_hf_model(family, zoo)
     sampling = SamplingParams(max_new_tokens=10, n=2, top_p=0.9, seed=5)
     single = JaxEngine(from_hf(path)).generate(sample_prompts(), sampling)
     mesh = make_mesh(shape)
-    engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh)
+    rules = sampling_rules("full" if full else "lora", full)
+    engine = JaxEngine(from_hf(path, mesh=mesh), mesh=mesh, rules=rules)
     sharded = engine.generate(sample_prompts(), sampling)
     kernel = engine._state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
     heads = 0 if engine.weight_layout == "out_in" else 1  # the engine's copy: [heads, embed] on CPU
-    assert kernel.addressable_shards[0].data.shape[heads] == kernel.shape[heads] // 2  # over tensor
+    split = 4 if full else 2  # over tensor (and fsdp)
+    assert kernel.addressable_shards[0].data.shape[heads] == kernel.shape[heads] // split
     assert engine.batching_stats().drawn > 0  # served continuously, a page pool per data shard
     pool = engine._paged._scheduler.pools.keys[0]
     assert pool.addressable_shards[0].data.shape[-4] == pool.shape[-4] // engine._data_parallel()
