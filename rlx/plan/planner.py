@@ -53,11 +53,16 @@ SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer",
                "kv_cache", "decode_temp")
 # building the run: the base streamed in tensor by tensor, adapters attached, one tensor in flight
 LOAD_KEYS = ("frozen", "trainable", "load_tensor")
+# a weight sync: the engine places its new copy (resharded on the devices) before it lets the
+# old one go, between generate calls and after the update (no step transient alive)
+SYNC_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "engine",
+             "engine_sync")
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Per-device bytes by category, the two phase peaks, and the verdict."""
+    """Per-device bytes by category, the phases' peaks (train, sample, load, weight sync), and
+    the verdict."""
 
     spec: PlanSpec
     bytes: dict[str, int]
@@ -76,8 +81,12 @@ class Plan:
         return sum(self.bytes[k] for k in LOAD_KEYS)
 
     @property
+    def sync_peak(self) -> int:
+        return sum(self.bytes[k] for k in SYNC_KEYS)
+
+    @property
     def peak(self) -> int:
-        return max(self.train_peak, self.sample_peak, self.load_peak)
+        return max(self.train_peak, self.sample_peak, self.load_peak, self.sync_peak)
 
     @property
     def fits(self) -> bool:
@@ -87,7 +96,9 @@ class Plan:
 def plan(spec: PlanSpec, hbm_gb: float) -> Plan:
     """The analytic plan of ``spec`` on devices of ``hbm_gb`` GB each."""
     state = state_bytes(spec)
-    return Plan(spec, {**state, **step_bytes(spec, state["trainable"])}, hbm_gb * GB)
+    # the reshard transient of a weight sync: the engine's new copy beside the old one
+    return Plan(spec, {**state, **step_bytes(spec, state["trainable"]),
+                       "engine_sync": state["engine"]}, hbm_gb * GB)
 
 
 def nodes_needed(spec: PlanSpec, hbm_gb: float, max_nodes: int = 256) -> int | None:
@@ -137,13 +148,14 @@ def format_plan(p: Plan, compiled: dict[str, int] | None = None, devices_per_nod
              + f" ({m.num_devices} devices), remat={s.remat}, rows={s.rows}x{s.seq_len}, "
              f"micro_batches={s.micro_batches}",
              "per device (GB)"]
-    for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS + LOAD_KEYS):
+    for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS + LOAD_KEYS + SYNC_KEYS):
         if key.startswith("critic") and not s.critic:
             continue
         lines.append(f"  {key:15s} {p.bytes[key] / GB:10.3f}")
     lines.append(f"  {'train peak':15s} {p.train_peak / GB:10.3f}")
     lines.append(f"  {'sample peak':15s} {p.sample_peak / GB:10.3f}")
     lines.append(f"  {'load peak':15s} {p.load_peak / GB:10.3f}")
+    lines.append(f"  {'sync peak':15s} {p.sync_peak / GB:10.3f}")
     if compiled:
         lines.append(f"  {'XLA compiled':15s} {compiled['total'] / GB:10.3f}  (train step: "
                      f"arguments {compiled['argument'] / GB:.3f}, temp {compiled['temp'] / GB:.3f})")

@@ -111,6 +111,9 @@ def test_kimi_k2_lora_fits_one_node_synchronous_or_one_step_off():
     assert off.bytes["engine"] > b.bytes["trainable"]  # the sampling layout: LoRA A whole
     assert off.train_peak - off.bytes["engine"] == b.train_peak < off.train_peak <= 141e9 * 0.92
     assert nodes_needed(spec.replace(engine_copies_trainables=True), 141) == 1
+    # a weight sync places the new copy before the old one goes: twice the engine's beside the
+    # learner's state; a synchronous run's engine reads the new arrays in place
+    assert off.sync_peak - b.sync_peak == 2 * off.bytes["engine"] and b.bytes["engine_sync"] == 0
     a = plan(spec.replace(mode="full", engine_copies_trainables=True), hbm_gb=141)
     assert not a.fits and a.bytes["frozen"] == 60 * 384 * 4  # the f32 correction biases
     assert a.bytes["optimizer"] == 2 * a.bytes["trainable"] < 2 * a.bytes["engine"]
@@ -132,7 +135,7 @@ def test_cli_prints_categories_and_verdict(capsys):
     assert main(["--config", KIMI, "--hbm-gb", "141", "--mode", "full"]) == 1
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "mesh fsdp=14, 112 devices = 14 nodes of 8" in out
-    assert "engine" in out and "load peak" in out
+    assert "engine" in out and "load peak" in out and "sync peak" in out
 
 
 def test_cli_overrides_the_config_as_launch_does(capsys):
