@@ -47,10 +47,10 @@ from rlx.learner.step import FORWARDS, StepConfig, make_train_step
 from rlx.mesh import (MESH_AXES, TRAIN_RULES, LogicalRules, MeshShape, logical_to_spec,
                       make_mesh)
 from rlx.models import ModelConfig
-from rlx.models.layers import Linear
 from rlx.models.moe_dispatch import capacity
 from rlx.models.parallel import parallelize
 from rlx.plan.spec import PlanSpec, abstract_model, trainable_filter
+from rlx.rollout.jax.decode_layout import out_in_kernels
 from rlx.rollout.jax.paged import pool_pages
 from rlx.platform.policy import current
 from rlx.types import BATCH_FIELDS, TrainBatch
@@ -98,13 +98,12 @@ def _representative(spec: PlanSpec) -> tuple[PlanSpec, dict[int, int]]:
 @functools.lru_cache(maxsize=16)
 def _abstract_leaves(key: str, spec: PlanSpec
                      ) -> tuple[tuple[bool, tuple, Any, Any, int, bool], ...]:
-    """(trainable?, shape, dtype, logical axes, layer multiplicity, float ``Linear`` kernel?) of
-    every state leaf."""
+    """(trainable?, shape, dtype, logical axes, layer multiplicity, a kernel the ``out_in``
+    decode layout transposes?) of every state leaf."""
     del key  # the cache key: the spec without its mesh (shapes do not depend on the mesh)
     small, weight = _representative(spec)
     model = abstract_model(small)
-    kernels = {tuple(p) + ("kernel",) for p, node in nnx.iter_graph(model)
-               if isinstance(node, Linear) and isinstance(node.kernel, nnx.Variable)}
+    kernels = out_in_kernels(model)
     _, params, frozen = nnx.split(model, trainable_filter(small), ...)
     out = []
     for trainable, state in ((True, params), (False, frozen)):

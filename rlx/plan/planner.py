@@ -41,6 +41,8 @@ from rlx.models import from_hf_config
 from rlx.models.presets import PRESETS, find_preset, preset_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
 from rlx.plan.spec import PlanSpec
+from rlx.platform.policy import policy_for
+from rlx.rollout.jax.decode_layout import resolve_layout
 
 GB = 1e9
 RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmentation
@@ -202,12 +204,6 @@ def run_sections(cfg: Any) -> RunConfig:
     return read_config(raw)
 
 
-# the decode layout a run config's weight_layout="auto" plans with: the accelerators' (the
-# learner's own; XLA:CPU's out_in holds a transposed copy of every trainable kernel: plan a run
-# that samples on CPU with --config.rollout.weight_layout=out_in)
-ACCELERATOR_LAYOUT = "in_out"
-
-
 def run_plan_fields(run: RunConfig) -> dict[str, Any]:
     """``PlanSpec`` fields of a run config (one without a ``plan`` section): one optimizer
     update's rows (``prompts_per_step x group_size / minibatches``) of ``max_prompt_tokens +
@@ -227,8 +223,10 @@ def run_plan_fields(run: RunConfig) -> dict[str, Any]:
               "kv_dtype": run.model.dtype, "batching": rollout.jax.batching,
               "page_size": rollout.jax.page_size, "kv_pages": rollout.jax.kv_pages,
               "rollout_group": rollout.group_size,
-              "decode_layout": ACCELERATOR_LAYOUT if rollout.weight_layout == "auto"
-              else rollout.weight_layout}
+              # weight_layout="auto" as a TPU run resolves it (XLA:CPU's out_in holds a
+              # transposed copy of every trainable kernel: plan a CPU run with
+              # --config.rollout.weight_layout=out_in)
+              "decode_layout": resolve_layout(rollout.weight_layout, policy_for("tpu"))}
     if train.tokens_per_micro_batch:
         fields.update(budget_fields(rows // train.minibatches, length, run))
     return fields

@@ -65,7 +65,7 @@ def slot_buckets(slots: int, per_octave: int = 1) -> tuple[int, ...]:
         raise ValueError(f"slot buckets per octave must be 1 or 2, got {per_octave}")
     out, b = [slots], slots
     while b % 2 == 0 and b // 2 >= MIN_ROWS:
-        if per_octave == 2 and b % 4 == 0 and 3 * b // 4 > b // 2:
+        if per_octave == 2 and b % 4 == 0:
             out.append(3 * b // 4)
         b //= 2
         out.append(b)

@@ -49,14 +49,26 @@ def _transposed(kernel: nnx.Variable) -> nnx.Variable:
     return kernel.replace(jnp.swapaxes(kernel[...], -1, -2), **meta)
 
 
+def _transposable(node) -> bool:
+    """Whether the ``out_in`` layout transposes ``node``'s kernel: a float ``Linear`` stored
+    ``[in, out]`` (quantized kernels keep their layout)."""
+    return isinstance(node, Linear) and node.kernel_layout == "in_out" and isinstance(
+        node.kernel, nnx.Variable)
+
+
+def out_in_kernels(model: nnx.Module) -> frozenset[tuple]:
+    """The variable paths of the kernels ``to_out_in`` transposes (none kept)."""
+    return frozenset(tuple(p) + ("kernel",) for p, node in nnx.iter_graph(model)
+                     if _transposable(node))
+
+
 def to_out_in(model: nnx.Module, keep: frozenset[tuple] = frozenset()) -> frozenset[tuple]:
     """Transpose ``model``'s float ``Linear`` kernels in place (``kernel_layout="out_in"``), except
     those at ``keep`` paths, and let a tied f32 head use the same product; returns the paths of the
     transposed kernels."""
     paths = []
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, Linear) and node.kernel_layout == "in_out" and isinstance(
-                node.kernel, nnx.Variable) and tuple(path) + ("kernel",) not in keep:
+        if _transposable(node) and tuple(path) + ("kernel",) not in keep:
             node.kernel = _transposed(node.kernel)
             node.kernel_layout = "out_in"
             paths.append(tuple(path) + ("kernel",))

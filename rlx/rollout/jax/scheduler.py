@@ -14,11 +14,11 @@ programs of ``rlx.rollout.jax.continuous``. Each turn of its loop:
    (``first_tokens``) into a slot;
 4. **decode**: every live sample gets the pages its next ``burst`` tokens need and one
    ``decode_burst`` runs over them, packed into the smallest slot bucket that holds them
-   (``slot_buckets``: ``slots``, three quarters, a half, three eighths ...), its page table as wide as the call's longest
-   sequence needs (attention reads a row's pages only up to the longest live row's end,
-   ``rlx.kernels.attention.paged``): the long tail of a call runs a small program, not the
-   full one with most rows masked. Samples that finish free their pages; their slots are
-   refilled next turn.
+   (``slot_buckets``: ``slots``, three quarters, a half, three eighths ...), its page table
+   as wide as the call's longest sequence needs (attention reads a row's pages only up to the
+   longest live row's end, ``rlx.kernels.attention.paged``): the long tail of a call runs a
+   small program, not the full one with most rows masked. Samples that finish free their
+   pages; their slots are refilled next turn.
 
 On a mesh the rows of every program split over the data shards (the mesh's batch axes), and
 each shard has a page pool of its own (``rlx.models.paged_kv.per_device``): a request is admitted
