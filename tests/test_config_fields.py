@@ -42,7 +42,7 @@ from rlx.rollout.config import RolloutSection
 from rlx.rollout.jax.config import JaxSection
 from rlx.rollout.sglang.config import SGLangSection
 from rlx.rollout.preflight import PreflightError, learner_logprobs
-from rlx.rollout.sglang.policy import client_options, launch_specs, loads_export
+from rlx.rollout.sglang.policy import client_options, launch_specs, loads_export, weight_sync
 from rlx.run.build import (compile_steps, eval_examples, load_policy, make_env_runner, make_logger,
                            make_reward, prompt_data, prompt_format)
 from rlx.run.checks import read_architecture
@@ -136,6 +136,8 @@ EFFECTS = {
     "rollout.sglang.startup_timeout_s": ("sglang", 5.0, SGLANG),
     "rollout.sglang.request_timeout_s": ("sglang", 5.0, SGLANG),
     "rollout.sglang.sync_base": ("sglang", False, {**SGLANG, "rollout.sglang.urls": ["http://h:1"]}),
+    "rollout.sglang.weight_sync": ("sglang", "disk", {**SGLANG, **FULL}),
+    "rollout.sglang.sync_bucket_mb": ("sglang", 64.0, {**SGLANG, **FULL}),
     "env.kind": ("env", "tools", {}),
     "env.max_turns": ("env", 1, TOOLS),
     "env.max_episode_tokens": ("env", 16, TOOLS),
@@ -303,7 +305,7 @@ def _engine(cfg: RunConfig) -> tuple:
 def _sglang(cfg: RunConfig) -> tuple:
     s = serving(cfg)
     return (tuple(launch_specs(s, read_architecture(cfg)[0], "served")), loads_export(s),
-            tuple(sorted(client_options(s).items())))
+            tuple(sorted(client_options(s).items())), weight_sync(s))
 
 
 def _env(cfg: RunConfig) -> tuple:

@@ -1,12 +1,15 @@
 """``python -m rlx.bench sync``: from "update done" to "the rollout engine serves the new policy".
 
-Four ways a new policy reaches the engine, on the same model (f32 weights; see
+Five ways a new policy reaches the engine, on the same model (f32 weights; see
 ``rlx.bench.sync_sides`` for what is timed and how the new policy is verified):
 
 - ``rlx-adapter``: the built-in engine takes the new LoRA adapter in memory (LoRA mode);
 - ``rlx-full``: the built-in engine takes every weight in memory (full mode);
 - ``sglang-adapter``: PEFT export + SGLang ``/load_lora_adapter`` (LoRA mode on SGLang);
-- ``sglang-full``: safetensors export + SGLang ``/update_weights_from_disk`` (full mode on SGLang).
+- ``sglang-full``: safetensors export + SGLang ``/update_weights_from_disk`` (full mode on SGLang,
+  ``rollout.sglang.weight_sync="disk"``);
+- ``sglang-memory``: the same weights in buckets through shared memory + SGLang
+  ``/update_weights_from_tensor`` (full mode's default, ``weight_sync="memory"``).
 
 The adapter is LoRA rank ``--lora-rank`` (default 16, the quickstart's) on all seven projections
 (q, k, v, o, gate, up, down). Bytes moved: the adapter against the full weights; the goal is
@@ -28,9 +31,10 @@ from rlx.bench.harness import BenchError, Results, Side, call_once, interleave, 
 from rlx.bench.sglang_setup import SGLangSetup, group_rss_mb, sglang_server
 from rlx.bench.workloads import MODELS, Workload, prompt_ids, smollm2_config
 
-SIDES = ("rlx-adapter", "rlx-full", "sglang-adapter", "sglang-full")
+SIDES = ("rlx-adapter", "rlx-full", "sglang-adapter", "sglang-full", "sglang-memory")
 LABELS = {"rlx-adapter": "rlx built-in, adapter in memory", "rlx-full": "rlx built-in, full weights in memory",
-          "sglang-adapter": "SGLang adapter hot-load", "sglang-full": "SGLang full weights from disk"}
+          "sglang-adapter": "SGLang adapter hot-load", "sglang-full": "SGLang full weights from disk",
+          "sglang-memory": "SGLang full weights in memory"}
 GOAL = 0.02  # adapter bytes / full-update bytes
 ATTENTION, ALL = ("q", "k", "v", "o"), ("q", "k", "v", "o", "gate", "up", "down")
 SHAPE_MODELS = ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen3-8B")
@@ -46,6 +50,9 @@ def build_sides(names, model: str, rank: int, probe: list[int], url: str | None,
             kw.update(kind=name.split("-")[1], lora_rank=rank)
         elif url is None:
             continue
+        elif name == "sglang-memory":
+            target = "rlx.bench.sync_sides:sglang_memory_sync"
+            kw.update(url=url)
         elif name == "sglang-adapter":
             target = "rlx.bench.sync_sides:sglang_adapter_sync"
             kw.update(url=url, lora_rank=rank, workdir=os.path.join(root, "adapters"))
@@ -205,6 +212,12 @@ def main(argv: list[str]) -> int:
 
 def verdicts(rows: list[dict]) -> list[str]:
     out = []
+    by = {r["side"]: r for r in rows}
+    memory, disk = by.get(LABELS["sglang-memory"]), by.get(LABELS["sglang-full"])
+    if memory and disk:
+        out.append(f"SGLang full weights: in memory {memory['seconds']:.3g} s, from disk "
+                   f"{disk['seconds']:.3g} s: {disk['seconds'] / memory['seconds']:.2f}x faster "
+                   "in memory")
     for r in rows:
         if "adapter" in r["side"] and r["share_of_full"] is not None:
             met = "met" if r["share_of_full"] <= GOAL else "MISSED"

@@ -14,7 +14,11 @@ must report the new ``weight_version``). Figures: ``seconds`` (the whole sync), 
   hot-loads it under a new name (``/load_lora_adapter``, the old one unloaded, new version set),
   as rlx's SGLang engine does in LoRA mode.
 - ``sglang_full_sync``: rlx exports every weight (``export_merged``, f32 safetensors) and SGLang
-  reloads them (``/update_weights_from_disk``, then ``/flush_cache``), as in full mode.
+  reloads them (``/update_weights_from_disk``, then ``/flush_cache``): full mode with
+  ``rollout.sglang.weight_sync="disk"``.
+- ``sglang_memory_sync``: the same weights sent in memory, in buckets through shared memory
+  (``rlx.rollout.sglang.tensors``, ``/update_weights_from_tensor`` in a weight-update session):
+  full mode's default.
 """
 
 from __future__ import annotations
@@ -188,5 +192,38 @@ def sglang_full_sync(url: str, model: str, probe: list[int], workdir: str, first
         last[0] = logp
         return {"seconds": t3 - t0, "export_s": t1 - t0, "load_s": t2 - t1, "first_request_s": t3 - t2,
                 "bytes": folder_bytes(path), "logp_change": change}
+
+    return run
+
+
+def sglang_memory_sync(url: str, model: str, probe: list[int], bucket_mb: float = 512.0,
+                       first_version: int = 3000, hf_config: dict | None = None):
+    """Full weights in memory on the SGLang server at ``url`` (same host), as rlx's SGLang policy
+    sends them with ``weight_sync="memory"``: buckets through one shared-memory buffer."""
+    from flax import nnx
+
+    from rlx.bench.workloads import load_model
+    from rlx.io.export import merged_tensors
+    from rlx.rollout.sglang.engine import SGLangEngine
+    from rlx.rollout.sglang.tensors import SharedStaging, payloads
+
+    m, _ = load_model(model, "f32", 0, hf_config=hf_config)
+    base = nnx.state(m, nnx.Param)
+    versions, last = itertools.count(first_version), [None]
+    staging, engine = SharedStaging(), SGLangEngine([url])
+    limit = int(bucket_mb * 2**20)
+
+    def run() -> dict:
+        v = next(versions)
+        nnx.update(m, _scaled(base, v - first_version + 1))
+        t0 = time.perf_counter()
+        engine.load_tensors(payloads(staging, merged_tensors(m), limit), v)
+        t1 = time.perf_counter()
+        logp = _probe(url, probe, v, None)
+        t2 = time.perf_counter()
+        change = _changed(last[0], logp, "SGLang memory")
+        last[0] = logp
+        return {"seconds": t2 - t0, "load_s": t1 - t0, "first_request_s": t2 - t1,
+                "bytes": sum(x.nbytes for _, x in merged_tensors(m)), "logp_change": change}
 
     return run

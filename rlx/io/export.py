@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -222,17 +222,24 @@ def _delta(model: Transformer, path: str) -> np.ndarray | None:
     return np.matmul(_np(lo.lora_a[...]), _np(lo.lora_b[...])) * np.float32(lo.scaling)
 
 
-def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
-    """HF-named float tensors of base (dequantized) + merged adapters."""
-    model, out = unrolled(model), {}
+def merged_tensors(model: Transformer, dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named float tensors of base (dequantized) + merged adapters, one rlx weight at a time
+    (a host holds one weight's tensors at once, not the model)."""
+    model = unrolled(model)
     for path, src in param_map(model.config).items():
         node = node_at(model, path)
         value = _value(node, np.float32)
         delta = _delta(model, path)
         if delta is not None:
             value = value + delta
+        out: dict[str, np.ndarray] = {}
         put_hf_layout(src, value.astype(_float_dtype(model, path, node, dtype)), out)
-    return out
+        yield from out.items()
+
+
+def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
+    """HF-named float tensors of base (dequantized) + merged adapters."""
+    return dict(merged_tensors(model, dtype))
 
 
 def _write_config(tmp: str, model: Transformer, dtype, qc: dict | None = None) -> None:

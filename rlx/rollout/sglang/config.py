@@ -22,6 +22,10 @@ class SGLangSection:
     startup_timeout_s: float = 900.0  # a launched server must answer /health within this
     request_timeout_s: float = 600.0  # per HTTP request (a whole completion)
     sync_base: bool = True  # attached servers: load rlx's exported base/weights at start
+    # full mode's weight updates: "memory" (buckets through shared memory, servers on this host;
+    # needs torch) or "disk" (a safetensors export the servers reload)
+    weight_sync: str = "memory"
+    sync_bucket_mb: float = 512.0  # "memory": at most this much of the model staged at once
 
     def validate(self, engine: str) -> None:
         if self.num_servers < 1 or self.tp_size < 1:
@@ -29,6 +33,11 @@ class SGLangSection:
         if self.startup_timeout_s <= 0 or self.request_timeout_s <= 0:
             raise ConfigError("config.rollout.sglang.startup_timeout_s and request_timeout_s "
                               "must be > 0")
+        if self.weight_sync not in ("memory", "disk"):
+            raise ConfigError(f"config.rollout.sglang.weight_sync={self.weight_sync!r}: use "
+                              "'memory' (shared memory, servers on the learner's host) or 'disk'")
+        if self.sync_bucket_mb <= 0:
+            raise ConfigError("config.rollout.sglang.sync_bucket_mb must be > 0")
         bad = [e for e in self.env if "=" not in e or not e.split("=", 1)[0]]
         if bad:
             raise ConfigError(f"config.rollout.sglang.env entry {bad[0]!r} must be 'NAME=value'")

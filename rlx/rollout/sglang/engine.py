@@ -11,15 +11,17 @@ or counted twice.
 Weight sync: LoRA mode hot-loads a PEFT adapter exported by rlx under a new name per policy version
 (``/load_lora_adapter``) and unloads the previous one (an unloaded name can silently come back from
 its old path, so names are never reused); full mode reloads full weights from an rlx export
-(``/update_weights_from_disk``). The engine records what it loaded (the full weights or base from
-disk, the adapter, the version) so that a server that restarted or had its weights changed by
+(``/update_weights_from_disk``) or takes them in memory (``load_tensors``, a weight-update session
+of ``/update_weights_from_tensor`` calls: ``rlx.rollout.sglang.tensors``). The engine records what
+it loaded (the full weights or base from disk, how to send the weights in memory again, the
+adapter, the version) so that a server that restarted or had its weights changed by
 someone else can be given rlx's weights again (``_restore``). Every answer's ``weight_version``
 is checked before it becomes a rollout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,6 +53,8 @@ class SGLangEngine:
         self.adapter: str | None = None  # name of the loaded LoRA adapter (LoRA mode)
         self._adapter_path: str | None = None
         self._disk_path: str | None = None  # full weights (full mode) or the base (LoRA mode) served
+        # full weights sent in memory: () -> (payloads, version, tp_size) of the current policy
+        self.reload: Callable[[], tuple[Iterable[str], int, int]] | None = None
         self.servers.version = (self._set_version(str(weight_version))
                                 if weight_version is not None else self._server_version())
         self.servers.restore = self._restore
@@ -162,18 +166,46 @@ class SGLangEngine:
             raise RolloutError(f"after loading {path}, SGLang reports weight_version "
                                f"{self.weight_version!r}, expected {version!r}")
 
+    def load_tensors(self, payloads: Iterable[str], version: int, tp_size: int = 1) -> None:
+        """Full mode: new weights in memory as policy ``version``, one ``/update_weights_from_tensor``
+        per payload (``rlx.rollout.sglang.tensors``; each is sent to every server before the next
+        is made) inside one weight-update session of every server."""
+        self._load_tensors(self.servers.broadcast, payloads, version, tp_size)
+        self._disk_path = None
+        self.servers.broadcast("/flush_cache", {})
+        self.servers.version = self._set_version(str(version))
+
+    @staticmethod
+    def _load_tensors(post: Callable[[str, dict], list[dict]], payloads: Iterable[str],
+                      version: int, tp_size: int) -> None:
+        for res in post("/begin_weight_update", {}):
+            if not res.get("success", False):
+                raise RolloutError(f"SGLang refused /begin_weight_update: {res.get('message')}")
+        try:
+            for payload in payloads:
+                for res in post("/update_weights_from_tensor", {
+                        "serialized_named_tensors": [payload] * tp_size, "flush_cache": False}):
+                    if not res.get("success", False):
+                        raise RolloutError("SGLang refused weights sent in memory: "
+                                           f"{res.get('message')}")
+        finally:
+            post("/end_weight_update", {})
+
     def _restore(self, url: str) -> None:
         """Give one server rlx's current weights again: the recorded weights or base from disk,
         the adapter, the version; aborts what it was generating meanwhile."""
         version = self.weight_version
-        if self._disk_path is None and self._adapter_path is None:
+        if self._disk_path is None and self._adapter_path is None and self.reload is None:
             served = self.servers.version_on(url)
             if served != version:
                 raise RolloutError(f"it serves weight_version {served!r} and rlx has loaded no "
                                    "weights it could load again (a server attached with a given "
                                    "weight_version): restart the server or the run")
             return
-        if self._disk_path is not None:  # the cache is flushed below, once nothing runs
+        if self.reload is not None and self._disk_path is None:  # weights sent in memory
+            self._load_tensors(lambda path, payload: [_admin(url, path, payload, self.timeout)],
+                               *self.reload())
+        elif self._disk_path is not None:  # the cache is flushed below, once nothing runs
             res = _admin(url, "/update_weights_from_disk", {
                 "model_path": self._disk_path, "weight_version": version,
                 "abort_all_requests": True, "flush_cache": False}, self.timeout)

@@ -14,8 +14,9 @@ it holds the learner's values exactly, not its own quantization of some other ch
 
 After every update (``update_weights(model, version)``) mode "lora" exports the new adapter to
 ``serving/adapter-<version>``, hot-loads it as ``policy-<version>`` and unloads (and deletes) the
-previous one; mode "full" re-exports ``serving/policy`` and reloads it with
-``/update_weights_from_disk``. ``SGLangEngine`` checks the ``weight_version`` of every response.
+previous one; mode "full" sends every weight in memory, in buckets through shared memory
+(``rollout.sglang.weight_sync="memory"``, ``rlx.rollout.sglang.tensors``), or re-exports
+``serving/policy`` and reloads it with ``/update_weights_from_disk`` (``"disk"``). ``SGLangEngine`` checks the ``weight_version`` of every response.
 ``close()`` stops the servers this object launched (their whole process groups); launched
 from the main thread they also die with the rlx process if it is killed (``rlx.rollout.sglang.server``).
 A server that dies, hangs or serves other weights mid-run is handled by ``SGLangEngine``
@@ -37,7 +38,7 @@ import jax
 import numpy as np
 
 from rlx.errors import ConfigError
-from rlx.io.export import export_base, export_merged, export_peft
+from rlx.io.export import export_base, export_merged, export_peft, merged_tensors
 from rlx.models.config import ModelConfig
 from rlx.models.loading import resolve_path
 from rlx.quant import formats
@@ -45,6 +46,7 @@ from rlx.quant.config import MLP_TARGETS, TARGET_MODULES, LoraConfig
 from rlx.rollout.serving import Serving
 from rlx.rollout.sglang.engine import SGLangEngine
 from rlx.rollout.sglang.server import ServerSpec, SGLangServer
+from rlx.rollout.sglang.tensors import SharedStaging, payloads
 from rlx.types import Prompt, Rollout, SamplingParams
 
 
@@ -113,6 +115,16 @@ def loads_export(serving: Serving) -> bool:
     return bool(serving.sglang.urls) and serving.sglang.sync_base
 
 
+def weight_sync(serving: Serving) -> tuple[str, int]:
+    """How an update reaches the servers: LoRA mode ``("adapter", 0)``; full mode
+    ``("memory", bucket bytes)`` or ``("disk", 0)`` (``rollout.sglang.weight_sync``)."""
+    if serving.lora is not None:
+        return "adapter", 0
+    s = serving.sglang
+    return (("memory", int(s.sync_bucket_mb * 2**20)) if s.weight_sync == "memory"
+            else ("disk", 0))
+
+
 def client_options(serving: Serving) -> dict:
     """``SGLangEngine`` settings of this policy's client: the request timeout, and the policy
     version the servers hold (none known yet for servers about to load rlx's export)."""
@@ -134,6 +146,9 @@ class SGLangPolicy:
         self.servers: list[SGLangServer] = []
         self.engine: SGLangEngine | None = None
         self._adapter_dir: str | None = None
+        # full mode: weight updates in memory through shared memory (rlx.rollout.sglang.tensors)
+        self.sync, self.bucket_bytes = weight_sync(serving)
+        self.staging = SharedStaging() if self.sync == "memory" else None
         try:
             self._start(model)
         except BaseException:
@@ -185,8 +200,18 @@ class SGLangPolicy:
         if self.lora:
             self._load_adapter(weights, version)
             return
-        path = export_merged(weights, os.path.join(self.dir, "policy"), str(version), self.dtype)
-        self.engine.update_weights_from_disk(path, version)
+        if self.staging is None:
+            path = export_merged(weights, os.path.join(self.dir, "policy"), str(version),
+                                 self.dtype)
+            self.engine.update_weights_from_disk(path, version)
+            return
+        self.engine.load_tensors(self._payloads(weights), version, self.serving.sglang.tp_size)
+        self.engine.reload = lambda: (self._payloads(weights), version,
+                                      self.serving.sglang.tp_size)
+
+    def _payloads(self, weights):
+        """Buckets of ``weights``' merged HF tensors, staged in shared memory one at a time."""
+        return payloads(self.staging, merged_tensors(weights, self.dtype), self.bucket_bytes)
 
     def _load_adapter(self, model, version: int) -> None:
         path = export_peft(model, self.serving.lora, os.path.join(self.dir, f"adapter-{version}"),
@@ -226,4 +251,4 @@ def _bfloat16():
 
 
 __all__ = ["SGLangPolicy", "check_servable", "client_options", "launch_specs", "loads_export",
-           "lora_server_args", "server_args"]
+           "lora_server_args", "server_args", "weight_sync"]

@@ -1,8 +1,8 @@
 """``rollout.engine = "sglang"``: config errors, and full mode (full weights) on a real CPU server.
 
 LoRA mode (base + hot-loaded adapters) on a real server is covered by ``tests/test_configs.py``
-(the SGLang recipes); here the full-weight path: launched at build from rlx's export, reloaded
-after every update with ``/update_weights_from_disk``, a second policy attached to the same server
+(the SGLang recipes); here the full-weight path: launched at build from rlx's export, sent in
+memory after every update (``weight_sync="memory"``, the default), a second policy attached to the same server
 (``urls``) pushing its own weights first (``sync_base``), and no process left after ``close()``.
 """
 
@@ -146,7 +146,8 @@ def test_full_weights_launched_synced_attached_and_stopped(tmp_path):
     attached = None
     try:
         (server,) = run.engine.servers
-        record = run.step()  # full weights re-exported and reloaded as version 1
+        record = run.step()  # full weights sent in memory as version 1 (queued after the step)
+        run.queue.wait_synced()
         assert run.engine.weight_version == 1 and record["learner/mismatch_abs_max"] < 5e-3
         prompts = next(run.data).prompts
         sampling = run._sampling()
@@ -165,7 +166,7 @@ def test_full_weights_launched_synced_attached_and_stopped(tmp_path):
         attach_cfg = copy.deepcopy(cfg)
         attach_cfg["output_dir"] = str(tmp_path / "attached")
         attach_cfg["rollout"]["sglang"] = {"urls": [server.url]}
-        attached = SGLangPolicy(parse_config(attach_cfg), other)
+        attached = SGLangPolicy(serving(parse_config(attach_cfg)), other)
         assert attached.servers == [] and attached.weight_version == 0
         outs, probe = _probe(attached, prompts, sampling)
         assert {r.weight_version for r in outs} == {0}

@@ -130,6 +130,31 @@ def test_full_weight_update_from_an_rlx_export(exported, server):
     engine.update_weights_from_disk(os.path.join(tmp, "v0"), version=0)  # restore
 
 
+def test_full_weight_update_in_memory_matches_the_learner(exported, server):
+    """Buckets through shared memory (two or more here: the limit is half the model's bytes); a
+    server given other weights meanwhile is sent rlx's again (a re-sync)."""
+    from rlx.io.export import merged_tensors
+    from rlx.rollout.sglang.tensors import SharedStaging, payloads
+
+    _, model = exported
+    new, staging = _perturbed(model), SharedStaging()
+    limit = sum(v.nbytes for _, v in merged_tensors(new)) // 2
+    sent = lambda m: payloads(staging, merged_tensors(m), limit)  # noqa: E731
+    assert len(list(sent(new))) >= 2
+    engine = SGLangEngine([server.url])
+    engine.load_tensors(sent(new), version=7)
+    engine.reload = lambda: (sent(new), 7, 1)
+    rollouts = engine.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=4))
+    assert {r.weight_version for r in rollouts} == {7}
+    probe = _probe(rollouts)
+    run_preflight(new, engine.score, probe, engine_name="sglang", base_format="f32", threshold=5e-3)
+    SGLangEngine([server.url]).load_tensors(sent(model), version=8)  # another client's weights
+    # the next answer carries version 8: the engine re-sends its weights and asks again
+    run_preflight(new, engine.score, probe, engine_name="sglang", base_format="f32", threshold=5e-3)
+    assert engine.resyncs == 1 and engine.servers.versions() == {"7"}
+    engine.update_weights_from_disk(os.path.join(exported[0], "v0"), version=0)  # restore
+
+
 def _wait_for_requests(log_path, n, timeout_s=120):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
