@@ -198,8 +198,8 @@ def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
 
 def _value(node, dtype=np.float32) -> np.ndarray:
     if isinstance(node, nnx.Variable):
-        return np.asarray(jax.device_get(node[...])).astype(dtype)
-    return np.asarray(jax.device_get(node.dequantize())).astype(dtype)
+        return np.asarray(jax.device_get(node[...])).astype(dtype, copy=False)
+    return np.asarray(jax.device_get(node.dequantize())).astype(dtype, copy=False)
 
 
 def _float_dtype(model: Transformer, path: str, node, dtype):
@@ -233,7 +233,7 @@ def merged_tensors(model: Transformer, dtype=np.float32) -> Iterator[tuple[str, 
         if delta is not None:
             value = value + delta
         out: dict[str, np.ndarray] = {}
-        put_hf_layout(src, value.astype(_float_dtype(model, path, node, dtype)), out)
+        put_hf_layout(src, value.astype(_float_dtype(model, path, node, dtype), copy=False), out)
         yield from out.items()
 
 
