@@ -313,7 +313,12 @@ class RunConfig:
 
     def _check_global_rollouts(self) -> None:
         """``distributed.rollouts="global"``: the built-in engine, single-turn completions (every
-        process runs every step alike; tool calls would run on each)."""
+        process runs every step alike; tool calls would run on each). SGLang is driven by
+        process 0 (``"primary"``)."""
+        if self.rollout.engine == "sglang" and self.distributed.rollouts == "per_host":
+            raise ConfigError("config.distributed.rollouts='per_host' with rollout.engine="
+                              "'sglang': process 0 sends every request to the servers and syncs "
+                              "them; use distributed.rollouts='primary'")
         if self.distributed.rollouts != "global":
             return
         if self.rollout.engine != "jax" or self.env.kind != "single":

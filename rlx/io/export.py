@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rlx.mesh import host_values
 from rlx.models.config import to_hf_config
 from rlx.models.decoder import Transformer
 from rlx.models.families import FAMILIES, family_of
@@ -197,9 +198,10 @@ def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
 
 
 def _value(node, dtype=np.float32) -> np.ndarray:
-    if isinstance(node, nnx.Variable):
-        return np.asarray(jax.device_get(node[...])).astype(dtype, copy=False)
-    return np.asarray(jax.device_get(node.dequantize())).astype(dtype, copy=False)
+    """A weight's (dequantized) value on the host. One spread over several processes' devices is
+    all-gathered: a collective, so every process reads the same weights in the same order."""
+    value = node[...] if isinstance(node, nnx.Variable) else node.dequantize()
+    return np.asarray(host_values(value)).astype(dtype, copy=False)
 
 
 def _float_dtype(model: Transformer, path: str, node, dtype):
@@ -242,7 +244,8 @@ def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndar
     return dict(merged_tensors(model, dtype))
 
 
-def _write_config(tmp: str, model: Transformer, dtype, qc: dict | None = None) -> None:
+def write_config(tmp: str, model: Transformer, dtype, qc: dict | None = None) -> None:
+    """``config.json`` of ``model`` in folder ``tmp`` (``torch_dtype``, optional quantization)."""
     hf_cfg = to_hf_config(model.config)
     hf_cfg["torch_dtype"] = np.dtype(dtype).name
     if qc:
@@ -254,7 +257,7 @@ def _write_config(tmp: str, model: Transformer, dtype, qc: dict | None = None) -
 def export_merged(model: Transformer, path: str, version: str, dtype=np.float32) -> str:
     """A plain HF folder with the adapters merged into the dequantized base."""
     def write(tmp: str) -> dict:
-        _write_config(tmp, model, dtype)
+        write_config(tmp, model, dtype)
         save_sharded(merged_state_dict(model, dtype), tmp)
         return {"dtype": np.dtype(dtype).name}
 
@@ -293,7 +296,7 @@ def export_base(model: Transformer, q: QuantConfig, path: str, version: str, dty
         return publish(path, version, "base", write_gguf)
 
     def write(tmp: str) -> dict:
-        _write_config(tmp, model, dtype, quantization_config(q))
+        write_config(tmp, model, dtype, quantization_config(q))
         save_sharded(base_state_dict(model, q, dtype), tmp)
         return {"serving": q.serving, "format": q.format}
 
@@ -326,7 +329,7 @@ def export_critic(critic: Transformer, head: dict, path: str, version: str,
         return export_peft(critic, lora, path, version, base_model_name_or_path, head=score)
 
     def write(tmp: str) -> dict:
-        _write_config(tmp, critic, dtype)
+        write_config(tmp, critic, dtype)
         tensors = merged_state_dict(critic, dtype)
         save_sharded({**tensors, **{k: v.astype(dtype) for k, v in score.items()}}, tmp)
         return {"dtype": np.dtype(dtype).name, "value_head": "score"}

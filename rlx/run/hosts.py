@@ -64,6 +64,7 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig
 from rlx.data.pipeline import PromptBatch
 from rlx.errors import ConfigError
+from rlx.io.export import merged_tensors
 from rlx.learner.batching import shard_batch
 from rlx.learner.step import Compiled
 from rlx.mesh import MeshShape, make_mesh
@@ -111,13 +112,16 @@ class Hosts:
 
     rollouts: str = "primary"  # "global" | "primary" | "per_host" (config.distributed.rollouts)
     data_shards: int = 0  # 0: one per process
+    streams: bool = False  # SGLang full mode in memory: every process streams the weights
     index: int = dataclasses.field(default_factory=jax.process_index)
     count: int = dataclasses.field(default_factory=jax.process_count)
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> "Hosts":
         """From ``config.distributed`` (after ``jax.distributed`` is up); checks the data split."""
-        hosts = cls(cfg.distributed.rollouts, cfg.distributed.data_shards)
+        streams = (cfg.rollout.engine == "sglang" and cfg.train.mode == "full"
+                   and cfg.rollout.sglang.weight_sync == "memory")
+        hosts = cls(cfg.distributed.rollouts, cfg.distributed.data_shards, streams)
         shards, per_step = hosts.shards, cfg.data.prompts_per_step
         if shards % hosts.count:
             raise ConfigError(f"config.distributed.data_shards={shards} is not a multiple of the "
@@ -164,9 +168,10 @@ class Hosts:
         if not self.multi:
             return make(compiled, mesh)
         engine = None
-        host = None if self.spmd else self._host_copy(compiled)  # collective: every process
+        on_device = self.spmd or self.streams  # the engine reads (or streams) the learner's arrays
+        host = None if on_device else self._host_copy(compiled)  # collective: every process
         try:
-            if self.spmd:
+            if on_device and self.runs_engine:
                 engine = make(compiled, mesh)
             elif self.runs_engine:
                 engine = make(host, local_mesh(mesh))
@@ -179,14 +184,40 @@ class Hosts:
             if engine is not None:  # another process failed: stop this one's servers
                 engine.close()
             raise
+        if self.streams:
+            self.push_weights(engine, compiled, 0)
         return engine
 
-    @staticmethod
-    def _host_copy(compiled: Compiled) -> Compiled:
-        """``compiled`` with the policy's parameters and frozen base as host numpy (collective)."""
+    def _host_copy(self, compiled: Compiled, everywhere: bool = False) -> Compiled:
+        """``compiled`` with the policy's parameters and frozen base as host numpy (collective):
+        on every process with ``"per_host"`` (or ``everywhere``), else on process 0 alone (the
+        others gather each array in turn and drop it, keeping shapes only)."""
+        fetch = (multihost.to_host if everywhere or self.rollouts == "per_host"
+                 else multihost.to_primary)
         return dataclasses.replace(compiled, state=compiled.state.replace(
-            params=multihost.to_host(compiled.state.params),
-            frozen=multihost.to_host(compiled.state.frozen)))
+            params=fetch(compiled.state.params), frozen=fetch(compiled.state.frozen)))
+
+    def push_weights(self, engine: RolloutEngine | None, compiled: Compiled, version: int) -> None:
+        """SGLang full mode in memory (``streams``): every process reads the model's weights one
+        at a time, each all-gathered (``rlx.io.export.merged_tensors``, a collective per
+        weight), and process 0's policy sends them in buckets (``SGLangPolicy.send_tensors``).
+        No host holds the model. An error on process 0 is raised on every process once all of
+        them have read every weight."""
+        tensors = merged_tensors(compiled.model(), engine.dtype if engine is not None else np.float32)
+        error = None
+        if engine is not None:
+            try:
+                engine.send_tensors(tensors, version)
+            except Exception as e:  # noqa: BLE001 - shared below, then raised
+                error = e
+        for _ in tensors:  # the weights process 0 did not take (all of them elsewhere)
+            pass
+        shared = multihost.broadcast_object(None if error is None
+                                            else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if shared is not None:
+            raise RuntimeError(f"process 0 of the run failed to send the weights: {shared}")
 
     def _agree_on_failure(self, error: BaseException | None) -> None:
         """Share this process's error; raise on a process that had none when another had one."""
@@ -263,9 +294,24 @@ class Hosts:
             return compiled.model()
         return multihost.to_host(compiled.state.params)
 
+    def sync(self, queue: Any, engine: RolloutEngine | None, compiled: Compiled,
+             version: int) -> None:
+        """After an update, the learner's weights to the engine as ``version``: queued behind
+        what the engine runs (``RolloutQueue.sync``); streamed (``push_weights``) on this thread,
+        every process together, once the engine is idle."""
+        if self.multi and self.streams:
+            queue.wait()
+            self.push_weights(engine, compiled, version)
+            return
+        queue.sync(self.engine_weights(compiled), version)
+
     def sync_weights(self, engine: RolloutEngine | None, compiled: Compiled, version: int) -> None:
         """The learner's current weights to the engine as ``version``: one process (or "global")
-        the whole model; else the trainable variables (all-gathered), where an engine runs."""
+        the whole model; streamed (``push_weights``); else the trainable variables
+        (all-gathered), where an engine runs."""
+        if self.multi and self.streams:
+            self.push_weights(engine, compiled, version)
+            return
         if not self.multi or self.spmd:
             engine.update_weights(compiled.model(), version)
             return
@@ -278,7 +324,7 @@ class Hosts:
         export from it)."""
         if not self.multi:
             return compiled.model()
-        return self._host_copy(compiled).model()
+        return self._host_copy(compiled, everywhere=True).model()
 
     def preflight_model(self, compiled: Compiled) -> nnx.Module:
         """The learner's model the parity preflight scores with: its own arrays where every

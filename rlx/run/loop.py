@@ -134,7 +134,7 @@ class Run:
                 learned = self.learner.update(prepared, self.step_count)
             with timer("sync"):
                 self.step_count += 1
-                self.queue.sync(self.hosts.engine_weights(self.compiled), self.step_count)
+                self.hosts.sync(self.queue, self.engine, self.compiled, self.step_count)
         record = {**learned, **self._record(rollouts, rewards, keep, timer.times, cost)}
         self._log(record, rollouts, texts, rewards, reasons)
         self._check_numerics(record)
@@ -151,7 +151,7 @@ class Run:
                                            self.tokenizer, self.prompt_format, batch.examples)
             with timer("sync"):
                 self.step_count += 1
-                self.queue.sync(self.hosts.engine_weights(self.compiled), self.step_count)
+                self.hosts.sync(self.queue, self.engine, self.compiled, self.step_count)
         record = {**record, **timer.times, "learner/skipped": record["dpo/skipped"]}
         self.metrics.append({"step": self.step_count, **record})
         self.logger.log(self.step_count, record)

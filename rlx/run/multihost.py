@@ -226,6 +226,16 @@ def to_host(tree: Any) -> Any:
     return host_values(tree)
 
 
+def to_primary(tree: Any) -> Any:
+    """``to_host`` kept on process 0 alone: every array is gathered in turn (a collective) and
+    dropped on the other processes, which keep its shape (``jax.ShapeDtypeStruct``)."""
+    def one(x):
+        value = host_values(x)
+        return value if is_primary() else jax.ShapeDtypeStruct(value.shape, value.dtype)
+
+    return jax.tree.map(one, tree)
+
+
 def _encode(obj: Any) -> np.ndarray:
     return np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
 

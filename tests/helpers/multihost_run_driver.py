@@ -34,7 +34,28 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=0, help="config.train.max_staleness")
     p.add_argument("--train", action="store_true", help="Run.train (preflight, evaluations, "
                    "checkpoints) instead of bare steps")
+    p.add_argument("--sglang", choices=("", "lora", "full"), default="",
+                   help="rollouts from an SGLang server launched by process 0, in this mode")
     return p.parse_args(argv)
+
+
+def _sglang(c: dict, mode: str, output_dir: str) -> None:
+    """``c`` with rollouts from one CPU SGLang server (tests.helpers.sglang_harness); mode
+    "full": full-parameter training on fsdp=8 with a step size that moves the log-probs."""
+    from tests.helpers.sglang_harness import SGLANG_PYTHON, cpu_server_args, cpu_server_env
+
+    env = [f"{k}={v}" for k, v in cpu_server_env(os.path.join(output_dir, "harness"))]
+    lora = ["--lora-backend", "torch_native"] if mode == "lora" else []
+    c["rollout"].update(engine="sglang", sglang=dict(python=SGLANG_PYTHON, env=env,
+                                                     extra_args=list(cpu_server_args()) + lora))
+    c["quant"]["serving"] = "hf"  # a CPU server serves no quantized base
+    c["data"]["eval_size"] = 0
+    c["optim"]["learning_rate"] = 1e-2 if mode == "lora" else 1e-3  # one step moves log-probs
+    if mode == "full":
+        c["train"]["mode"] = "full"
+        c["quant"]["format"] = "none"
+        c["loss"]["kl_coef"] = 0.0
+        c["mesh"].update(data=1, fsdp=8)
 
 
 def _config(args: argparse.Namespace, resume: bool = False) -> dict:
@@ -51,6 +72,8 @@ def _config(args: argparse.Namespace, resume: bool = False) -> dict:
     c["distributed"] = dict(enabled=args.num_processes > 1, coordinator_address=args.coordinator,
                             num_processes=args.num_processes, process_id=args.process_id,
                             rollouts=args.rollouts, data_shards=2)
+    if args.sglang:
+        _sglang(c, args.sglang, args.output_dir)
     return c
 
 
@@ -124,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
     preflight = [r["preflight/max_abs"] for r in current.metrics if "preflight/max_abs" in r]
     texts = current.generate(["What is 2 + 3?"], max_new_tokens=4)
     exported = current.export(os.path.join(args.output_dir, "export"))
+    version = current.engine.weight_version if current.engine is not None else -1
     current.close()
     if not multihost.is_primary():
         return None
@@ -136,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
     out["generated"] = np.array(texts)
     out["exported"] = np.array(sorted(os.listdir(exported["policy"])))
     out["steps"] = np.array(current.step_count)
+    out["engine_version"] = np.array(version)
     out["process_count"] = np.array(jax.process_count())
     out["device_count"] = np.array(jax.device_count())
     return out

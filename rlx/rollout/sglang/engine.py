@@ -203,8 +203,14 @@ class SGLangEngine:
                                    "weight_version): restart the server or the run")
             return
         if self.reload is not None and self._disk_path is None:  # weights sent in memory
-            self._load_tensors(lambda path, payload: [_admin(url, path, payload, self.timeout)],
-                               *self.reload())
+            try:
+                self._load_tensors(lambda path, payload: [_admin(url, path, payload, self.timeout)],
+                                   *self.reload())
+            except (RolloutError, requests.RequestException):
+                raise
+            except Exception as e:  # noqa: BLE001 - e.g. the learner's arrays are gone: say so
+                raise RolloutError(f"sending rlx's weights again failed ({type(e).__name__}: "
+                                   f"{e}); the next update sends them") from e
         elif self._disk_path is not None:  # the cache is flushed below, once nothing runs
             res = _admin(url, "/update_weights_from_disk", {
                 "model_path": self._disk_path, "weight_version": version,

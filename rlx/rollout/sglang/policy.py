@@ -23,8 +23,13 @@ A server that dies, hangs or serves other weights mid-run is handled by ``SGLang
 (``rlx.rollout.dispatch``): its requests go to the other servers and it is re-synced
 when it answers again; with none left the run stops with a ``RolloutError``.
 
-Multi-host runs are refused for now: every JAX process would send its own requests; use the
-built-in engine there (``rollout.engine = "jax"``).
+With several JAX processes (``distributed.rollouts="primary"``) process 0 holds this policy: it
+launches the servers on its host and sends every request. Mode "lora" builds it from a host copy
+of the base gathered to process 0 alone (exported once, then dropped: the policy keeps the
+adapters beside an abstract base) and ships each new adapter from process 0 (the adapters are
+gathered, nothing else). Mode "full" starts the servers from ``config.json`` with dummy weights
+and every process streams the weights in memory (``rlx.run.hosts``: one weight gathered at a
+time, process 0 sending the buckets): no host holds the model and nothing goes to disk.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from rlx.errors import ConfigError
-from rlx.io.export import export_base, export_merged, export_peft, merged_tensors
+from rlx.io.export import (export_base, export_merged, export_peft, merged_tensors, publish,
+                           write_config)
 from rlx.models.config import ModelConfig
 from rlx.models.loading import resolve_path
 from rlx.quant import formats
@@ -53,10 +60,10 @@ from rlx.types import Prompt, Rollout, SamplingParams
 def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1) -> None:
     """Refuse, as a ``ConfigError`` naming the fields, what SGLang cannot serve for this run."""
     q, lora = serving.quant, serving.lora
-    if process_count > 1:
-        raise ConfigError(f"config.rollout.engine='sglang' with {process_count} JAX processes: "
-                          "multi-host runs drive the built-in engine (rollout.engine='jax'); "
-                          "SGLang needs a single learner process for now")
+    if process_count > 1 and lora is None and serving.sglang.weight_sync == "disk":
+        raise ConfigError(f"config.rollout.sglang.weight_sync='disk' with {process_count} JAX "
+                          "processes would gather the whole model to one host to export it: "
+                          "use weight_sync='memory' (the processes stream it to the servers)")
     if q.serving_spec.source_file and (serving.model.shrink.enabled
                                        or not q.spec.keeps_file_blocks):
         raise ConfigError("config.quant.serving='gguf' serves the GGUF file the base was loaded "
@@ -92,6 +99,8 @@ def server_args(serving: Serving, model: ModelConfig, index: int) -> tuple[str, 
         args += ("--base-gpu-id", str(index * s.tp_size))
     if serving.lora is not None and "--enable-lora" not in s.extra_args:
         args += lora_server_args(serving.lora, model)
+    if weight_sync(serving)[0] == "memory":  # it starts from config.json; weights come in memory
+        args += ("--load-format", "dummy")
     return args + tuple(s.extra_args)  # last: the user's flags win
 
 
@@ -158,21 +167,32 @@ class SGLangPolicy:
     # --- build ----------------------------------------------------------------------------
     def _start(self, model) -> None:
         s = self.serving.sglang
-        served = self._export_served(model)
+        served = self._served(model)
         urls = list(s.urls) or self._launch(served, model.config)
         self.engine = SGLangEngine(urls, **client_options(self.serving),
                                    processes={server.url: server for server in self.servers})
-        if loads_export(self.serving):
+        if self.staging is not None:
+            # several processes: the run sends them, a collective of every process (rlx.run.hosts)
+            if (not s.urls or s.sync_base) and jax.process_count() == 1:
+                self.update_weights(model, 0)
+        elif loads_export(self.serving):
             self.engine.update_weights_from_disk(served, version=0)
         elif not s.urls and os.path.isdir(served):  # a re-sync can load rlx's export again
             self.engine.record_served(served)
         if self.lora:
             self._load_adapter(model, 0)
+            if jax.process_count() > 1:  # adapters come as nnx.State: kept beside an abstract base
+                self._model = _adapters_only(model)
 
-    def _export_served(self, model) -> str:
-        """Mode "lora": the frozen base; "full": all weights. Returns the path servers load."""
+    def _served(self, model) -> str:
+        """What servers load at start: mode "lora" the frozen base; "full" all weights, or with
+        ``weight_sync="memory"`` only ``config.json`` (launched with ``--load-format dummy``:
+        the weights then come in memory). Returns the path."""
         if not self.lora:
-            return export_merged(model, os.path.join(self.dir, "policy"), "0", self.dtype)
+            path = os.path.join(self.dir, "policy")
+            if self.staging is None:
+                return export_merged(model, path, "0", self.dtype)
+            return publish(path, "0", "config", lambda tmp: write_config(tmp, model, self.dtype))
         q = self.serving.quant
         gguf = resolve_path(self.serving.model.path) if q.serving_spec.source_file else None
         path = export_base(model, q, os.path.join(self.dir, "base"), "0", self.dtype, gguf_file=gguf)
@@ -196,8 +216,12 @@ class SGLangPolicy:
 
     # --- weights --------------------------------------------------------------------------
     def update_weights(self, weights, version: int) -> None:
-        """Serve ``weights`` (the whole model, an ``nnx.Module``) as policy ``version``."""
+        """Serve ``weights`` as policy ``version``: the whole model (an ``nnx.Module``), or in
+        LoRA mode with several processes the adapters (an ``nnx.State`` on the host)."""
         if self.lora:
+            if isinstance(weights, nnx.State):
+                nnx.update(self._model, weights)
+                weights = self._model
             self._load_adapter(weights, version)
             return
         if self.staging is None:
@@ -211,7 +235,19 @@ class SGLangPolicy:
 
     def _payloads(self, weights):
         """Buckets of ``weights``' merged HF tensors, staged in shared memory one at a time."""
-        return payloads(self.staging, merged_tensors(weights, self.dtype), self.bucket_bytes)
+        return self.payloads(merged_tensors(weights, self.dtype))
+
+    def payloads(self, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[str]:
+        """``/update_weights_from_tensor`` payloads of HF-named host tensors (memory mode)."""
+        return payloads(self.staging, tensors, self.bucket_bytes)
+
+    def send_tensors(self, tensors: Iterable[tuple[str, np.ndarray]], version: int) -> None:
+        """Full mode in memory: serve HF-named host ``tensors`` (every weight, consumed in order)
+        as policy ``version``. A re-sync after this sends ``tensors`` again only if the run has
+        sent nothing since: with several processes a server that lost its weights is taken out
+        of rotation until the next update reaches it (``rlx.run.hosts``)."""
+        self.engine.load_tensors(self.payloads(tensors), version, self.serving.sglang.tp_size)
+        self.engine.reload = None
 
     def _load_adapter(self, model, version: int) -> None:
         path = export_peft(model, self.serving.lora, os.path.join(self.dir, f"adapter-{version}"),
@@ -242,6 +278,14 @@ class SGLangPolicy:
         if self.servers:
             with concurrent.futures.ThreadPoolExecutor(len(self.servers)) as pool:
                 list(pool.map(lambda server: server.stop(), self.servers))  # in parallel
+
+
+def _adapters_only(model):
+    """``model`` with every variable but its adapters abstract (shapes only): what a LoRA export
+    reads, without the host copy of the base."""
+    graphdef, adapters, rest = nnx.split(model, nnx.LoRAParam, ...)
+    rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
+    return nnx.merge(graphdef, adapters, rest)
 
 
 def _bfloat16():

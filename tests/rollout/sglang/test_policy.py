@@ -59,8 +59,15 @@ def test_what_sglang_cannot_serve_is_refused_before_anything_starts(tmp_path):
     attach = {"rollout.engine": "sglang", "rollout.sglang.urls": ["http://h:1"]}
     ok = parse_config(_tiny(tmp_path, **attach))
     check_servable(serving(ok), dense)
-    with pytest.raises(ConfigError, match="multi-host runs drive the built-in engine"):
-        check_servable(serving(ok), dense, process_count=2)
+    check_servable(serving(ok), dense, process_count=2)  # LoRA: process 0 ships the adapters
+    full = {**attach, "train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0}
+    check_servable(serving(parse_config(_tiny(tmp_path, **full))), dense, process_count=2)
+    on_disk = parse_config(_tiny(tmp_path, **full, **{"rollout.sglang.weight_sync": "disk"}))
+    check_servable(serving(on_disk), dense)
+    with pytest.raises(ConfigError, match="weight_sync='disk' with 2 JAX processes"):
+        check_servable(serving(on_disk), dense, process_count=2)
+    with pytest.raises(ConfigError, match="use distributed.rollouts='primary'"):
+        parse_config(_tiny(tmp_path, **attach, **{"distributed.rollouts": "per_host"}))
     gguf = parse_config(_tiny(tmp_path, **attach, **{"quant.format": "gguf", "quant.serving": "gguf"}))
     with pytest.raises(ConfigError, match="no model.shrink .* use quant.serving='hf'"):
         check_servable(serving(gguf), dense)
@@ -98,7 +105,9 @@ def test_launch_flags_place_servers_on_their_gpus(tmp_path):
     full = parse_config(_tiny(tmp_path, **{"rollout.engine": "sglang", "rollout.sglang.urls": ["u"],
                                            "train.mode": "full", "quant.format": "none",
                                            "loss.kl_coef": 0.0}))
-    assert server_args(serving(full), dense, 0) == ("--skip-tokenizer-init", "--sleep-on-idle")
+    # full weights come in memory: the server starts from config.json with dummy weights
+    assert server_args(serving(full), dense, 0) == ("--skip-tokenizer-init", "--sleep-on-idle",
+                                                    "--load-format", "dummy")
 
 
 # --- full mode on a real server ----------------------------------------------------------------------
