@@ -146,7 +146,7 @@ class LossMetrics(NamedTuple):
 
 class ValueMetrics(NamedTuple):
     value_loss: Scalar
-    clip_frac: Scalar  # tokens where the clipped error is the larger one
+    clip_frac: Scalar  # tokens whose clipped value's error is the larger one (clipped tokens only)
     value_mean: Scalar
 
 
@@ -399,11 +399,16 @@ def value_loss(
 ) -> tuple[Scalar, ValueMetrics]:
     """PPO clipped value loss (Schulman et al. 2017, as in the OpenAI baselines ppo2 code):
 
-    0.5 * max((v - R)^2, (v_old + clip(v - v_old, -clip, clip) - R)^2), aggregated over the mask.
+    0.5 * max((v - R)^2, (clip(v, v_old - clip, v_old + clip) - R)^2), aggregated over the mask.
+
+    The clipped value is v itself inside the band (clipped to the band's edges, not rebuilt as
+    v_old + clip(v - v_old), which in f32 can miss v by an ulp), so ``clip_frac`` counts exactly
+    the tokens whose v left the band and whose clipped error is the larger (verl's and TRL's
+    ``vf_clipfrac``).
     """
     mask = _f32(mask)
     values, old_values, returns = (_on_mask(x, mask) for x in (values, old_values, returns))
-    v_clipped = old_values + jnp.clip(values - old_values, -clip, clip)  # [B, T]
+    v_clipped = jnp.clip(values, old_values - clip, old_values + clip)  # [B, T]
     err = jnp.square(values - returns)  # [B, T]
     err_clipped = jnp.square(v_clipped - returns)  # [B, T]
     loss = aggregate(0.5 * jnp.maximum(err, err_clipped), mask, aggregation)

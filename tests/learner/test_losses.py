@@ -323,6 +323,23 @@ def test_value_loss_golden():
     assert float(m.value_mean) == pytest.approx(1.5)
 
 
+def test_value_clip_frac_counts_exactly_the_clipped_tokens():
+    # clip 0.2, three tokens (values, old, returns):
+    # token 0: v -0.04, old -0.2, R -0.04: |v - old| = 0.16 < 0.2, v stays itself: errors 0 and 0.
+    #   (In f32, old + (v - old) is -0.04 - 7.45e-9, whose error 5.6e-17 > 0 counted it clipped.)
+    # token 1: v 1.0, old 0.5, R 2.0: clipped to 0.7, error 1.69 > 1 -> counted (the clip acts)
+    # token 2: v 1.0, old 0.5, R 0.0: clipped to 0.7, error 0.49 < 1 -> not counted (the
+    #   unclipped error is the larger: verl's and TRL's vf_clipfrac count it neither)
+    # loss = 0.5 * (0 + 1.69 + 1) / 3 = 0.448333 ; clip_frac 1 / 3
+    values, old, returns = (jnp.array([x], jnp.float32) for x in (
+        [-0.04, 1.0, 1.0], [-0.2, 0.5, 0.5], [-0.04, 2.0, 0.0]))
+    loss, m = L.value_loss(values, old, returns, jnp.ones((1, 3)), clip=0.2)
+    assert float(loss) == pytest.approx(0.5 * 2.69 / 3, abs=1e-6)
+    assert float(m.clip_frac) == pytest.approx(1 / 3)
+    _, alone = L.value_loss(values[:, :1], old[:, :1], returns[:, :1], jnp.ones((1, 1)), clip=0.2)
+    assert float(alone.clip_frac) == 0.0
+
+
 def test_dpo_loss_golden():
     # beta 0.1: chosen reward 0.1 * (-10 - -12) = 0.2 ; rejected 0.1 * (-15 - -14) = -0.1
     # h = 0.3 ; loss = -log sigmoid(0.3) = log(1 + e^-0.3) = 0.5543552
