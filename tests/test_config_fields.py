@@ -69,6 +69,7 @@ EFFECTS = {
     "loss.policy_loss": ("loss", "gspo", {}),
     "loss.clip_eps_low": ("loss", 0.05, {}),
     "loss.clip_eps_high": ("loss", 0.5, {}),
+    "loss.clip_ratio_c": ("loss", 1.5, {}),
     "loss.aggregation": ("loss", "seq-mean-token-sum", {}),
     "loss.norm_length": ("loss", 3, {"loss.aggregation": "seq-mean-token-sum-norm",
                                      "loss.norm_length": 8}),
