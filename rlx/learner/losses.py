@@ -238,7 +238,11 @@ def aggregate(
 
 
 def kl_penalty(logp: PerToken, ref_logp: PerToken, estimator: str = "k3") -> PerToken:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (k1, k2 or k3)."""
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (k1, k2 or k3).
+
+    Departure from verl's "low_var_kl" (its k3): nothing is clamped here, where verl clamps
+    log(pi_ref / pi) to [-20, 20] and the k3 value to [-10, 10]; the two agree inside those bounds.
+    """
     one_of("kl_estimator", estimator, KL_ESTIMATORS)
     log_ratio = logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)  # log pi / pi_ref
     if estimator == "k1":
