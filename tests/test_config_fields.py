@@ -144,6 +144,9 @@ EFFECTS = {
     "env.format_coef": ("env", 0.5, TOOLS),
     "env.demo": ("env", True, TOOLS),
     "env.assistant_prefix": ("env", "<tool_call>\n", TOOLS),
+    # tiny's SmolLM2 template shows no family syntax (auto: hermes); the policy's <tool_call>
+    # blocks are no calls in Llama's JSON format
+    "env.tool_format": ("env", "llama3_json", TOOLS),
 }
 SECTIONS = {"loss": LossConfig, "train": TrainSection, "rollout": RolloutSection,
             "rollout.sglang": SGLangSection, "rollout.jax": JaxSection, "env": EnvSection}
