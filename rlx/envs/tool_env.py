@@ -77,9 +77,9 @@ class ToolEnv:
             last = max(i for i, m in enumerate(messages) if m.role == "user")
             messages[last:last] = self.config.demonstration
         specs = tuple(t.spec() for t in self.tools.values())
-        fmt = self.config.prompt_format
+        fmt = self.config.prompt_format  # the driver renders in the format calls are read in
         return Observation(tuple(messages), specs if fmt.offer_tools else (),
-                           self.config.assistant_prefix, fmt.tool_format)
+                           self.config.assistant_prefix, fmt.tool_format or DEFAULT)
 
     def step(self, action_text: str) -> StepResult:
         if self._example is None:
