@@ -1,6 +1,6 @@
 """Tool-call formats, one module per model family's syntax, and the registry that picks one.
 
-* ``hermes`` - `<tool_call>{"name", "arguments"}</tool_call>` (Qwen2.5/3, Hermes, GLM-4.5, and
+* ``hermes`` - `<tool_call>{"name", "arguments"}</tool_call>` (Qwen2.5/3, Hermes, and
   rlx's own tool preamble for templates that cannot render tools, e.g. SmolLM2's);
 * ``llama3_json`` - `{"name", "parameters"}` JSON, optionally after `<|python_tag|>` (Llama 3.1+);
 * ``deepseek_v3`` - `<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>` sections (DeepSeek-V3, R1);
@@ -10,6 +10,9 @@
 each format lists (``ToolFormat.markers``); a template with none of them (or no template) gets
 ``hermes``, the format rlx's own tool preamble teaches. The records every format produces are in
 ``base``; ``rlx.rewards.tool_calls`` parses a turn in a named format.
+
+Not covered: GLM-4.5's template also opens calls with `<tool_call>`, but writes the name and then
+`<arg_key>`/`<arg_value>` pairs, not JSON; it detects as ``hermes`` and its calls read as errors.
 """
 
 from __future__ import annotations
