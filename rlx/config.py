@@ -185,6 +185,10 @@ class EnvSection:
     # text the first assistant turn opens with, written into the prompt and not sampled (e.g.
     # "<tool_call>\n": the model completes a call rather than choosing to make one); "" none
     assistant_prefix: str = ""
+    # the model's tool-call syntax, for episodes and train.reward="tool_call": "auto" the one its
+    # chat template shows (hermes when none) | hermes | llama3_json | deepseek_v3 | harmony
+    # (rlx.rewards.tool_formats; checked when the run is built)
+    tool_format: str = "auto"
 
     def validate(self) -> None:
         one_of("config.env.kind", self.kind, ENV_KINDS)

@@ -166,6 +166,7 @@ class StepMetrics(NamedTuple):
     clip_frac_low: Scalar
     clip_frac_high: Scalar
     clip_frac: Scalar  # tokens whose gradient the clip removed (low + high)
+    clip_frac_dual: Scalar  # A < 0 tokens whose loss the dual clip bounded (loss.clip_ratio_c)
     approx_kl: Scalar  # k3 estimate of KL(pi_old || pi) over the update's tokens
     ratio_mean: Scalar
     ratio_min: Scalar

@@ -69,6 +69,7 @@ EFFECTS = {
     "loss.policy_loss": ("loss", "gspo", {}),
     "loss.clip_eps_low": ("loss", 0.05, {}),
     "loss.clip_eps_high": ("loss", 0.5, {}),
+    "loss.clip_ratio_c": ("loss", 1.5, {}),
     "loss.aggregation": ("loss", "seq-mean-token-sum", {}),
     "loss.norm_length": ("loss", 3, {"loss.aggregation": "seq-mean-token-sum-norm",
                                      "loss.norm_length": 8}),
@@ -145,6 +146,9 @@ EFFECTS = {
     "env.format_coef": ("env", 0.5, TOOLS),
     "env.demo": ("env", True, TOOLS),
     "env.assistant_prefix": ("env", "<tool_call>\n", TOOLS),
+    # tiny's SmolLM2 template shows no family syntax (auto: hermes); the policy's <tool_call>
+    # blocks are no calls in Llama's JSON format
+    "env.tool_format": ("env", "llama3_json", TOOLS),
 }
 SECTIONS = {"loss": LossConfig, "train": TrainSection, "rollout": RolloutSection,
             "rollout.sglang": SGLangSection, "rollout.jax": JaxSection, "env": EnvSection}

@@ -1,11 +1,14 @@
 """Chat rendering shared by the prompt pipeline and the tool-use environments.
 
-Models differ in what their chat template knows about tools. A template that mentions `tools`
-(Qwen2.5/3, Llama 3.1, Hermes) renders the tool specs itself; for one that does not (SmolLM2,
-plain ChatML) the specs are written into the system message in the Hermes layout: JSON schemas
-inside `<tools></tools>` and the `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` call
-format. Likewise a template that does not write `<tool_response>` itself gets tool results
-already wrapped in it (`wrap_tool_response`).
+Models differ in what their chat template knows about tools, and in the syntax their calls take
+(`rlx.rewards.tool_formats`: the format is the one the template shows, `detect_format`, unless
+`PromptFormat.tool_format` names one). A template that mentions `tools` (Qwen2.5/3, Llama 3.1,
+gpt-oss) renders the tool specs itself; for one that does not (SmolLM2, plain ChatML,
+DeepSeek-V3) the specs are written into the system message with the format's preamble (for
+Hermes: JSON schemas inside `<tools></tools>` and the `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>` call syntax). Tool results are `tool` messages the template renders in the
+family's own tokens; only the Hermes format, under a template that does not write
+`<tool_response>` itself, gets them already wrapped in it (`wrap_tool_response`).
 """
 
 from __future__ import annotations
@@ -17,15 +20,7 @@ from typing import Any
 
 from rlx.data.sources import Example, Message
 from rlx.models.tokenizer import Tokenizer
-
-TOOLS_PREAMBLE = (
-    "You can call functions to help with the task. Their signatures are the JSON schemas "
-    "inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
-    "To call a function, write a JSON object with its name and arguments inside "
-    "<tool_call></tool_call> tags, one call per block:\n"
-    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>\n'
-    "Results come back inside <tool_response></tool_response> tags."
-)
+from rlx.rewards.tool_formats import DEFAULT, ToolFormat, detect_format, get_format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +32,20 @@ class PromptFormat:
     template: applied to the last user message; "{prompt}" is replaced by its text (plain
         replacement, so LaTeX braces need no escaping).
     offer_tools: show the example's tools to the model.
+    tool_format: the tool-call format (a name of `rlx.rewards.tool_formats.FORMATS`); None: the
+        one the tokenizer's chat template shows (`detect_format`).
     """
 
     system_prompt: str | None = None
     template: str = "{prompt}"
     offer_tools: bool = True
+    tool_format: str | None = None
 
     def __post_init__(self):
         if "{prompt}" not in self.template:
             raise ValueError("PromptFormat.template must contain '{prompt}'")
+        if self.tool_format is not None:
+            get_format(self.tool_format)
 
 
 def template_renders_tools(tokenizer: Tokenizer) -> bool:
@@ -53,15 +53,22 @@ def template_renders_tools(tokenizer: Tokenizer) -> bool:
     return "tools" in (tokenizer.chat_template or "")
 
 
-def wrap_tool_response(tokenizer: Tokenizer) -> bool:
-    """Whether tool results must be wrapped in `<tool_response>` before rendering."""
-    return "tool_response" not in (tokenizer.chat_template or "")
+def chat_tool_format(tokenizer: Tokenizer, tool_format: str | None = None) -> ToolFormat:
+    """The format ``tool_format`` names, or the one the tokenizer's chat template shows."""
+    return get_format(tool_format or detect_format(tokenizer.chat_template))
 
 
-def tools_system_text(tools: Sequence[Mapping[str, Any]]) -> str:
-    """The Hermes-style tool description for templates that cannot render tools."""
+def wrap_tool_response(tokenizer: Tokenizer, tool_format: str | None = None) -> bool:
+    """Whether tool results must be wrapped in `<tool_response>` before rendering: a format
+    that answers calls in it (Hermes) under a template that does not write it."""
+    return (chat_tool_format(tokenizer, tool_format).wraps_results
+            and "tool_response" not in (tokenizer.chat_template or ""))
+
+
+def tools_system_text(tools: Sequence[Mapping[str, Any]], tool_format: str = DEFAULT) -> str:
+    """The tool description, in the format's syntax, for templates that cannot render tools."""
     lines = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return TOOLS_PREAMBLE.replace("{tools}", lines)
+    return get_format(tool_format).preamble.replace("{tools}", lines)
 
 
 def prompt_messages(example: Example, fmt: PromptFormat) -> list[Message]:
@@ -82,10 +89,13 @@ def render_chat(
     messages: Sequence[Message],
     tools: Sequence[Mapping[str, Any]] = (),
     add_generation_prompt: bool = True,
+    tool_format: str | None = None,
 ) -> str:
-    """The chat as text: tools rendered by the template or written into the system message,
-    tool results wrapped in `<tool_response>` unless the template does it."""
-    wrap = wrap_tool_response(tokenizer)
+    """The chat as text: tools rendered by the template or written into the system message in
+    ``tool_format``'s syntax (None: the template's, see the module docstring), tool results
+    wrapped in `<tool_response>` where that format needs it and the template does not do it."""
+    fmt = chat_tool_format(tokenizer, tool_format)
+    wrap = wrap_tool_response(tokenizer, fmt.name)
     dicts = [
         {"role": "tool", "content": f"<tool_response>\n{m.content}\n</tool_response>"}
         if wrap and m.role == "tool" else m.to_dict()
@@ -96,7 +106,7 @@ def render_chat(
     if template_renders_tools(tokenizer):
         return tokenizer.apply_chat_template(
             dicts, add_generation_prompt=add_generation_prompt, tools=list(tools))
-    text = tools_system_text(tools)
+    text = tools_system_text(tools, fmt.name)
     if dicts and dicts[0]["role"] == "system":
         dicts[0] = {"role": "system", "content": dicts[0]["content"] + "\n\n" + text}
     else:
@@ -107,5 +117,6 @@ def render_chat(
 def encode_prompt(tokenizer: Tokenizer, example: Example, fmt: PromptFormat) -> list[int]:
     """Token ids of the example's prompt, ending with the assistant generation header."""
     tools = example.tools if fmt.offer_tools else ()
-    text = render_chat(tokenizer, prompt_messages(example, fmt), tools)
+    text = render_chat(tokenizer, prompt_messages(example, fmt), tools,
+                       tool_format=fmt.tool_format)
     return tokenizer.encode(text, add_special_tokens=False)

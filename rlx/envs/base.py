@@ -24,12 +24,15 @@ class EnvError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Observation:
-    """Messages to append to the chat; on reset also the tool specs offered to the model and
-    the text the first assistant turn opens with (written into the prompt, not sampled)."""
+    """Messages to append to the chat; on reset also the tool specs offered to the model, the
+    text the first assistant turn opens with (written into the prompt, not sampled) and the
+    tool-call format the env reads calls in (the driver renders the chat in the same one)."""
 
     messages: tuple[Message, ...]
     tools: tuple[Mapping[str, Any], ...] = ()
     assistant_prefix: str = ""  # on reset: e.g. "<tool_call>\n"; part of the turn's text
+    # on reset: a name of rlx.rewards.tool_formats.FORMATS; None: the chat template's
+    tool_format: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

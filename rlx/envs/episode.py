@@ -118,6 +118,7 @@ class _State:
     turns: list[Turn] = dataclasses.field(default_factory=list)
     finish: tuple[str, RewardResult] | None = None
     opening: str = ""  # the reset's assistant_prefix: in the prompt, part of the first turn
+    tool_format: str | None = None  # the reset's: the chat renders in the env's call format
 
     @property
     def prefix(self) -> str:
@@ -186,11 +187,12 @@ def _eos(tokenizer: Tokenizer) -> tuple[int, ...]:
 def _start(env: Env, example: Example, sample_index: int, tokenizer: Tokenizer) -> _State:
     observation = env.reset(example)
     messages = list(observation.messages)
-    text = render_chat(tokenizer, messages, observation.tools, add_generation_prompt=True)
+    text = render_chat(tokenizer, messages, observation.tools, add_generation_prompt=True,
+                       tool_format=observation.tool_format)
     text += observation.assistant_prefix
     return _State(env, example, sample_index, messages, observation.tools,
                   tokenizer.encode(text, add_special_tokens=False),
-                  opening=observation.assistant_prefix)
+                  opening=observation.assistant_prefix, tool_format=observation.tool_format)
 
 
 def _advance(
@@ -237,10 +239,12 @@ def _env_tokens(
 ) -> list[int]:
     """Tokens to append after the sampled turn: the turn's closing and the env's messages, up
     to the next assistant generation header."""
-    before = render_chat(tokenizer, state.messages, state.tools, add_generation_prompt=True)
+    render = functools.partial(render_chat, tokenizer, tools=state.tools,
+                               tool_format=state.tool_format)
+    before = render(state.messages, add_generation_prompt=True)
     chat = [*state.messages, assistant]
-    with_turn = render_chat(tokenizer, chat, state.tools, add_generation_prompt=False)
-    after = render_chat(tokenizer, [*chat, *replies], state.tools, add_generation_prompt=True)
+    with_turn = render(chat, add_generation_prompt=False)
+    after = render([*chat, *replies], add_generation_prompt=True)
     if not (with_turn.startswith(before) and after.startswith(with_turn)):
         raise EnvError("the chat template rewrites earlier turns when a turn is added; "
                        "episodes need a template that renders a conversation append-only")

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rlx.data.sources import Message
-from rlx.envs.tool_calls import CLOSE, OPEN
 from rlx.envs.tools import Calculator, PythonTool, Tool, ToolOutput, check_arguments, function_spec
+from rlx.rewards.tool_formats import DEFAULT, get_format
 
 TOOLS: dict[str, Callable[[], Tool]] = {"calculator": Calculator, "python": PythonTool}
 
@@ -101,18 +100,18 @@ def load_function(reference: str) -> Callable[..., Any]:
     return fn
 
 
-def demonstration(tools: Sequence[Tool]) -> tuple[Message, ...]:
-    """A worked exchange per tool that has a `demo` (user question, assistant call in the
-    `<tool_call>` format, tool reply, boxed answer), for `ToolEnvConfig.demonstration`."""
+def demonstration(tools: Sequence[Tool], tool_format: str = DEFAULT) -> tuple[Message, ...]:
+    """A worked exchange per tool that has a `demo` (user question, assistant call written in
+    ``tool_format``, tool reply, boxed answer), for `ToolEnvConfig.demonstration`."""
     messages: list[Message] = []
+    render_call = get_format(tool_format).render_call
     for tool in tools:
         demo = getattr(tool, "demo", None)
         if demo is None:
             continue
         question, arguments, reply = demo
-        call = json.dumps({"name": tool.name, "arguments": arguments})
         messages += [Message("user", question),
-                     Message("assistant", f"{OPEN}\n{call}\n{CLOSE}"),
+                     Message("assistant", render_call(tool.name, arguments)),
                      Message("tool", reply),
                      Message("assistant", f"The answer is \\boxed{{{reply}}}.")]
     return tuple(messages)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from rlx.data.chat import PromptFormat
+from rlx.data.chat import PromptFormat, chat_tool_format
 from rlx.data.sources import Example
 from rlx.envs.base import Env
 from rlx.envs.episode import Episode, EpisodeConfig, run_episodes
@@ -180,18 +180,34 @@ def evaluate_episodes(runner: EnvRunner, engine: RolloutEngine, examples: Sequen
             **episode_metrics(episodes, prefix="eval")}
 
 
+def episode_tool_format(tokenizer: Tokenizer, tool_format: str | None = None) -> str:
+    """The tool-call format episodes run in: ``tool_format``, or the one the tokenizer's chat
+    template shows; ValueError for a format whose template rlx cannot render tool turns with."""
+    fmt = chat_tool_format(tokenizer, tool_format)
+    if not fmt.renders_tool_turns:
+        raise ValueError(f"tool-use episodes in the {fmt.name!r} format are not supported: its "
+                         "chat template renders a tool result from the previous assistant "
+                         "message's structured tool calls, which rlx's text transcripts do not "
+                         "carry (single-turn calls are: train.reward='tool_call')")
+    return fmt.name
+
+
 def make_runner(tools: Sequence[str], reward: RewardFn, tokenizer: Tokenizer,
                 prompt_format: PromptFormat, max_turns: int, max_episode_tokens: int,
                 format_coef: float = 0.0, demo: bool = False, **env: Any) -> EnvRunner:
     """A runner of `ToolEnv` episodes offering ``tools`` (`rlx.envs.registry.make_tools`),
     grading final answers with ``reward`` (shared by every episode); ``demo``: each episode
-    opens with a worked call of every tool that has one (`rlx.envs.registry.demonstration`)."""
+    opens with a worked call of every tool that has one (`rlx.envs.registry.demonstration`).
+    Calls are read, and worked calls written, in ``prompt_format.tool_format`` or the format the
+    tokenizer's chat template shows (`episode_tool_format`)."""
     built = make_tools(tools)
+    name = episode_tool_format(tokenizer, prompt_format.tool_format)
+    prompt_format = dataclasses.replace(prompt_format, tool_format=name)
     config = ToolEnvConfig(max_turns=max_turns, prompt_format=prompt_format,
-                           demonstration=demonstration(built) if demo else (), **env)
+                           demonstration=demonstration(built, name) if demo else (), **env)
     return EnvRunner(lambda: ToolEnv(built, reward, config), tokenizer, max_episode_tokens,
                      format_coef)
 
 
-__all__ = ["EnvRunner", "episode_figures", "episode_metrics", "evaluate_episodes", "make_runner",
-           "to_rollout", "transcript", "valid"]
+__all__ = ["EnvRunner", "episode_figures", "episode_metrics", "episode_tool_format",
+           "evaluate_episodes", "make_runner", "to_rollout", "transcript", "valid"]

@@ -1,15 +1,18 @@
 """A multi-turn tool-use environment: the model calls tools, then answers; the answer is graded.
 
-Each assistant turn is parsed for `<tool_call>` blocks (`rlx.envs.tool_calls`):
-- a turn with no tool-call block is the final answer: it is graded with the reward function
+Each assistant turn is parsed for tool calls in the model family's format
+(`ToolEnvConfig.prompt_format.tool_format`, `rlx.rewards.tool_formats`; Hermes `<tool_call>`
+blocks when None):
+- a turn with no tool call is the final answer: it is graded with the reward function
   (e.g. `get_reward("math")` against the example's gold answer) and the episode ends;
-- otherwise every block is answered, in order, by one `tool` message: the tool's output, or an
+- otherwise every call is answered, in order, by one `tool` message: the tool's output, or an
   error text for a malformed call, an unknown tool, or wrong arguments (the episode goes on, so
   the model can correct itself);
 - a turn with tool calls at the turn limit ends the episode with reward 0 ("turn_limit").
 
-Rendering those messages into tokens (with `<tool_response>` wrapping when the template does
-not add it) is left to the episode driver.
+Rendering those messages into tokens (in the family's own tool-result tokens, or with
+`<tool_response>` wrapping for the Hermes format when the template does not add it) is left to
+the episode driver; the reset's observation names the format it reads calls in.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from rlx.envs.base import EnvError, Observation, StepInfo, StepResult
 from rlx.envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 from rlx.envs.tools import Tool, ToolOutput
 from rlx.rewards import RewardFn, RewardResult
+from rlx.rewards.tool_formats import DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +77,9 @@ class ToolEnv:
             last = max(i for i, m in enumerate(messages) if m.role == "user")
             messages[last:last] = self.config.demonstration
         specs = tuple(t.spec() for t in self.tools.values())
-        return Observation(tuple(messages), specs if self.config.prompt_format.offer_tools else (),
-                           self.config.assistant_prefix)
+        fmt = self.config.prompt_format  # the driver renders in the format calls are read in
+        return Observation(tuple(messages), specs if fmt.offer_tools else (),
+                           self.config.assistant_prefix, fmt.tool_format or DEFAULT)
 
     def step(self, action_text: str) -> StepResult:
         if self._example is None:
@@ -82,7 +87,8 @@ class ToolEnv:
         if self._done:
             raise EnvError("step() after the episode ended; call reset()")
         self._turn += 1
-        parsed = parse_tool_calls(action_text, self.config.max_calls_per_turn)
+        parsed = parse_tool_calls(action_text, self.config.max_calls_per_turn,
+                                  self.config.prompt_format.tool_format or DEFAULT)
         if not parsed.has_tool_calls:
             return self._finish(self._grade(action_text), "final_answer")
         if self._turn >= self.config.max_turns:

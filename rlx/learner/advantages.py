@@ -17,10 +17,20 @@ float64; the learner broadcasts it over the completion's tokens).
   (A - mean_batch) / (std_batch + eps). `baseline="batch"` is plain REINFORCE++ on outcome rewards:
   whiten the raw rewards over the batch. Departure: the per-token KL penalty that the paper folds
   into the return is not added here; use `LossConfig(kl_as="reward-penalty")` upstream of this.
-  Whitening uses the population std (ddof=0).
 
-A group of one completion carries no relative signal: its advantage is 0 for grpo, dr_grpo and
-rloo (RLOO's leave-one-out mean is undefined there; the paper assumes k >= 2).
+Conventions where verl 0.9.1's `core_algos` differs (for the loss side, k3 left unclamped and
+dual clip off by default, see `rlx.learner.losses`):
+
+* Whitening (REINFORCE++) is per completion: each completion counts once in the batch mean and
+  std. verl whitens the advantage broadcast over the tokens (`masked_whiten`), so a completion
+  weighs by its length; with equal lengths the two agree up to the std convention below.
+* Population vs sample std: REINFORCE++'s and GAE's whitening use the population std (ddof=0);
+  verl's `masked_whiten` Bessel-corrects (n / (n - 1) over the tokens). GRPO's group std is the
+  sample std (`std_ddof=1`), as verl's `torch.std`; `std_ddof=0` gives the population one.
+* Singleton groups: a group of one completion carries no relative signal, so its advantage is 0
+  for grpo, dr_grpo and rloo (RLOO's leave-one-out mean is undefined there; the paper assumes
+  k >= 2), and its group-centred reward is 0 before REINFORCE++-baseline's whitening. verl keeps
+  a singleton's raw reward instead (group mean 0 and, for GRPO, std 1).
 
 `gae` is Generalized Advantage Estimation (Schulman et al. 2016) for PPO with a critic, per token.
 Masked positions (padding, or tool/environment tokens inside a multi-turn completion) are skipped:
@@ -115,7 +125,8 @@ def rloo(rewards: Rewards, uids: Uids) -> Rewards:
 def reinforce_pp(
     rewards: Rewards, uids: Uids, baseline: str = "group", eps: float = 1e-6
 ) -> Rewards:
-    """REINFORCE++: subtract the group mean ("group") or nothing ("batch"), then batch-whiten."""
+    """REINFORCE++: subtract the group mean ("group") or nothing ("batch"), then whiten over the
+    batch's completions with the population std (per completion, not per token as verl)."""
     rewards, group = _validate(rewards, uids)
     if baseline == "group":
         _, mean, _ = _group_stats(rewards, group, ddof=0)
@@ -222,7 +233,8 @@ def token_rewards(rewards: Rewards, mask: Float[np.ndarray, "b t"],
 
 def whiten(x: Float[np.ndarray, "b t"], mask: Float[np.ndarray, "b t"],
            eps: float = 1e-8) -> Float[np.ndarray, "b t"]:
-    """(x - mean) / sqrt(var + eps) over the masked entries; 0 elsewhere."""
+    """(x - mean) / sqrt(var + eps) over the masked entries; 0 elsewhere. ``var`` is the
+    population variance (verl's ``masked_whiten`` multiplies it by n / (n - 1))."""
     on = np.asarray(mask) > 0
     x = np.asarray(x, np.float64)
     if not on.any():

@@ -79,7 +79,7 @@ class CriticMetrics(NamedTuple):
     """Scalars of one critic update."""
 
     value_loss: Scalar
-    clip_frac: Scalar  # tokens where the clipped error is the larger one
+    clip_frac: Scalar  # tokens whose clipped value's error is the larger one (clipped tokens only)
     value_mean: Scalar  # mean value over the update's loss tokens
     grad_norm: Scalar
     skipped: Scalar  # 1.0 when the update was skipped (non-finite loss or gradients)

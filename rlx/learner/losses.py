@@ -23,6 +23,14 @@ Policy losses (`LossConfig.policy_loss`); all use the clipped surrogate
   are per sequence and the aggregation is "seq-mean-token-mean" (the default). GSPO's paper uses
   much smaller clip ranges (3e-4 / 4e-4) than token-level PPO; set them in the config.
 
+Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; verl's and OpenRLHF's
+`clip_ratio_c`), opt-in with `clip_ratio_c`: for a token with A < 0 the clipped surrogate
+`-min(r A, clip(r) A)` grows without bound as r grows; dual clip caps it at `-A * clip_ratio_c`
+(> 1), so such a token's loss is `min(-min(r A, clip(r) A), -A c)` and its gradient is 0 once
+r > c. Any policy loss above takes it. Departure from verl: verl applies it always (c = 3 by
+default); here it is off unless set. `clip_frac_dual` (verl's `pg_clipfrac_lower`) counts the
+tokens it bounded.
+
 Regularisers: KL to a reference policy with the k1 / k2 / k3 estimators (Schulman, "Approximating
 KL divergence", 2020) either as a loss term or, with `kl_as="reward-penalty"`, left to the caller to
 subtract from rewards (`kl_penalty`) - then it is only reported here. Entropy bonus `entropy_coef`.
@@ -78,6 +86,9 @@ class LossConfig:
     policy_loss: str = "ppo"  # one of POLICY_LOSSES
     clip_eps_low: float = 0.2  # ratio floor 1 - clip_eps_low
     clip_eps_high: float = 0.2  # ratio ceiling 1 + clip_eps_high (DAPO clip-higher: 0.28)
+    # dual-clip PPO: a token with A < 0 loses at most -A * clip_ratio_c (> 1; verl and OpenRLHF
+    # use 3.0); None: off
+    clip_ratio_c: float | None = None
     aggregation: str | None = None  # one of AGGREGATIONS; None: DEFAULT_AGGREGATION[policy_loss]
     norm_length: int | None = None  # constant of "seq-mean-token-sum-norm"; None: the padded T
     kl_coef: float = 0.0  # weight of KL(pi || pi_ref); 0 turns it off
@@ -106,6 +117,10 @@ class LossConfig:
         if self.dpo_beta <= 0 or not 0 <= self.dpo_label_smoothing < 0.5:
             raise ValueError(f"LossConfig.dpo_beta must be > 0 and dpo_label_smoothing in "
                              f"[0, 0.5), got {self.dpo_beta}, {self.dpo_label_smoothing}")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"LossConfig.clip_ratio_c={self.clip_ratio_c} must be > 1 (the "
+                             "dual clip bounds a token with A < 0 at -A * clip_ratio_c, e.g. "
+                             "3.0); None turns dual clip off")
         if self.clip_eps_low >= 1:
             raise ValueError(f"LossConfig.clip_eps_low must be < 1, got {self.clip_eps_low}")
         if self.tis_cap <= 0:
@@ -132,6 +147,7 @@ class LossMetrics(NamedTuple):
     clip_frac_low: Scalar  # tokens with r < 1 - eps_low and A < 0 (gradient clipped away)
     clip_frac_high: Scalar  # tokens with r > 1 + eps_high and A > 0
     clip_frac: Scalar  # clip_frac_low + clip_frac_high: tokens whose gradient the clip removed
+    clip_frac_dual: Scalar  # A < 0 tokens the dual clip bounded (verl's pg_clipfrac_lower; 0 off)
     approx_kl: Scalar  # token mean of (r - 1) - log r, the k3 estimate of KL(pi_old || pi)
     ratio_mean: Scalar
     ratio_min: Scalar
@@ -146,7 +162,7 @@ class LossMetrics(NamedTuple):
 
 class ValueMetrics(NamedTuple):
     value_loss: Scalar
-    clip_frac: Scalar  # tokens where the clipped error is the larger one
+    clip_frac: Scalar  # tokens whose clipped value's error is the larger one (clipped tokens only)
     value_mean: Scalar
 
 
@@ -222,7 +238,11 @@ def aggregate(
 
 
 def kl_penalty(logp: PerToken, ref_logp: PerToken, estimator: str = "k3") -> PerToken:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (k1, k2 or k3)."""
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (k1, k2 or k3).
+
+    Departure from verl's "low_var_kl" (its k3): nothing is clamped here, where verl clamps
+    log(pi_ref / pi) to [-20, 20] and the k3 value to [-10, 10]; the two agree inside those bounds.
+    """
     one_of("kl_estimator", estimator, KL_ESTIMATORS)
     log_ratio = logp.astype(jnp.float32) - ref_logp.astype(jnp.float32)  # log pi / pi_ref
     if estimator == "k1":
@@ -300,15 +320,22 @@ def _mismatch(
 
 def _clipped_surrogate(
     ratio: PerToken, advantages: PerToken, cfg: LossConfig
-) -> tuple[PerToken, PerToken, PerToken]:
-    """-min(r A, clip(r) A) per token, and where the low / high clip removed the gradient."""
+) -> tuple[PerToken, PerToken, PerToken, PerToken]:
+    """-min(r A, clip(r) A) per token (bounded by -A c for A < 0 under dual clip), and where the
+    low / high clip removed the gradient and where the dual clip bounded the loss."""
     low, high = 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high
     unclipped = ratio * advantages
     clipped = jnp.clip(ratio, low, high) * advantages
     per_token = -jnp.minimum(unclipped, clipped)  # [B, T]
     clip_low = (ratio < low) & (advantages < 0)
     clip_high = (ratio > high) & (advantages > 0)
-    return per_token, clip_low.astype(jnp.float32), clip_high.astype(jnp.float32)
+    dual = jnp.zeros_like(clip_low)
+    if cfg.clip_ratio_c is not None:
+        bound = -advantages * cfg.clip_ratio_c  # [B, T]  the dual clip's ceiling where A < 0
+        dual = (advantages < 0) & (per_token > bound)
+        per_token = jnp.where(dual, bound, per_token)
+    as_f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return per_token, as_f32(clip_low), as_f32(clip_high), as_f32(dual)
 
 
 def _f32(x):
@@ -353,7 +380,7 @@ def policy_loss(
         x, mask, cfg.resolved_aggregation, cfg.norm_length, segment_ids)
 
     ratio = jnp.exp(_log_ratio(logp, old_logp, mask, cfg, segment_ids))  # [B, T]
-    surrogate, clip_low, clip_high = _clipped_surrogate(ratio, advantages, cfg)
+    surrogate, clip_low, clip_high, dual = _clipped_surrogate(ratio, advantages, cfg)
     tis_w, tis_altered = _tis_weights(old_logp, sampler_logp, mask, cfg, segment_ids)
     pg_loss = agg(surrogate * tis_w)
     loss = pg_loss
@@ -375,6 +402,7 @@ def policy_loss(
         clip_frac_low=_masked_mean(clip_low, mask),
         clip_frac_high=_masked_mean(clip_high, mask),
         clip_frac=_masked_mean(clip_low + clip_high, mask),
+        clip_frac_dual=_masked_mean(dual, mask),
         approx_kl=_masked_mean(_k3(jax.lax.stop_gradient(logp - old_logp)), mask),
         ratio_mean=_masked_mean(ratio, mask),
         ratio_min=_masked_extreme(ratio, mask, largest=False),
@@ -399,11 +427,16 @@ def value_loss(
 ) -> tuple[Scalar, ValueMetrics]:
     """PPO clipped value loss (Schulman et al. 2017, as in the OpenAI baselines ppo2 code):
 
-    0.5 * max((v - R)^2, (v_old + clip(v - v_old, -clip, clip) - R)^2), aggregated over the mask.
+    0.5 * max((v - R)^2, (clip(v, v_old - clip, v_old + clip) - R)^2), aggregated over the mask.
+
+    The clipped value is v itself inside the band (clipped to the band's edges, not rebuilt as
+    v_old + clip(v - v_old), which in f32 can miss v by an ulp), so ``clip_frac`` counts exactly
+    the tokens whose v left the band and whose clipped error is the larger (verl's and TRL's
+    ``vf_clipfrac``).
     """
     mask = _f32(mask)
     values, old_values, returns = (_on_mask(x, mask) for x in (values, old_values, returns))
-    v_clipped = old_values + jnp.clip(values - old_values, -clip, clip)  # [B, T]
+    v_clipped = jnp.clip(values, old_values - clip, old_values + clip)  # [B, T]
     err = jnp.square(values - returns)  # [B, T]
     err_clipped = jnp.square(v_clipped - returns)  # [B, T]
     loss = aggregate(0.5 * jnp.maximum(err, err_clipped), mask, aggregation)

@@ -2,8 +2,9 @@
 
 The ground truth (`sample["answer"]`, JSON, as BFCL's `possible_answer` files and the "bfcl:<category>"
 source hold it) is a list of calls, each `{function_name: {parameter: [allowed values]}}`. A
-completion's calls are parsed with `rlx.rewards.tool_calls` (`<tool_call>` blocks, a JSON list per
-block, OpenAI-style objects, bare call JSON). Following BFCL's AST checker:
+completion's calls are parsed with `rlx.rewards.tool_calls` in the model family's format
+(`CallRewardConfig.tool_format`: Hermes `<tool_call>` blocks by default, Llama 3.1 JSON,
+DeepSeek-V3, gpt-oss harmony). Following BFCL's AST checker:
 
 - the completion makes exactly as many calls as the ground truth, each well-formed;
 - every ground-truth call is matched by a different emitted call (any order: parallel calls are
@@ -124,6 +125,7 @@ def _perfect_matching(ok: list[list[bool]]) -> bool:
 @dataclasses.dataclass(frozen=True)
 class CallRewardConfig:
     max_calls: int = 16  # more calls in one completion are malformed
+    tool_format: str = "hermes"  # the model's call syntax (rlx.rewards.tool_formats.FORMATS)
 
 
 class CallReward:
@@ -139,7 +141,7 @@ class CallReward:
                 else list(answer)
         except ValueError:
             return RewardResult.zero("the sample's answer is not JSON ground-truth calls")
-        calls = parse_tool_calls(completion, self.config.max_calls).items
+        calls = parse_tool_calls(completion, self.config.max_calls, self.config.tool_format).items
         return grade_calls(calls, truth)
 
 

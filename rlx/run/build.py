@@ -25,7 +25,7 @@ from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import Example, get_source
-from rlx.envs.runner import EnvRunner, make_runner
+from rlx.envs.runner import EnvRunner, episode_tool_format, make_runner
 from rlx.errors import ConfigError
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
 from rlx.learner.critic import (init_critic, make_critic_step, make_value_step, read_value_head,
@@ -45,6 +45,7 @@ from rlx.quant import apply_lora, load_base
 from rlx.quant.peft_import import (abstract_lora_model, check_peft_adapter, load_peft_adapter,
                                    read_peft_adapter)
 from rlx.rewards import RewardFn, get_reward
+from rlx.rewards.tool_formats import FORMATS, detect_format
 from rlx.run.checks import check_before_build, read_architecture, with_warm_start
 from rlx.run.engines import make_engine
 from rlx.run.hosts import Hosts
@@ -91,7 +92,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     if start:
         hosts.sync_weights(engine, compiled, start)
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
-    reward = make_reward(cfg)
+    reward = make_reward(cfg, tokenizer)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=eval_examples(cfg), prompt_format=prompt_format(cfg),
                reward=reward, logger=make_logger(cfg, start, progress),
@@ -120,9 +121,24 @@ def eval_examples(cfg: RunConfig) -> list[Example]:
     return distinct_examples(get_source(cfg.data.source, "eval"), cfg.data.eval_size)
 
 
-def make_reward(cfg: RunConfig) -> RewardFn:
-    """The reward ``train.reward`` names (the math reward with ``train.math_extractors``)."""
-    kw = {"extractors": cfg.train.math_extractors} if cfg.train.reward == "math" else {}
+def tool_format(cfg: RunConfig, tokenizer: Tokenizer | None) -> str:
+    """``env.tool_format``: the format it names, or for "auto" the one the tokenizer's chat
+    template shows (``rlx.rewards.tool_formats.detect_format``; hermes without a template)."""
+    name = cfg.env.tool_format
+    if name == "auto":
+        return detect_format(None if tokenizer is None else tokenizer.chat_template)
+    if name not in FORMATS:
+        raise ConfigError(f"config.env.tool_format={name!r} is not 'auto' (the chat template's "
+                          f"format) or one of {list(FORMATS)}")
+    return name
+
+
+def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None) -> RewardFn:
+    """The reward ``train.reward`` names (the math reward with ``train.math_extractors``, the
+    call reward reading ``env.tool_format``'s syntax)."""
+    fmt = tool_format(cfg, tokenizer)  # checked whichever reward reads it
+    kw: dict[str, Any] = {"math": {"extractors": cfg.train.math_extractors},
+                          "tool_call": {"tool_format": fmt}}.get(cfg.train.reward, {})
     return get_reward(cfg.train.reward, **kw)
 
 
@@ -132,7 +148,12 @@ def make_env_runner(cfg: RunConfig, reward: RewardFn, tokenizer: Tokenizer) -> E
     if cfg.env.kind == "single":
         return None
     try:
-        return make_runner(cfg.env.tools, reward, tokenizer, prompt_format(cfg),
+        fmt = episode_tool_format(tokenizer, tool_format(cfg, tokenizer))
+    except ValueError as e:
+        raise ConfigError(f"config.env.tool_format={cfg.env.tool_format!r}: {e}") from None
+    try:
+        return make_runner(cfg.env.tools, reward, tokenizer,
+                           dataclasses.replace(prompt_format(cfg), tool_format=fmt),
                            max_turns=cfg.env.max_turns, max_episode_tokens=cfg.env.max_episode_tokens,
                            format_coef=cfg.env.format_coef, demo=cfg.env.demo,
                            assistant_prefix=cfg.env.assistant_prefix)

@@ -133,7 +133,7 @@ def run_eval(cfg: RunConfig, opts: EvalOptions) -> dict[str, Any]:
                               temperature=temperature,
                               **cfg.rollout.cuts(), seed=cfg.seed, logprobs=False, stop_token_ids=(tokenizer.eos_id,))
     engine = make_engine(cfg, policy, tokenizer, mesh)
-    reward = make_reward(cfg)
+    reward = make_reward(cfg, tokenizer)
     start = time.perf_counter()
     try:
         report = _evaluate(engine, examples, reward, cfg, opts, sampling, tokenizer)

@@ -418,8 +418,9 @@ class Run:
     def _episodes(self, texts: Sequence[str], tools: Sequence[str],
                   sampling: SamplingParams) -> list[str]:
         env = self.cfg.env
+        fmt = PromptFormat(tool_format=None if env.tool_format == "auto" else env.tool_format)
         runner = make_runner(tools, lambda text, sample: RewardResult(0.0, "not graded"),
-                             self.tokenizer, PromptFormat(), max_turns=env.max_turns,
+                             self.tokenizer, fmt, max_turns=env.max_turns,
                              max_episode_tokens=env.max_episode_tokens, demo=env.demo,
                              assistant_prefix=env.assistant_prefix)
         examples = [user_example(f"gen-{i}", "generate", t) for i, t in enumerate(texts)]

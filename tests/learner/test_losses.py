@@ -79,6 +79,66 @@ def test_clip_fractions_count_exactly_the_tokens_without_gradient():
     np.testing.assert_allclose(g, [[0.0, -0.125, 0.375, 0.0]], atol=1e-7)
 
 
+# Dual-clip batch, one row, clip range [0.8, 1.2], clip_ratio_c = 3 (bound -A * 3 = 3 for A = -1):
+#   r 4.0, A -1: -min(-4.0, -1.2) = 4.0 > 3 -> bounded to 3 (dual clip, no gradient)
+#   r 2.5, A -1: -min(-2.5, -1.2) = 2.5 <= 3 -> 2.5 (gradient d(-r A)/dlogp = 2.5)
+#   r 0.5, A -1: -min(-0.5, -0.8) = 0.8 (low clip, no gradient)
+#   r 4.0, A +1: -min(4.0, 1.2) = -1.2 (high clip; the dual clip never acts on A > 0)
+# token-mean: (3 + 2.5 + 0.8 - 1.2) / 4 = 1.275; without dual clip (4 + 2.5 + 0.8 - 1.2) / 4 = 1.525
+DUAL_RATIOS = np.array([[4.0, 2.5, 0.5, 4.0]])
+DUAL_ADV = np.array([[-1.0, -1.0, -1.0, 1.0]])
+
+
+def _dual(clip_ratio_c):
+    cfg = L.LossConfig(aggregation="token-mean", clip_ratio_c=clip_ratio_c)
+    old, mask = np.full((1, 4), math.log(0.5)), np.ones((1, 4))
+    fn = lambda lp: L.policy_loss(lp, old, DUAL_ADV, mask, cfg)  # noqa: E731
+    logp = jnp.asarray(np.log(0.5 * DUAL_RATIOS), jnp.float32)
+    return fn(logp), jax.grad(lambda lp: fn(lp)[0])(logp)
+
+
+def test_dual_clip_golden():
+    (loss, m), g = _dual(3.0)
+    assert float(loss) == pytest.approx(5.1 / 4, abs=1e-6)
+    assert float(m.clip_frac_dual) == pytest.approx(1 / 4)  # only the r 4.0, A < 0 token
+    assert float(m.clip_frac_low) == pytest.approx(1 / 4)
+    assert float(m.clip_frac_high) == pytest.approx(1 / 4)
+    # gradient / 4 tokens: only the r 2.5 token keeps one, -r A / 4 = 0.625
+    np.testing.assert_allclose(g, [[0.0, 0.625, 0.0, 0.0]], atol=1e-6)
+    (off, m_off), g_off = _dual(None)  # off (the default): the r 4.0 token keeps -r A / 4 = 1.0
+    assert float(off) == pytest.approx(6.1 / 4, abs=1e-6)
+    assert float(m_off.clip_frac_dual) == 0.0
+    np.testing.assert_allclose(g_off, [[1.0, 0.625, 0.0, 0.0]], atol=1e-6)
+
+
+def _verl_dual_clip(logp, old, adv, mask, eps_low, eps_high, c):
+    """Numpy (float64) transcription of verl's documented dual-clip token loss (token-mean) and
+    its pg_clipfrac_lower: for A < 0, min(-A c, max(-A r, -A clip(r)))."""
+    ratio = np.exp(logp - old)
+    clip1 = np.maximum(-adv * ratio, -adv * np.clip(ratio, 1 - eps_low, 1 + eps_high))
+    bound = -adv * c
+    per_token = np.where(adv < 0, np.minimum(bound, clip1), clip1)
+    lower = (clip1 > bound) & (adv < 0)
+    return (per_token * mask).sum() / mask.sum(), (lower * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("c", [1.5, 3.0])
+def test_dual_clip_matches_verl_formula(seed, c):
+    rng = np.random.default_rng(seed)
+    b, t = 4, 9
+    old = rng.normal(-1.5, 0.5, (b, t)).astype(np.float32)
+    logp = (old + rng.normal(0, 0.8, (b, t))).astype(np.float32)  # ratios well past c
+    adv = np.broadcast_to(rng.normal(0, 1, (b, 1)), (b, t)).astype(np.float32)
+    mask = (np.arange(t)[None] < rng.integers(1, t + 1, (b, 1))).astype(np.float32)
+    cfg = L.LossConfig(aggregation="token-mean", clip_eps_high=0.28, clip_ratio_c=c)
+    got, m = L.policy_loss(logp, old, adv, mask, cfg)
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    want, lower = _verl_dual_clip(*map(f64, (logp, old, adv, mask)), 0.2, 0.28, c)
+    assert abs(float(got) - want) <= 1e-6
+    assert float(m.clip_frac_dual) == pytest.approx(lower, abs=1e-7)
+
+
 def test_default_aggregation_per_mode():
     assert L.LossConfig(policy_loss="ppo").resolved_aggregation == "seq-mean-token-mean"
     assert L.LossConfig(policy_loss="dapo").resolved_aggregation == "token-mean"
@@ -253,6 +313,10 @@ def test_config_validation():
         L.LossConfig(kl_estimator="k4")
     with pytest.raises(ValueError, match="tis_seq_low"):
         L.LossConfig(tis_seq_low=3.0, tis_seq_high=2.0)
+    for c in (1.0, 0.5, float("nan")):  # dual clip needs c > 1; None (the default) is off
+        with pytest.raises(ValueError, match=r"clip_ratio_c=.* must be > 1 .*None turns"):
+            L.LossConfig(clip_ratio_c=c)
+    assert L.LossConfig().clip_ratio_c is None and L.LossConfig(clip_ratio_c=3.0).clip_ratio_c == 3
     with pytest.raises(ValueError, match="needs ref_logp"):
         L.policy_loss(LOGP, OLD, ADV, MASK, L.LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="entropy"):
@@ -321,6 +385,23 @@ def test_value_loss_golden():
     assert float(loss) == pytest.approx(0.6725, abs=1e-6)
     assert float(m.clip_frac) == pytest.approx(0.5)
     assert float(m.value_mean) == pytest.approx(1.5)
+
+
+def test_value_clip_frac_counts_exactly_the_clipped_tokens():
+    # clip 0.2, three tokens (values, old, returns):
+    # token 0: v -0.04, old -0.2, R -0.04: |v - old| = 0.16 < 0.2, v stays itself: errors 0 and 0.
+    #   (In f32, old + (v - old) is -0.04 - 7.45e-9, whose error 5.6e-17 > 0 counted it clipped.)
+    # token 1: v 1.0, old 0.5, R 2.0: clipped to 0.7, error 1.69 > 1 -> counted (the clip acts)
+    # token 2: v 1.0, old 0.5, R 0.0: clipped to 0.7, error 0.49 < 1 -> not counted (the
+    #   unclipped error is the larger: verl's and TRL's vf_clipfrac count it neither)
+    # loss = 0.5 * (0 + 1.69 + 1) / 3 = 0.448333 ; clip_frac 1 / 3
+    values, old, returns = (jnp.array([x], jnp.float32) for x in (
+        [-0.04, 1.0, 1.0], [-0.2, 0.5, 0.5], [-0.04, 2.0, 0.0]))
+    loss, m = L.value_loss(values, old, returns, jnp.ones((1, 3)), clip=0.2)
+    assert float(loss) == pytest.approx(0.5 * 2.69 / 3, abs=1e-6)
+    assert float(m.clip_frac) == pytest.approx(1 / 3)
+    _, alone = L.value_loss(values[:, :1], old[:, :1], returns[:, :1], jnp.ones((1, 1)), clip=0.2)
+    assert float(alone.clip_frac) == 0.0
 
 
 def test_dpo_loss_golden():

@@ -129,3 +129,29 @@ def test_each_kind_of_wrong_call_scores_zero_with_its_reason(reward):
 def test_no_answer_means_no_call_is_right(reward):
     assert reward("I cannot help with that.", {}).score == 1.0
     assert reward(completion([{"name": "f", "arguments": {}}]), {}).score == 0.0
+
+
+def in_format(calls: list[dict], fmt: str) -> str:
+    """Several calls in one turn, written in a family's format (``render_call`` per call; one
+    DeepSeek section holds them all, harmony writes one message each)."""
+    from rlx.rewards.tool_formats import FORMATS
+    from rlx.rewards.tool_formats.deepseek_v3 import CALLS_BEGIN, CALLS_END
+
+    written = [FORMATS[fmt].render_call(c["name"], c["arguments"]) for c in calls]
+    if fmt == "deepseek_v3":
+        inner = [w.removeprefix(CALLS_BEGIN).removesuffix(CALLS_END) for w in written]
+        return CALLS_BEGIN + "\n".join(inner) + CALLS_END
+    return {"hermes": "\n", "llama3_json": "; ", "harmony": "<|start|>assistant"}[fmt].join(written)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "deepseek_v3", "harmony"])
+def test_parallel_answers_in_each_family_format(fmt):
+    reward = get_reward("tool_call", tool_format=fmt)
+    hermes = get_reward("tool_call")
+    for example in examples("parallel")[:40]:
+        calls = reference_calls(json.loads(example.answer))[::-1]
+        text = in_format(calls, fmt)
+        result = reward(text, example.reward_sample())
+        assert result.score == 1.0, (example.uid, result.reason, text)
+        if fmt != "hermes":  # read as Hermes, another family's calls are no calls
+            assert hermes(text, example.reward_sample()).score == 0.0
