@@ -255,7 +255,7 @@ def shrunk_random(section: ModelSection, mesh: Mesh | None, seed: int, rules: Lo
     model = Transformer(cfg, section.precision, rngs=nnx.Rngs(seed))
     if mesh is not None:
         shard_variables(model, (nnx.Param, CorrectionBias), mesh, rules)
-    return LoadedModel(model, tokenizer, f"random shrunken copy of {path}", "random")
+    return LoadedModel(model, tokenizer, f"shrunken copy of {path}", "random")
 
 
 def load_from_section(section: ModelSection, mesh: Mesh | None, rules: LogicalRules = TRAIN_RULES,
