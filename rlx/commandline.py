@@ -30,13 +30,25 @@ _FLAG_IN_ERROR = re.compile(r"flag --(?:no)?config\.([^=:\s]+)")
 HELP = ("-h", "-help", "--help", "-?", "--helpshort", "--helpfull")
 
 
+def find_config_file(path: str) -> str | None:
+    """``path`` where it is; else, for a relative path, inside the source tree rlx is imported from
+    (an editable install: ``configs/X.py`` from any folder); else None."""
+    if os.path.isfile(path):
+        return path
+    tree = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    inside = os.path.join(tree, path)
+    return inside if not os.path.isabs(path) and os.path.isfile(inside) else None
+
+
 def load_config_file(spec: str) -> ml_collections.ConfigDict:
     """``configs/X.py``: its ``get_config()``; ``configs/X.py:VARIANT``: ``get_config("VARIANT")``
-    (ml_collections' convention for a file's variants). Raises ``ConfigError`` for a missing file,
-    a file without ``get_config`` or variants, or a variant the file refuses."""
-    path, colon, variant = spec.partition(":")
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config {spec}: no file {path!r}; name a configs/*.py file")
+    (ml_collections' convention for a file's variants); the file found by ``find_config_file``.
+    Raises ``ConfigError`` for a missing file, a file without ``get_config`` or variants, or a
+    variant the file refuses."""
+    given, colon, variant = spec.partition(":")
+    path = find_config_file(given)
+    if path is None:
+        raise ConfigError(f"--config {spec}: no file {given!r}; name a configs/*.py file")
     module_spec = importlib.util.spec_from_file_location("rlx_config_file", path)
     if module_spec is None or module_spec.loader is None:
         raise ConfigError(f"--config {spec}: cannot import {path!r} as Python")
