@@ -199,6 +199,17 @@ def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
     return preset_config(preset)
 
 
+def _gguf_types(model: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Each tensor's GGUF type in the header of the ``.gguf`` file ``model.path`` names."""
+    from rlx.models.gguf import read_gguf
+
+    path = model.get("path", "")
+    if not path.endswith(".gguf"):
+        raise ValueError(f"config.quant.format='gguf' keeps a GGUF file's blocks; config.model."
+                         f"path={path!r} names no .gguf file")
+    return tuple(sorted(read_gguf(resolve_path(path, hub=False)).tensor_types.items()))
+
+
 def run_sections(cfg: Any) -> RunConfig:
     """The run sections of a ``get_config()`` (all but ``plan`` and ``model.hf_config``) as
     ``rlx.config`` reads them (``read_config``: known keys, types, each section's checks; nothing
@@ -263,15 +274,13 @@ def spec_from_config(cfg: Any) -> PlanSpec:
         raise ValueError(f"unknown key config.plan.{sorted(unknown)[0]}; known: {sorted(fields)}")
     arch = from_hf_config(_hf_config(_section(cfg, "model")))
     run = run_sections(cfg)
-    if run.quant.spec.keeps_file_blocks:
-        raise ValueError(f"config.quant.format={run.quant.format!r} keeps the GGUF file's own "
-                         "blocks, which the planner does not count yet; plan a 4-bit base of the "
-                         "same shapes: --config.quant.format=int4 --config.quant.serving=hf")
     extra = ({k: v for k, v in plan_section.items() if k in fields} if plan_section
              else run_plan_fields(run))  # a run config: the plan of the run it describes
     for key in ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "scan_layers"):
         extra.setdefault(key, getattr(run.model, key))
     extra.setdefault("critic", run.critic.enabled)  # PPO's critic, as the run would build it
+    if run.quant.spec.keeps_file_blocks:  # the GGUF file's blocks, by the types in its header
+        extra.setdefault("gguf_types", _gguf_types(_section(cfg, "model")))
     return PlanSpec(model=arch, quant=run.quant, lora=run.lora, mesh=run.mesh, **extra)
 
 
