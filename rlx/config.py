@@ -418,6 +418,21 @@ def _scalar(tp: Any, value: Any, field: str) -> Any:
     return value
 
 
+def schema_fields(cls: type = RunConfig, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+    """Every field of the run config by dotted name (``train.steps``, ``model.shrink.enabled``):
+    (its type, its default). Sections are walked, not listed."""
+    hints, out = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        name, tp = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(schema_fields(tp, f"{name}."))
+        else:
+            default = (f.default_factory() if f.default is dataclasses.MISSING  # type: ignore[misc]
+                       else f.default)
+            out[name] = (tp, default)
+    return out
+
+
 def to_dict(cfg: Any) -> dict:
     """Plain nested dict of a config (for logging and checkpoint metadata)."""
     return dataclasses.asdict(cfg)

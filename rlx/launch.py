@@ -134,9 +134,9 @@ def train(run) -> None:
 
 
 def run() -> None:
-    from rlx.commandline import absl_flags_parser
+    from rlx.commandline import absl_flags_parser, end_output
 
-    app.run(main, flags_parser=absl_flags_parser("rlx"))
+    sys.exit(end_output(lambda: app.run(main, flags_parser=absl_flags_parser("rlx"))))
 
 
 if __name__ == "__main__":

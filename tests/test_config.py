@@ -95,18 +95,19 @@ def test_command_line_reads_the_file_its_variant_and_overrides(config_file):
     assert cfg.rollout.max_new_tokens == 6144 and cfg.rollout.temperature == 0.5
     assert cfg.lora.targets == ("q", "k", "o") and cfg.lora.experts is False
     assert cfg.data.max_prompt_tokens == 512  # not overridden
+    assert cfg.train.steps == 100  # not in the file: the run config's default
     long, _ = config_from_argv([f"--config={config_file}:long"])
     assert long.rollout.max_new_tokens == 30720  # get_config("long")
     assert config_from_argv(["--help"]) == (None, ["--help"])  # the command's parser says more
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--config.data.max_tokens=9"],
-     "unknown key config.data.max_tokens (--config.data.max_tokens"),
+    (["--config.data.max_tokens=9"], "unknown key config.data.max_tokens (--config.data.max_tokens"
+                                     "): no such field; the closest is config.data.max_prompt_tokens"),
     (["--config.datum.x=9"], "unknown key config.datum"),
     (["--config.data.max_prompt_tokens=1.5"],
      "flag --config.data.max_prompt_tokens=1.5: invalid literal for int()"),
-    (["--config.lora.experts=maybe"], "config.lora.experts=True (bool)"),
+    (["--config.lora.experts=maybe"], "config.lora.experts is True (bool)"),
     (["--config.data.max_prompt_tokens.x=9"], "config.data.max_prompt_tokens is no section"),
     (["--config.data=9"], "config.data is a section; override its fields"),
 ])

@@ -49,7 +49,13 @@ def test_bad_config_exits_nonzero_with_one_line(model_dir, override, needle):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("--config.model.nope=1", "unknown key config.model.nope (--config.model.nope); "),
+    ("--config.model.nope=1", "unknown key config.model.nope (--config.model.nope): no such "
+                              "field; the closest is config.model."),
+    ("--config.train.lr=-1", "unknown key config.train.lr (--config.train.lr): no such field; "
+                             "the closest is config.optim.learning_rate"),
+    ("--config.optim.learning_rate=-1", "config.optim: OptimizerConfig learning_rate"),
+    # a field quickstart.py does not list: read, then refused by the run's checks
+    ("--config.rollout.partial=True", "config.rollout.partial=True continues generations"),
     ("--config.data.max_prompt_tokens=1.5", "flag --config.data.max_prompt_tokens=1.5: invalid "
                                             "literal for int()"),
 ])
@@ -59,3 +65,18 @@ def test_a_bad_override_is_refused_in_one_line(model_dir, override, needle):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and \
         r.stderr.startswith(f"rlx: config error: {needle}"), r.stderr
+
+
+@pytest.mark.parametrize("command", ["rlx.launch", "rlx.eval", "rlx.plan"])
+def test_help_exits_0_also_when_the_reader_stops_early(command):
+    """``--help`` prints the command's options, exit status 0; a reader that closes the output
+    before it is written (``--help | head``) leaves no BrokenPipeError traceback."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    argv = [sys.executable, "-m", command, "--help"]
+    r = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "--config" in r.stdout and ("--aot TOPOLOGY" in r.stdout or command != "rlx.plan")
+    closed = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    closed.stdout.close()
+    err = closed.stderr.read().decode()
+    assert closed.wait(timeout=120) == 0 and err == "", err

@@ -33,13 +33,13 @@ ALLOWED = {
     "rlx.config": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
     "rlx.run": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
                       "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
-    "rlx.commandline": FOUNDATION,
+    "rlx.commandline": FOUNDATION | {"rlx.config"},  # the run config's fields and defaults
     "rlx.plan": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rollout", "rlx.config",
                        "rlx.commandline"},
     "rlx.launch": FOUNDATION | {"rlx.config", "rlx.commandline", "rlx.run", "rlx.io",
                                 "rlx.rollout"},
     "rlx.eval": FOUNDATION | {"rlx.config", "rlx.commandline", "rlx.run"},
-    "rlx": {"rlx.run"},  # rlx/__init__.py: build
+    "rlx": {"rlx.run", "rlx.commandline"},  # rlx/__init__.py: build, load_config
 }
 TOP_LEVEL = {"__init__.py", "launch.py", "config.py", "commandline.py", "types.py", "mesh.py",
              "errors.py"}

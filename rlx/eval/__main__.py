@@ -54,6 +54,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    from rlx.commandline import absl_flags_parser
+    from rlx.commandline import absl_flags_parser, end_output
 
-    app.run(main, flags_parser=absl_flags_parser("rlx.eval"))
+    sys.exit(end_output(lambda: app.run(main, flags_parser=absl_flags_parser("rlx.eval"))))

@@ -336,11 +336,14 @@ class Checkpointer:
                 f"checkpoint {step} in {self.directory} is incomplete or corrupt: its metadata "
                 f"cannot be read ({_brief(e)})") from e
 
-    def restore(self, step: int, state: TrainState, data_iter=None) -> Restored:
+    def restore(self, step: int, state: TrainState, data_iter=None, *,
+                report_changes: bool = True) -> Restored:
         """Restore checkpoint `step` onto the shardings of `state` (a fresh state of this run).
 
         The frozen part comes from `state`; `data_iter` (if given) is moved to the saved position
         (a checkpoint saved with a ``position`` instead returns it in ``Restored.position``).
+        ``report_changes``: log the config fields that differ from the checkpoint's (a resume;
+        an evaluation reads the parameters only, and ``must_match`` holds either way).
         Raises ``CheckpointMismatchError`` / ``CheckpointCorruptError`` naming what is wrong.
         """
         where = f"{step} in {self.directory}"
@@ -348,7 +351,7 @@ class Checkpointer:
         saved = Fingerprint.from_json(meta["fingerprint"])
         check_compatible(saved, self.fingerprint(state), meta.get("config") or {}, self._config,
                          self.cfg.must_match, where)
-        changes = config_changes(meta.get("config") or {}, self._config)
+        changes = config_changes(meta.get("config") or {}, self._config) if report_changes else []
         if changes:
             log.warning("resuming checkpoint %s with a changed config:\n  %s", where,
                         "\n  ".join(changes))

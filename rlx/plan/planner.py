@@ -31,13 +31,14 @@ import os
 import sys
 from typing import Any
 
-from rlx.commandline import config_from_argv, load_config_file
+from rlx.commandline import HELP, config_from_argv, load_config_file
 from rlx.config import RunConfig, read_config
 from rlx.errors import ConfigError
 from rlx.learner.batching import micro_rows
 from rlx.learner.state import MODES
 from rlx.mesh import MESH_AXES, MeshShape, batch_shards
 from rlx.models import from_hf_config
+from rlx.models.loading import resolve_path
 from rlx.models.presets import PRESETS, find_preset, preset_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
 from rlx.plan.spec import PlanSpec
@@ -176,11 +177,16 @@ def _section(cfg: Any, name: str) -> dict[str, Any]:
 
 
 def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
-    """``model.hf_config``, the ``config.json`` of the folder ``model.path``, or the architecture
-    preset that path names (``rlx.models.presets``; no download)."""
+    """``model.hf_config``, the ``config.json`` of the folder ``model.path``, the header of the
+    ``.gguf`` file it names (``package://`` too), or the architecture preset that path names
+    (``rlx.models.presets``; no download)."""
     if model.get("hf_config"):
         return dict(model["hf_config"])
     path = model.get("path", "")
+    if path.endswith(".gguf"):
+        from rlx.models.gguf import read_gguf
+
+        return dict(read_gguf(resolve_path(path, hub=False)).hf_config)
     cfg_json = os.path.join(os.path.expanduser(path), "config.json") if path else ""
     if cfg_json and os.path.exists(cfg_json):
         with open(cfg_json) as f:
@@ -191,6 +197,17 @@ def _hf_config(model: dict[str, Any]) -> dict[str, Any]:
                          "config.model.path pointing at a folder with config.json, or a path "
                          f"naming one of the presets {sorted(PRESETS)}")
     return preset_config(preset)
+
+
+def _gguf_types(model: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Each tensor's GGUF type in the header of the ``.gguf`` file ``model.path`` names."""
+    from rlx.models.gguf import read_gguf
+
+    path = model.get("path", "")
+    if not path.endswith(".gguf"):
+        raise ValueError(f"config.quant.format='gguf' keeps a GGUF file's blocks; config.model."
+                         f"path={path!r} names no .gguf file")
+    return tuple(sorted(read_gguf(resolve_path(path, hub=False)).tensor_types.items()))
 
 
 def run_sections(cfg: Any) -> RunConfig:
@@ -262,6 +279,8 @@ def spec_from_config(cfg: Any) -> PlanSpec:
     for key in ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "scan_layers"):
         extra.setdefault(key, getattr(run.model, key))
     extra.setdefault("critic", run.critic.enabled)  # PPO's critic, as the run would build it
+    if run.quant.spec.keeps_file_blocks:  # the GGUF file's blocks, by the types in its header
+        extra.setdefault("gguf_types", _gguf_types(_section(cfg, "model")))
     return PlanSpec(model=arch, quant=run.quant, lora=run.lora, mesh=run.mesh, **extra)
 
 
@@ -279,8 +298,12 @@ def parse_mesh(text: str) -> MeshShape:
 def command_line(argv, parser: argparse.ArgumentParser) -> tuple[Any, argparse.Namespace]:
     """The config of ``--config configs/X.py[:VARIANT] [--config.FIELD=VALUE ...]``, read as
     ``python -m rlx.launch`` reads it (``rlx.commandline.config_from_argv``; a bad file or override
-    raises its ``ConfigError``), and ``parser``'s options from the other arguments."""
-    cfg, rest = config_from_argv(sys.argv[1:] if argv is None else argv)
+    raises its ``ConfigError``), and ``parser``'s options from the other arguments; ``--help``
+    prints the parser's help whatever else is given."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in HELP for a in argv):
+        parser.parse_args(["--help"])
+    cfg, rest = config_from_argv(argv)
     args = parser.parse_args(rest)
     if cfg is None:
         parser.error("the config file is required: --config configs/X.py")
@@ -302,6 +325,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=tuple(MODES), default=None, help="override config.plan.mode")
     p.add_argument("--compiled", action="store_true", help="also compile the train step on "
                    "local devices and print XLA's memory analysis (small models)")
+    p.add_argument("--aot", metavar="TOPOLOGY", help="instead compile the real train and generate "
+                   "steps for a TPU topology (e.g. tpu7x:2x2x2) on this host and print XLA:TPU's "
+                   "memory per device beside the plan (rlx.plan.aot; needs libtpu: pip install -e "
+                   "'.[tpu-aot]'); its own options: --aot TOPOLOGY --help")
     return p
 
 
@@ -319,7 +346,7 @@ def main(argv=None) -> int:
             spec = spec.replace(mesh=parse_mesh(args.mesh))
         elif args.devices and args.devices != spec.mesh.num_devices:
             spec = spec.replace(mesh=MeshShape(fsdp=args.devices))
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, OSError) as e:  # OSError: a model file that is not there
         print(f"rlx.plan: {e}", file=sys.stderr)
         return 2
     extra = _section(cfg, "plan")

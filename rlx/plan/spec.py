@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from flax import nnx
 
 from rlx.errors import one_of
@@ -26,7 +27,10 @@ from rlx.models.decoder import DTYPES
 from rlx.models.loading import SCAN_MODES
 from rlx.models.moe import MOE_IMPLS
 from rlx.models.stack import scan_default, stack_layers
+from rlx.models.hf import param_map
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
+from rlx.quant.formats.gguf.blocks import BLOCK_BYTES, KEPT, GGUFTensor
+from rlx.quant.loading import set_node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +79,9 @@ class PlanSpec:
     # second adapter on the same base; full: a copy of the policy, an upper bound for a smaller
     # critic.path model) plus the f32 value head, each with AdamW moments
     critic: bool = False
+    # quant.format="gguf": the file's tensor types ((HF name, GGUF type), from its header); the
+    # block-quantized ones are planned as the blocks rlx.quant.load_gguf_quantized keeps
+    gguf_types: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         one_of("plan.mode", self.mode, MODES)
@@ -143,9 +150,31 @@ class PlanSpec:
 def _build(spec: PlanSpec) -> Transformer:
     model = Transformer(spec.model, spec.precision, rngs=nnx.Rngs(0))
     if spec.mode == "lora":
-        model = quantize_model(model, spec.quant)
+        gguf = spec.quant.spec.keeps_file_blocks
+        model = _gguf_blocks(model, spec) if gguf else quantize_model(model, spec.quant)
         model = apply_lora(model, spec.lora, nnx.Rngs(1))
     return stack_layers(model) if spec.scanned else model
+
+
+def _gguf_blocks(model: Transformer, spec: PlanSpec) -> Transformer:
+    """The float ``model`` with each tensor the GGUF file keeps as blocks (``spec.gguf_types``)
+    replaced by a ``GGUFTensor`` of its type and shape, stored as ``load_gguf_quantized`` stores
+    it (zeros: the model is built abstractly)."""
+    types = dict(spec.gguf_types)
+    flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(nnx.state(model))}
+    for path, src in param_map(spec.model).items():
+        qtype = types.get(src.hf_names[0])
+        if src.layout not in ("T", "copy", "stack_T") or qtype not in BLOCK_BYTES:
+            continue
+        var = flat[path]
+        shape, ax = var.shape, var.get_metadata().get("logical_axes")
+        hf = shape if src.layout == "copy" else (*shape[:-2], shape[-1], shape[-2])  # [..., N, K]
+        blocks = jnp.zeros((*hf[:-1], hf[-1] // KEPT[qtype][0] * BLOCK_BYTES[qtype]), jnp.uint8)
+        if ax is not None:  # the stored rows follow the matrix's N axis, the bytes are whole
+            ax = (ax[0], ax[-1], None) if src.layout == "stack_T" else (
+                ax[-1] if src.layout == "T" else ax[0], None)
+        set_node(model, path, GGUFTensor(qtype, hf, blocks, ax, kernel=src.layout != "copy"))
+    return model
 
 
 def abstract_model(spec: PlanSpec) -> Transformer:

@@ -109,7 +109,8 @@ def restore_policy(cfg: RunConfig, model: nnx.Module, mesh, path: str) -> tuple[
         if not steps or (step is not None and step not in steps):
             raise ConfigError(f"--checkpoint={path!r}: no checkpoint{f' of step {step}' * bool(step)} "
                               f"in {checkpointer.directory} (saved steps: {steps or 'none'})")
-        restored = checkpointer.restore(steps[-1] if step is None else step, compiled.state)
+        restored = checkpointer.restore(steps[-1] if step is None else step, compiled.state,
+                                        report_changes=False)  # the training settings do not matter
     finally:
         checkpointer.close()
     return _Policy(nnx.merge(compiled.graphdef, restored.state.params, restored.state.frozen)), \

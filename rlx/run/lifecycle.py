@@ -52,9 +52,11 @@ def open_checkpointer(cfg: RunConfig, state: Any) -> Checkpointer:
 
 def _recorded_config(cfg: RunConfig) -> dict:
     """The config a checkpoint records (and a resume compares): without what legitimately differs
-    between the processes or the launches of one run (its resume flag, process id, address)."""
+    between the processes or the launches of one run (its resume flag, process id, address), with
+    ``output_dir`` as an absolute path (``runs/x/`` and ``./runs/x`` are one folder)."""
     out = to_dict(cfg)
     out.pop("resume", None)
+    out["output_dir"] = os.path.abspath(cfg.output_dir)
     for key in ("process_id", "coordinator_address"):
         out.get("distributed", {}).pop(key, None)
     return out

@@ -430,8 +430,9 @@ class Run:
         return [transcript(e) for e in episodes]
 
     def summary(self) -> str:
-        """Held-out accuracy at the start and now, and the reward curve, as text."""
-        evals = [(r["step"], r["eval/accuracy"]) for r in self.metrics if "eval/accuracy" in r]
+        """Held-out accuracy at the start and now (a step evaluated twice: its latest), the reward
+        curve, as text."""
+        evals = list({r["step"]: r["eval/accuracy"] for r in self.metrics if "eval/accuracy" in r}.items())
         rewards = [r["reward/mean"] for r in self.metrics if "reward/mean" in r]
         lines = [f"steps {self.step_count}; mean reward per step: "
                  + " ".join(f"{x:.2f}" for x in rewards)]

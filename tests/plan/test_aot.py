@@ -2,7 +2,7 @@
 step and the built-in engine's generate step of a tiny MoE model (int4 experts + LoRA, bf16)
 compile for 4 TPU7x chips, and XLA:TPU's memory analysis agrees with the planner's figures.
 
-Needs the libtpu package (the ``test`` extra); skipped without it. The programs trace the TPU
+Needs the libtpu package (the ``tpu-aot`` extra); skipped without it. The programs trace the TPU
 choices of rlx (``rlx.platform.compiling_for``: bf16 KV cache, grouped quantized products for a
 decode step's few rows), which the CPU tests never reach.
 """
@@ -43,7 +43,7 @@ SPEC = PlanSpec(model=MOE, mode="lora", moe_impl="dense", rows=8, seq_len=256, l
 @pytest.fixture(scope="module")
 def topo():
     pytest.importorskip("libtpu", reason="compiling for TPU needs the libtpu package "
-                                         "(pip install libtpu; in the test extra)")
+                                         "(pip install -e .[tpu-aot])")
     return topology("tpu7x:2x2x1")
 
 

@@ -15,7 +15,7 @@ from rlx.plan import load_config_file, nodes_needed, plan, spec_from_config
 from rlx.plan.memory import compiled_bytes
 from rlx.plan.spec import PlanSpec
 from rlx.quant import LoraConfig, QuantConfig
-from tests.helpers import ROOT
+from tests.helpers import ROOT, SMOLLM2_FILE, smollm2_dir
 
 # Shapes differ from the sweep the coefficients were calibrated on (one device, other sizes).
 DENSE = ModelConfig(architecture="LlamaForCausalLM", vocab_size=2048, hidden_size=192,
@@ -162,6 +162,26 @@ def test_cli_overrides_the_config_as_launch_does(capsys):
         assert main(["--config", GLM, override]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"rlx.plan: config error: {needle}") and "\n" not in err, err
+
+
+def test_a_gguf_model_is_planned_as_its_file_blocks(capsys):
+    """configs/quickstart.py keeps SmolLM2-135M's Q4_1 GGUF blocks as its base (a
+    ``package://`` path): the planner reads the architecture and each tensor's type from the
+    file's header, and its frozen bytes are exactly those of the model ``load_gguf_quantized``
+    loads from the file (every block, the float norms)."""
+    from flax import nnx
+
+    from rlx.plan import main
+    from rlx.plan.memory import state_bytes
+    from rlx.quant import load_gguf_quantized
+
+    quickstart = os.path.join(ROOT, "configs", "quickstart.py")
+    loaded = load_gguf_quantized(os.path.join(smollm2_dir(), SMOLLM2_FILE)).model
+    spec = spec_from_config(load_config_file(quickstart))
+    assert state_bytes(spec)["frozen"] == sum(x.nbytes for x in jax.tree.leaves(nnx.state(loaded)))
+    assert main(["--config", quickstart]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model      LlamaForCausalLM, 0.13B params; mode lora, base gguf"), out
 
 
 @pytest.mark.parametrize("name", ["dense-lora", "dense-full"])

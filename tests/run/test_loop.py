@@ -23,6 +23,10 @@ def test_tiny_run_trains_logs_and_generates(tmp_path):
             assert all(np.isfinite(r[key]) for r in steps), key
         assert all(r["learner/mismatch_abs_max"] < 1e-3 for r in steps)  # engine == learner
         assert sum("eval/accuracy" in r for r in records) == 2  # at the start and the end
+        run.evaluate()  # step 2 again: the summary has one line per evaluated step
+        summary = run.summary().splitlines()
+        assert [line.split(":")[0] for line in summary if "held-out" in line] == [
+            "held-out greedy accuracy at step 0", "held-out greedy accuracy at step 2"], summary
         (pre,) = [r for r in records if "preflight/max_abs" in r]  # before training
         assert pre["step"] == 0 and pre["preflight/max_abs"] <= 1e-5
         assert run.compiled.state.step == 2 and run.engine.weight_version == 2

