@@ -80,7 +80,7 @@ def test_padded_batch_matches_hf(zoo, family, side, lengths, attention):
         assert np.abs(out[r][real[r]] - hf_logits(path, alone)[0]).max() <= TOL
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 @pytest.mark.parametrize("n_a, n_b, attention", [(5, 4, "dense"), (60, 50, "dense"),
                                                  (60, 50, "blockwise")])  # 112: 3 query blocks
 def test_packed_equals_separate(zoo, family, n_a, n_b, attention):
@@ -117,7 +117,7 @@ def test_round_trip_through_to_hf(zoo, family, tmp_path):
     assert np.abs(again - ours).max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_moe_ragged_equals_dense(zoo, family):
     path = make_hf_model(family, zoo)
     ids = jnp.asarray(_ids(2, 7, seed=5))
