@@ -35,14 +35,14 @@ def zoo(tmp_path_factory):
     return str(tmp_path_factory.mktemp("zoo"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])  # gpt_oss: caches of up
+def test_sampler_logprobs_equal_learner_mode_a(zoo, family):  # to 23 slots over a 6-token window
     sampled, scored, preflight = parity(from_hf(make_hf_model(family, zoo)))
     print(f"full mode {family} f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "gpt_oss"])
 def test_sampler_logprobs_equal_learner_with_blockwise_attention(zoo, family):
     """Every attention call over more than one token blockwise in 16-token blocks
     (rlx.kernels.attention): the engine's prefill and scoring over its cache and the learner's
