@@ -53,7 +53,8 @@ def test_sampler_logprobs_equal_learner_with_blockwise_attention(zoo, family):
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
 
-@pytest.mark.parametrize("family,fmt", [("llama", "int4"), ("qwen3_moe", "int8")])
+@pytest.mark.parametrize("family,fmt", [("llama", "int4"), ("qwen3_moe", "int8"),
+                                        ("gpt_oss", "int8")])  # gpt_oss: LoRA on every expert
 def test_sampler_logprobs_equal_learner_mode_b(zoo, family, fmt):
     model = quantized_lora_model(zoo, family, QuantConfig(format=fmt, group_size=8))
     sampled, scored, _ = parity(model)
