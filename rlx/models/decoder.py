@@ -1,5 +1,6 @@
 """The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
-(multi-head latent attention, ``rlx.models.mla``) and GLM-4.5.
+(multi-head latent attention, ``rlx.models.mla``), GLM-4.5 and gpt-oss (per-layer sliding windows
+and attention sinks, ``Attention``).
 
 Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``
 or ``MLAttention`` (``attention_kind``) and a dense or sparse MLP (``mlp_kind``; DeepSeek / GLM: the

@@ -1,9 +1,10 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5).
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss).
 
 Routing follows each model (``MoEConfig.router``):
 
-- ``softmax`` (Mixtral, Qwen): softmax over all experts in f32, top-k, then renormalisation of the
-  top-k weights when ``norm_topk_prob`` (always for Mixtral).
+- ``softmax`` (Mixtral, Qwen, gpt-oss): softmax over all experts in f32, top-k, then
+  renormalisation of the top-k weights when ``norm_topk_prob`` (always for Mixtral and gpt-oss,
+  whose softmax over the top-k logits is the same; its router logits add ``router_bias``).
 - ``sigmoid`` (DeepSeek-V3 "auxiliary-loss-free" routing, also GLM-4.5): router logits in f32,
   scores ``sigmoid(logits)``; the experts are chosen by ``scores + correction_bias`` (the
   checkpoint's ``e_score_correction_bias``), first keeping the ``topk_group`` best of ``n_group``
@@ -18,6 +19,7 @@ Routing follows each model (``MoEConfig.router``):
 
 Qwen2-MoE adds a shared expert scaled by ``sigmoid(x @ w_gate)``; DeepSeek-V3 / GLM-4.5 add
 ``n_shared_experts`` ungated shared experts, run as one SwiGLU MLP of their summed width.
+gpt-oss's experts add per-expert biases to each projection and use ``clamped_swiglu``.
 
 Experts are stacked parameters ``[E, in, out]`` and run as one batched computation, never a Python
 loop over experts. Expert weights may be frozen quantized tensors (``rlx.quant``) and each projection

@@ -37,7 +37,7 @@ def value_and_grads(layer: SparseMoE, x, wrt):
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("routing,fmt", [("softmax", "float"), ("sigmoid", "int8"),
                                          ("softmax", "int4"), ("gpt_oss", "float"),
-                                         ("gpt_oss", "int4")])
+                                         pytest.param("gpt_oss", "int4", marks=pytest.mark.slow)])
 def test_dispatch_equals_ragged(mesh_name, routing, fmt):
     m = {"softmax": SOFTMAX, "sigmoid": SIGMOID, "gpt_oss": GPT_OSS}[routing]
     wrt = nnx.Param if fmt == "float" else nnx.LoRAParam

@@ -20,7 +20,7 @@ def zoo(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_moe", "mixtral", "qwen3_moe",
-                                    "gpt_oss"])  # gpt_oss: peft's target_parameters
+                                    pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_peft_parity_on_dequantized_base(zoo, tmp_path, family):
     """rlx logits == HF peft logits (<= 1e-4, f32) on the exported dequantized base + adapter."""
     import peft
