@@ -9,8 +9,11 @@ MXFP4; this recipe stands in a bf16 copy of the checkpoint (dequantized, e.g. by
 ``Mxfp4Config(dequantize=True)``), about 234 GB, 29 GB per device with the experts split 8 ways:
 loading the MXFP4 experts as shipped comes with a later issue, and rlx refuses the MXFP4 folder
 itself (its ``quantization_config``). LoRA adapts attention and every routed expert. Rollouts come
-from the built-in engine (paged KV cache with the windows and sinks); the export
-(``quant.serving = "hf"``) is a plain bf16 folder.
+from the built-in engine (paged KV cache with the windows and sinks); the trained adapter is
+exported as PEFT (attention modules, the experts through peft's ``target_parameters``).
+``python -m rlx.plan --config
+configs/gpt_oss_120b.py``: 116.83B parameters (the published count), a train peak of about 37 GB
+per device at 2,048 tokens.
 
 ``model.path`` is the Hub id of the bf16 copy's architecture (a local folder of that name wins;
 point it at the dequantized bf16 folder).

@@ -104,7 +104,7 @@ def test_plan_config_runs_the_planner(name, capsys):
 # synchronous, the built-in engine holds no weights of its own: Kimi-K2 and DeepSeek-V3 fit 141 GB
 # (rlx/plan/README.md)
 NODE_PLANS = [("kimi_k2", 80, False), ("kimi_k2", 141, True), ("deepseek_v3_fp8", 80, False),
-              ("deepseek_v3_fp8", 141, True), ("glm45_air", 80, True)]
+              ("deepseek_v3_fp8", 141, True), ("glm45_air", 80, True), ("gpt_oss_120b", 80, True)]
 
 
 @pytest.mark.parametrize("name,hbm,fits", NODE_PLANS)
