@@ -77,7 +77,8 @@ def _ci(name: str, *slow: str):
     their shrunken step in CI with the built-in engine, their server side in tests/rollout's SGLang
     tests; deepseek_v3_fp8's multi-head latent attention and fp8 block base run in
     kimi_k2's and qwen25_7b_math_fp8's; glm45_air's architecture in tests/models/test_deepseek_glm.py
-    and its MoE LoRA run in qwen3_30b_a3b_int4's; ppo_quickstart's PPO in tests/run/test_ppo.py;
+    and its MoE LoRA run in qwen3_30b_a3b_int4's; gpt_oss_120b's architecture in
+    tests/models/test_hf_parity.py and tests/rollout/jax/test_engine.py; ppo_quickstart's PPO in tests/run/test_ppo.py;
     the int8 / fp8 recipes' bases in tests/quant, tiny's run in tests/run/test_loop.py, dpo's in
     tests/run/test_dpo.py)."""
     return pytest.param(name, marks=pytest.mark.slow) if name in slow else name
@@ -103,7 +104,7 @@ def test_plan_config_runs_the_planner(name, capsys):
 # synchronous, the built-in engine holds no weights of its own: Kimi-K2 and DeepSeek-V3 fit 141 GB
 # (rlx/plan/README.md)
 NODE_PLANS = [("kimi_k2", 80, False), ("kimi_k2", 141, True), ("deepseek_v3_fp8", 80, False),
-              ("deepseek_v3_fp8", 141, True), ("glm45_air", 80, True)]
+              ("deepseek_v3_fp8", 141, True), ("glm45_air", 80, True), ("gpt_oss_120b", 80, True)]
 
 
 @pytest.mark.parametrize("name,hbm,fits", NODE_PLANS)
@@ -280,7 +281,8 @@ def served_policy_matches_the_learner(run) -> None:
     assert sorted(os.listdir(serving)) == ["adapter-2", "base", "sglang-0.log"]  # old ones deleted
 
 
-@pytest.mark.parametrize("name", [_ci(n, "deepseek_v3_fp8", "glm45_air", "ppo_quickstart",
+@pytest.mark.parametrize("name", [_ci(n, "deepseek_v3_fp8", "glm45_air", "gpt_oss_120b",
+                                      "ppo_quickstart",
                                       "qwen25_1p5b_math_int8", "qwen25_7b_math_fp8", "tiny", "dpo")
                                   for n in RUNS])
 def test_config_runs_one_shrunken_step(name, tmp_path, stand_in):

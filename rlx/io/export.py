@@ -15,7 +15,9 @@ removed). Four kinds:
   (``rank_pattern`` / ``alpha_pattern`` keep alpha / r). peft nests two wrapped parameters of one
   module: ``gate_up_proj``'s adapter is then named ``experts.base_layer.lora_*`` and ``down_proj``'s
   ``experts.lora_*``. peft refuses dropout on wrapped parameters, so such configs carry
-  ``lora_dropout: 0`` (dropout plays no part in serving).
+  ``lora_dropout: 0`` (dropout plays no part in serving). gpt-oss stores ``gate_up_proj`` as
+  ``[E, d, 2f]`` with gate and up columns interleaved (``MoENames.fused``): peft's factors are
+  the same (``in`` and ``out`` as named), the gate's rows of ``lora_B`` the even ones.
 - ``export_base``: the frozen base in the layout SGLang loads as the same values (mapping in
   ``rlx.quant.serving``; a GGUF base is the GGUF file it was loaded from).
 - ``export_merged``: base dequantized + ``(alpha / r) B A`` merged, plain HF safetensors (float32 by
@@ -104,8 +106,10 @@ def dense_adapters(model: Transformer) -> dict[str, LoRA]:
     return out
 
 
-def _expert_tensors(lg, lu, ld, prefix: str, nested: bool) -> dict[str, np.ndarray]:
-    """PEFT ``target_parameters`` tensors of one layer's experts (see the module docstring)."""
+def _expert_tensors(lg, lu, ld, prefix: str, nested: bool, interleaved: bool = False
+                    ) -> dict[str, np.ndarray]:
+    """PEFT ``target_parameters`` tensors of one layer's experts (see the module docstring);
+    ``interleaved``: gate and up outputs alternate (gpt-oss), else gate first, then up."""
     out = {}
     if lg is not None or lu is not None:
         parts = [p for p in (lg, lu) if p is not None]
@@ -115,10 +119,11 @@ def _expert_tensors(lg, lu, ld, prefix: str, nested: bool) -> dict[str, np.ndarr
         big_r = a.shape[1]
         b = np.zeros((e, 2 * f, big_r), np.float32)  # [E, 2f, R], block diagonal
         col = 0
-        for row, p in ((0, lg), (f, lu)):
+        for half, p in enumerate((lg, lu)):
             if p is not None:
                 r = p.lora_a.shape[-1]
-                b[:, row:row + f, col:col + r] = _np(p.lora_b[...]).transpose(0, 2, 1)
+                rows = slice(half, 2 * f, 2) if interleaved else slice(half * f, (half + 1) * f)
+                b[:, rows, col:col + r] = _np(p.lora_b[...]).transpose(0, 2, 1)
                 col += r
         name = f"{prefix}.base_layer" if nested else prefix
         out[f"{name}.lora_A.weight"] = a.reshape(e * big_r, -1)
@@ -136,6 +141,7 @@ def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
     model = unrolled(model, nnx.LoRAParam)  # scanned layers: per-layer adapters, base abstract
     tensors, modules, params, gate_up = {}, set(), set(), False
     remapped = family_of(model.config).peft_remaps_mlp_names
+    interleaved = family_of(model.config).moe_names.fused
     for name, lo in dense_adapters(model).items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = _np(lo.lora_a[...]).T.copy()
         tensors[f"base_model.model.{name}.lora_B.weight"] = _np(lo.lora_b[...]).T.copy()
@@ -151,7 +157,8 @@ def peft_state(model: Transformer) -> tuple[dict[str, np.ndarray], dict]:
         has_gu = ex.gate_lora is not None or ex.up_lora is not None
         nested = has_gu and ex.down_lora is not None
         prefix = f"base_model.model.model.layers.{i}.mlp.experts"
-        tensors.update(_expert_tensors(ex.gate_lora, ex.up_lora, ex.down_lora, prefix, nested))
+        tensors.update(_expert_tensors(ex.gate_lora, ex.up_lora, ex.down_lora, prefix, nested,
+                                       interleaved))
         if has_gu:
             params.add("mlp.experts.gate_up_proj")
             gate_up = True

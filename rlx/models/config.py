@@ -39,7 +39,7 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     hidden = req(hf, "hidden_size")
     layers = req(hf, "num_hidden_layers")
     mla = _mla_from_hf(hf) if spec.attention == "mla" else None
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         vocab_size=req(hf, "vocab_size"),
         hidden_size=hidden,
@@ -61,6 +61,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         hidden_act=hf.get("hidden_act", "silu"),
         mla=mla,
     )
+    if spec.extra_from_hf is not None:
+        fields.update(spec.extra_from_hf(hf))
+    return ModelConfig(**fields)
 
 
 def _architecture(hf: dict[str, Any]) -> str:

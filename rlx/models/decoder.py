@@ -1,5 +1,6 @@
 """The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
-(multi-head latent attention, ``rlx.models.mla``) and GLM-4.5.
+(multi-head latent attention, ``rlx.models.mla``), GLM-4.5 and gpt-oss (per-layer sliding windows
+and attention sinks, ``Attention``).
 
 Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``
 or ``MLAttention`` (``attention_kind``) and a dense or sparse MLP (``mlp_kind``; DeepSeek / GLM: the
@@ -37,6 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from rlx.kernels.attention import attend
@@ -90,20 +92,33 @@ class Precision:
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention (optional qkv bias, q/k RMSNorm, partial rotary)."""
+    """Grouped-query attention (optional q/k/v and o biases, q/k RMSNorm, partial rotary, a
+    sliding window, attention sinks).
 
-    def __init__(self, cfg: ModelConfig, p: Precision, rngs):
+    Layer ``layer``'s window is ``ModelConfig.window(layer)`` (gpt-oss's sliding layers); with
+    ``attention_sinks`` each head has a learned logit ``sinks[h]`` that joins its softmax's
+    denominator (a virtual key with a zero value). Both are arguments of ``attend`` and of the
+    paged decode, so every attention path honours them."""
+
+    def __init__(self, cfg: ModelConfig, p: Precision, rngs, layer: int = 0):
         d, hd = cfg.hidden_size, cfg.head_dim
         kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
         self.q_proj = Linear(d, cfg.num_heads * hd, ("embed", "heads"), bias=cfg.qkv_bias, **kw)
         self.k_proj = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
-        self.o_proj = Linear(cfg.num_heads * hd, d, ("heads", "embed"), bias=False, **kw)
+        self.o_proj = Linear(cfg.num_heads * hd, d, ("heads", "embed"), bias=cfg.o_bias, **kw)
         norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
+        self.sinks = (param(rngs, (cfg.num_heads,), p.param_dtype, ("heads",))
+                      if cfg.attention_sinks else None)
+        self.window = cfg.window(layer)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.sharding = None  # an AttentionSharding where a mesh runs an opaque kernel (parallel)
+
+    def _sinks(self):
+        """The sinks' logits in f32 ``[h]``, or None."""
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def linears(self) -> tuple[Linear, ...]:
         """Every projection of the layer (for quantization and LoRA)."""
@@ -127,7 +142,7 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
         q, k, v = self._qkv(x, angles, adapter)
         out = attend(q, k, v, segment_ids, segment_ids, positions, positions, causal_columns=True,
-                     sharding=self.sharding)
+                     window=self.window, sinks=self._sinks(), sharding=self.sharding)
         return self._out(out, adapter)  # [b, t, h, d] -> [b, t, D]
 
     def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True,
@@ -147,26 +162,31 @@ class Attention(nnx.Module):
         kv = cache.store(kv, (k, v))
         keys, values = cache.view(kv)  # [b, kv, d, s], [b, kv, s, d]
         out = attend(q, keys, values, segment_ids, cache.segment_ids, positions, cache.positions,
-                     kv_major=True, sharding=None if order is None else self.sharding)
+                     window=self.window, sinks=self._sinks(), kv_major=True,
+                     sharding=None if order is None else self.sharding)
         return self._out(out, adapter), kv
 
     def _paged(self, q, k, v, kv, cache: PagedKVCache, positions, segment_ids):
         """Write ``k`` / ``v`` into the pages and attend over them (``gqa_paged``), on each
         device's rows, pages and KV heads under a mesh (``per_device``)."""
-        def step(c, kv, q, k, v, positions, segment_ids):
+        window, sinks = self.window, self._sinks()
+
+        def step(c, kv, q, k, v, positions, segment_ids, *sink):
             kv = c.store(kv, (k, v))
             return gqa_paged(q, *kv, c.table, c.ends, positions, segment_ids,
-                             block_pages=block_pages_for(c.page_size)), kv
+                             block_pages=block_pages_for(c.page_size), window=window,
+                             sinks=sink[0] if sink else None), kv
 
         sh = self.sharding
         heads = None if sh is None else sh.heads_for(self.num_kv_heads)
+        args = (q, k, v, positions, segment_ids) + (() if sinks is None else (sinks,))
         specs = out_specs = None
         if sh is not None:
             tokens = rows_spec(sh, 4, (2, heads))
             specs = (tokens, tokens, tokens, rows_spec(sh, 2), rows_spec(sh, 2))
+            specs += () if sinks is None else (PartitionSpec(heads),)  # a device's heads' sinks
             out_specs = (tokens, pool_specs(sh, kv, heads))
-        return per_device(step, sh, cache, kv, (q, k, v, positions, segment_ids), specs,
-                          out_specs, heads)
+        return per_device(step, sh, cache, kv, args, specs, out_specs, heads)
 
 
 def _dense_mlp(cfg: ModelConfig, p: Precision, rngs) -> DenseMLP:
@@ -188,7 +208,7 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, p: Precision, rngs):
         norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
-        self.self_attn = ATTENTION_LAYERS[cfg.attention_kind](cfg, p, rngs)
+        self.self_attn = ATTENTION_LAYERS[cfg.attention_kind](cfg, p, rngs, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.mlp = MLP_LAYERS[cfg.mlp_kind(layer)](cfg, p, rngs)
 

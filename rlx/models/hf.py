@@ -39,7 +39,12 @@ class ParamSource:
     """Where one rlx parameter comes from: HF names and how to lay them out."""
 
     hf_names: tuple[str, ...]
-    layout: str  # "copy" | "T" (transpose a linear) | "stack_T" (stack experts, transpose each)
+    # "copy" | "T" (transpose a linear) | "stack_T" (stack experts, transpose each) | "even" /
+    # "odd" (the even / odd last-axis entries of a fused, interleaved tensor: gpt-oss gate_up)
+    layout: str
+
+
+INTERLEAVED = {"even": 0, "odd": 1}  # interleaved layouts -> the parity of their entries
 
 
 def param_map(cfg: ModelConfig) -> dict[str, ParamSource]:
@@ -80,8 +85,11 @@ def _norms(us: str, hf: str, names) -> dict[str, ParamSource]:
 
 def _attention_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
     """GQA: q/k/v/o projections, q/k/v biases, q/k norms."""
-    bias = ("q_proj", "k_proj", "v_proj") if cfg.qkv_bias else ()
+    bias = (("q_proj", "k_proj", "v_proj") if cfg.qkv_bias else ()) + (
+        ("o_proj",) if cfg.o_bias else ())
     out = _linears(us, hf, ("q_proj", "k_proj", "v_proj", "o_proj"), bias)
+    if cfg.attention_sinks:
+        out[f"{us}/sinks"] = ParamSource((f"{hf}.sinks",), "copy")
     return out | (_norms(us, hf, ("q_norm", "k_norm")) if cfg.qk_norm else {})
 
 
@@ -101,12 +109,18 @@ def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
     assert m is not None
     moe_names = family_of(cfg).moe_names  # the family's names of its sparse block
     block, names = f"{hf}.{moe_names.block}", dict(moe_names.experts)
-    out = {f"{us}/mlp/router": ParamSource((f"{block}.gate.weight",), "T")}
+    router = f"{block}.{moe_names.router}"
+    out = {f"{us}/mlp/router": ParamSource((f"{router}.weight",), "T")}
+    if m.router_bias:
+        out[f"{us}/mlp/router_bias"] = ParamSource((f"{router}.bias",), "copy")
     if m.correction_bias:
-        out[f"{us}/mlp/correction_bias"] = ParamSource((f"{block}.gate.e_score_correction_bias",), "copy")
-    for ours, theirs in names.items():
-        srcs = tuple(f"{block}.experts.{e}.{theirs}.weight" for e in range(m.num_experts))
-        out[f"{us}/mlp/experts/{ours}"] = ParamSource(srcs, "stack_T")
+        out[f"{us}/mlp/correction_bias"] = ParamSource((f"{router}.e_score_correction_bias",), "copy")
+    if moe_names.fused:
+        out.update(_fused_experts_map(cfg, f"{us}/mlp/experts", f"{block}.experts"))
+    else:
+        for ours, theirs in names.items():
+            srcs = tuple(f"{block}.experts.{e}.{theirs}.weight" for e in range(m.num_experts))
+            out[f"{us}/mlp/experts/{ours}"] = ParamSource(srcs, "stack_T")
     if m.shared_intermediate_size:  # Qwen2-MoE: one gated shared_expert; DeepSeek / GLM: several
         out.update(_linears(f"{us}/mlp/shared_expert", f"{block}.{moe_names.shared}",
                             ("gate_proj", "up_proj", "down_proj")))
@@ -115,9 +129,25 @@ def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
     return out
 
 
+def _fused_experts_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
+    """Experts stacked in one tensor per projection, ``[E, in, out]`` as rlx stores them, gate
+    and up fused with their columns interleaved (gpt-oss: ``gate_up_proj[..., ::2]`` is the
+    gate), and their biases (``*_bias``) where the MoE has them."""
+    out = {f"{us}/gate_proj": ParamSource((f"{hf}.gate_up_proj",), "even"),
+           f"{us}/up_proj": ParamSource((f"{hf}.gate_up_proj",), "odd"),
+           f"{us}/down_proj": ParamSource((f"{hf}.down_proj",), "copy")}
+    if cfg.moe.expert_bias:
+        out.update({f"{us}/gate_bias": ParamSource((f"{hf}.gate_up_proj_bias",), "even"),
+                    f"{us}/up_bias": ParamSource((f"{hf}.gate_up_proj_bias",), "odd"),
+                    f"{us}/down_bias": ParamSource((f"{hf}.down_proj_bias",), "copy")})
+    return out
+
+
 def _expected_hf_shape(src: ParamSource, shape: tuple[int, ...]) -> tuple[int, ...]:
     if src.layout == "copy":
         return shape
+    if src.layout in INTERLEAVED:
+        return shape[:-1] + (2 * shape[-1],)
     return tuple(reversed(shape if src.layout == "T" else shape[1:]))
 
 
@@ -202,6 +232,10 @@ def place(shape: tuple, dtype, sharding, tensors, src: ParamSource) -> jax.Array
     only its slice of the HF tensor(s). CPU devices get it in rlx's layout from the host
     (``rlx.platform.cpu.host_layout``: no compile, no second copy); an accelerator copies its slice as
     stored and turns it into rlx's layout and dtype itself (``to_layout``)."""
+    if src.layout in INTERLEAVED:
+        return jax.make_array_from_callback(shape, sharding, once_per_index(
+            lambda idx: read_stored(tensors, src.hf_names[0], interleaved_index(
+                idx, shape, INTERLEAVED[src.layout])).astype(dtype)))
     if isinstance(tensors, SafetensorsFolder) and on_host(sharding):
         return jax.make_array_from_callback(
             shape, sharding, once_per_index(host_reader(tensors, src, shape, dtype)))
@@ -212,6 +246,14 @@ def place(shape: tuple, dtype, sharding, tensors, src: ParamSource) -> jax.Array
     raw = jax.make_array_from_callback(hf_shape, swapped(sharding, hf_shape),
                                        once_per_index(lambda idx: _read_stored(tensors, src, idx)))
     return to_layout(jnp.dtype(dtype), sharding)(raw)
+
+
+def interleaved_index(index: tuple, shape: tuple, parity: int) -> tuple:
+    """The index into a fused, interleaved HF tensor of an rlx ``index`` into its ``parity``
+    half (``shape``: the half's): last-axis entries ``a:b`` are ``2a + parity : 2b : 2``."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    lo, hi, _ = index[-1].indices(shape[-1])
+    return index[:-1] + (slice(2 * lo + parity, 2 * hi, 2),)
 
 
 def swapped(sharding, shape: tuple):
@@ -333,6 +375,10 @@ def put_hf_layout(src: ParamSource, value: np.ndarray, out: dict[str, np.ndarray
     """Store an rlx-layout ``value`` into ``out`` under its HF name(s), in HF layout."""
     if src.layout == "copy":
         out[src.hf_names[0]] = value
+    elif src.layout in INTERLEAVED:  # one half of a fused tensor, the other half beside it
+        fused = out.setdefault(src.hf_names[0], np.zeros(
+            value.shape[:-1] + (2 * value.shape[-1],), value.dtype))
+        fused[..., INTERLEAVED[src.layout]::2] = value
     elif src.layout == "T":
         out[src.hf_names[0]] = np.ascontiguousarray(value.T)
     else:

@@ -3,7 +3,8 @@
 ``ModelConfig`` describes each supported decoder: Llama (incl. llama3 rope scaling), Qwen2 (qkv
 bias), Qwen3 (q/k RMSNorm), Mixtral, Qwen2-MoE (shared expert with a sigmoid gate), Qwen3-MoE,
 DeepSeek-V3 (multi-head latent attention, ``MLAConfig``; also Kimi-K2 and, with
-``q_lora_rank=None``, DeepSeek-V2-Lite shapes) and GLM-4.5 (GQA with partial rotary). The
+``q_lora_rank=None``, DeepSeek-V2-Lite shapes), GLM-4.5 (GQA with partial rotary) and gpt-oss
+(sliding-window layers, attention sinks, an o_proj bias, biased experts with a clamped SwiGLU). The
 translation from and to transformers' ``config.json`` lives in ``rlx.models.config`` and the
 families' specs (``rlx.models.families``, which also name the HF classes); this module knows
 nothing of HF field names beyond the comments, so the records can be built directly.
@@ -116,11 +117,20 @@ class MoEConfig:
     n_group: int = 1  # expert groups (sigmoid router)
     topk_group: int = 1  # groups a token may pick its experts from
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' gates
+    router_bias: bool = False  # gpt-oss: a bias on the router's logits
+    expert_bias: bool = False  # gpt-oss: biases on every expert's gate, up and down projections
+    # gpt-oss's clamped SwiGLU, ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with
+    # ``g = min(gate, l)`` (``rlx.models.moe.clamped_swiglu``); None: ``silu(gate) * up``
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702  # the sigmoid's gain of the clamped SwiGLU
 
     def __post_init__(self):
         if self.router not in ROUTERS:
             raise ModelConfigError(f"router scoring_func={self.router!r} is not supported; rlx "
                                    f"supports {list(ROUTERS)}")
+        if self.router_bias and self.router != "softmax":
+            raise ModelConfigError("a router bias is implemented for the softmax router only; "
+                                   f"got router={self.router!r}")
         if self.n_group < 1 or self.num_experts % self.n_group:
             raise ModelConfigError(f"n_group={self.n_group} must divide n_routed_experts="
                                    f"{self.num_experts}")
@@ -173,6 +183,19 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None  # several (GLM-4.5) as a tuple: hashable
     hidden_act: str = "silu"
     mla: MLAConfig | None = None  # multi-head latent attention instead of GQA
+    o_bias: bool = False  # a bias on o_proj (gpt-oss's attention_bias biases all four)
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins every softmax
+    sliding_window: int | None = None  # keys fewer than this many positions back (sliding layers)
+    sliding_layers: tuple[int, ...] = ()  # layer_types' "sliding_attention" layers
+
+    def __post_init__(self):
+        if self.sliding_layers and not self.sliding_window:
+            raise ModelConfigError(f"sliding layers {list(self.sliding_layers)} need a positive "
+                                   f"sliding_window; got {self.sliding_window!r}")
+
+    def window(self, i: int) -> int | None:
+        """Layer ``i``'s attention window (``sliding_window`` for a sliding layer), else None."""
+        return self.sliding_window if i in self.sliding_layers else None
 
     @property
     def rotary_dim(self) -> int:
@@ -231,6 +254,7 @@ class ModelConfig:
         d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += hd * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        attn += (d if self.o_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         return attn + (2 * hd if self.qk_norm else 0)
 
     def _mla_params(self) -> int:
@@ -250,6 +274,8 @@ class ModelConfig:
             return 3 * d * self.intermediate_size
         m = self.moe
         n = m.num_experts * 3 * d * m.intermediate_size + d * m.num_experts
+        n += m.num_experts if m.router_bias else 0
+        n += m.num_experts * (2 * m.intermediate_size + d) if m.expert_bias else 0
         n += 3 * d * m.shared_intermediate_size + (d if m.shared_expert_gate else 0)
         return n
 

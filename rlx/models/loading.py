@@ -223,7 +223,8 @@ def shrunk(cfg, s: ShrinkSection):
         intermediate_size=s.intermediate_size, num_heads=s.num_heads,
         num_kv_heads=s.num_heads if mla else s.num_kv_heads,
         head_dim=mla.qk_head_dim if mla else s.head_dim, moe=moe, mla=mla,
-        max_position_embeddings=s.max_position_embeddings or cfg.max_position_embeddings)
+        max_position_embeddings=s.max_position_embeddings or cfg.max_position_embeddings,
+        sliding_layers=tuple(i for i in cfg.sliding_layers if i < s.num_layers))
 
 
 def _shrunk_moe(m, s: ShrinkSection):

@@ -57,7 +57,7 @@ class MLAttention(nnx.Module):
     segment_ids, angles, adapter)`` and ``decode(..., kv, cache, adapter)``; ``angles`` are the
     forward pass's rotary angles for ``qk_rope_head_dim`` (``Transformer.rope_angles``)."""
 
-    def __init__(self, cfg: ModelConfig, p, rngs):
+    def __init__(self, cfg: ModelConfig, p, rngs, layer: int = 0):  # every MLA layer alike
         m, d, h = cfg.mla, cfg.hidden_size, cfg.num_heads
         kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
         norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)

@@ -1,9 +1,10 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5).
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss).
 
 Routing follows each model (``MoEConfig.router``):
 
-- ``softmax`` (Mixtral, Qwen): softmax over all experts in f32, top-k, then renormalisation of the
-  top-k weights when ``norm_topk_prob`` (always for Mixtral).
+- ``softmax`` (Mixtral, Qwen, gpt-oss): softmax over all experts in f32, top-k, then
+  renormalisation of the top-k weights when ``norm_topk_prob`` (always for Mixtral and gpt-oss,
+  whose softmax over the top-k logits is the same; its router logits add ``router_bias``).
 - ``sigmoid`` (DeepSeek-V3 "auxiliary-loss-free" routing, also GLM-4.5): router logits in f32,
   scores ``sigmoid(logits)``; the experts are chosen by ``scores + correction_bias`` (the
   checkpoint's ``e_score_correction_bias``), first keeping the ``topk_group`` best of ``n_group``
@@ -18,6 +19,7 @@ Routing follows each model (``MoEConfig.router``):
 
 Qwen2-MoE adds a shared expert scaled by ``sigmoid(x @ w_gate)``; DeepSeek-V3 / GLM-4.5 add
 ``n_shared_experts`` ungated shared experts, run as one SwiGLU MLP of their summed width.
+gpt-oss's experts add per-expert biases to each projection and use ``clamped_swiglu``.
 
 Experts are stacked parameters ``[E, in, out]`` and run as one batched computation, never a Python
 loop over experts. Expert weights may be frozen quantized tensors (``rlx.quant``) and each projection
@@ -80,19 +82,54 @@ def swiglu(gate: Array, up: Array) -> Array:
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
-class Experts(nnx.Module):
-    """``E`` SwiGLU experts stored as ``gate/up: [E, d, f]`` and ``down: [E, f, d]``."""
+def clamped_swiglu(gate: Array, up: Array, limit: float, alpha: float) -> Array:
+    """gpt-oss's SwiGLU: ``(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)`` (transformers' ``GptOssExperts._apply_gate``), in f32, rounded once
+    to ``gate``'s dtype."""
+    g = jnp.minimum(gate.astype(jnp.float32), limit)
+    u = jnp.clip(up.astype(jnp.float32), -limit, limit)
+    return ((u + 1.0) * g * jax.nn.sigmoid(alpha * g)).astype(gate.dtype)
 
-    def __init__(self, e: int, d: int, f: int, *, dtype, param_dtype, rngs):
+
+class Experts(nnx.Module):
+    """``E`` SwiGLU experts stored as ``gate/up: [E, d, f]`` and ``down: [E, f, d]``; with
+    ``m.expert_bias`` each projection adds its expert's bias (``gate_bias`` / ``up_bias``:
+    ``[E, f]``, ``down_bias``: ``[E, d]``), and ``m.swiglu_limit`` makes the activation
+    ``clamped_swiglu`` (gpt-oss)."""
+
+    def __init__(self, e: int, d: int, f: int, *, dtype, param_dtype, rngs,
+                 m: MoEConfig | None = None):
         self.gate_proj = param(rngs, (e, d, f), param_dtype, ("expert", "embed", "expert_mlp"))
         self.up_proj = param(rngs, (e, d, f), param_dtype, ("expert", "embed", "expert_mlp"))
         self.down_proj = param(rngs, (e, f, d), param_dtype, ("expert", "expert_mlp", "embed"))
+        biased = m is not None and m.expert_bias
+        bias = lambda w, axes: param(None, w, param_dtype, axes, "zeros") if biased else None  # noqa: E731
+        self.gate_bias = bias((e, f), ("expert", "expert_mlp"))
+        self.up_bias = bias((e, f), ("expert", "expert_mlp"))
+        self.down_bias = bias((e, d), ("expert", "embed"))
+        self.swiglu_limit = None if m is None else m.swiglu_limit
+        self.swiglu_alpha = 1.0 if m is None else m.swiglu_alpha
         self.dtype = dtype
         self.gate_lora = self.up_lora = self.down_lora = nnx.data(None)  # set by rlx.quant.apply_lora
         self.act_quant = "none"  # set by rlx.quant.quantize_model for W8A8 serving formats
 
     def weights(self):
         return tuple(weight_value(w, self.dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def activate(self, gate: Array, up: Array) -> Array:
+        """The experts' gated activation (``swiglu`` or gpt-oss's ``clamped_swiglu``)."""
+        if self.swiglu_limit is None:
+            return swiglu(gate, up)
+        return clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+
+    def _row_bias(self, y, bias, group_sizes):
+        """``y`` plus each sorted row's expert's ``bias`` (rows past the groups: none)."""
+        if bias is None:
+            return y
+        ends = jnp.cumsum(group_sizes)
+        expert = jnp.searchsorted(ends, jnp.arange(y.shape[0]), side="right")  # [m]; E: none
+        b = bias[...].astype(y.dtype)[jnp.minimum(expert, group_sizes.shape[0] - 1)]
+        return y + jnp.where((expert < group_sizes.shape[0])[:, None], b, 0)
 
     def _ragged(self, x, w, lora, group_sizes, adapter: bool):
         """One projection of the grouped rows: ``w`` the stored stack (a float variable, or a
@@ -117,9 +154,12 @@ class Experts(nnx.Module):
         """The experts on rows sorted by expert, ``group_sizes[e]`` rows for expert ``e`` (rows past
         their sum belong to no expert)."""
         wg, wu, wd = self.gate_proj, self.up_proj, self.down_proj
-        h = swiglu(self._ragged(xs, wg, self.gate_lora, group_sizes, adapter),
-                   self._ragged(xs, wu, self.up_lora, group_sizes, adapter))
-        return self._ragged(h, wd, self.down_lora, group_sizes, adapter)
+        gate = self._ragged(xs, wg, self.gate_lora, group_sizes, adapter)
+        up = self._ragged(xs, wu, self.up_lora, group_sizes, adapter)
+        h = self.activate(self._row_bias(gate, self.gate_bias, group_sizes),
+                          self._row_bias(up, self.up_bias, group_sizes))
+        y = self._ragged(h, wd, self.down_lora, group_sizes, adapter)
+        return self._row_bias(y, self.down_bias, group_sizes)
 
     def ragged(self, x: Float[Array, "n d"], idx: Int[Array, "n k"], gates: Float[Array, "n k"],
                adapter: bool = True):
@@ -133,11 +173,11 @@ class Experts(nnx.Module):
         y = y * gates.reshape(-1)[order][:, None].astype(y.dtype)
         return jnp.zeros_like(x).at[token].add(y)
 
-    def _dense(self, x, w, lora, spec: str, adapter: bool):
+    def _dense(self, x, w, lora, spec: str, adapter: bool, bias=None):
         y = jnp.einsum(spec, quantize_activations(x, self.act_quant), w)
         if adapter and lora is not None:
             y = y + lora.dense(x).astype(y.dtype)
-        return y
+        return y if bias is None else y + bias[...].astype(y.dtype)[None]
 
     def dense(self, x: Float[Array, "n d"], idx: Int[Array, "n k"], gates: Float[Array, "n k"],
               adapter: bool = True):
@@ -145,9 +185,9 @@ class Experts(nnx.Module):
         wg, wu, wd = self.weights()
         combine = jnp.zeros((x.shape[0], wg.shape[0]), gates.dtype)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], idx].add(gates)  # [n, e]
-        h = swiglu(self._dense(x, wg, self.gate_lora, "nd,edf->nef", adapter),
-                   self._dense(x, wu, self.up_lora, "nd,edf->nef", adapter))
-        y = self._dense(h, wd, self.down_lora, "nef,efd->ned", adapter)
+        h = self.activate(self._dense(x, wg, self.gate_lora, "nd,edf->nef", adapter, self.gate_bias),
+                          self._dense(x, wu, self.up_lora, "nd,edf->nef", adapter, self.up_bias))
+        y = self._dense(h, wd, self.down_lora, "nef,efd->ned", adapter, self.down_bias)
         return jnp.einsum("ned,ne->nd", y, combine.astype(y.dtype))
 
 
@@ -216,10 +256,12 @@ class SparseMoE(nnx.Module):
         sigmoid = m.router == "sigmoid"
         self.router = param(rngs, (d, m.num_experts), jnp.float32 if sigmoid else param_dtype,
                             ("embed", None))
+        self.router_bias = (param(None, (m.num_experts,), param_dtype, (None,), "zeros")
+                            if m.router_bias else None)
         self.correction_bias = CorrectionBias(
             jnp.zeros((m.num_experts,), jnp.float32), logical_axes=(None,)) if m.correction_bias else None
         self.experts = Experts(m.num_experts, d, m.intermediate_size, dtype=dtype,
-                               param_dtype=param_dtype, rngs=rngs)
+                               param_dtype=param_dtype, rngs=rngs, m=m)
         self.shared_expert = (
             DenseMLP(d, m.shared_intermediate_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
             if m.shared_intermediate_size else None
@@ -240,6 +282,8 @@ class SparseMoE(nnx.Module):
         m = self.routing
         if m.router == "softmax":
             logits = x @ self.router[...].astype(self.dtype)  # [n, e]
+            if self.router_bias is not None:
+                logits = logits + self.router_bias[...].astype(self.dtype)
             pick = functools.partial(softmax_topk, logits, m.top_k, m.norm_topk_prob)
         else:
             logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)  # [n, e]

@@ -234,15 +234,31 @@ def load_quantizing(cfg, tensors, q: QuantConfig, *, precision: Precision, mesh:
     abstract = abstract_model(cfg, precision)
     which = quantized_paths(abstract, q)
     sources = param_map(cfg)
-    check_tensors(cfg, tensors, {p: tuple(node_at(abstract, p).shape) for p in which})
-    model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules, skip=frozenset(which),
-                       abstract=abstract)
-    for p in read_order(which, sources, tensors):
+    streamed = {p: t for p, t in which.items() if _streams(sources[p], node_at(abstract, p))}
+    check_tensors(cfg, tensors, {p: tuple(node_at(abstract, p).shape) for p in streamed})
+    model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules,
+                       skip=frozenset(streamed), abstract=abstract)
+    for p in read_order(streamed, sources, tensors):
         var = _variable(abstract, p)
         set_node(model, p, quantize_streamed(tensors, sources[p], var, q, which[p], mesh, rules))
+    for p in (p for p in which if p not in streamed):  # a fused stack: read whole, then quantized
+        set_node(model, p, quantize_array(
+            _variable(model, p)[...], q.format, group_size=q.group_size, symmetric=q.symmetric,
+            fp8_granularity=q.fp8_granularity, scale_dtype=q.scale_dtype,
+            axes=_variable(abstract, p).get_metadata().get("logical_axes"), transposed=which[p]))
+    for p in which:
         if p != "embed":
             node_at(model, p.rpartition("/")[0]).act_quant = q.activation_mode
+    if mesh is not None and len(streamed) < len(which):
+        shard_variables(model, QuantWeight, mesh, rules)
     return model
+
+
+def _streams(src: ParamSource, var) -> bool:
+    """Whether ``quantize_streamed`` reads this parameter (linears, per-expert tensors, the
+    embedding); a fused expert stack (gpt-oss's interleaved ``gate_up_proj``, its ``[E, f, d]``
+    ``down_proj``) is read whole in float instead, one layer's projection at a time."""
+    return src.layout in ("T", "stack_T") or (src.layout == "copy" and len(var.shape) == 2)
 
 
 def _variable(model, path: str) -> nnx.Variable:

@@ -35,7 +35,21 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
             **_COMMON, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8,
             norm_topk_prob=True),
         **_sigmoid_routed_configs(),
+        "gpt_oss": _gpt_oss_config(),
     }
+
+
+def _gpt_oss_config() -> transformers.PretrainedConfig:
+    """gpt-oss with every feature binding: a 6-token window on layers 0 and 2 (shorter than the
+    tests' sequences and the engine's caches), full layers 1 and 3, sinks, q/k/v/o, router and
+    expert biases, a SwiGLU clamp (1.5) that the projections cross, YaRN over 16 original
+    positions without truncation, top-2 of 4 experts in every layer."""
+    yarn = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 16.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}
+    return transformers.GptOssConfig(
+        **{**_COMMON, "num_hidden_layers": 4, "intermediate_size": 16}, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=1.5,
+        rope_parameters=yarn, tie_word_embeddings=False)
 
 
 def _sigmoid_routed_configs() -> dict[str, transformers.PretrainedConfig]:
@@ -107,6 +121,8 @@ def make_hf_model(family: str, root: str) -> str:
                     p.add_(0.1 * torch.randn_like(p))
                 if name.endswith("bias"):
                     p.add_(0.5 * torch.randn_like(p))
+                if name.endswith("sinks"):  # O(1) sink logits: a visible share of each softmax
+                    p.add_(torch.randn_like(p))
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(0.3 * torch.randn_like(b))

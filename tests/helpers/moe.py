@@ -22,6 +22,10 @@ SOFTMAX = MoEConfig(num_experts=8, top_k=2, intermediate_size=F, norm_topk_prob=
 SIGMOID = MoEConfig(num_experts=16, top_k=3, intermediate_size=F, norm_topk_prob=True,
                     shared_intermediate_size=8, router="sigmoid", correction_bias=True, n_group=4,
                     topk_group=2, routed_scaling_factor=1.5)
+# gpt-oss: biased router and experts, the clamped SwiGLU (a limit the projections cross), no
+# shared expert
+GPT_OSS = MoEConfig(num_experts=8, top_k=2, intermediate_size=F, norm_topk_prob=True,
+                    router_bias=True, expert_bias=True, swiglu_limit=0.5, swiglu_alpha=1.702)
 
 
 def make_layer(m: MoEConfig, fmt: str, seed: int = 0) -> SparseMoE:
@@ -31,6 +35,10 @@ def make_layer(m: MoEConfig, fmt: str, seed: int = 0) -> SparseMoE:
     layer.router.set_value(layer.router[...] * 50)  # spread the router's choices
     if layer.correction_bias is not None:
         layer.correction_bias.set_value(jax.random.normal(rngs.params(), (m.num_experts,)) * 0.1)
+    for bias in (layer.router_bias, layer.experts.gate_bias, layer.experts.up_bias,
+                 layer.experts.down_bias):
+        if bias is not None:
+            bias.set_value(0.5 * jax.random.normal(rngs.params(), bias.shape))
     if fmt == "float":
         return layer
     ex, axes = layer.experts, {"gate": ("embed", "expert_mlp"), "up": ("embed", "expert_mlp"),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rlx.kernels.attention import attention_mask, blockwise_attention, gqa_attention
+from rlx.kernels.attention import attend, attention_mask, blockwise_attention, gqa_attention
 from rlx.kernels.attention.splash import splash_attention
 from rlx.models import from_hf
 from rlx.platform.policy import CPU, active
@@ -40,6 +40,22 @@ def test_blockwise_equalsdense(t, h, kv, d, dv, bq_bk, window, sinks):
         block_q=bq_bk[0], block_k=bq_bk[1])
     ref = lambda q, k, v, s=None: dense(q, k, v, seg, pos, window, s)  # noqa: E731
     out_err, grad_err = errors(fn, ref, args, seg)
+    assert out_err <= TOL and grad_err <= TOL, (out_err, grad_err)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_dense_attend_with_sinks_equals_oracle(window):
+    """``attend``'s dense path (short sequences, ``causal_attention``'s query blocks) with
+    attention sinks and a window: outputs and gradients (sinks included) equal the oracle's."""
+    t, h, kv, d = 70, 4, 2, 8
+    keys = jax.random.split(jax.random.key(4), 4)
+    q, k, v = (jax.random.normal(kk, (2, t, n, d)) for kk, n in zip(keys, (h, kv, kv)))
+    seg, pos = batch(2, t, pad=5, packed=True)
+    sinks = jax.random.normal(keys[3], (h,))
+    fn = lambda q, k, v, s: attend(q, k, v, seg, seg, pos, pos, causal_columns=True,  # noqa: E731
+                                   window=window, sinks=s, policy=CPU)
+    ref = lambda q, k, v, s: dense(q, k, v, seg, pos, window, s)  # noqa: E731
+    out_err, grad_err = errors(fn, ref, (q, k, v, sinks), seg)
     assert out_err <= TOL and grad_err <= TOL, (out_err, grad_err)
 
 

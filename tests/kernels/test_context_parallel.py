@@ -65,6 +65,7 @@ def zoo(tmp_path_factory):
     ("llama", "context4"), pytest.param("llama", "context2-fsdp2-tensor2", marks=pytest.mark.slow),
     pytest.param("deepseek_v3_dense", "context4", marks=pytest.mark.slow),
     ("deepseek_v3", "context2-fsdp2-tensor2"), ("qwen3_moe", "context2-tensor2-expert2"),
+    pytest.param("gpt_oss", "context2-tensor2-expert2", marks=pytest.mark.slow),  # sinks, window
     pytest.param("deepseek_v3", "context2-tensor2-expert2", marks=pytest.mark.slow)])
 def test_context_parallel_logits_equal_one_device(zoo, family, mesh_name):
     """Left-padded rows of 30 tokens: the logits of every real token. With experts split too,

@@ -21,7 +21,7 @@ def _pools(rng):
     return keys, values
 
 
-def _reference(q, keys, values, table, ends, positions, segments, window):
+def _reference(q, keys, values, table, ends, positions, segments, window, sinks=None):
     b, t, h, d = q.shape
     out = np.zeros((b, t, h, D))
     g = h // KV
@@ -39,14 +39,17 @@ def _reference(q, keys, values, table, ends, positions, segments, window):
             for head in range(h):
                 s = k[seen, head // g] @ q[r, i, head].astype(np.float64) / np.sqrt(d)
                 p = np.exp(s - s.max())
-                out[r, i, head] = (p / p.sum()) @ v[seen, head // g]
+                sink = 0.0 if sinks is None else np.exp(sinks[head] - s.max())  # value-0 key
+                out[r, i, head] = (p / (p.sum() + sink)) @ v[seen, head // g]
     return out
 
 
-@pytest.mark.parametrize("t,window", [(1, None), (5, None), (5, 7)])
-def test_paged_attention_matches_numpy(t, window):
+@pytest.mark.parametrize("t,window,sinks", [(1, None, False), (5, None, False), (5, 7, False),
+                                           (1, 7, True), (5, 7, True)])
+def test_paged_attention_matches_numpy(t, window, sinks):
     """Decode steps (one query) and prefill chunks (several, causal by position, one padding
-    query), rows of different lengths over pages in any order; 1e-5 (f32)."""
+    query), rows of different lengths over pages in any order, sliding windows and attention
+    sinks; 1e-5 (f32)."""
     rng = np.random.default_rng(0)
     keys, values = _pools(rng)
     table = np.array([[3, 7, 1, 0, 0, 0], [9, 2, 11, 5, 13, 4], [8, 0, 0, 0, 0, 0]], np.int32)
@@ -56,9 +59,10 @@ def test_paged_attention_matches_numpy(t, window):
     if t > 1:
         segments[2, 0] = 0  # a padding query sees nothing and returns zeros
     q = rng.normal(size=(3, t, HEADS, D)).astype(np.float32)
-    got = jax.jit(lambda *a: gqa_paged(*a, block_pages=2, window=window))(
+    sink = rng.normal(size=(HEADS,)).astype(np.float32) if sinks else None
+    got = jax.jit(lambda *a: gqa_paged(*a, block_pages=2, window=window, sinks=sink))(
         q, keys, values, table, ends, positions, segments)
-    want = _reference(q, keys, values, table, ends, positions, segments, window)
+    want = _reference(q, keys, values, table, ends, positions, segments, window, sink)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=0)
 
 

@@ -85,6 +85,14 @@ BAD_OPTIONS = [  # (family, config.json edit, what the error names: the field an
     ("qwen2", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5.*Glm4MoeForCausalLM"),
     # Llama / Qwen3 attention_bias also biases o_proj (transformers), which rlx's GQA has not
     ("llama", {"attention_bias": True}, r"attention_bias=True.*LlamaForCausalLM.*\[False\]"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention"] * 2},
+     r"layer_types\[...\]='chunked_attention'.*GptOssForCausalLM.*"
+     r"\['sliding_attention', 'full_attention'\]"),
+    ("gpt_oss", {"layer_types": ["sliding_attention", "full_attention"]},
+     r"layer_types has 2 entries; num_hidden_layers=4"),
+    ("gpt_oss", {"sliding_window": None}, r"sliding layers \[0, 2\] need a positive sliding_window"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+     r"rope_type='dynamic'.*\['default', 'linear', 'llama3', 'yarn'\]"),
 ]
 
 

@@ -37,8 +37,18 @@ def _ids(b=3, t=9, seed=0):
     return np.random.RandomState(seed).randint(0, 97, (b, t))
 
 
-@pytest.mark.parametrize("length, attention", [(9, "dense"), (100, "dense"), (100, "blockwise")])
-@pytest.mark.parametrize("family", FAMILIES)
+def _ci(family: str, *args, fast: bool = False):
+    """A parameter case; gpt-oss's are ``slow`` unless ``fast`` (the CI runs its long
+    blockwise cases, where window and sinks meet the query blocks, and the round trip)."""
+    marks = pytest.mark.slow if family == "gpt_oss" and not fast else ()
+    return pytest.param(family, *args, marks=marks)
+
+
+LOGITS = [_ci(f, n, a, fast=a == "blockwise") for f in FAMILIES
+          for n, a in [(9, "dense"), (100, "dense"), (100, "blockwise")]]
+
+
+@pytest.mark.parametrize("family, length, attention", LOGITS)
 def test_logits_match_hf(zoo, family, length, attention):
     path = make_hf_model(family, zoo)
     ids = _ids(t=length)
@@ -51,9 +61,9 @@ def test_logits_match_hf(zoo, family, length, attention):
 
 # the long batch (3 query blocks) once per attention kind of the DeepSeek / GLM / YaRN variants
 _SHORT_ONLY = ("deepseek_v2_lite", "kimi_k2", "glm4_moe_plain", "qwen3_yarn")
-PADDED = [(f, lengths, "dense") for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
+PADDED = [_ci(f, lengths, "dense") for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
           if lengths[0] < 100 or f not in _SHORT_ONLY]
-PADDED += [(f, (100, 70, 37), "blockwise") for f in FAMILIES if f not in _SHORT_ONLY]
+PADDED += [_ci(f, (100, 70, 37), "blockwise", fast=True) for f in FAMILIES if f not in _SHORT_ONLY]
 
 
 @pytest.mark.parametrize("family, lengths, attention", PADDED)
@@ -80,9 +90,12 @@ def test_padded_batch_matches_hf(zoo, family, side, lengths, attention):
         assert np.abs(out[r][real[r]] - hf_logits(path, alone)[0]).max() <= TOL
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe"])
-@pytest.mark.parametrize("n_a, n_b, attention", [(5, 4, "dense"), (60, 50, "dense"),
-                                                 (60, 50, "blockwise")])  # 112: 3 query blocks
+PACKED = [_ci(f, *case, fast=case[2] == "blockwise")
+          for f in ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
+          for case in [(5, 4, "dense"), (60, 50, "dense"), (60, 50, "blockwise")]]  # 112: 3 blocks
+
+
+@pytest.mark.parametrize("family, n_a, n_b, attention", PACKED)
 def test_packed_equals_separate(zoo, family, n_a, n_b, attention):
     with active(ATTENTION[attention]):
         _packed_equals_separate(zoo, family, n_a, n_b)
@@ -117,7 +130,7 @@ def test_round_trip_through_to_hf(zoo, family, tmp_path):
     assert np.abs(again - ours).max() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "glm4_moe", _ci("gpt_oss")])
 def test_moe_ragged_equals_dense(zoo, family):
     path = make_hf_model(family, zoo)
     ids = jnp.asarray(_ids(2, 7, seed=5))

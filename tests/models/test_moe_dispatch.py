@@ -16,7 +16,7 @@ from rlx.mesh import TRAIN_RULES, MeshShape, batch_sharding, make_mesh
 from rlx.models.hparams import MoEConfig
 from rlx.models.moe import SparseMoE, expert_parallel
 from rlx.models.moe_dispatch import ExpertParallel, dispatch, permute_rows
-from tests.helpers.moe import SIGMOID, SOFTMAX, D, F, make_layer, on_mesh
+from tests.helpers.moe import GPT_OSS, SIGMOID, SOFTMAX, D, F, make_layer, on_mesh
 
 MESHES = {"expert8": MeshShape(expert=8), "expert4-fsdp2": MeshShape(fsdp=2, expert=4)}
 
@@ -36,9 +36,10 @@ def value_and_grads(layer: SparseMoE, x, wrt):
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("routing,fmt", [("softmax", "float"), ("sigmoid", "int8"),
-                                         ("softmax", "int4")])
+                                         ("softmax", "int4"), ("gpt_oss", "float"),
+                                         pytest.param("gpt_oss", "int4", marks=pytest.mark.slow)])
 def test_dispatch_equals_ragged(mesh_name, routing, fmt):
-    m = SOFTMAX if routing == "softmax" else SIGMOID
+    m = {"softmax": SOFTMAX, "sigmoid": SIGMOID, "gpt_oss": GPT_OSS}[routing]
     wrt = nnx.Param if fmt == "float" else nnx.LoRAParam
     x = jax.random.normal(jax.random.key(1), (8, 5, D))  # 40 tokens, 5 per device
     ref_out, ref_grads = value_and_grads(make_layer(m, fmt), x, wrt)

@@ -18,7 +18,10 @@ from flax import nnx
 from rlx.mesh import MeshShape, make_mesh
 from rlx.models.kv_cache import KVCache
 from rlx.models.stack import layer_counts, stack_layers
-from tests.helpers.moe import SIGMOID, SOFTMAX, D, make_layer, on_mesh, tiny_deepseek
+from tests.helpers.moe import GPT_OSS, SIGMOID, SOFTMAX, D, make_layer, on_mesh, tiny_deepseek
+
+ROUTINGS = [SOFTMAX, SIGMOID, GPT_OSS]
+NAMES = ["softmax", "sigmoid", "gpt_oss"]
 
 
 def _tokens(seed=1, b=2, t=5):
@@ -37,6 +40,8 @@ def _numpy_layer(layer, x, experts):
     m, ex = layer.routing, layer.experts
     x = np.asarray(x, np.float64).reshape(-1, D)
     logits = x @ np.asarray(layer.router[...], np.float64)
+    if layer.router_bias is not None:
+        logits = logits + np.asarray(layer.router_bias[...], np.float64)
     e = np.asarray(experts).reshape(x.shape[0], -1)
     if m.router == "softmax":
         p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -49,11 +54,22 @@ def _numpy_layer(layer, x, experts):
     gates = gates * m.routed_scaling_factor
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     wg, wu, wd = (np.asarray(w[...], np.float64) for w in (ex.gate_proj, ex.up_proj, ex.down_proj))
+    bg, bu, bd = (np.zeros(1) if b is None else np.asarray(b[...], np.float64)
+                  for b in (ex.gate_bias, ex.up_bias, ex.down_bias))
     out = np.zeros_like(x)
     for n in range(x.shape[0]):
         for j, k in enumerate(e[n]):
-            out[n] += gates[n, j] * ((silu(x[n] @ wg[k]) * (x[n] @ wu[k])) @ wd[k])
+            g, u = x[n] @ wg[k] + bg[k % len(bg)], x[n] @ wu[k] + bu[k % len(bu)]
+            if m.swiglu_limit is None:
+                h = silu(g) * u
+            else:  # gpt-oss: (clip(u, -l, l) + 1) * g * sigmoid(alpha * g), g = min(g, l)
+                lim = m.swiglu_limit
+                g, u = np.minimum(g, lim), np.clip(u, -lim, lim)
+                h = (u + 1) * g / (1 + np.exp(-m.swiglu_alpha * g))
+            out[n] += gates[n, j] * (h @ wd[k] + bd[k % len(bd)])
     sh = layer.shared_expert
+    if sh is None:
+        return out
     shw = [np.asarray(p.kernel[...], np.float64) for p in (sh.gate_proj, sh.up_proj, sh.down_proj)]
     shared = (silu(x @ shw[0]) * (x @ shw[1])) @ shw[2]
     if layer.shared_gate is not None:
@@ -79,7 +95,7 @@ def _routed(layer, x, replay):
     return layer.routed(x, replay=replay)
 
 
-@pytest.mark.parametrize("m", [SOFTMAX, SIGMOID], ids=["softmax", "sigmoid"])
+@pytest.mark.parametrize("m", ROUTINGS, ids=NAMES)
 def test_replayed_experts_match_numpy(m):
     layer, x = make_layer(m, "float"), _tokens()
     experts = _random_experts(m)
@@ -102,7 +118,7 @@ def test_replaying_own_choice_changes_nothing(m, fmt):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("m", [SOFTMAX, SIGMOID], ids=["softmax", "sigmoid"])
+@pytest.mark.parametrize("m", ROUTINGS, ids=NAMES)
 def test_dispatch_replays_like_one_device(m):
     layer, x = make_layer(m, "int4"), _tokens(b=8, t=3)
     experts = _random_experts(m, b=8, t=3)
@@ -155,7 +171,7 @@ def test_decode_records_the_routes_of_the_forward_pass():
     np.testing.assert_array_equal(jnp.sort(got, -1), jnp.sort(want.experts, -1))
 
 
-@pytest.mark.parametrize("m", [SOFTMAX, SIGMOID], ids=["softmax", "sigmoid"])
+@pytest.mark.parametrize("m", ROUTINGS, ids=NAMES)
 def test_unknown_rows_route_freely(m):
     layer, x = make_layer(m, "float"), _tokens()
     own = _routed(layer, x, None)

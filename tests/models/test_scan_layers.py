@@ -101,6 +101,13 @@ def test_deepseek_v3_two_stacks():
     assert layer_counts(stacked) == (1, 2)
 
 
+def test_gpt_oss_sliding_and_full_layers_stack_apart():
+    """A layer's window is static: gpt-oss's alternating sliding and full layers make one stack
+    each, with the unrolled model's logits and gradients (sinks and biases included)."""
+    stacked = _assert_parity(_model("gpt_oss", layers=4), nnx.Param)
+    assert layer_counts(stacked) == (1, 1, 1, 1)
+
+
 def test_mode_b_int8_base_with_lora():
     model = _model("qwen3", layers=2)
     model = quantize_model(model, QuantConfig(format="int8"))

@@ -19,6 +19,7 @@ def zoo(tmp_path_factory):
 MESHES = {
     "data-fsdp-tensor": MeshShape(data=2, fsdp=2, tensor=2),
     "data-tensor-expert": MeshShape(data=2, tensor=2, expert=2),
+    "fsdp-tensor-expert": MeshShape(fsdp=2, tensor=2, expert=2),
 }
 
 
@@ -27,6 +28,7 @@ MESHES = {
     ("mixtral", "data-fsdp-tensor"), ("qwen3_moe", "data-tensor-expert"),
     ("qwen2_moe", "data-tensor-expert"), ("deepseek_v3", "data-fsdp-tensor"),
     ("kimi_k2", "data-tensor-expert"), ("glm4_moe", "data-tensor-expert"),
+    ("gpt_oss", "fsdp-tensor-expert"),
 ])
 def test_sharded_logits_equal_unsharded(zoo, family, mesh_name):
     path = make_hf_model(family, zoo)

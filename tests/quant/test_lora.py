@@ -19,7 +19,8 @@ def zoo(tmp_path_factory):
     return str(tmp_path_factory.mktemp("zoo"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_moe", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_moe", "mixtral", "qwen3_moe",
+                                    pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_peft_parity_on_dequantized_base(zoo, tmp_path, family):
     """rlx logits == HF peft logits (<= 1e-4, f32) on the exported dequantized base + adapter."""
     import peft

@@ -114,3 +114,21 @@ def test_adapters_rlx_cannot_hold_are_refused_naming_them(zoo, tmp_path):
     with pytest.raises(ConfigError, match="needs train.mode='lora'"):
         parse_config({"model": {"path": base}, "quant": {"format": "none"}, "loss": {"kl_coef": 0.0},
                       "train": {"mode": "full"}, "lora": {"init_from": head}})
+
+
+def test_gpt_oss_attention_adapter_equals_peft(zoo, tmp_path):
+    """gpt-oss (biased projections, sinks, sliding layers) with a peft LoRA on q/k/v/o: peft
+    names those modules as rlx does (its experts are fused parameters, not modules)."""
+    base = make_hf_model("gpt_oss", zoo)
+    adapter = write_peft(base, str(tmp_path / "adapter"), r=4, lora_alpha=8,
+                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    cfg = run_config(base, adapter)
+    assert cfg.lora.targets == ("q", "k", "v", "o")
+    model, _ = load_policy(cfg, make_mesh(cfg.mesh))
+    tokens = ids(batch=2, length=12) % 97  # longer than the 6-token window
+    theirs = peft_logits(base, adapter, tokens)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        plain = plain(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(plain - theirs).max() > 1e-2  # the adapter changes the logits
+    assert np.abs(np.asarray(model(tokens)) - theirs).max() <= 1e-4

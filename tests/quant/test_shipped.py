@@ -231,8 +231,13 @@ FLOAT_CASES = [QuantConfig(format="int8"),
                QuantConfig(format="nf4", group_size=8, modules="experts")]
 
 
-@pytest.mark.parametrize("q", FLOAT_CASES, ids=lambda q: f"{q.format}-{q.modules}")
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+# gpt_oss: fused expert stacks, read whole and quantized (its formats besides int8: slow)
+READ_QUANTIZED = [pytest.param(f, q, id=f"{q.format}-{q.modules}-{f}", marks=pytest.mark.slow
+                               if f == "gpt_oss" and q.format != "int8" else ())
+                  for f in ("llama", "deepseek_v3", "gpt_oss") for q in FLOAT_CASES]
+
+
+@pytest.mark.parametrize("family, q", READ_QUANTIZED)
 def test_float_checkpoint_quantized_while_read(zoo, family, q):
     """A float checkpoint with quant.format int8 / int4 / fp8 / nf4 is quantized tensor by tensor
     as it is read (load_quantizing), to the very base quantize_model gives from the whole float

@@ -25,6 +25,7 @@ from jaxtyping import Array, Float, Int
 from rlx.kernels.attention import context, splash
 from rlx.kernels.attention.blockwise import blockwise_attention
 from rlx.kernels.attention.dense import attention_mask, causal_attention, gqa_attention
+from rlx.kernels.attention.local import in_window
 from rlx.mesh import LogicalRules, batch_axes, logical_to_spec
 from rlx.platform.policy import PlatformPolicy, current
 
@@ -96,9 +97,9 @@ def attend(
                                        q_positions, kv_positions, sinks, kv_major)
     t = q.shape[1]
     s = k.shape[-1] if kv_major else k.shape[1]
-    if sinks is None and (s <= policy.dense_attention_slots or (t == 1 and kv_major)):
+    if s <= policy.dense_attention_slots or (t == 1 and kv_major):
         return _dense(q, k, v, q_segments, kv_segments, q_positions, kv_positions, scale,
-                      causal_columns, window, kv_major)
+                      causal_columns, window, sinks, kv_major)
     if (policy.attention_kernel == "splash"
             and splash.supported(causal_columns, sinks, kv_major, t, s)):
         return splash.splash_attention(q, k, v, q_segments, scale=scale, window=window,
@@ -111,10 +112,9 @@ def attend(
 
 
 def _dense(q, k, v, q_segments, kv_segments, q_positions, kv_positions, scale, causal_columns,
-           window, kv_major):
+           window, sinks, kv_major):
     mask = attention_mask(q_segments, kv_segments, q_positions, kv_positions)
-    if window is not None:
-        mask &= q_positions[:, :, None] - kv_positions[:, None, :] < window
+    mask &= in_window(q_positions[:, :, None], kv_positions[:, None, :], window)
     if causal_columns and not kv_major:
-        return causal_attention(q, k, v, mask, scale=scale)
-    return gqa_attention(q, k, v, mask, kv_major=kv_major, scale=scale)
+        return causal_attention(q, k, v, mask, scale=scale, sinks=sinks)
+    return gqa_attention(q, k, v, mask, kv_major=kv_major, scale=scale, sinks=sinks)

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from rlx.kernels.attention.local import head_sinks, in_window, sink_start
+
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # a masked score: exp underflows to 0
 _F32 = dict(preferred_element_type=jnp.float32)
 
@@ -70,8 +72,7 @@ class MaskSpec:
         bq]``) over key block ``j`` (``ks``, ``kp``: ``[b, bk]``)."""
         allowed = ((qs[:, :, None] == ks[:, None, :]) & (qs[:, :, None] != 0)
                    & (kp[:, None, :] <= qp[:, :, None]))
-        if self.window is not None:
-            allowed &= qp[:, :, None] - kp[:, None, :] < self.window
+        allowed &= in_window(qp[:, :, None], kp[:, None, :], self.window)
         if self.causal_columns:
             rows = i * self.block_q + jnp.arange(self.block_q)
             cols = j * self.block_k + jnp.arange(self.block_k)
@@ -103,7 +104,7 @@ def blockwise_attention(
     kb, vb = _key_blocks(k, v, bk, nk, kv_major)
     qs, qp = (_token_blocks(x, bq, nq) for x in (q_segments, q_positions))
     ks, kp = (_token_blocks(x, bk, nk) for x in (kv_segments, kv_positions))
-    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv, h // kv)
+    sink = None if sinks is None else head_sinks(sinks, kv)
     out = _attend(spec, qb, kb.astype(q.dtype), vb.astype(q.dtype), qs, qp, ks, kp, sink)
     return _from_query_blocks(out, b, t, h)
 
@@ -197,8 +198,7 @@ def _forward(spec: MaskSpec, qb, kb, vb, qs, qp, ks, kp, sink):
         if sink is None:
             m0, l0 = jnp.full((b, kv, gbq), MASK_VALUE, jnp.float32), jnp.zeros((b, kv, gbq))
         else:  # the sink: a key of logit `sink` and value 0
-            m0 = jnp.broadcast_to(jnp.repeat(sink, spec.block_q, axis=1), (b, kv, gbq))
-            l0 = jnp.ones((b, kv, gbq), jnp.float32)
+            m0, l0 = sink_start(jnp.repeat(sink, spec.block_q, axis=1), (b, kv, gbq))
 
         def key_block(j, carry):
             mask = spec.mask(qsi, qpi, ks[j], kp[j], i, j)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from rlx.kernels.attention.blockwise import MASK_VALUE as _MASK_VALUE
+from rlx.kernels.attention.local import head_sinks, sink_softmax
 
 
 def attention_mask(
@@ -32,9 +33,11 @@ def attention_mask(
 def gqa_attention(
     q: Float[Array, "b t h d"], k: Float[Array, "b s kv d"], v: Float[Array, "b s kv dv"],
     mask: Bool[Array, "b t s"], kv_major: bool = False, scale: float | None = None,
+    sinks: Float[Array, " h"] | None = None,
 ) -> Float[Array, "b t h dv"]:
     """Grouped-query softmax attention; scores and softmax in f32. ``scale`` multiplies the
-    scores (default ``1 / sqrt(d)``); values may be narrower or wider than keys (MLA).
+    scores (default ``1 / sqrt(d)``); values may be narrower or wider than keys (MLA);
+    ``sinks``: per-head logits in the softmax's denominator (``rlx.kernels.attention.local``).
 
     ``kv_major``: ``k`` and ``v`` come in the KV cache's layouts, keys ``[b, kv, d, s]`` and values
     ``[b, kv, s, d]`` (``rlx.models.kv_cache``; both products read them without a transposed copy),
@@ -47,7 +50,7 @@ def gqa_attention(
     b, t, h, d = q.shape
     kv, dv = (k.shape[1] if kv_major else k.shape[2]), v.shape[-1]
     if kv_major and t == 1:
-        return _one_query_attention(q, k, v, mask, scale)
+        return _one_query_attention(q, k, v, mask, scale, sinks)
     k, v = k.astype(q.dtype), v.astype(q.dtype)  # a wider cache (`kv_cache.cache_dtype`)
     g = h // kv
     key_spec = "bkqd,bkds->bkqs"  # the cache's keys, slots minor
@@ -60,7 +63,8 @@ def gqa_attention(
     scores = scores.reshape(b, kv, g, t, -1)  # [b, kv, g, t, s]
     scores = scores / math.sqrt(d) if scale is None else scores * scale
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
+    sink = None if sinks is None else head_sinks(sinks, kv)[None, :, :, None]  # [1, kv, g, 1]
+    probs = sink_softmax(scores, sink).astype(v.dtype).reshape(b, kv, g * t, -1)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kv, g, t, dv)
     return from_query_groups(out)
 
@@ -84,6 +88,7 @@ CAUSAL_BLOCK_MIN = 32  # fewest query tokens per block
 def causal_attention(
     q: Float[Array, "b t h d"], k: Float[Array, "b t kv d"], v: Float[Array, "b t kv dv"],
     mask: Bool[Array, "b t t"], scale: float | None = None,
+    sinks: Float[Array, " h"] | None = None,
 ) -> Float[Array, "b t h dv"]:
     """``gqa_attention`` of a sequence over itself, column-causal: token ``i`` attends token ``j``
     where ``mask`` allows it and ``j <= i`` (HF's causal mask; rlx's batches order each segment's
@@ -99,8 +104,8 @@ def causal_attention(
     mask = mask & (cols[None, :] <= cols[:, None])[None]  # [b, t, t]
     blocks = tuple(causal_blocks(t))
     if len(blocks) == 1:
-        return gqa_attention(q, k, v, mask, scale=scale)
-    outs = [gqa_attention(qb, k[:, :e], v[:, :e], mask[:, a:e, :e], scale=scale)
+        return gqa_attention(q, k, v, mask, scale=scale, sinks=sinks)
+    outs = [gqa_attention(qb, k[:, :e], v[:, :e], mask[:, a:e, :e], scale=scale, sinks=sinks)
             for qb, (a, e) in zip(_split_tokens(q, blocks), blocks)]
     return jnp.concatenate(outs, axis=1)
 
@@ -136,6 +141,7 @@ def causal_blocks(t: int) -> list[tuple[int, int]]:
 def _one_query_attention(
     q: Float[Array, "b 1 h d"], k: Float[Array, "b kv d s"], v: Float[Array, "b kv s dv"],
     mask: Bool[Array, "b 1 s"], scale: float | None = None,
+    sinks: Float[Array, " h"] | None = None,
 ) -> Float[Array, "b 1 h dv"]:
     """``gqa_attention`` of one new token per row over a KV-head-major cache (a decode step).
 
@@ -149,6 +155,7 @@ def _one_query_attention(
     scores = jnp.einsum("bkgd,bkds->bkgs", qg, k, preferred_element_type=jnp.float32)
     scores = scores / math.sqrt(d) if scale is None else scores * scale
     scores = jnp.where(mask[:, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [b, kv, g, s]
+    sink = None if sinks is None else head_sinks(sinks, kv)[None]  # [1, kv, g]
+    probs = sink_softmax(scores, sink).astype(q.dtype)  # [b, kv, g, s]
     out = jnp.einsum("bkgs,bksd->bkgd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(b, 1, h, v.shape[-1])

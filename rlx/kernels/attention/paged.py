@@ -34,6 +34,7 @@ from jaxtyping import Array, Float, Int
 
 from rlx.kernels.attention.blockwise import MASK_VALUE
 from rlx.kernels.attention.dense import from_query_groups, query_groups
+from rlx.kernels.attention.local import head_sinks, in_window, sink_start
 from rlx.platform.policy import PlatformPolicy, current
 
 _F32 = dict(preferred_element_type=jnp.float32)
@@ -51,19 +52,21 @@ def block_mask(pos: Int[Array, " k"], ends: Int[Array, " b"], q_positions: Int[A
     allowed = ((pos[None, None, :] < ends[:, None, None])
                & (pos[None, None, :] <= q_positions[:, :, None])
                & (q_segments[:, :, None] != 0))
-    if window is not None:
-        allowed &= q_positions[:, :, None] - pos[None, None, :] < window
+    allowed &= in_window(q_positions[:, :, None], pos[None, None, :], window)
     return allowed[:, None, None]
 
 
 def online_pages(load: Load, score: Score, values: Sequence[Values], table: Int[Array, "b m"],
                  ends: Int[Array, " b"], q_positions: Int[Array, "b t"],
                  q_segments: Int[Array, "b t"], *, page_size: int, block_pages: int,
-                 out_shapes: Sequence[tuple[int, ...]], window: int | None = None
+                 out_shapes: Sequence[tuple[int, ...]], window: int | None = None,
+                 sinks: Float[Array, "..."] | None = None
                  ) -> tuple[Float[Array, "b x g t v"], ...]:
     """The normalised outputs (one per ``values``, of ``out_shapes`` ``(b, x, g, t, dv)``, f32)
     of the softmax of ``score`` over each row's first ``ends`` slots (module docstring); a
-    query that sees nothing returns zeros."""
+    query that sees nothing returns zeros. ``window``: keys fewer than that many positions
+    back; ``sinks``: logits (broadcast to ``(b, x, g, t)``) in every softmax's denominator
+    (``rlx.kernels.attention.local``)."""
     b, m = table.shape
     nb = -(-m // block_pages)
     table = jnp.pad(table, ((0, 0), (0, nb * block_pages - m)))  # page 0: never read unmasked
@@ -83,8 +86,9 @@ def online_pages(load: Load, score: Score, values: Sequence[Values], table: Int[
         accs = tuple(a * rescale[..., None] + f(p, block) for a, f in zip(accs, values))
         return new, norm * rescale + jnp.sum(p, axis=-1), accs
 
-    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            tuple(jnp.zeros(s, jnp.float32) for s in out_shapes))
+    start = ((jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32))
+             if sinks is None else sink_start(sinks, shape))
+    init = (*start, tuple(jnp.zeros(s, jnp.float32) for s in out_shapes))
     _, norm, accs = jax.lax.fori_loop(0, blocks, body, init)
     inv = jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)[..., None]
     return tuple(a * inv for a in accs)
@@ -94,9 +98,11 @@ def gqa_paged(q: Float[Array, "b t h d"], keys: Float[Array, "P kv d page"],
               values: Float[Array, "P kv page dv"], table: Int[Array, "b m"],
               ends: Int[Array, " b"], q_positions: Int[Array, "b t"],
               q_segments: Int[Array, "b t"], *, block_pages: int, scale: float | None = None,
-              window: int | None = None) -> Float[Array, "b t h dv"]:
+              window: int | None = None, sinks: Float[Array, " h"] | None = None
+              ) -> Float[Array, "b t h dv"]:
     """Grouped-query attention of ``q`` over the pages of ``table`` (keys slots-minor, values
-    ``[page, dv]``: ``rlx.models.paged_kv``'s GQA pools), rows ``ends`` slots long."""
+    ``[page, dv]``: ``rlx.models.paged_kv``'s GQA pools), rows ``ends`` slots long; ``window``
+    and per-head ``sinks`` as in ``online_pages``."""
     b, t, h, d = q.shape
     kv, page, dv = keys.shape[1], keys.shape[-1], values.shape[-1]
     g = h // kv
@@ -116,7 +122,8 @@ def gqa_paged(q: Float[Array, "b t h d"], keys: Float[Array, "P kv d page"],
 
     (o,) = online_pages(load, score, (out,), table, ends, q_positions, q_segments,
                         page_size=page, block_pages=block_pages,
-                        out_shapes=((b, kv, g, t, dv),), window=window)
+                        out_shapes=((b, kv, g, t, dv),), window=window,
+                        sinks=None if sinks is None else head_sinks(sinks, kv)[None, :, :, None])
     return from_query_groups(o).astype(q.dtype)
 
 

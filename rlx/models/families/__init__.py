@@ -1,5 +1,5 @@
 """Model families as specs: one module per transformers ``model_type`` (llama, qwen2, qwen3,
-mixtral, qwen2_moe, qwen3_moe, deepseek_v3 with Kimi-K2, glm4_moe), each a ``FamilySpec``
+mixtral, qwen2_moe, qwen3_moe, deepseek_v3 with Kimi-K2, glm4_moe, gpt_oss), each a ``FamilySpec``
 (``rlx.models.families.spec``), and the registry the generic readers and writers ask.
 
 Adding a family is one new module with its ``SPEC`` (and its parity test), listed in
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlx.models.families import (deepseek_v3, glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen3,
-                                 qwen3_moe)
+from rlx.models.families import (deepseek_v3, glm4_moe, gpt_oss, llama, mixtral, qwen2, qwen2_moe,
+                                 qwen3, qwen3_moe)
 from rlx.models.families.spec import (ATTENTION_KINDS, GQA_TARGETS, MLA_TARGETS, MLP_KINDS,
                                       FamilySpec, GGUFArch, MoENames)
 from rlx.models.hparams import ModelConfig
 
-_MODULES = (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe)
+_MODULES = (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, gpt_oss)
 
 FAMILIES: dict[str, FamilySpec] = {m.SPEC.model_type: m.SPEC for m in _MODULES}  # by model_type
 BY_ARCHITECTURE: dict[str, FamilySpec] = {a: s for s in FAMILIES.values() for a in s.architectures}

@@ -31,6 +31,10 @@ class MoENames:
     experts: tuple[tuple[str, str], ...] = (("gate_proj", "gate_proj"), ("up_proj", "up_proj"),
                                             ("down_proj", "down_proj"))
     shared: str = "shared_expert"  # the shared expert(s) (DeepSeek / GLM: "shared_experts")
+    router: str = "gate"  # the router (gpt-oss: "router")
+    # the experts as one stacked tensor per projection, ``experts.gate_up_proj`` ``[E, in, 2f]``
+    # (gate and up columns interleaved) and ``experts.down_proj`` ``[E, f, in]`` (gpt-oss)
+    fused: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +58,10 @@ class FamilySpec:
     which rlx's GQA lacks, so it must be False); ``qkv_bias`` defaults to ``qkv_bias_default``;
     ``qk_norm`` is a constant or the name of the ``config.json`` field that switches it;
     ``partial_rotary`` is the default ``partial_rotary_factor`` (None: whole heads rotate and a
-    partial factor is refused); ``moe_from_hf(hf, layers)`` reads the sparse MLP. Writing:
-    ``extra_to_hf(cfg)`` and ``moe_to_hf(cfg)`` add the family's own fields to the common ones.
+    partial factor is refused); ``moe_from_hf(hf, layers)`` reads the sparse MLP;
+    ``extra_from_hf(hf)`` returns ``ModelConfig`` fields of the family's own (gpt-oss: biases,
+    sinks, sliding layers), over the common ones. Writing: ``extra_to_hf(cfg)`` and
+    ``moe_to_hf(cfg)`` add the family's own fields to the common ones.
     """
 
     model_type: str  # transformers' model_type, written to config.json
@@ -71,6 +77,7 @@ class FamilySpec:
     qk_norm: bool | str = False
     partial_rotary: float | None = None
     moe_from_hf: Callable[[Mapping[str, Any], int], MoEConfig] | None = None
+    extra_from_hf: Callable[[Mapping[str, Any]], dict[str, Any]] | None = None
     extra_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     moe_to_hf: Callable[[ModelConfig], dict[str, Any]] | None = None
     moe_names: MoENames = MoENames()

