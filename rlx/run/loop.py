@@ -430,8 +430,7 @@ class Run:
         return [transcript(e) for e in episodes]
 
     def summary(self) -> str:
-        """Held-out accuracy at the start and now (a step evaluated twice: its latest), the reward
-        curve, as text."""
+        """The reward curve and held-out accuracy at start and now (a step evaluated twice: its last)."""
         evals = list({r["step"]: r["eval/accuracy"] for r in self.metrics if "eval/accuracy" in r}.items())
         rewards = [r["reward/mean"] for r in self.metrics if "reward/mean" in r]
         lines = [f"steps {self.step_count}; mean reward per step: "

@@ -14,7 +14,8 @@ is written to disk.
 
 The servers must share the learner process's host (they map its shared memory): those rlx
 launches do; an attached server elsewhere needs ``weight_sync="disk"``. The pickles need
-``torch`` in the learner's environment (any build: only its CPU tensors and pickler are used).
+``torch`` in the learner's environment (the ``[sglang]`` extra; any build: only its CPU tensors
+and pickler are used).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def require_torch():
     except ImportError:
         raise ConfigError("config.rollout.sglang.weight_sync='memory' pickles the weights as torch "
                           "tensors for SGLang: install torch in this environment (pip install "
-                          "torch; a CPU build is enough) or set "
+                          "-e '.[sglang]'; a CPU build is enough) or set "
                           "config.rollout.sglang.weight_sync='disk'") from None
     return torch
 
