@@ -13,7 +13,9 @@ weights of its own: it reads the learner's bf16 parameters where they lie, 1/16 
 and its programs gather them a layer at a time as the learner's forward pass does; each device
 decodes its rows with its own KV cache. (One step off, ``train.max_staleness = 1``, the engine
 keeps a copy of the parameters, split over the 16 devices as the learner's: ``rlx.mesh.
-sampling_rules``.) SGLang needs a single learner process.
+sampling_rules``.) With ``rollout.engine = "sglang"`` (``distributed.rollouts = "primary"``)
+process 0 drives the servers and every host streams the weights to them in memory after each
+update, one gathered weight at a time.
 There is no KL term: full mode keeps no reference copy of the weights.
 
 ``model.path`` is the Hub id (each host fetches it into its Hugging Face cache; a local folder
