@@ -20,20 +20,26 @@ transformers, and the other GQA families rotate whole heads and refuse a partial
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from rlx.models.families import BY_ARCHITECTURE, FAMILIES, SUPPORTED_ARCHITECTURES, FamilySpec
+from rlx.models.families import (BY_ARCHITECTURE, FAMILIES, SUPPORTED_ARCHITECTURES, FamilySpec,
+                                 written_architecture)
 from rlx.models.families.common import refuse_unless, req
 from rlx.models.hparams import (ROPE_KINDS, MLAConfig, ModelConfig, ModelConfigError, MoEConfig,
                                 RopeConfig, yarn_get_mscale)
 
 ACTIVATIONS = ("silu", "swish")  # hidden_act values rlx implements (both are x * sigmoid(x))
+log = logging.getLogger(__name__)
 
 
-def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
-    """Translate a transformers ``config.json`` dict into a ``ModelConfig``."""
+def from_hf_config(hf: dict[str, Any], *, text_only: bool = False) -> ModelConfig:
+    """Translate a transformers ``config.json`` dict into a ``ModelConfig`` (``text_only``: a
+    vision-language checkpoint's vision tower is skipped instead of refused)."""
     arch = _architecture(hf)
     spec = BY_ARCHITECTURE[arch]
+    if spec.multimodal is not None:
+        hf = language_model_config(hf, arch, spec, text_only)
     _check_choices(hf, arch, spec)
     heads = req(hf, "num_attention_heads")
     hidden = req(hf, "hidden_size")
@@ -75,6 +81,30 @@ def _architecture(hf: dict[str, Any]) -> str:
             f"{sorted(SUPPORTED_ARCHITECTURES)}"
         )
     return arch
+
+
+def language_model_config(hf: dict[str, Any], arch: str, spec: FamilySpec,
+                          text_only: bool) -> dict[str, Any]:
+    """The ``config.json`` fields of a vision-language checkpoint's language model: its text
+    config with the wrapper's ``Multimodal.top_level`` fields over it. The vision tower is refused
+    unless ``text_only``, then skipped with a logged note."""
+    mm = spec.multimodal
+    text = hf.get(mm.text_config)
+    if not isinstance(text, dict):
+        raise ModelConfigError(f"config.json of {arch} has no {mm.text_config!r} section; it holds "
+                               "the language model's config")
+    refuse_unless(f"{mm.text_config}.model_type", text.get("model_type"), mm.text_model_types, arch)
+    vision = [f for f in mm.vision_fields if hf.get(f)]
+    if vision and not text_only:
+        raise ModelConfigError(
+            f"config.json {vision[0]}: the vision tower of {arch} (tensors "
+            f"{', '.join(w + '*' for w in mm.vision_weights)}) is not supported; rlx trains its "
+            "language model on text: set "
+            "config.model.text_only=True to load the language model and skip the vision tower")
+    if vision:
+        log.info("%s: text-only RL, skipping the vision tower (%s; tensors %s are not read)",
+                 arch, ", ".join(vision), ", ".join(w + "*" for w in mm.vision_weights))
+    return {**text, **{k: hf.get(k, default) for k, default in mm.top_level}}
 
 
 def _qk_norm(hf: dict[str, Any], spec: FamilySpec) -> bool:
@@ -146,12 +176,13 @@ def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """A transformers ``config.json`` dict for ``cfg`` (inverse of ``from_hf_config``): the fields
-    every family has, then the family's own (``FamilySpec.extra_to_hf``), the latent attention's
+    """A transformers ``config.json`` dict for ``cfg`` (inverse of ``from_hf_config``; the language
+    model of a vision-language checkpoint as its causal-LM class): the fields every family has, then the family's own (``FamilySpec.extra_to_hf``), the latent attention's
     and the sparse MLP's (``FamilySpec.moe_to_hf``)."""
-    spec = BY_ARCHITECTURE[cfg.architecture]
+    arch = written_architecture(cfg)  # a vision-language model's language model: its own class
+    spec = BY_ARCHITECTURE[arch]
     hf: dict[str, Any] = {
-        "architectures": [cfg.architecture],
+        "architectures": [arch],
         "model_type": spec.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
@@ -216,4 +247,5 @@ def _mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ACTIVATIONS", "ModelConfig", "ModelConfigError", "MoEConfig",
-           "MLAConfig", "RopeConfig", "from_hf_config", "to_hf_config", "yarn_get_mscale"]
+           "MLAConfig", "RopeConfig", "from_hf_config", "to_hf_config", "language_model_config",
+           "yarn_get_mscale"]

@@ -6,7 +6,10 @@ reads just the distinct slices its devices hold from the safetensors files
 (``jax.make_array_from_callback``; on CPU devices laid out by the host, ``rlx.platform.cpu.host_layout``).
 HF linears are ``[out, in]``; rlx kernels are ``[in, out]``, and MoE experts are stacked ``[E, ...]``
 (checkpoints hold one tensor per expert, ``...experts.{e}.gate_proj.weight``, which is also what
-transformers 5.x ``save_pretrained`` writes). Besides the ``nnx.Param`` leaves, a router's
+transformers 5.x ``save_pretrained`` writes). A vision-language checkpoint stores its language
+model's tensors under a prefix (``Multimodal.weight_prefix``: Kimi-K2.5's ``language_model.``):
+readers ask ``stored_param_map``, writers ``param_map`` (rlx writes the language model alone).
+Besides the ``nnx.Param`` leaves, a router's
 ``CorrectionBias`` (``mlp.gate.e_score_correction_bias``) is read and written like a parameter.
 """
 
@@ -56,6 +59,16 @@ def param_map(cfg: ModelConfig) -> dict[str, ParamSource]:
     for i in range(cfg.num_layers):
         out.update(_layer_map(cfg, i))
     return out
+
+
+def stored_param_map(cfg: ModelConfig) -> dict[str, ParamSource]:
+    """``param_map`` with the names a checkpoint of ``cfg``'s class stores (a vision-language
+    checkpoint's language model under its ``Multimodal.weight_prefix``)."""
+    mm = family_of(cfg).multimodal
+    if mm is None:
+        return param_map(cfg)
+    return {p: dataclasses.replace(s, hf_names=tuple(mm.weight_prefix + n for n in s.hf_names))
+            for p, s in param_map(cfg).items()}
 
 
 def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
@@ -163,7 +176,7 @@ def check_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], shapes: d
     """Every needed HF tensor exists with the right shape and a float dtype; errors name the
     file, the tensor and the fix. A float parameter is never read from integer or fp8 storage:
     those are quantized values, which without their scales would be a wrong model."""
-    for path, src in param_map(cfg).items():
+    for path, src in stored_param_map(cfg).items():
         if path not in shapes:
             continue
         want = _expected_hf_shape(src, shapes[path])
@@ -215,7 +228,7 @@ def load_model(
     if abstract is None:
         abstract = abstract_model(cfg, precision)
     graphdef, state = nnx.split(abstract)
-    sources = param_map(cfg)
+    sources = stored_param_map(cfg)
     flat = {"/".join(map(str, k)): (k, v) for k, v in nnx.to_flat_state(state)}
     check_tensors(cfg, tensors, {p: tuple(v.shape) for p, (_, v) in flat.items()
                                  if p in sources and p not in skip})
@@ -320,12 +333,13 @@ def _sharding(mesh: Mesh | None, var, rules: LogicalRules):
     return named_sharding(mesh, axes, rules, tuple(var.shape))
 
 
-def read_hf_config(path: str) -> ModelConfig:
+def read_hf_config(path: str, *, text_only: bool = False) -> ModelConfig:
+    """The ``ModelConfig`` of a HF folder's ``config.json`` (``text_only``: ``from_hf_config``)."""
     file = os.path.join(path, "config.json")
     if not os.path.exists(file):
         raise CheckpointError(f"{path}: no config.json; pass a HF model folder (config.json + *.safetensors)")
     with open(file) as f:
-        return from_hf_config(json.load(f))
+        return from_hf_config(json.load(f), text_only=text_only)
 
 
 def check_float_checkpoint(path: str) -> None:
@@ -343,11 +357,12 @@ def check_float_checkpoint(path: str) -> None:
 
 def from_hf(
     path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
-    rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged",
+    rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged", text_only: bool = False,
 ) -> Transformer:
     """Load a local HF folder (config.json + safetensors, sharded or not) into a sharded model;
-    a quantized checkpoint is refused (``check_float_checkpoint``)."""
-    cfg = read_hf_config(path)
+    a quantized checkpoint is refused (``check_float_checkpoint``); ``text_only``: the language
+    model of a vision-language checkpoint, its vision tower skipped (``from_hf_config``)."""
+    cfg = read_hf_config(path, text_only=text_only)
     check_float_checkpoint(path)
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
     return load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
@@ -410,6 +425,6 @@ def param_bytes_per_device(model: Transformer, kinds=nnx.Param) -> dict[str, int
     return out
 
 
-__all__ = ["from_hf", "to_hf", "load_model", "param_map", "hf_state_dict", "read_hf_config",
+__all__ = ["from_hf", "to_hf", "load_model", "param_map", "stored_param_map", "hf_state_dict", "read_hf_config",
            "check_float_checkpoint",
            "param_bytes_per_device", "CheckpointError"]

@@ -73,6 +73,10 @@ class ModelSection:
     # rest (counted in learner/moe_dropped_pairs, and rollout/moe_dropped_pairs for the built-in
     # engine's rollouts); "ragged" experts only
     moe_capacity_factor: float = 0.0
+    # a vision-language checkpoint (Kimi-K2.5 / K2.6): True loads its language model alone and
+    # skips the vision tower with a logged note; False (the default) refuses the checkpoint, so
+    # that dropping a model's vision is asked for, never silent. Text checkpoints ignore it
+    text_only: bool = False
 
     def __post_init__(self):
         """``gguf_file`` is joined onto ``path`` (and cleared), so every reader of ``path`` sees
@@ -200,8 +204,8 @@ def load_gguf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRA
 
 
 def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN_RULES,
-            moe_impl="ragged") -> LoadedModel:
-    cfg = read_hf_config(path)
+            moe_impl="ragged", text_only=False) -> LoadedModel:
+    cfg = read_hf_config(path, text_only=text_only)
     check_float_checkpoint(path)
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
     model = load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
@@ -255,7 +259,7 @@ def shrunk_random(section: ModelSection, mesh: Mesh | None, seed: int, rules: Lo
         ckpt = read_gguf(path)
         cfg, tokenizer = from_hf_config(ckpt.hf_config), ckpt.tokenizer
     else:
-        cfg = read_hf_config(path)
+        cfg = read_hf_config(path, text_only=section.text_only)
         has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
         tokenizer = Tokenizer.from_dir(path) if has_tok else None
     cfg = shrunk(cfg, section.shrink)
@@ -270,7 +274,8 @@ def load_from_section(section: ModelSection, mesh: Mesh | None, rules: LogicalRu
     """Load what a validated ``config.model`` section names."""
     if section.shrink.enabled:
         return shrunk_random(section, mesh, seed, rules)
-    loader = load_gguf if section.is_gguf else load_hf
     p = section.precision
-    return loader(resolve_path(section.path), p.dtype, mesh, param_dtype=p.param_dtype, rules=rules,
-                  moe_impl=p.moe_impl)
+    kw = dict(param_dtype=p.param_dtype, rules=rules, moe_impl=p.moe_impl)
+    if section.is_gguf:
+        return load_gguf(resolve_path(section.path), p.dtype, mesh, **kw)
+    return load_hf(resolve_path(section.path), p.dtype, mesh, text_only=section.text_only, **kw)

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 # the published config.json values by checkpoint id, kept beside their family (FamilySpec.presets)
-from rlx.models.families import PRESETS
+from rlx.models.families import BY_ARCHITECTURE, PRESETS
 
 
 def find_preset(path: str) -> str | None:
@@ -47,9 +47,11 @@ def write_preset_folder(name: str, folder: str, *, tokenizer=None,
     ``tokenizer`` (an ``rlx.models.tokenizer.Tokenizer``) when given; returns ``folder``.
 
     With a stand-in tokenizer pass ``overrides={"vocab_size": tok.vocab_size, "bos_token_id": ...,
-    "eos_token_id": ...}`` (``tokenizer_overrides`` builds that dict) so ids stay in range.
+    "eos_token_id": ...}`` (``tokenizer_overrides`` builds that dict) so ids stay in range; a
+    vision-language preset takes them in its language model's section (``text_config``).
     """
-    cfg = {**preset_config(name), **(overrides or {}), "_name_or_path": name}
+    cfg = {**preset_config(name), "_name_or_path": name}
+    language_model_section(cfg).update(overrides or {})
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
@@ -58,10 +60,21 @@ def write_preset_folder(name: str, folder: str, *, tokenizer=None,
     return folder
 
 
+def language_model_section(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The dict of a ``config.json`` that holds its language model's fields: the file itself, or
+    a vision-language checkpoint's text config (``FamilySpec.multimodal``)."""
+    spec = next((BY_ARCHITECTURE[a] for a in cfg.get("architectures") or []
+                 if a in BY_ARCHITECTURE), None)
+    if spec is None or spec.multimodal is None:
+        return cfg
+    return cfg[spec.multimodal.text_config]
+
+
 def tokenizer_overrides(tokenizer) -> dict[str, Any]:
     """``config.json`` fields that make a preset consistent with a stand-in tokenizer."""
     return {"vocab_size": tokenizer.vocab_size, "bos_token_id": tokenizer.bos_id,
             "eos_token_id": tokenizer.eos_id}
 
 
-__all__ = ["PRESETS", "find_preset", "preset_config", "write_preset_folder", "tokenizer_overrides"]
+__all__ = ["PRESETS", "find_preset", "preset_config", "write_preset_folder", "language_model_section",
+           "tokenizer_overrides"]

@@ -272,7 +272,8 @@ def spec_from_config(cfg: Any) -> PlanSpec:
     unknown = set(plan_section) - fields - {"hbm_gb", "devices_per_node"}
     if unknown:
         raise ValueError(f"unknown key config.plan.{sorted(unknown)[0]}; known: {sorted(fields)}")
-    arch = from_hf_config(_hf_config(_section(cfg, "model")))
+    model = _section(cfg, "model")
+    arch = from_hf_config(_hf_config(model), text_only=bool(model.get("text_only", False)))
     run = run_sections(cfg)
     extra = ({k: v for k, v in plan_section.items() if k in fields} if plan_section
              else run_plan_fields(run))  # a run config: the plan of the run it describes

@@ -26,7 +26,8 @@ from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.hf import (ParamSource, abstract_model, check_float_checkpoint, check_tensors,
-                           load_model, param_map, read_hf_config, read_order)
+                           load_model, param_map, read_hf_config, read_order,
+                           stored_param_map)
 from rlx.models.loading import LoadedModel, ModelSection, load_from_section, resolve_path
 from rlx.models.moe import SparseMoE
 from rlx.models.safetensors_io import CheckpointError, SafetensorsFolder
@@ -93,14 +94,15 @@ def _gguf_tensor(ckpt, src, ax) -> GGUFTensor:
 
 def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, param_dtype=None,
                  rules: LogicalRules = TRAIN_RULES, moe_impl: str = "ragged",
-                 tensors: SafetensorsFolder | None = None) -> tuple[LoadedModel, Shipped]:
+                 tensors: SafetensorsFolder | None = None, text_only: bool = False,
+                 ) -> tuple[LoadedModel, Shipped]:
     """A HF folder with its quantized linears kept as the file stores them
     (``rlx.quant.shipped_read``): headers checked first, then every parameter read in file order,
     each device its slice (``tensors``: the folder's ``SafetensorsFolder`` when the caller has
-    one, e.g. to count the bytes read)."""
+    one, e.g. to count the bytes read; ``text_only``: ``from_hf_config``)."""
     with open(os.path.join(path, "config.json")) as f:
         hf_cfg = json.load(f)
-    cfg = from_hf_config(hf_cfg)
+    cfg = from_hf_config(hf_cfg, text_only=text_only)
     qc = hf_cfg.get("quantization_config")
     if not qc:
         raise CheckpointError(f"{path}: config.json has no quantization_config; load it as a float "
@@ -233,7 +235,7 @@ def load_quantizing(cfg, tensors, q: QuantConfig, *, precision: Precision, mesh:
         raise QuantConfigError(f"load_quantizing quantizes to {allowed}, not {q.format!r}")
     abstract = abstract_model(cfg, precision)
     which = quantized_paths(abstract, q)
-    sources = param_map(cfg)
+    sources = stored_param_map(cfg)
     streamed = {p: t for p, t in which.items() if _streams(sources[p], node_at(abstract, p))}
     check_tensors(cfg, tensors, {p: tuple(node_at(abstract, p).shape) for p in streamed})
     model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules,
@@ -311,7 +313,8 @@ def load_base(section: ModelSection, q: QuantConfig, mesh: Mesh | None = None, *
     if resolved.spec.float_base:
         return load_from_section(section, mesh, rules, seed), resolved
     if q.spec.from_checkpoint:
-        loaded, _ = load_shipped(path, p.dtype, param_dtype=p.param_dtype, **kw)
+        loaded, _ = load_shipped(path, p.dtype, param_dtype=p.param_dtype,
+                                 text_only=section.text_only, **kw)
         return loaded, resolved
     precision = Precision(dtype=p.dtype, param_dtype=p.param_dtype, moe_impl=p.moe_impl)
     if section.is_gguf:
@@ -320,7 +323,7 @@ def load_base(section: ModelSection, q: QuantConfig, mesh: Mesh | None = None, *
         ckpt = read_gguf(path)
         cfg, tensors, tokenizer = from_hf_config(ckpt.hf_config), ckpt.tensors, ckpt.tokenizer
     else:
-        cfg = read_hf_config(path)
+        cfg = read_hf_config(path, text_only=section.text_only)
         check_float_checkpoint(path)
         tensors = SafetensorsFolder(path)
         has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))

@@ -59,10 +59,10 @@ def read_quantization_config(path: str) -> dict | None:
 def candidates(cfg) -> dict[str, ParamSource]:
     """The rlx parameters rlx can hold quantized (what ``quantize_model`` quantizes with
     ``modules="all"``: every decoder linear's kernel and the routed experts), with their sources."""
-    from rlx.models.hf import param_map
+    from rlx.models.hf import stored_param_map
 
     skip = ("router", "shared_gate")
-    return {p: s for p, s in param_map(cfg).items()
+    return {p: s for p, s in stored_param_map(cfg).items()
             if p.startswith("layers/") and s.layout in ("T", "stack_T")
             and not p.endswith(skip)}
 

@@ -105,7 +105,7 @@ def read_architecture(cfg: RunConfig, other: str | None = None
     else:
         from rlx.models.hf import read_hf_config
 
-        arch = read_hf_config(path)
+        arch = read_hf_config(path, text_only=cfg.model.text_only)
     if other is None and cfg.model.shrink.enabled:
         from rlx.models.loading import shrunk
 

@@ -100,7 +100,27 @@ def _extra_configs() -> dict[str, transformers.PretrainedConfig]:
     # checks without the routed experts' gates amplifying f32 rounding
     mla_dense = {**_sigmoid_routed_configs()["deepseek_v3"].to_dict(), "first_k_dense_replace": 2}
     return {"llama_wide": transformers.LlamaConfig(**wide, tie_word_embeddings=False),
-            "deepseek_v3_dense": transformers.DeepseekV3Config(**mla_dense)}
+            "deepseek_v3_dense": transformers.DeepseekV3Config(**mla_dense),
+            "kimi_k25": _kimi_k25_config()}
+
+
+def _kimi_k25_config() -> transformers.PretrainedConfig:
+    """Kimi-K2.5's vision-language wrapper around the zoo's Kimi-K2 language model, with a
+    one-layer vision tower (width 8, 2-pixel patches merged 2x2) and its projector; the wrapper's
+    untied head (its own ``tie_word_embeddings``, which transformers ties by, defaults to True)."""
+    vision = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2,
+                  num_attention_heads=2, num_hidden_layers=1, hidden_size=8, intermediate_size=16,
+                  merge_kernel_size=[2, 2])
+    return transformers.Kimi_K25Config(
+        text_config=_sigmoid_routed_configs()["kimi_k2"].to_dict(), vision_config=vision,
+        projection_hidden_size=8, tie_word_embeddings=False)
+
+
+def hf_model_class(config: transformers.PretrainedConfig):
+    """The transformers class that runs ``config`` on text: its causal LM, or the vision-language
+    class of a wrapper config (Kimi-K2.5), which takes text-only input."""
+    causal = transformers.AutoModelForCausalLM
+    return causal if type(config) in causal._model_mapping else transformers.AutoModelForImageTextToText
 
 
 def hf_config(family: str) -> transformers.PretrainedConfig:
@@ -114,7 +134,7 @@ def make_hf_model(family: str, root: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         torch.manual_seed(0)
         config = hf_config(family)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = hf_model_class(config).from_config(config)
         with torch.no_grad():  # norms are initialised to exactly 1; perturb them to catch mix-ups
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -127,11 +147,37 @@ def make_hf_model(family: str, root: str) -> str:
                 if name.endswith("e_score_correction_bias"):
                     b.copy_(0.3 * torch.randn_like(b))
         model.save_pretrained(path)
+        if family == "kimi_k25":
+            _as_moonshot_ships(path)
     return path
 
 
+def _as_moonshot_ships(path: str) -> None:
+    """Rename the language model's layers of a saved Kimi-K2.5 folder back to Moonshot's
+    ``language_model.model.layers.N``: transformers 5.25 reverses its load-time rename of the
+    vision tower's ``blocks`` to ``layers`` on every name, so it saves the text layers as
+    ``blocks.N``, which it reads back but no release holds."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    renamed = {k.replace("language_model.model.blocks.", "language_model.model.layers."): v
+               for k, v in tensors.items()}
+    save_file(renamed, file, metadata={"format": "pt"})
+
+
+def load_hf_model(path: str):
+    """The saved zoo model at ``path`` in f32, eval mode, by its class (``hf_model_class``);
+    every weight must come from the file (none missing, none left over)."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    model, info = hf_model_class(config).from_pretrained(path, dtype=torch.float32,
+                                                        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    return model.eval()
+
+
 def hf_logits(path: str, ids, attention_mask=None, position_ids=None):
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_hf_model(path)
     kw = {}
     if attention_mask is not None:
         kw["attention_mask"] = torch.tensor(attention_mask)

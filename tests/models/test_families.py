@@ -9,6 +9,7 @@ rlx/models/families/ is a family branch that belongs in the family's spec (rlx/b
 """
 
 import ast
+import dataclasses
 import os
 import random
 
@@ -16,7 +17,8 @@ import pytest
 import transformers
 
 from rlx.models.config import from_hf_config, to_hf_config
-from rlx.models.families import BY_ARCHITECTURE, FAMILIES, PRESETS, family_of
+from rlx.models.families import (BY_ARCHITECTURE, FAMILIES, PRESETS, family_of,
+                                 written_architecture)
 from rlx.quant.config import LoraConfig
 from rlx.quant.lora import target_counts
 from tests.helpers import ROOT
@@ -43,24 +45,39 @@ def _tiny_hf(model_type: str, seed: int, **overrides) -> dict:
     return transformers.AutoConfig.for_model(model_type, **sizes | overrides).to_dict()
 
 
+def _tiny_family_hf(spec, seed: int, **overrides) -> dict:
+    """``_tiny_hf`` of a family, its class in ``architectures``; a vision-language family's is
+    its wrapper class's config (default vision tower) around a tiny text config of the first
+    language-model type it reads."""
+    arch = {"architectures": [spec.architectures[0]]}
+    if spec.multimodal is None:
+        return _tiny_hf(spec.model_type, seed, **overrides) | arch
+    text = _tiny_hf(spec.multimodal.text_model_types[0], seed, **overrides)
+    return transformers.AutoConfig.for_model(spec.model_type, text_config=text).to_dict() | arch
+
+
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_every_family_reads_and_writes_its_config_json(model_type):
+    """A vision-language family's language model is written as its causal-LM class
+    (``written_architecture``), which reads back as the same model."""
     spec = FAMILIES[model_type]
     for seed in range(3):
-        hf = _tiny_hf(model_type, seed) | {"architectures": [spec.architectures[0]]}
-        cfg = from_hf_config(hf)
+        cfg = from_hf_config(_tiny_family_hf(spec, seed), text_only=True)
         assert family_of(cfg) is spec
         assert cfg.attention_kind == spec.attention
         kinds = {cfg.mlp_kind(i) for i in range(cfg.num_layers)}
         assert ("moe" in kinds) == (spec.mlp == "moe"), kinds
         written = to_hf_config(cfg)
-        assert written["model_type"] == model_type
-        assert written["architectures"] == [spec.architectures[0]]
-        assert from_hf_config(written) == cfg
+        arch = written_architecture(cfg)
+        writer = BY_ARCHITECTURE[arch]
+        assert written["model_type"] == writer.model_type
+        assert written["architectures"] == [arch] == [writer.architectures[0]]
+        same = dataclasses.replace(cfg, architecture=arch)
+        assert from_hf_config(written) == same
         # what rlx writes means the same to transformers' class
         fields = {k: v for k, v in written.items() if k != "model_type"}
-        again = transformers.AutoConfig.for_model(model_type, **fields).to_dict()
-        assert from_hf_config(again | {"architectures": written["architectures"]}) == cfg
+        again = transformers.AutoConfig.for_model(writer.model_type, **fields).to_dict()
+        assert from_hf_config(again | {"architectures": written["architectures"]}) == same
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -69,10 +86,9 @@ def test_presets_and_lora_targets_belong_to_their_family(model_type):
     for name, hf in spec.presets.items():
         assert PRESETS[name] is hf
         assert hf["model_type"] in (spec.model_type, *spec.aliases)
-        assert family_of(from_hf_config(dict(hf))) is spec
+        assert family_of(from_hf_config(dict(hf), text_only=True)) is spec
     # each default target adapts a module of the family's models (MLA: with a low-rank q)
-    hf = _tiny_hf(model_type, 0, q_lora_rank=24)
-    cfg = from_hf_config(hf | {"architectures": [spec.architectures[0]]})
+    cfg = from_hf_config(_tiny_family_hf(spec, 0, q_lora_rank=24), text_only=True)
     counts = target_counts(cfg, LoraConfig(targets=spec.lora_targets, experts=True))
     assert all(counts[t] for t in spec.lora_targets), counts
 

@@ -1,5 +1,6 @@
 """Model families as specs: one module per transformers ``model_type`` (llama, qwen2, qwen3,
-mixtral, qwen2_moe, qwen3_moe, deepseek_v3 with Kimi-K2, glm4_moe, gpt_oss), each a ``FamilySpec``
+mixtral, qwen2_moe, qwen3_moe, deepseek_v3 with Kimi-K2, glm4_moe, gpt_oss, and kimi_k25: the
+language model of Kimi-K2.5 / K2.6's vision-language checkpoints), each a ``FamilySpec``
 (``rlx.models.families.spec``), and the registry the generic readers and writers ask.
 
 Adding a family is one new module with its ``SPEC`` (and its parity test), listed in
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlx.models.families import (deepseek_v3, glm4_moe, gpt_oss, llama, mixtral, qwen2, qwen2_moe,
-                                 qwen3, qwen3_moe)
+from rlx.models.families import (deepseek_v3, glm4_moe, gpt_oss, kimi_k25, llama, mixtral, qwen2,
+                                 qwen2_moe, qwen3, qwen3_moe)
 from rlx.models.families.spec import (ATTENTION_KINDS, GQA_TARGETS, MLA_TARGETS, MLP_KINDS,
-                                      FamilySpec, GGUFArch, MoENames)
+                                      FamilySpec, GGUFArch, MoENames, Multimodal)
 from rlx.models.hparams import ModelConfig
 
-_MODULES = (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, gpt_oss)
+_MODULES = (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, gpt_oss,
+            kimi_k25)
 
 FAMILIES: dict[str, FamilySpec] = {m.SPEC.model_type: m.SPEC for m in _MODULES}  # by model_type
 BY_ARCHITECTURE: dict[str, FamilySpec] = {a: s for s in FAMILIES.values() for a in s.architectures}
@@ -33,6 +35,13 @@ def family_of(cfg: ModelConfig) -> FamilySpec:
     return BY_ARCHITECTURE[cfg.architecture]
 
 
+def written_architecture(cfg: ModelConfig) -> str:
+    """The class rlx writes ``cfg``'s model as: its own, or for the language model of a
+    vision-language checkpoint the causal-LM class of that language model."""
+    mm = family_of(cfg).multimodal
+    return cfg.architecture if mm is None else mm.text_architecture
+
+
 __all__ = ["FAMILIES", "BY_ARCHITECTURE", "SUPPORTED_ARCHITECTURES", "PRESETS", "GGUF_ARCHS",
-           "family_of", "FamilySpec", "GGUFArch", "MoENames", "ATTENTION_KINDS", "MLP_KINDS",
-           "GQA_TARGETS", "MLA_TARGETS"]
+           "family_of", "written_architecture", "FamilySpec", "GGUFArch", "MoENames", "Multimodal",
+           "ATTENTION_KINDS", "MLP_KINDS", "GQA_TARGETS", "MLA_TARGETS"]

@@ -50,6 +50,24 @@ class GGUFArch:
 
 
 @dataclasses.dataclass(frozen=True)
+class Multimodal:
+    """A vision-language checkpoint of which rlx loads and trains the language model alone: where
+    that model's ``config.json`` fields and tensors sit, the parts it skips and the causal-LM
+    class its language model is written as."""
+
+    text_architecture: str  # the causal-LM class of the language model (what rlx writes)
+    text_config: str = "text_config"  # config.json field holding the language model's config
+    text_model_types: tuple[str, ...] = ()  # model_type values of that config rlx reads
+    weight_prefix: str = "language_model."  # before each language-model tensor's causal-LM name
+    # config.json fields of the parts rlx does not run (the vision tower and its projector)
+    vision_fields: tuple[str, ...] = ("vision_config",)
+    vision_weights: tuple[str, ...] = ("vision_tower.", "mm_projector.")  # their tensor prefixes
+    # top-level config.json fields, with the wrapper class's defaults, that override the text
+    # config's (transformers ties lm_head by the wrapper's tie_word_embeddings, True when absent)
+    top_level: tuple[tuple[str, Any], ...] = (("tie_word_embeddings", True),)
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """One model family: everything rlx knows of a transformers ``model_type``.
 
@@ -85,6 +103,7 @@ class FamilySpec:
     # peft 0.21 reads target_modules' MLP names as the fused experts of this family (transformers 5
     # fuses them), so its MLP adapters are exported by weight (rlx.io.export)
     peft_remaps_mlp_names: bool = False
+    multimodal: Multimodal | None = None
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS or self.mlp not in MLP_KINDS:
@@ -98,4 +117,4 @@ class FamilySpec:
 
 
 __all__ = ["ATTENTION_KINDS", "MLP_KINDS", "GQA_TARGETS", "MLA_TARGETS", "MoENames", "GGUFArch",
-           "FamilySpec"]
+           "Multimodal", "FamilySpec"]
