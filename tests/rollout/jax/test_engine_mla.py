@@ -1,6 +1,7 @@
 """The built-in engine on multi-head latent attention models: a tiny DeepSeek-V3 (low-rank
 queries, interleaved rope), a DeepSeek-V2-Lite shape with plain queries and interleaved rope, and
-a Kimi-K2-like one (one expert group, YaRN), all decoding over the latent KV cache with
+a Kimi-K2-like one (one expert group, YaRN), the same language model read from Kimi-K2.5's
+vision-language checkpoint (text only), all decoding over the latent KV cache with
 ``kv_b_proj`` absorbed into the decode steps.
 
 Tolerances: sampler log-probs, the engine's scores and the preflight's learner log-probs vs the
@@ -32,12 +33,12 @@ from rlx.rollout.jax.sampling import GenerateStatic, generate_batch
 from rlx.rollout.jax.stops import Stops
 from rlx.rollout.preflight import learner_logprobs
 from rlx.types import SamplingParams
-from tests.helpers.hf_zoo import hf_config, make_hf_model
+from tests.helpers.hf_zoo import hf_config, load_hf_model, make_hf_model
 from tests.helpers.parity import max_diff, sample_prompts, step_logprobs
 
 TOL = 1e-5
 INTERLEAVED_PLAIN_Q = "deepseek_v2_lite_interleaved"  # q_lora_rank=None with interleaved rope
-FAMILIES = ("deepseek_v3", INTERLEAVED_PLAIN_Q, "kimi_k2")
+FAMILIES = ("deepseek_v3", INTERLEAVED_PLAIN_Q, "kimi_k2", "kimi_k25")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def _model_path(zoo: str, family: str) -> str:
 def _hf_greedy(path: str, prompts, n: int) -> tuple[list[list[int]], tuple[int, ...]]:
     """transformers' greedy ``generate`` of each prompt alone, cut after its first EOS, and the
     EOS ids."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = load_hf_model(path)
     eos_id = hf.generation_config.eos_token_id
     eos = () if eos_id is None else tuple(np.atleast_1d(eos_id).tolist())
     outs = []
@@ -90,7 +91,7 @@ def test_latent_cache_sampler_matches_learner_and_greedy_matches_transformers(zo
     """Three prompts, two samples each: each prompt is prefilled once and its latent cache rows
     copied to its samples (``KVCache.take_rows``); then greedy rows against HF ``generate``."""
     path = _model_path(zoo, family)
-    model = from_hf(path)
+    model = from_hf(path, text_only=True)  # Kimi-K2.5: its language model (text families: no-op)
     engine = JaxEngine(model)
     sampling = SamplingParams(max_new_tokens=12, n=2, seed=3)
     rollouts = engine.generate(sample_prompts(), sampling)
