@@ -107,6 +107,15 @@ def language_model_config(hf: dict[str, Any], arch: str, spec: FamilySpec,
     return {**text, **{k: hf.get(k, default) for k, default in mm.top_level}}
 
 
+def quantization_config(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """A ``config.json``'s ``quantization_config`` (None for a float checkpoint): at its top
+    level, or in a vision-language checkpoint's text config (``Multimodal.text_config``)."""
+    spec = next((BY_ARCHITECTURE[a] for a in hf.get("architectures") or []
+                 if a in BY_ARCHITECTURE), None)
+    text = hf.get(spec.multimodal.text_config) if spec and spec.multimodal else None
+    return hf.get("quantization_config") or (text or {}).get("quantization_config") or None
+
+
 def _qk_norm(hf: dict[str, Any], spec: FamilySpec) -> bool:
     """The family's constant, or the ``config.json`` field that switches the q/k norms."""
     return bool(hf.get(spec.qk_norm)) if isinstance(spec.qk_norm, str) else spec.qk_norm
@@ -248,4 +257,5 @@ def _mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ACTIVATIONS", "ModelConfig", "ModelConfigError", "MoEConfig",
            "MLAConfig", "RopeConfig", "from_hf_config", "to_hf_config", "language_model_config",
+           "quantization_config",
            "yarn_get_mscale"]

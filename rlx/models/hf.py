@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
-from rlx.models.config import ModelConfig, from_hf_config, to_hf_config
+from rlx.models.config import ModelConfig, from_hf_config, quantization_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.families import family_of
 from rlx.platform.cpu.host_layout import on_host, once_per_index, read_direct, read_transposed
@@ -345,9 +345,10 @@ def read_hf_config(path: str, *, text_only: bool = False) -> ModelConfig:
 def check_float_checkpoint(path: str) -> None:
     """Refuse a folder whose ``config.json`` names a ``quantization_config`` (FP8 blocks as
     DeepSeek-V3 ships, compressed-tensors int4, ...): its weight tensors are not the float values,
-    and reading them as such would give a wrong model without an error."""
+    and reading them as such would give a wrong model without an error (a vision-language
+    checkpoint's may sit in its text config: ``rlx.models.config.quantization_config``)."""
     with open(os.path.join(path, "config.json")) as f:
-        qc = json.load(f).get("quantization_config")
+        qc = quantization_config(json.load(f))
     if qc:
         raise CheckpointError(
             f"{path} holds a quantized checkpoint (quantization_config quant_method="

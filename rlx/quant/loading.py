@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding, shard_variables
-from rlx.models.config import from_hf_config
+from rlx.models.config import from_hf_config, quantization_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.hf import (ParamSource, abstract_model, check_float_checkpoint, check_tensors,
                            load_model, param_map, read_hf_config, read_order,
@@ -103,7 +103,7 @@ def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, para
     with open(os.path.join(path, "config.json")) as f:
         hf_cfg = json.load(f)
     cfg = from_hf_config(hf_cfg, text_only=text_only)
-    qc = hf_cfg.get("quantization_config")
+    qc = quantization_config(hf_cfg)
     if not qc:
         raise CheckpointError(f"{path}: config.json has no quantization_config; load it as a float "
                               "checkpoint (config.quant.format='none' or a format to quantize to)")

@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 
+from rlx.models.config import quantization_config
 from rlx.models.hf import ParamSource
 from rlx.quant import formats
 from rlx.quant.config import QuantConfig, QuantConfigError
@@ -47,12 +48,13 @@ from rlx.quant.formats.layouts.registry import SUPPORTED, file_reader, layout
 
 
 def read_quantization_config(path: str) -> dict | None:
-    """A HF folder's ``quantization_config`` (None for a float checkpoint or a GGUF file)."""
+    """A HF folder's ``quantization_config`` (None for a float checkpoint or a GGUF file; a
+    vision-language checkpoint's may sit in its text config)."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         return None
     with open(file) as f:
-        return json.load(f).get("quantization_config") or None
+        return quantization_config(json.load(f))
 
 
 # --- which rlx parameters a checkpoint stores quantized ------------------------------------------
@@ -124,7 +126,9 @@ def shipped(path: str, cfg=None, scale_dtype: str = "float32", *, gguf: bool | N
     if cfg is None:
         from rlx.models.hf import read_hf_config
 
-        cfg = read_hf_config(path)
+        # the language model's quantized linears; a vision tower is refused or skipped by the
+        # load itself (config.model.text_only), not by this resolution
+        cfg = read_hf_config(path, text_only=True)
     lay = layout(qc)
     modules = modules_kind(cfg, quantized_params(cfg, lay))
     quant = _nearest(lay, modules, scale_dtype)

@@ -16,10 +16,15 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 from rlx.models import ModelConfigError, from_hf, to_hf
 from rlx.models.hf import param_map, read_hf_config, stored_param_map
+from rlx.models.loading import ModelSection
+from rlx.quant import QTensor, QuantConfig, load_base
 from tests.helpers.hf_zoo import hf_logits, load_hf_model, make_hf_model
+from tests.helpers.shipped import write_dequantized, write_shipped
+from tests.quant.test_shipped import SCHEMES
 
 TOL = 1e-4
 
@@ -111,3 +116,26 @@ def test_an_option_rlx_lacks_is_refused_before_any_weight(kimi, tmp_path, field,
     path = _config_only(tmp_path, kimi, **{field: value})
     with pytest.raises(ModelConfigError, match=rf"{field}='{value}' is not supported.*{supported}"):
         from_hf(path, text_only=True)
+
+
+def test_int4_experts_load_as_shipped(kimi, tmp_path):
+    """The release's layout: routed experts in compressed-tensors pack-quantized int4 (symmetric,
+    groups of 32; attention, dense and shared MLPs, lm_head and the vision tower float), its
+    ``quantization_config`` in the text config. ``quant.format="shipped"`` keeps the experts as
+    the file's int4 and gives transformers' logits on the dequantized float model (1e-4)."""
+    s = SCHEMES["int4-g32-kimi"]
+    path = write_shipped(kimi, str(tmp_path / "int4"), s)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    hf["text_config"]["quantization_config"] = hf.pop("quantization_config")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    loaded, q = load_base(ModelSection(path=path, text_only=True), QuantConfig(format="shipped"))
+    assert q.modules == "experts" and q.serving == "compressed-tensors"
+    quantized = {"/".join(map(str, p)) for p, n in nnx.iter_graph(loaded.model)
+                 if isinstance(n, QTensor)}
+    assert quantized and all("/mlp/experts/" in p for p in quantized), quantized
+    ids = _ids(2, 7, seed=5)
+    ref = hf_logits(write_dequantized(kimi, path, str(tmp_path / "deq"), s), ids)
+    out = np.asarray(loaded.model(jnp.asarray(ids)))
+    assert np.abs(out - ref).max() <= TOL * np.abs(ref).max()
