@@ -102,9 +102,10 @@ def test_plan_config_runs_the_planner(name, capsys):
 
 
 # the 1T-class recipes on one node of 8 devices: (config, GB per device, the train step fits);
-# synchronous, the built-in engine holds no weights of its own: Kimi-K2 and DeepSeek-V3 fit 141 GB
-# (rlx/plan/README.md)
-NODE_PLANS = [("kimi_k2", 80, False), ("kimi_k2", 141, True), ("deepseek_v3_fp8", 80, False),
+# synchronous, the built-in engine holds no weights of its own: Kimi-K2 (and Kimi-K2.6's language
+# model) and DeepSeek-V3 fit 141 GB (rlx/plan/README.md)
+NODE_PLANS = [("kimi_k2", 80, False), ("kimi_k2", 141, True), ("kimi_k26", 80, False),
+              ("kimi_k26", 141, True), ("deepseek_v3_fp8", 80, False),
               ("deepseek_v3_fp8", 141, True), ("glm45_air", 80, True), ("gpt_oss_120b", 80, True)]
 
 
