@@ -26,6 +26,9 @@ _NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_
 _DTYPES = {v: k for k, v in _NAMES.items()}
 LINEAR = re.compile(r".*\.(self_attn|mlp|shared_experts?|experts\.\d+)\.[a-z_]+_proj(_with_mqa)?$")
 ROUTER = re.compile(r".*mlp\.gate$")
+# Kimi-K2-Thinking's / K2.5's compressed-tensors ignore list: only the routed experts are int4
+KIMI_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*")
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:

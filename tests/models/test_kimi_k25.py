@@ -23,8 +23,7 @@ from rlx.models.hf import param_map, read_hf_config, stored_param_map
 from rlx.models.loading import ModelSection
 from rlx.quant import QTensor, QuantConfig, load_base
 from tests.helpers.hf_zoo import hf_logits, load_hf_model, make_hf_model
-from tests.helpers.shipped import write_dequantized, write_shipped
-from tests.quant.test_shipped import SCHEMES
+from tests.helpers.shipped import KIMI_IGNORE, Scheme, write_dequantized, write_shipped
 
 TOL = 1e-4
 
@@ -123,7 +122,7 @@ def test_int4_experts_load_as_shipped(kimi, tmp_path):
     groups of 32; attention, dense and shared MLPs, lm_head and the vision tower float), its
     ``quantization_config`` in the text config. ``quant.format="shipped"`` keeps the experts as
     the file's int4 and gives transformers' logits on the dequantized float model (1e-4)."""
-    s = SCHEMES["int4-g32-kimi"]
+    s = Scheme("pack", bits=4, group=32, ignore=KIMI_IGNORE)
     path = write_shipped(kimi, str(tmp_path / "int4"), s)
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)

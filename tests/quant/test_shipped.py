@@ -33,12 +33,11 @@ from rlx.quant import QTensor, QuantConfig, QuantConfigError, QuantWeight, load_
 from rlx.quant.loading import load_quantizing, resolve_quant
 from rlx.quant.shipped import layout
 from tests.helpers.hf_zoo import hf_logits, make_hf_model
-from tests.helpers.shipped import (Scheme, _unpack, dequantized, read_folder, read_safetensors,
-                                   write_dequantized, write_safetensors, write_shipped)
+from tests.helpers.shipped import (KIMI_IGNORE, Scheme, _unpack, dequantized, read_folder,
+                                   read_safetensors, write_dequantized, write_safetensors,
+                                   write_shipped)
 from tests.helpers.quant import ids
 
-KIMI_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*")
 SCHEMES = {
     "fp8-block": Scheme("fp8_block", ignore=("lm_head",)),
     "fp8-block-bf16-scales-o-float": Scheme("fp8_block", scale_dtype="BF16",
