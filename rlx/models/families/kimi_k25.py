@@ -5,7 +5,9 @@ attention, sigmoid-routed experts). rlx loads and trains the language model alon
 ``config.json``'s ``text_config`` (a ``deepseek_v3`` / ``kimi_k2`` config, read by
 ``rlx.models.families.deepseek_v3``'s rules), its tensors are the causal LM's names under
 ``language_model.`` (``language_model.model.layers.0...``, ``language_model.lm_head.weight``, as
-Moonshot ships them and transformers 5 saves them), and the top-level ``tie_word_embeddings``
+Moonshot ships them and transformers reads them; transformers 5.25's ``save_pretrained`` writes
+the layers as ``language_model.model.blocks.N``, reversing its vision tower's rename on every
+name, which no release holds and rlx does not read), and the top-level ``tie_word_embeddings``
 decides the head, as for transformers' wrapper. The vision tower (``vision_tower.*``) and the
 projector (``mm_projector.*``) are refused unless the run asks for text-only RL
 (``config.model.text_only``), then skipped with a logged note. ``to_hf`` writes the language
@@ -24,8 +26,9 @@ TEXT_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 PRESETS = {
     # Kimi-K2's language model (61 layers, 384 experts, 64 MLA heads) with 262,144 positions
-    # (YaRN factor 64 over 4,096), MoonViT (27 layers of width 1152, 14-pixel patches merged 2x2)
-    # and its projector; the release stores the routed experts in compressed-tensors int4
+    # (YaRN factor 64 over 4,096), MoonViT (27 layers of width 1152, 14-pixel patches merged 2x2;
+    # the values of transformers' Kimi_K25VisionConfig, whose reference checkpoint this is) and
+    # its projector; the release stores the routed experts in compressed-tensors int4
     "moonshotai/Kimi-K2.6": {
         "architectures": ["Kimi_K25ForConditionalGeneration"], "model_type": "kimi_k25",
         "tie_word_embeddings": False, "projection_hidden_size": 1152,
