@@ -99,8 +99,8 @@ def language_model_config(hf: dict[str, Any], arch: str, spec: FamilySpec,
         raise ModelConfigError(
             f"config.json {vision[0]}: the vision tower of {arch} (tensors "
             f"{', '.join(w + '*' for w in mm.vision_weights)}) is not supported; rlx trains its "
-            "language model on text: set "
-            "config.model.text_only=True to load the language model and skip the vision tower")
+            "language model on text: set config.model.text_only=True to load the language model "
+            "and skip the vision tower")
     if vision:
         log.info("%s: text-only RL, skipping the vision tower (%s; tensors %s are not read)",
                  arch, ", ".join(vision), ", ".join(w + "*" for w in mm.vision_weights))
@@ -186,8 +186,9 @@ def _mla_from_hf(hf: dict[str, Any]) -> MLAConfig:
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """A transformers ``config.json`` dict for ``cfg`` (inverse of ``from_hf_config``; the language
-    model of a vision-language checkpoint as its causal-LM class): the fields every family has, then the family's own (``FamilySpec.extra_to_hf``), the latent attention's
-    and the sparse MLP's (``FamilySpec.moe_to_hf``)."""
+    model of a vision-language checkpoint as its causal-LM class): the fields every family has,
+    then the family's own (``FamilySpec.extra_to_hf``), the latent attention's and the sparse
+    MLP's (``FamilySpec.moe_to_hf``)."""
     arch = written_architecture(cfg)  # a vision-language model's language model: its own class
     spec = BY_ARCHITECTURE[arch]
     hf: dict[str, Any] = {
@@ -257,5 +258,4 @@ def _mla_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ACTIVATIONS", "ModelConfig", "ModelConfigError", "MoEConfig",
            "MLAConfig", "RopeConfig", "from_hf_config", "to_hf_config", "language_model_config",
-           "quantization_config",
-           "yarn_get_mscale"]
+           "quantization_config", "yarn_get_mscale"]

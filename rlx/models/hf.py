@@ -9,8 +9,8 @@ HF linears are ``[out, in]``; rlx kernels are ``[in, out]``, and MoE experts are
 transformers 5.x ``save_pretrained`` writes). A vision-language checkpoint stores its language
 model's tensors under a prefix (``Multimodal.weight_prefix``: Kimi-K2.5's ``language_model.``):
 readers ask ``stored_param_map``, writers ``param_map`` (rlx writes the language model alone).
-Besides the ``nnx.Param`` leaves, a router's
-``CorrectionBias`` (``mlp.gate.e_score_correction_bias``) is read and written like a parameter.
+Besides the ``nnx.Param`` leaves, a router's ``CorrectionBias``
+(``mlp.gate.e_score_correction_bias``) is read and written like a parameter.
 """
 
 from __future__ import annotations
