@@ -90,9 +90,8 @@ def main(argv: list[str]) -> int:
     bars = _Bars()
     try:
         req = ExportRequest(run=args.run, to=args.to, out=args.out, step=args.step,
-                            dtype=args.dtype, max_shard_bytes=args.max_shard_size,
-                            progress=not args.no_progress)
-        done = export_run(req, bars if req.progress else None)
+                            dtype=args.dtype, max_shard_bytes=args.max_shard_size)
+        done = export_run(req, None if args.no_progress else bars)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # each names its own fix
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -59,7 +59,6 @@ class ExportRequest:
     step: int | None = None  # None: the newest complete checkpoint
     dtype: str = "base"  # one of DTYPES: the float dtype of hf / merged / quantized
     max_shard_bytes: int = MAX_SHARD_BYTES  # a safetensors shard, at most (one tensor may be more)
-    progress: bool = True  # a progress bar on stderr
 
     def __post_init__(self):
         if self.to not in KINDS:
