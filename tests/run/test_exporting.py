@@ -34,7 +34,7 @@ from rlx.models.safetensors_io import SafetensorsFolder, save_sharded
 from rlx.rewards import RewardResult, register
 from rlx.run.build import build, load_policy
 from rlx.run.evaluation import restore_policy
-from rlx.run.exporting import KINDS, ExportRequest, check_applies, export_run
+from rlx.run.exporting import KINDS, ExportRequest, check_applies, export_run, find_checkpoint
 from tests.helpers import ROOT
 from tests.helpers.bad_files import write_tiny_gguf
 from tests.helpers.runs import config_dict
@@ -185,6 +185,19 @@ def test_bad_inputs_are_one_line_and_exit_2(trained, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("rlx.export: error:") and says in lines[0], \
             (args, proc.stderr[-2000:])
     assert not (tmp_path / "o").exists()
+
+
+def test_the_run_folder_its_checkpoints_or_one_step(trained):
+    run_dir, _, _ = trained
+    checkpoints = os.path.join(run_dir, "checkpoints")
+    assert find_checkpoint(run_dir, None) == (checkpoints, 2)
+    assert find_checkpoint(run_dir + "/./", 1) == (checkpoints, 1)
+    assert find_checkpoint(checkpoints, None) == (checkpoints, 2)
+    assert find_checkpoint(os.path.join(checkpoints, "1"), None) == (checkpoints, 1)
+    with pytest.raises(ConfigError, match="is step 1's folder, and --step 2 asks for another"):
+        find_checkpoint(os.path.join(checkpoints, "1"), 2)
+    with pytest.raises(ConfigError, match="no checkpoint in"):
+        find_checkpoint(os.path.dirname(run_dir), None)
 
 
 def test_an_export_the_run_cannot_give_is_refused():
