@@ -39,6 +39,7 @@ ALLOWED = {
     "rlx.launch": FOUNDATION | {"rlx.config", "rlx.commandline", "rlx.run", "rlx.io",
                                 "rlx.rollout"},
     "rlx.eval": FOUNDATION | {"rlx.config", "rlx.commandline", "rlx.run"},
+    "rlx.export": FOUNDATION | {"rlx.commandline", "rlx.run"},
     "rlx": {"rlx.run", "rlx.commandline"},  # rlx/__init__.py: build, load_config
 }
 TOP_LEVEL = {"__init__.py", "launch.py", "config.py", "commandline.py", "types.py", "mesh.py",

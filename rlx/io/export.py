@@ -21,14 +21,20 @@ removed). Four kinds:
 - ``export_base``: the frozen base in the layout SGLang loads as the same values (mapping in
   ``rlx.quant.serving``; a GGUF base is the GGUF file it was loaded from).
 - ``export_merged``: base dequantized + ``(alpha / r) B A`` merged, plain HF safetensors (float32 by
-  default) that any consumer loads.
+  default; ``python -m rlx.export`` writes the base's own dtype) that any consumer loads.
 - ``export_critic``: PPO's critic apart from the policy, for ``AutoModelForTokenClassification``
   with one label: its adapter + value head as a PEFT folder (LoRA mode) or its merged model with
   the head (full mode).
+
+The float exports stream: one rlx weight at a time is read (all-gathered where it is spread over
+processes), laid out under its HF names and handed to a ``ShardWriter``, which holds at most one
+safetensors shard (``MAX_SHARD_BYTES``); no host ever holds the whole model. ``rlx_export.json``
+records the writer's accounting (``shards``, ``bytes``, ``peak_held_bytes``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -44,14 +50,17 @@ from rlx.mesh import host_values
 from rlx.models.config import to_hf_config
 from rlx.models.decoder import Transformer
 from rlx.models.families import FAMILIES, family_of
-from rlx.models.hf import param_map, put_hf_layout
+from rlx.models.hf import ParamSource, param_map, put_hf_layout
 from rlx.models.moe import CorrectionBias
-from rlx.models.safetensors_io import save_sharded
+from rlx.models.safetensors_io import ShardWriter
 from rlx.models.stack import unrolled
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
 from rlx.quant.loading import node_at
 from rlx.quant.lora import LoRA
 from rlx.quant.serving import quantization_config, to_serving
+
+
+MAX_SHARD_BYTES = 2 << 30  # a safetensors shard of a float export, at most (one tensor may be more)
 
 
 def publish(path: str, version: str, kind: str, write: Callable[[str], dict | None]) -> str:
@@ -231,24 +240,67 @@ def _delta(model: Transformer, path: str) -> np.ndarray | None:
     return np.matmul(_np(lo.lora_a[...]), _np(lo.lora_b[...])) * np.float32(lo.scaling)
 
 
-def merged_tensors(model: Transformer, dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
+def completes(src: ParamSource) -> bool:
+    """Whether the weight ``src`` maps completes its HF tensors: not the first (even) half of a
+    fused, interleaved tensor, whose second (odd) half comes next in ``param_map``."""
+    return src.layout != "even"
+
+
+def _hf_named(model: Transformer, weights: Iterator[tuple[str, np.ndarray]]
+              ) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named tensors of ``(rlx path, value in rlx layout)`` pairs, in HF layout; the two halves
+    of a fused, interleaved tensor (gpt-oss ``gate_up_proj``, whose gate and up come one after
+    the other) come out once, whole."""
+    sources, pending = param_map(model.config), {}
+    for path, value in weights:
+        src = sources[path]
+        put_hf_layout(src, value, pending)
+        if completes(src):
+            yield from pending.items()
+            pending = {}
+
+
+def merged_tensors(model: Transformer, dtype=np.float32, progress: Callable[[int], None] | None = None
+                   ) -> Iterator[tuple[str, np.ndarray]]:
     """HF-named float tensors of base (dequantized) + merged adapters, one rlx weight at a time
-    (a host holds one weight's tensors at once, not the model)."""
+    (a host holds one weight's tensors at once, not the model); ``progress(1)`` once each weight's
+    tensors were taken."""
     model = unrolled(model)
-    for path, src in param_map(model.config).items():
-        node = node_at(model, path)
-        value = _value(node, np.float32)
-        delta = _delta(model, path)
-        if delta is not None:
-            value = value + delta
-        out: dict[str, np.ndarray] = {}
-        put_hf_layout(src, value.astype(_float_dtype(model, path, node, dtype), copy=False), out)
-        yield from out.items()
+
+    def weights():
+        for path in param_map(model.config):
+            node = node_at(model, path)
+            value = _value(node, np.float32)
+            delta = _delta(model, path)
+            if delta is not None:
+                value = value + delta
+            yield path, value.astype(_float_dtype(model, path, node, dtype), copy=False)
+            if progress is not None:
+                progress(1)
+
+    return _hf_named(model, weights())
 
 
 def merged_state_dict(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
     """HF-named float tensors of base (dequantized) + merged adapters."""
     return dict(merged_tensors(model, dtype))
+
+
+def weight_count(model: Transformer) -> int:
+    """How many rlx weights an export of ``model`` streams (its ``progress`` calls, one each)."""
+    return len(param_map(model.config))
+
+
+def write_shards(tensors: Iterator[tuple[str, np.ndarray]], path: str,
+                 max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+    """Stream ``tensors`` into safetensors shards in ``path`` (``ShardWriter``: at most one shard
+    held). Returns the writer's accounting, which ``publish`` records in ``rlx_export.json``."""
+    writer = ShardWriter(path, max_shard_bytes)
+    for name, array in tensors:
+        writer.add(name, array)
+    files = writer.close()
+    return {"shards": len(files), "bytes": writer.total_bytes, "peak_held_bytes": writer.peak_bytes,
+            "max_shard_bytes": max_shard_bytes}
 
 
 def write_config(tmp: str, model: Transformer, dtype, qc: dict | None = None) -> None:
@@ -261,36 +313,56 @@ def write_config(tmp: str, model: Transformer, dtype, qc: dict | None = None) ->
         json.dump(hf_cfg, f, indent=2)
 
 
-def export_merged(model: Transformer, path: str, version: str, dtype=np.float32) -> str:
-    """A plain HF folder with the adapters merged into the dequantized base."""
+def export_merged(model: Transformer, path: str, version: str, dtype=np.float32, *,
+                  tokenizer=None, progress: Callable[[int], None] | None = None,
+                  max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+    """A plain HF folder with the adapters merged into the dequantized base, written shard by
+    shard as the weights stream (``merged_tensors``, ``write_shards``), with ``tokenizer``'s files
+    when given; ``progress(1)`` per weight (``weight_count`` in all)."""
     def write(tmp: str) -> dict:
         write_config(tmp, model, dtype)
-        save_sharded(merged_state_dict(model, dtype), tmp)
-        return {"dtype": np.dtype(dtype).name}
+        shards = write_shards(merged_tensors(model, dtype, progress), tmp, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        return {"dtype": np.dtype(dtype).name, **shards}
 
     return publish(path, version, "merged", write)
 
 
-def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dict[str, np.ndarray]:
-    """HF-named tensors of the frozen base in ``q.serving``'s layout (adapters left out)."""
-    model, out = unrolled(model, nnx.Not(nnx.LoRAParam)), {}
+def base_tensors(model: Transformer, q: QuantConfig, dtype=np.float32,
+                 progress: Callable[[int], None] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named tensors of the frozen base in ``q.serving``'s layout (adapters left out), one rlx
+    weight at a time; ``progress(1)`` once each weight's tensors were taken."""
+    model, pending = unrolled(model, nnx.Not(nnx.LoRAParam)), {}
     for path, src in param_map(model.config).items():
         node = node_at(model, path)
         if isinstance(node, nnx.Variable) or q.serving_spec.dequantized or src.layout == "copy":
-            put_hf_layout(src, _value(node, _float_dtype(model, path, node, dtype)), out)
-            continue
-        leaves = {k: np.asarray(jax.device_get(v)) for k, v in node.leaves().items()}
-        if src.layout == "T":
-            out.update(to_serving(leaves, src.hf_names[0][: -len(".weight")], q))
+            put_hf_layout(src, _value(node, _float_dtype(model, path, node, dtype)), pending)
+            if completes(src):
+                yield from pending.items()
+                pending = {}
         else:
-            for e, name in enumerate(src.hf_names):
-                out.update(to_serving({k: v[e] for k, v in leaves.items()}, name[: -len(".weight")], q))
-    return out
+            leaves = {k: np.asarray(jax.device_get(v)) for k, v in node.leaves().items()}
+            if src.layout == "T":
+                yield from to_serving(leaves, src.hf_names[0][: -len(".weight")], q).items()
+            else:
+                for e, name in enumerate(src.hf_names):
+                    yield from to_serving({k: v[e] for k, v in leaves.items()},
+                                          name[: -len(".weight")], q).items()
+        if progress is not None:
+            progress(1)
+
+
+def base_state_dict(model: Transformer, q: QuantConfig, dtype=np.float32) -> dict[str, np.ndarray]:
+    """HF-named tensors of the frozen base in ``q.serving``'s layout (adapters left out)."""
+    return dict(base_tensors(model, q, dtype))
 
 
 def export_base(model: Transformer, q: QuantConfig, path: str, version: str, dtype=np.float32,
-                gguf_file: str | None = None) -> str:
-    """The frozen base as SGLang loads it (``q.serving``; see ``rlx.quant.serving``)."""
+                gguf_file: str | None = None, *, progress: Callable[[int], None] | None = None,
+                max_shard_bytes: int = MAX_SHARD_BYTES) -> str:
+    """The frozen base as SGLang loads it (``q.serving``; see ``rlx.quant.serving``), written
+    shard by shard as the weights stream (``base_tensors``, ``write_shards``)."""
     if q.serving_spec.source_file:
         if not gguf_file:
             raise QuantConfigError(f"serving={q.serving!r} exports the GGUF file the base was "
@@ -304,8 +376,8 @@ def export_base(model: Transformer, q: QuantConfig, path: str, version: str, dty
 
     def write(tmp: str) -> dict:
         write_config(tmp, model, dtype, quantization_config(q))
-        save_sharded(base_state_dict(model, q, dtype), tmp)
-        return {"serving": q.serving, "format": q.format}
+        shards = write_shards(base_tensors(model, q, dtype, progress), tmp, max_shard_bytes)
+        return {"serving": q.serving, "format": q.format, **shards}
 
     return publish(path, version, "base", write)
 
@@ -337,12 +409,13 @@ def export_critic(critic: Transformer, head: dict, path: str, version: str,
 
     def write(tmp: str) -> dict:
         write_config(tmp, critic, dtype)
-        tensors = merged_state_dict(critic, dtype)
-        save_sharded({**tensors, **{k: v.astype(dtype) for k, v in score.items()}}, tmp)
-        return {"dtype": np.dtype(dtype).name, "value_head": "score"}
+        head = ((k, v.astype(dtype)) for k, v in score.items())
+        shards = write_shards(itertools.chain(merged_tensors(critic, dtype), head), tmp)
+        return {"dtype": np.dtype(dtype).name, "value_head": "score", **shards}
 
     return publish(path, version, "critic", write)
 
 
-__all__ = ["publish", "read_version", "export_peft", "export_base", "export_merged", "export_critic",
-           "value_head_tensors", "peft_state", "merged_state_dict", "base_state_dict", "dense_adapters"]
+__all__ = ["MAX_SHARD_BYTES", "publish", "read_version", "export_peft", "export_base", "export_merged",
+           "export_critic", "value_head_tensors", "peft_state", "merged_tensors", "merged_state_dict",
+           "base_tensors", "base_state_dict", "dense_adapters", "weight_count", "write_shards"]

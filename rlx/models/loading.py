@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import os
+from collections import Counter
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -26,6 +28,7 @@ from rlx.platform.policy import PlatformPolicy
 
 FORMATS = ("auto", "hf", "gguf")  # config.model.format; "auto": by the path's extension
 SCAN_MODES = ("auto", "on", "off")  # config.model.scan_layers
+FLOAT_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # safetensors -> numpy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,26 @@ class ModelSection:
     @property
     def precision(self) -> Precision:
         return Precision.named(self.dtype, self.param_dtype, self.moe_impl)
+
+    def source_dtype(self) -> str:
+        """The float dtype the checkpoint itself stores ("float32", "bfloat16", "float16"): a HF
+        folder's ``config.json`` ``dtype`` / ``torch_dtype``, else its float tensors' most common
+        dtype; float32 for a GGUF file (its blocks dequantize to f32, as llama.cpp and
+        transformers read them); ``param_dtype`` for a random shrunken copy."""
+        if self.shrink.enabled:
+            return self.param_dtype
+        if self.is_gguf:
+            return "float32"
+        path = resolve_path(self.path)
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        named = hf.get("dtype") or hf.get("torch_dtype")
+        if named in FLOAT_NAMES.values():
+            return named
+        tensors = SafetensorsFolder(path)
+        kinds = Counter(tensors.dtype_name(n) for n in tensors)
+        floats = [k for k, _ in kinds.most_common() if k in FLOAT_NAMES]
+        return FLOAT_NAMES[floats[0]] if floats else "float32"
 
 
 def resolve_path(path: str, hub: bool = True) -> str:

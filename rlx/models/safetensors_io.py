@@ -4,7 +4,8 @@ The ``safetensors`` package's numpy backend cannot represent bf16 or fp8 tensors
 backend materialises whole tensors on the default device. Loading a large model shard by shard
 needs neither: we memory-map the file and view each tensor with the ``ml_dtypes`` dtype named in the
 (documented, JSON) header, so a loader can read just the slice a device owns.
-Writing goes through ``safetensors`` itself.
+Writing goes through ``safetensors`` itself, shard by shard as the tensors come (``ShardWriter``:
+an export holds one shard, never the model).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import os
 import struct
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -205,27 +206,70 @@ def _check_entry(file: str, name: str, info: Any, data_size: int) -> None:
         )
 
 
-def save_sharded(tensors: Mapping[str, np.ndarray], path: str, max_shard_bytes: int = 2 << 30) -> None:
-    """Write ``tensors`` as HF safetensors shards (+ index when more than one) into ``path``."""
-    shards: list[dict[str, np.ndarray]] = [{}]
-    used = 0
-    for name, arr in tensors.items():
-        if used and used + arr.nbytes > max_shard_bytes:
-            shards.append({})
-            used = 0
-        shards[-1][name] = arr
-        used += arr.nbytes
-    if len(shards) == 1:
-        _save_file(shards[0], os.path.join(path, "model.safetensors"))
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _save_file(shard, os.path.join(path, fname))
-        weight_map.update({k: fname for k in shard})
-    total = sum(a.nbytes for a in tensors.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+class ShardWriter:
+    """HF safetensors shards written as the tensors come (``add``, then ``close``): a shard is
+    written once the next tensor would take it past ``max_shard_bytes`` (a tensor larger than
+    that is a shard of its own), so the writer holds at most one shard's tensors at a time, never
+    the model. One shard: ``model.safetensors``; more: ``model-0000i-of-0000n.safetensors`` (each
+    written under a temporary name, renamed once their count is known) and
+    ``model.safetensors.index.json``. ``held_bytes`` is what it holds now, ``peak_bytes`` the most
+    it ever held."""
+
+    def __init__(self, path: str, max_shard_bytes: int = 2 << 30):
+        if max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes={max_shard_bytes} must be >= 1")
+        self.path, self.max_shard_bytes = path, max_shard_bytes
+        self.held_bytes = self.peak_bytes = self.total_bytes = 0
+        self._shard: dict[str, np.ndarray] = {}
+        self._files: list[tuple[str, list[str]]] = []  # (temporary file, its tensor names)
+        self._names: set[str] = set()
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        """Take tensor ``name`` (written with the shard it falls in; no name twice)."""
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} was already written to {self.path}")
+        if self._shard and self.held_bytes + array.nbytes > self.max_shard_bytes:
+            self._flush()
+        self._names.add(name)
+        self._shard[name] = array
+        self.held_bytes += array.nbytes
+        self.total_bytes += array.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def _flush(self) -> None:
+        file = os.path.join(self.path, f".shard-{len(self._files) + 1:05d}.safetensors.tmp")
+        _save_file(self._shard, file)
+        self._files.append((file, list(self._shard)))
+        self._shard, self.held_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Write the last shard, name the files, write the index (several shards); returns the
+        file names."""
+        if self._shard or not self._files:
+            self._flush()
+        n = len(self._files)
+        names = (["model.safetensors"] if n == 1 else
+                 [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)])
+        for (tmp, _), name in zip(self._files, names):
+            os.rename(tmp, os.path.join(self.path, name))
+        if n > 1:
+            weight_map = {t: name for (_, tensors), name in zip(self._files, names) for t in tensors}
+            with open(os.path.join(self.path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map},
+                          f, indent=2)
+        return names
+
+
+def save_sharded(tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]], path: str,
+                 max_shard_bytes: int = 2 << 30) -> ShardWriter:
+    """Write ``tensors`` (a mapping, or ``(name, array)`` pairs streamed one at a time) as HF
+    safetensors shards (+ index when more than one) into ``path`` (``ShardWriter``); returns the
+    closed writer (its byte accounting)."""
+    writer = ShardWriter(path, max_shard_bytes)
+    for name, array in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+        writer.add(name, array)
+    writer.close()
+    return writer
 
 
 def _save_file(shard: dict[str, np.ndarray], file: str) -> None:
