@@ -24,7 +24,7 @@ from rlx.config import RunConfig, parse_config, to_dict
 from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
 from rlx.data.pipeline import make_prompt_pipeline
-from rlx.data.sources import Example, get_source
+from rlx.data.sources import Example, FieldMap, get_source
 from rlx.envs.runner import EnvRunner, episode_tool_format, make_runner
 from rlx.errors import ConfigError
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
@@ -108,8 +108,9 @@ def prompt_format(cfg: RunConfig) -> PromptFormat:
 
 def prompt_data(cfg: RunConfig, tokenizer: Tokenizer, hosts: Hosts) -> grain.DatasetIterator:
     """This process's training prompts: ``data.prompts_per_step`` per step over its data shards."""
+    source = get_source(cfg.data.source, "train", **source_options(cfg))
     return hosts.prompt_data(lambda index, count, size: make_prompt_pipeline(
-        get_source(cfg.data.source, "train"), tokenizer, batch_size=size, seed=cfg.seed,
+        source, tokenizer, batch_size=size, seed=cfg.seed,
         shard_index=index, shard_count=count, max_prompt_tokens=cfg.data.max_prompt_tokens,
         prompt_format=prompt_format(cfg)), cfg.data.prompts_per_step)
 
@@ -118,7 +119,16 @@ def eval_examples(cfg: RunConfig) -> list[Example]:
     """``data.eval_size`` distinct held-out problems (none when it is 0)."""
     if not cfg.data.eval_size:
         return []
-    return distinct_examples(get_source(cfg.data.source, "eval"), cfg.data.eval_size)
+    return distinct_examples(get_source(cfg.data.source, "eval", **source_options(cfg)),
+                             cfg.data.eval_size)
+
+
+def source_options(cfg: RunConfig) -> dict[str, FieldMap]:
+    """``data.prompt_field`` / ``answer_field`` as the source's ``FieldMap`` (none when unset)."""
+    if not (cfg.data.prompt_field or cfg.data.answer_field):
+        return {}
+    return {"fields": FieldMap(prompt_field=cfg.data.prompt_field or "prompt",
+                               answer_field=cfg.data.answer_field or "answer")}
 
 
 def tool_format(cfg: RunConfig, tokenizer: Tokenizer | None) -> str:
