@@ -71,11 +71,19 @@ class DistributedSection:
                               f"multiple of num_processes={self.num_processes}")
 
 
+FIELD_SOURCES = ("hf", "jsonl", "parquet")  # source prefixes that read config.data.*_field
+
+
 @dataclasses.dataclass(frozen=True)
 class DataSection:
     """Prompts for training and the held-out set for evaluation."""
 
-    source: str = "arith:basic"  # a registered source (mmath:math500, arith:add2, jsonl:PATH, ...)
+    # a registered source (mmath:math500, arith:add2, jsonl:PATH, hf:NAME[:CONFIG][@SPLIT], ...)
+    source: str = "arith:basic"
+    # record fields of hf:, jsonl: and parquet: sources ("" = "prompt" / "answer"); an hf:
+    # source's other text and number fields reach the reward as extra fields
+    prompt_field: str = ""  # the field holding the question text
+    answer_field: str = ""  # the field holding the gold answer
     prompts_per_step: int = 8  # prompts per RL step (each sampled rollout.group_size times)
     max_prompt_tokens: int = 512  # longer prompts are skipped and counted
     system_prompt: str = ""  # system message put first ("" = the chat template's default)
@@ -88,6 +96,11 @@ class DataSection:
                               "eval_size >= 0")
         if "{prompt}" not in self.template:
             raise ConfigError(f"config.data.template={self.template!r} must contain {{prompt}}")
+        prefix = self.source.partition(":")[0]
+        if (self.prompt_field or self.answer_field) and prefix not in FIELD_SOURCES:
+            raise ConfigError(f"config.data.prompt_field / answer_field name record fields of "
+                              f"{', '.join(p + ':' for p in FIELD_SOURCES)} sources, not of "
+                              f"{self.source!r}: leave them empty")
 
 
 @dataclasses.dataclass(frozen=True)

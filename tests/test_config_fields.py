@@ -1,5 +1,5 @@
-"""Every field of the ``loss``, ``train`` and ``rollout`` sections (``rollout.sglang`` included)
-does something: set to another value, it changes what the run does, or the config is refused.
+"""Every field of the ``loss``, ``train``, ``rollout`` (``rollout.sglang`` included), ``env`` and
+``data`` sections does something: set to another value, it changes what the run does, or the config is refused.
 
 Each field has one row in ``EFFECTS``: a context (other fields it needs, e.g. ``norm_length`` acts
 only with its aggregation), the new value, and the observer that sees its effect. Observers run
@@ -17,6 +17,8 @@ rlx's own code on the tiny config:
 * ``engine``: the engine constructor ``rlx.run.engines`` picks and the built-in engine's layout.
 * ``sglang``: the servers ``SGLangPolicy`` would launch, whether it loads rlx's export, its client's
   settings.
+* ``data``: the run's first training batch (token ids, ground truth, prompts dropped as too long)
+  and its held-out problems, from ``rlx.run.build.prompt_data`` and ``eval_examples``.
 
 A new field without a row fails ``test_every_field_has_a_row``.
 """
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlx.config import EnvSection, RunConfig, TrainSection, parse_config
+from rlx.config import DataSection, EnvSection, RunConfig, TrainSection, parse_config
 from rlx.errors import ConfigError
 from rlx.learner.losses import LossConfig, policy_loss
 from rlx.mesh import make_mesh
@@ -52,6 +54,7 @@ from rlx.run.hosts import Hosts
 from rlx.run.lifecycle import open_checkpointer
 from rlx.run.loop import NonFiniteError, Run
 from rlx.types import LogProbs, Rollout, SamplingParams, StepMetrics
+from tests.helpers import ROOT
 from tests.helpers.runs import config_dict
 
 BASE = {"train.steps": 3, "data.eval_size": 2, "train.checkpoint_every": 1,
@@ -60,6 +63,11 @@ SGLANG = {"rollout.engine": "sglang", "rollout.sglang.python": sys.executable}
 FULL = {"train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.0}
 DPO = {"train.algorithm": "dpo", "data.source": "arith_pairs:add2"}
 TOOLS = {"env.kind": "tools"}
+# records with two question/answer field pairs: prompt/answer and question/solution
+# tiny's add2 prompts are 53 or 54 tokens long (template, chat markup and the two numbers): 53
+# drops the longer ones
+MAX_PROMPT_TOKENS = 53
+FIELDS_FILE = {"data.source": "jsonl:" + os.path.join(ROOT, "tests", "data", "fields.jsonl")}
 # the training rollouts' sampling beside the config (Run.sampling_overrides): every completion
 # max_new_tokens long
 FIXED_LENGTH = {"ignore_eos": True, "stop_token_ids": ()}
@@ -149,9 +157,18 @@ EFFECTS = {
     # tiny's SmolLM2 template shows no family syntax (auto: hermes); the policy's <tool_call>
     # blocks are no calls in Llama's JSON format
     "env.tool_format": ("env", "llama3_json", TOOLS),
+    "data.source": ("data", "arith:mul", {}),
+    "data.prompt_field": ("data", "question", FIELDS_FILE),
+    "data.answer_field": ("data", "solution", FIELDS_FILE),
+    "data.prompts_per_step": ("data", 4, {}),
+    "data.max_prompt_tokens": ("data", MAX_PROMPT_TOKENS, {}),
+    "data.system_prompt": ("data", "Answer briefly.", {}),
+    "data.template": ("data", "Q: {prompt}", {}),
+    "data.eval_size": ("data", 1, {}),
 }
 SECTIONS = {"loss": LossConfig, "train": TrainSection, "rollout": RolloutSection,
-            "rollout.sglang": SGLangSection, "rollout.jax": JaxSection, "env": EnvSection}
+            "rollout.sglang": SGLangSection, "rollout.jax": JaxSection, "env": EnvSection,
+            "data": DataSection}
 
 
 def _config(tmp_path, context: dict, **change) -> RunConfig:
@@ -335,7 +352,19 @@ def _env(cfg: RunConfig) -> tuple:
     return tuple((len(r.prompt_ids), r.completion_ids.tolist(), r.reward) for r in rollouts)
 
 
-OBSERVERS = {"env": _env, "loop": _loop, "learner": _learner, "loss": _loss, "engine": _engine, "sglang": _sglang}
+def _data(cfg: RunConfig) -> tuple:
+    """The first training batch (token ids, ground truth, prompts dropped as too long) and the
+    held-out problems (prompt, ground truth)."""
+    _, _, tokenizer = _policy(_shape_of(cfg))
+    batches = prompt_data(cfg, tokenizer, Hosts())
+    batch = next(batches)
+    train = tuple((p.token_ids, tuple(e.reward_sample().items()))
+                  for p, e in zip(batch.prompts, batch.examples))
+    held = tuple((e.prompt, tuple(e.reward_sample().items())) for e in eval_examples(cfg))
+    return train, batches.stats.filtered_too_long, held
+
+
+OBSERVERS = {"data": _data, "env": _env, "loop": _loop, "learner": _learner, "loss": _loss, "engine": _engine, "sglang": _sglang}
 
 
 def test_every_field_has_a_row():

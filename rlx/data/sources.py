@@ -19,6 +19,7 @@ a `uid_field` the uid is `"<source name>:<first 16 hex digits of the content has
 may be reordered without changing its uids, and a prompt repeated in the file is refused as a
 duplicate uid.
 
+Hugging Face `datasets` sources ("hf:NAME[:CONFIG][@SPLIT]") live in `rlx.data.hub`.
 Bundled sources (`rlx.data.bundled`, `rlx.data.arith`) are registered by prefix and loaded
 only when asked for: `get_source("mmath:math500", "eval")`.
 """
@@ -338,6 +339,7 @@ _BUILTIN: dict[str, str] = {
     "pairs": "rlx.data.pairs:pairs_source",
     "jsonl": "rlx.data.sources:_file_source",
     "parquet": "rlx.data.sources:_file_source",
+    "hf": "rlx.data.hub:hf_source",  # Hugging Face `datasets` (rlx.data.hub)
 }
 _REGISTRY: dict[str, SourceFactory] = {}
 
@@ -359,7 +361,7 @@ def available_sources() -> list[str]:
 
 def get_source(spec: str, split: str = "train", **options: Any) -> Source:
     """The `split` of the source named `spec`, e.g. "mmath:math500", "humaneval",
-    "bfcl:simple_python", "arith:basic", "jsonl:/data/x.jsonl" (options such as `fields=`,
+    "bfcl:simple_python", "arith:basic", "jsonl:/data/x.jsonl", "hf:openai/gsm8k:main" (options such as `fields=`,
     `eval_fraction=`, `seed=`, `size=` go to the source)."""
     prefix, _, argument = spec.partition(":")
     factory = _REGISTRY.get(prefix)

@@ -10,6 +10,7 @@ the devices and the model's architecture (``rlx.run.checks``) before any weight 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -23,8 +24,9 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig, parse_config, to_dict
 from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
+from rlx.data.overlap import count_overlap
 from rlx.data.pipeline import make_prompt_pipeline
-from rlx.data.sources import Example, get_source
+from rlx.data.sources import Example, FieldMap, ListSource, get_source
 from rlx.envs.runner import EnvRunner, episode_tool_format, make_runner
 from rlx.errors import ConfigError
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
@@ -55,6 +57,8 @@ from rlx.run.lifecycle import checkpoint_dir, open_checkpointer, restore
 from rlx.run.loop import Run
 from rlx.run.multihost import initialize_from
 from rlx.types import RolloutEngine
+
+log = logging.getLogger(__name__)
 
 
 def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: bool = True,
@@ -95,7 +99,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
     reward = make_reward(cfg, tokenizer)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
-               data=data, eval_set=eval_examples(cfg), prompt_format=prompt_format(cfg),
+               data=data, eval_set=checked_eval_examples(cfg), prompt_format=prompt_format(cfg),
                reward=reward, logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
                resumed_in_flight=in_flight, sampling_overrides=sampling_overrides,
@@ -109,8 +113,9 @@ def prompt_format(cfg: RunConfig) -> PromptFormat:
 
 def prompt_data(cfg: RunConfig, tokenizer: Tokenizer, hosts: Hosts) -> grain.DatasetIterator:
     """This process's training prompts: ``data.prompts_per_step`` per step over its data shards."""
+    source = get_source(cfg.data.source, "train", **source_options(cfg))
     return hosts.prompt_data(lambda index, count, size: make_prompt_pipeline(
-        get_source(cfg.data.source, "train"), tokenizer, batch_size=size, seed=cfg.seed,
+        source, tokenizer, batch_size=size, seed=cfg.seed,
         shard_index=index, shard_count=count, max_prompt_tokens=cfg.data.max_prompt_tokens,
         prompt_format=prompt_format(cfg)), cfg.data.prompts_per_step)
 
@@ -119,7 +124,29 @@ def eval_examples(cfg: RunConfig) -> list[Example]:
     """``data.eval_size`` distinct held-out problems (none when it is 0)."""
     if not cfg.data.eval_size:
         return []
-    return distinct_examples(get_source(cfg.data.source, "eval"), cfg.data.eval_size)
+    return distinct_examples(get_source(cfg.data.source, "eval", **source_options(cfg)),
+                             cfg.data.eval_size)
+
+
+def checked_eval_examples(cfg: RunConfig) -> list[Example]:
+    """``eval_examples``, after logging how many training problems share a normalised prompt with
+    one of them (in-memory training sources; a generated one is not read through)."""
+    held = eval_examples(cfg)
+    if held:
+        train = get_source(cfg.data.source, "train", **source_options(cfg))
+        if isinstance(train, ListSource):
+            overlap = count_overlap(train, held)
+            (log.warning if overlap.count else log.info)(
+                "contamination: %s", overlap.describe(cfg.data.source, "the evaluation set"))
+    return held
+
+
+def source_options(cfg: RunConfig) -> dict[str, FieldMap]:
+    """``data.prompt_field`` / ``answer_field`` as the source's ``FieldMap`` (none when unset)."""
+    if not (cfg.data.prompt_field or cfg.data.answer_field):
+        return {}
+    return {"fields": FieldMap(prompt_field=cfg.data.prompt_field or "prompt",
+                               answer_field=cfg.data.answer_field or "answer")}
 
 
 def tool_format(cfg: RunConfig, tokenizer: Tokenizer | None) -> str:
