@@ -46,6 +46,8 @@ KINDS = {  # --to: one line each (``python -m rlx.export --help`` lists them)
                  "(LoRA runs)",
     "gguf-lora": "the adapter as a llama.cpp GGUF LoRA file for its GGUF base (LoRA runs)",
 }
+MERGED = ("hf", "merged")  # the kinds that write the merged policy
+STREAMED = (*MERGED, "quantized")  # the kinds that stream float weights (a progress bar)
 DTYPES = ("base", "float32", "bfloat16", "float16")  # "base": the base checkpoint's own
 
 
@@ -163,10 +165,9 @@ def export_run(req: ExportRequest, progress: Callable[[int], Callable[[int], Non
         raise ConfigError(str(e)) from e
     model, version = policy.model(), str(step)
     dtype = float_dtype(cfg, req.dtype)
-    tick = progress(weight_count(model)) if progress is not None and req.to in (
-        "hf", "merged", "quantized") else None
+    tick = progress(weight_count(model)) if progress is not None and req.to in STREAMED else None
     floats = dict(progress=tick, max_shard_bytes=req.max_shard_bytes)
-    if req.to in ("hf", "merged"):
+    if req.to in MERGED:
         path = export_merged(model, req.out, version, dtype, tokenizer=tokenizer, **floats)
     elif req.to == "peft":
         path = export_peft(model, cfg.lora, req.out, version, base_model_name_or_path=cfg.model.path)

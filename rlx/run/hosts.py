@@ -64,10 +64,10 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig
 from rlx.data.pipeline import PromptBatch
 from rlx.errors import ConfigError
-from rlx.io.export import merged_tensors
 from rlx.learner.batching import shard_batch
 from rlx.learner.step import Compiled
 from rlx.mesh import MeshShape, make_mesh
+from rlx.rollout.sglang.policy import stream_weights
 from rlx.run import multihost
 from rlx.types import Prompt, Rollout, RolloutEngine, TrainBatch
 
@@ -199,19 +199,14 @@ class Hosts:
 
     def push_weights(self, engine: RolloutEngine | None, compiled: Compiled, version: int) -> None:
         """SGLang full mode in memory (``streams``): every process reads the model's weights one
-        at a time, each all-gathered (``rlx.io.export.merged_tensors``, a collective per
-        weight), and process 0's policy sends them in buckets (``SGLangPolicy.send_tensors``).
-        No host holds the model. An error on process 0 is raised on every process once all of
-        them have read every weight."""
-        tensors = merged_tensors(compiled.model(), engine.dtype if engine is not None else np.float32)
+        at a time, each all-gathered, and process 0's policy sends them in buckets
+        (``rlx.rollout.sglang.policy.stream_weights``). No host holds the model. An error on
+        process 0 is raised on every process once all of them have read every weight."""
         error = None
-        if engine is not None:
-            try:
-                engine.send_tensors(tensors, version)
-            except Exception as e:  # noqa: BLE001 - shared below, then raised
-                error = e
-        for _ in tensors:  # the weights process 0 did not take (all of them elsewhere)
-            pass
+        try:
+            stream_weights(engine, compiled.model(), version)
+        except Exception as e:  # noqa: BLE001 - shared below, then raised
+            error = e
         shared = multihost.broadcast_object(None if error is None
                                             else f"{type(error).__name__}: {error}")
         if error is not None:

@@ -280,6 +280,21 @@ class SGLangPolicy:
                 list(pool.map(lambda server: server.stop(), self.servers))  # in parallel
 
 
+def stream_weights(policy: SGLangPolicy | None, model, version: int) -> None:
+    """Full mode in memory with several processes; every process calls it, in the same order:
+    each reads ``model``'s merged weights one at a time (``rlx.io.export.merged_tensors``: an
+    all-gather per weight), process 0 (``policy`` not None) sends them as policy ``version``.
+    The weights process 0 did not take after an error are still read, then the error raised."""
+    dtype = policy.dtype if policy is not None else np.float32
+    tensors = merged_tensors(model, dtype)
+    try:
+        if policy is not None:
+            policy.send_tensors(tensors, version)
+    finally:
+        for _ in tensors:  # every weight on the other processes
+            pass
+
+
 def _adapters_only(model):
     """``model`` with every variable but its adapters abstract (shapes only): what a LoRA export
     reads, without the host copy of the base."""
@@ -295,4 +310,4 @@ def _bfloat16():
 
 
 __all__ = ["SGLangPolicy", "check_servable", "client_options", "launch_specs", "loads_export",
-           "lora_server_args", "server_args", "weight_sync"]
+           "lora_server_args", "server_args", "stream_weights", "weight_sync"]
