@@ -2,9 +2,8 @@
 [--mesh data=1,fsdp=8] [--hbm-gb 192 --devices 8] [--mode full|lora] [--compiled]``.
 
 Prints bytes per device for the frozen base, trainable params, gradients, AdamW state, full
-mode's frozen reference copy of the params (``loss.kl_coef > 0`` or DPO), PPO's critic and its
-AdamW state (``critic.enabled``), activations (with the remat choice), log-prob chunks, the batch,
-the built-in engine's own weights (it shares the frozen base) and KV cache, and
+mode's frozen reference copy of the params (``loss.kl_coef > 0`` or DPO), PPO's critic and its AdamW state (``critic.enabled``), activations (with the remat choice), log-prob
+chunks, the batch, the built-in engine's own weights (it shares the frozen base) and KV cache, and
 the load transient; whether the peaks of the train step, of sampling and of loading fit the
 device memory; and, when they do not, which knob to turn (remat, micro-batches, chunk size,
 rollout shape) or how many nodes of ``--devices`` devices the run needs (FSDP over more devices).
