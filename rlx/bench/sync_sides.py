@@ -212,6 +212,7 @@ def sglang_memory_sync(url: str, model: str, probe: list[int], bucket_mb: float 
     versions, last = itertools.count(first_version), [None]
     staging, engine = SharedStaging(), SGLangEngine([url])
     limit = int(bucket_mb * 2**20)
+    nbytes = sum(x.nbytes for _, x in merged_tensors(m))  # the same every update
 
     def run() -> dict:
         v = next(versions)
@@ -224,6 +225,6 @@ def sglang_memory_sync(url: str, model: str, probe: list[int], bucket_mb: float 
         change = _changed(last[0], logp, "SGLang memory")
         last[0] = logp
         return {"seconds": t2 - t0, "load_s": t1 - t0, "first_request_s": t2 - t1,
-                "bytes": sum(x.nbytes for _, x in merged_tensors(m)), "logp_change": change}
+                "bytes": nbytes, "logp_change": change}
 
     return run

@@ -16,7 +16,8 @@ After every update (``update_weights(model, version)``) mode "lora" exports the 
 ``serving/adapter-<version>``, hot-loads it as ``policy-<version>`` and unloads (and deletes) the
 previous one; mode "full" sends every weight in memory, in buckets through shared memory
 (``rollout.sglang.weight_sync="memory"``, ``rlx.rollout.sglang.tensors``), or re-exports
-``serving/policy`` and reloads it with ``/update_weights_from_disk`` (``"disk"``). ``SGLangEngine`` checks the ``weight_version`` of every response.
+``serving/policy`` and reloads it with ``/update_weights_from_disk`` (``"disk"``).
+``SGLangEngine`` checks the ``weight_version`` of every response.
 ``close()`` stops the servers this object launched (their whole process groups); launched
 from the main thread they also die with the rlx process if it is killed (``rlx.rollout.sglang.server``).
 A server that dies, hangs or serves other weights mid-run is handled by ``SGLangEngine``
@@ -156,8 +157,8 @@ class SGLangPolicy:
         self.engine: SGLangEngine | None = None
         self._adapter_dir: str | None = None
         # full mode: weight updates in memory through shared memory (rlx.rollout.sglang.tensors)
-        self.sync, self.bucket_bytes = weight_sync(serving)
-        self.staging = SharedStaging() if self.sync == "memory" else None
+        sync, self.bucket_bytes = weight_sync(serving)
+        self.staging = SharedStaging() if sync == "memory" else None
         try:
             self._start(model)
         except BaseException:
