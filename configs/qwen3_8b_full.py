@@ -16,7 +16,8 @@ keeps a copy of the parameters, split over the 16 devices as the learner's: ``rl
 sampling_rules``.) With ``rollout.engine = "sglang"`` (``distributed.rollouts = "primary"``)
 process 0 drives the servers and every host streams the weights to them in memory after each
 update, one gathered weight at a time.
-There is no KL term: full mode keeps no reference copy of the weights.
+There is no KL term (``loss.kl_coef = 0``): with one, full mode keeps a frozen reference copy
+of the initial parameters, sharded as the policy's (``TrainState.ref``; the planner counts it).
 
 ``model.path`` is the Hub id (each host fetches it into its Hugging Face cache; a local folder
 of that name wins); its architecture is also in ``rlx.models.presets``.

@@ -109,7 +109,8 @@ class TrainSection:
 
     mode: str = "lora"  # "lora": frozen base + adapter | "full": every parameter (rlx.learner.state.MODES)
     # rlx.learner.preference.ALGORITHMS: "rl" (sample, score, advantages, policy loss) | "dpo"
-    # (preference pairs from data.source, loss.dpo_*; the reference is the adapter switched off)
+    # (preference pairs from data.source, loss.dpo_*; the reference is the adapter switched off,
+    # or in mode "full" a frozen copy of the initial parameters, sharded as the policy's)
     algorithm: str = "rl"
     steps: int = 100  # RL steps (generate -> score -> update)
     # an estimator of rlx.learner.advantages.ESTIMATORS (grpo, dr_grpo, rloo, reinforce_pp) or
@@ -282,11 +283,6 @@ class RunConfig:
             raise ConfigError(f"config.train.mode='full' trains every parameter, but config.quant."
                               f"format={self.quant.format!r} freezes a quantized base; use "
                               "train.mode='lora' or quant.format='none'")
-        if self.train.mode == "full" and self.loss.kl_coef > 0:
-            raise ConfigError(f"config.loss.kl_coef={self.loss.kl_coef} in train.mode='full' needs a "
-                              "reference copy of the weights, which rlx does not keep; use "
-                              "train.mode='lora' (the reference is the base with the adapter off) "
-                              "or loss.kl_coef=0")
         self._check_critic()
         if self.rollout.partial and not self.train.max_staleness:
             raise ConfigError("config.rollout.partial=True continues generations across weight "
@@ -308,11 +304,9 @@ class RunConfig:
                               f"{self.train.tokens_per_micro_batch}: DPO's micro-batches hold "
                               "whole pairs (a chosen and a rejected row each), counted by "
                               "train.micro_batches; set tokens_per_micro_batch=0")
-        if self.train.algorithm == "dpo" and (self.train.mode != "lora" or self.critic.enabled):
-            raise ConfigError(f"config.train.algorithm='dpo' needs train.mode='lora' (its "
-                              "reference is the base with the adapter switched off) and no "
-                              f"critic; got train.mode={self.train.mode!r}, critic.enabled="
-                              f"{self.critic.enabled}")
+        if self.train.algorithm == "dpo" and self.critic.enabled:
+            raise ConfigError("config.train.algorithm='dpo' trains no critic; set "
+                              "critic.enabled=False")
         try:
             self.step_config  # noqa: B018 (the learner step's own checks of these settings)
         except ValueError as e:

@@ -6,7 +6,8 @@ as a composite of three items:
 * ``state`` - ``TrainState`` without its frozen part: ``step``, ``skipped``, ``params`` (the
   trainable variables), ``opt_state``, the rng (as raw key data; the impl name is in ``meta``)
   and, with PPO's critic, ``critic`` (its trainable variables: an adapter or a whole model, and the
-  value head; and their optimizer state);
+  value head; and their optimizer state) and, in full mode with a KL term or DPO, ``ref`` (the
+  frozen reference: the initial parameters);
 * ``meta`` - JSON: a ``Fingerprint`` of what was saved (every leaf's path, shape and dtype, the
   model architecture, the frozen-base reference), the run config, a 64-bit checksum per saved
   array computed on device (a flipped byte in an array file otherwise loads silently) and,
@@ -116,6 +117,8 @@ def _saved_tree(state: TrainState) -> dict[str, Any]:
     (``rlx.models.stack.per_layer_tree``: the files do not depend on ``model.scan_layers``)."""
     tree = {"step": state.step, "skipped": state.skipped, "params": per_layer_tree(state.params),
             "opt_state": per_layer_tree(state.opt_state), "rng": jax.random.key_data(state.rng)}
+    if state.ref is not None:  # full mode's frozen reference (the initial params)
+        tree["ref"] = per_layer_tree(state.ref)
     if state.critic is not None:  # its adapter or model and value head; never the base
         tree["critic"] = {"params": per_layer_tree(state.critic.params),
                           "opt_state": per_layer_tree(state.critic.opt_state)}
@@ -369,6 +372,8 @@ class Checkpointer:
         restored = state.replace(step=tree["step"], skipped=tree["skipped"],
                                  params=stacked_tree(tree["params"], state.params),
                                  opt_state=stacked_tree(tree["opt_state"], state.opt_state), rng=rng)
+        if "ref" in tree:
+            restored = restored.replace(ref=stacked_tree(tree["ref"], state.ref))
         if "critic" in tree:
             restored = restored.replace(critic=state.critic.replace(**{
                 k: stacked_tree(v, getattr(state.critic, k)) for k, v in tree["critic"].items()}))

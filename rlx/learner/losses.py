@@ -91,7 +91,9 @@ class LossConfig:
     clip_ratio_c: float | None = None
     aggregation: str | None = None  # one of AGGREGATIONS; None: DEFAULT_AGGREGATION[policy_loss]
     norm_length: int | None = None  # constant of "seq-mean-token-sum-norm"; None: the padded T
-    kl_coef: float = 0.0  # weight of KL(pi || pi_ref); 0 turns it off
+    # weight of KL(pi || pi_ref); 0 turns it off. pi_ref: LoRA mode the base with the adapter
+    # off; full mode a frozen copy of the initial parameters (one more copy in memory)
+    kl_coef: float = 0.0
     kl_estimator: str = "k3"  # one of KL_ESTIMATORS
     kl_as: str = "loss"  # one of KL_AS
     entropy_coef: float = 0.0  # weight of the entropy bonus (subtracted from the loss)

@@ -10,8 +10,9 @@ chosen and rejected together), each scaled by its share of the pairs, so the sum
 whole batch's loss. A non-finite loss or gradient norm skips the update, as in the RL step.
 
 The reference is the policy's frozen base with its LoRA adapter switched off (LoRA mode): no
-second model in memory, as TRL does for a fresh PEFT adapter. Departures from the paper: none in
-the loss; the pairs are tokenized by the chat template (``rlx.data.pairs``).
+second model in memory, as TRL does for a fresh PEFT adapter; in full mode a frozen copy of the
+initial parameters (``TrainState.ref``, passed through the update unchanged). Departures from
+the paper: none in the loss; the pairs are tokenized by the chat template (``rlx.data.pairs``).
 """
 
 from __future__ import annotations

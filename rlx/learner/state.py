@@ -112,6 +112,9 @@ class TrainState:
     opt_state: Any  # optax state of `params`
     rng: Key[Array, ""]
     critic: CriticState | None = None  # PPO with a learned critic; None without
+    # full mode with a KL term or DPO: the initial `params`, frozen (never differentiated, never
+    # updated), sharded as `params` are; None otherwise (LoRA mode's reference is the adapter off)
+    ref: nnx.State | None = None
 
 
 def state_shardings(
@@ -124,7 +127,8 @@ def state_shardings(
     opt = _optimizer_shardings(optimizer, state.opt_state, params, mesh)
     return TrainState(step=replicated, skipped=replicated, params=params,
                       frozen=variable_shardings(state.frozen, mesh, rules), opt_state=opt,
-                      rng=replicated, critic=_critic_shardings(state.critic, mesh, rules))
+                      rng=replicated, critic=_critic_shardings(state.critic, mesh, rules),
+                      ref=None if state.ref is None else params)
 
 
 def _optimizer_shardings(optimizer, opt_state, params, mesh: Mesh):
@@ -176,6 +180,15 @@ def create_train_state(
     init = jax.jit(lambda p: _fresh_state(p, None, optimizer, seed),
                    out_shardings=shardings.replace(frozen=None))
     return graphdef, init(params).replace(frozen=frozen)
+
+
+def with_reference(state: TrainState, optimizer: optax.GradientTransformation, mesh: Mesh,
+                   rules: LogicalRules = TRAIN_RULES) -> TrainState:
+    """``state`` holding a frozen copy of its current ``params`` as ``ref`` (full mode's reference
+    policy for the KL term and DPO), placed on the shardings of ``params``."""
+    shardings = state_shardings(state.replace(ref=state.params), optimizer, mesh, rules)
+    copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings.ref)
+    return state.replace(ref=copy(state.params))
 
 
 def _fresh_state(params, frozen, optimizer, seed) -> TrainState:

@@ -20,8 +20,8 @@ Log-prob alignment follows `rlx.types`: position t of the output is log p(input_
 first token of each sequence has no prediction and gets 0 (and no loss).
 
 `make_logprob_step` computes old or reference log-probs with the same code. The reference of mode
-B (adapter off, same weights) is a different `apply_fn`; a separate reference model in full mode is a
-different `params` argument.
+B (adapter off, same weights) is a different `apply_fn`; full mode's reference (the frozen copy of
+the initial parameters, `TrainState.ref`) is a different `params` argument.
 """
 
 from __future__ import annotations
@@ -460,6 +460,12 @@ class Compiled:
     critic_step: Callable[..., tuple[TrainState, Any]] | None = None
     # the longest sequence the model was built for (``ModelConfig.position_limit``); None: unknown
     max_positions: int | None = None
+
+    def reference_logprobs(self, batch: TrainBatch) -> LogProbs:
+        """The reference policy's log-probs of ``batch`` (``ref_step``): full mode's frozen copy
+        of the initial parameters (``state.ref``), or LoRA mode's base with the adapter off."""
+        state = self.state
+        return self.ref_step(state.params if state.ref is None else state.ref, state.frozen, batch)
 
     def model(self) -> nnx.Module:
         """The current policy as a module (parameters and frozen base merged)."""

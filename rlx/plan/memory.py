@@ -1,6 +1,7 @@
 """Per-device memory of a ``PlanSpec``: exact state sizes, an analytic step model, and XLA's own.
 
-* ``state_bytes``: frozen base, trainable params and AdamW moments per device, from the abstract
+* ``state_bytes``: frozen base, trainable params and AdamW moments (and full mode's frozen
+  reference copy of the params) per device, from the abstract
   model's shapes and its variables' logical axes under ``TRAIN_RULES`` (exact; any size), and
   PPO's critic with its AdamW moments when the spec has one. Also the built-in engine's weights:
   it samples from the learner's own frozen arrays (``rlx.rollout.jax.engine``, ``shared``), and
@@ -142,6 +143,8 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     return {"frozen": total[False], "trainable": total[True],
             "optimizer": 2 * total[True],  # AdamW: mu and nu in the parameter dtype
             "critic": critic, "critic_optimizer": 2 * critic, "engine": engine,
+            # full mode's frozen reference policy: one more copy of the params, as they are placed
+            "reference": total[True] if spec.reference and spec.mode == "full" else 0,
             "load_tensor": load_tensor_bytes(spec)}
 
 

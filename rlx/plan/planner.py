@@ -1,9 +1,10 @@
 """Memory planner: ``python -m rlx.plan --config configs/X.py[:VARIANT] [--config.FIELD=VALUE ...]
 [--mesh data=1,fsdp=8] [--hbm-gb 192 --devices 8] [--mode full|lora] [--compiled]``.
 
-Prints bytes per device for the frozen base, trainable params, gradients, AdamW state, PPO's
-critic and its AdamW state (``critic.enabled``), activations (with the remat choice), log-prob
-chunks, the batch, the built-in engine's own weights (it shares the frozen base) and KV cache, and
+Prints bytes per device for the frozen base, trainable params, gradients, AdamW state, full
+mode's frozen reference copy of the params (``loss.kl_coef > 0`` or DPO), PPO's critic and its
+AdamW state (``critic.enabled``), activations (with the remat choice), log-prob chunks, the batch,
+the built-in engine's own weights (it shares the frozen base) and KV cache, and
 the load transient; whether the peaks of the train step, of sampling and of loading fit the
 device memory; and, when they do not, which knob to turn (remat, micro-batches, chunk size,
 rollout shape) or how many nodes of ``--devices`` devices the run needs (FSDP over more devices).
@@ -50,15 +51,18 @@ RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmen
 # the built-in engine's own weights ("engine": an asynchronous run's copy of the trainable
 # variables; it shares the frozen base, and a synchronous run's trainable variables too)
 # live through the whole run: one-step-off sampling reads them while the learner updates
-TRAIN_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "engine", "grads",
+TRAIN_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic",
+              "critic_optimizer", "engine", "grads",
               "activations", "logprob_chunks", "batch")
-SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "engine",
+SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic",
+               "critic_optimizer", "engine",
                "kv_cache", "decode_temp")
 # building the run: the base streamed in tensor by tensor, adapters attached, one tensor in flight
 LOAD_KEYS = ("frozen", "trainable", "load_tensor")
 # a weight sync: the engine places its new copy (resharded on the devices) before it lets the
 # old one go, between generate calls and after the update (no step transient alive)
-SYNC_KEYS = ("frozen", "trainable", "optimizer", "critic", "critic_optimizer", "engine",
+SYNC_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic",
+             "critic_optimizer", "engine",
              "engine_sync")
 
 
@@ -152,7 +156,7 @@ def format_plan(p: Plan, compiled: dict[str, int] | None = None, devices_per_nod
              f"micro_batches={s.micro_batches}",
              "per device (GB)"]
     for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS + LOAD_KEYS + SYNC_KEYS):
-        if key.startswith("critic") and not s.critic:
+        if key.startswith("critic") and not s.critic or key == "reference" and not p.bytes[key]:
             continue
         lines.append(f"  {key:15s} {p.bytes[key] / GB:10.3f}")
     lines.append(f"  {'train peak':15s} {p.train_peak / GB:10.3f}")
@@ -280,6 +284,7 @@ def spec_from_config(cfg: Any) -> PlanSpec:
     for key in ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "scan_layers"):
         extra.setdefault(key, getattr(run.model, key))
     extra.setdefault("critic", run.critic.enabled)  # PPO's critic, as the run would build it
+    extra.setdefault("reference", run.loss.kl_coef > 0 or run.train.algorithm == "dpo")
     if run.quant.spec.keeps_file_blocks:  # the GGUF file's blocks, by the types in its header
         extra.setdefault("gguf_types", _gguf_types(_section(cfg, "model")))
     return PlanSpec(model=arch, quant=run.quant, lora=run.lora, mesh=run.mesh, **extra)

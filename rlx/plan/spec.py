@@ -79,6 +79,10 @@ class PlanSpec:
     # second adapter on the same base; full: a copy of the policy, an upper bound for a smaller
     # critic.path model) plus the f32 value head, each with AdamW moments
     critic: bool = False
+    # full mode's frozen reference policy (config.loss.kl_coef > 0 or train.algorithm="dpo" in
+    # train.mode="full"): a copy of the trainable variables, sharded as they are (lora: none, the
+    # reference is the base with the adapter off)
+    reference: bool = False
     # quant.format="gguf": the file's tensor types ((HF name, GGUF type), from its header); the
     # block-quantized ones are planned as the blocks rlx.quant.load_gguf_quantized keeps
     gguf_types: tuple[tuple[str, str], ...] = ()

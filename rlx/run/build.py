@@ -33,9 +33,10 @@ from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metri
 from rlx.learner.critic import (init_critic, make_critic_step, make_value_step, read_value_head,
                                 value_head)
 from rlx.learner.preference import make_dpo_step
-from rlx.learner.state import MODES, TrainState, create_train_state, make_optimizer, state_shardings
+from rlx.learner.state import (MODES, TrainState, create_train_state, make_optimizer,
+                               state_shardings, with_reference)
 from rlx.learner.step import (FORWARDS, Compiled, make_logprob_step, make_train_step,
-                              reference_forward)
+                              model_forward, reference_forward)
 from rlx.mesh import make_mesh
 from rlx.models import load_from_section
 from rlx.models.decoder import Transformer
@@ -227,12 +228,15 @@ def load_policy(cfg: RunConfig, mesh: Mesh) -> tuple[Transformer, Tokenizer | No
 
 
 def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
-    """Train state over the mesh, the train step, (with a KL term) the reference log-prob step:
-    the adapter switched off, so the reference costs no second copy of the weights; and (several
-    updates per batch) the policy's log-prob step for the old log-probs."""
+    """Train state over the mesh, the train step, (with a KL term or DPO) the reference log-prob
+    step: LoRA mode the adapter switched off, so the reference costs no second copy of the weights;
+    full mode a frozen copy of the initial parameters (``TrainState.ref``, sharded as the policy's);
+    and (several updates per batch) the policy's log-prob step for the old log-probs."""
     optimizer = make_optimizer(cfg.optim)
     graphdef, state = create_train_state(model, optimizer, mesh, trainable=MODES[cfg.train.mode],
                                          seed=cfg.seed, capacity_factor=cfg.model.capacity_factor)
+    if cfg.train.mode == "full" and (cfg.loss.kl_coef > 0 or cfg.train.algorithm == "dpo"):
+        state = with_reference(state, optimizer, mesh)  # frozen copy of the initial params
     critic_graphdef = None
     if cfg.critic.enabled:
         critic_graphdef, state = attach_critic(cfg, graphdef, state, optimizer, mesh,
@@ -247,9 +251,10 @@ def compile_steps(cfg: RunConfig, model: Transformer, mesh: Mesh) -> Compiled:
         train_step = make_train_step(graphdef, state, mesh, step_cfg, cfg.optim,
                                      apply_fn=FORWARDS[cfg.train.remat])
     ref_step = old_step = None
-    if cfg.loss.kl_coef > 0 or cfg.train.algorithm == "dpo":  # mode "full" refused both
+    if cfg.loss.kl_coef > 0 or cfg.train.algorithm == "dpo":
         ref_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg,
-                                     apply_fn=reference_forward)
+                                     apply_fn=reference_forward if state.ref is None
+                                     else model_forward)
     if needs_old_logprobs(cfg):
         old_step = make_logprob_step(graphdef, state.params, state.frozen, mesh, step_cfg)
     compiled = Compiled(graphdef=graphdef, state=state, train_step=train_step, ref_step=ref_step,

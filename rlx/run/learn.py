@@ -157,7 +157,7 @@ class StepLearner:
         """Reference log-probs (a KL term) and the old log-probs (see the module docstring)."""
         c = self.compiled
         if c.ref_step is not None:
-            batch = batch.replace(ref_logp=c.ref_step(c.state.params, c.state.frozen, batch).logp)
+            batch = batch.replace(ref_logp=c.reference_logprobs(batch).logp)
         if c.old_step is not None:
             batch = batch.replace(old_logp=c.old_step(c.state.params, c.state.frozen, batch).logp)
         if self.cfg.loss.old_logp == "sampler" and updates_per_step(self.cfg) > 1:

@@ -37,7 +37,7 @@ def learn_preferences(cfg: RunConfig, mesh: Mesh, compiled: Compiled, hosts: Hos
                       rows_multiple=batch_shards(mesh) * cfg.train.micro_batches)
     batch = hosts.device_batch(host, mesh)
     c = compiled
-    batch = batch.replace(ref_logp=c.ref_step(c.state.params, c.state.frozen, batch).logp)
+    batch = batch.replace(ref_logp=c.reference_logprobs(batch).logp)
     c.state, metrics = jax.block_until_ready(c.train_step(c.state, batch))
     lengths = [len(ch) + len(rj) for _, ch, rj in pairs]
     return {**{f"dpo/{k}": v for k, v in to_scalars(metrics).items()},

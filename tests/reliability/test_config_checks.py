@@ -86,9 +86,13 @@ def test_field_errors_name_the_field_and_the_accepted_values(field, value, needl
     assert msg.startswith(f"config.{field.split('.')[0]}")
 
 
-def test_kl_in_full_mode_is_refused_at_parse_time():
-    with pytest.raises(ConfigError, match=r"config.loss.kl_coef=0.1 in train.mode='full'"):
-        parse_config(_tiny(**{"train.mode": "full", "quant.format": "none", "loss.kl_coef": 0.1}))
+def test_kl_and_dpo_parse_in_full_mode():
+    """Full mode keeps a frozen reference copy (``TrainState.ref``) for both."""
+    full = {"train.mode": "full", "quant.format": "none"}
+    assert parse_config(_tiny(**full, **{"loss.kl_coef": 0.1})).loss.kl_coef == 0.1
+    dpo = parse_config(_tiny(**full, **{"loss.kl_coef": 0.0, "train.algorithm": "dpo",
+                                        "data.source": "arith_pairs:add2"}))
+    assert (dpo.train.mode, dpo.train.algorithm) == ("full", "dpo")
 
 
 # --- check_before_build: the config against devices and model -------------------------------

@@ -46,7 +46,7 @@ def _learner(tmp_path, pack: bool, **over) -> StepLearner:
     def old(params, frozen, batch):
         return LogProbs(jnp.where(batch.loss_mask > 0, -1.0 + by_token[batch.input_ids], 0.0), None)
 
-    state = type("State", (), {"params": None, "frozen": None})()
+    state = type("State", (), {"params": None, "frozen": None, "ref": None})()
     compiled = Compiled(graphdef=None, state=state, train_step=None, ref_step=ref, old_step=old,
                         value_step=lambda s, batch: jnp.zeros(batch.shape, jnp.float32))
     return StepLearner(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), compiled, Hosts())
