@@ -126,15 +126,17 @@ def contamination(train_name: str, train: Sequence[Example],
 
 
 def summary_lines(metrics: Iterable[Mapping[str, float]]) -> list[str]:
-    """One line per evaluated step: each set's figures (``eval/<name>/...``), e.g.
-    ``eval sets at step 0: aime24 pass@1 10.0% mean@4 0.10 pass@4 23.3%``."""
+    """One line per evaluated step with each set's figures (``eval/<name>/...``), e.g.
+    ``eval sets at step 0: aime24 pass@1 10.0% mean@4 0.10 pass@4 23.3%; aime25 ...``."""
     by_step = {}  # a step evaluated twice (the last of ``train``): its later figures
     for record in metrics:
-        figures = [(key[5:].rsplit("/", 1), value) for key, value in record.items()
-                   if key.startswith("eval/") and key.count("/") == 2]
-        if figures:
-            shown = " ".join(f"{name} {what} " + (f"{value:.2f}" if what.startswith("mean@")
-                                                   else f"{100 * value:.1f}%")
-                             for (name, what), value in figures)
-            by_step[record["step"]] = f"eval sets at step {record['step']}: {shown}"
+        sets: dict[str, list[str]] = {}
+        for key, value in record.items():
+            if key.startswith("eval/") and key.count("/") == 2:
+                name, what = key[5:].rsplit("/", 1)
+                shown = f"{value:.2f}" if what.startswith("mean@") else f"{100 * value:.1f}%"
+                sets.setdefault(name, []).append(f"{what} {shown}")
+        if sets:
+            by_step[record["step"]] = f"eval sets at step {record['step']}: " + "; ".join(
+                f"{name} {' '.join(figures)}" for name, figures in sets.items())
     return list(by_step.values())

@@ -93,8 +93,9 @@ def test_per_set_metrics_against_math_comb():
     got = evaluate_sets(sets[1:], 1, engine=engine, reward=half_credit,
                         sampling=SamplingParams(n=4), tokenizer=tok)
     assert got == {"eval/b/pass@1": 0.75, "eval/b/mean@1": 0.875}
-    lines = summary_lines([{"step": 0, **got}, {"step": 3, "eval/accuracy": 0.5}])
-    assert lines == ["eval sets at step 0: b pass@1 75.0% b mean@1 0.88"]
+    lines = summary_lines([{"step": 0, **got, "eval/a/pass@1": 0.25},
+                           {"step": 3, "eval/accuracy": 0.5}])
+    assert lines == ["eval sets at step 0: b pass@1 75.0% mean@1 0.88; a pass@1 25.0%"]
 
 
 def test_contamination_counts_training_problems_of_each_set():

@@ -33,6 +33,9 @@ def test_bad_settings_get_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
         check_eval_sets(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_eval_samples_must_be_positive(tmp_path):
     with pytest.raises(ConfigError, match="eval_samples=0 must be >= 1"):
         run_config("tiny", tmp_path, **{"data.eval_samples": 0})
 
@@ -69,7 +72,8 @@ def test_tiny_run_logs_each_set(tmp_path, caplog):
         "eval/aime25/pass@1": 0.0, "eval/aime25/mean@2": 0.25, "eval/aime25/pass@2": 0.0}
     logged = read_metrics(f"{cfg.output_dir}/metrics.jsonl")
     assert any(r.get("eval/pair/mean@2") == 0.625 for r in logged)
-    assert "eval sets at step 0: pair pass@1 50.0% pair mean@2 0.62 pair pass@2 50.0%" in summary
+    assert ("eval sets at step 0: pair pass@1 50.0% mean@2 0.62 pass@2 50.0%; "
+            "aime25 pass@1 0.0% mean@2 0.25 pass@2 0.0%") in summary
     lines = [r.getMessage() for r in caplog.records if "contamination" in r.getMessage()]
     # the 3 training problems all fall in the train split (rlx.data.sources.split_of at 0.1);
     # "is 2 EVEN?" is "Is 2 even?" once normalised: 1 of 3 in pair, none in aime25
