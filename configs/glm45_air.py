@@ -56,6 +56,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.template = ("{prompt}\nPlease reason step by step, and put your final answer "
                        "within \\boxed{}.")  # the math instruction
     c.data.eval_size = 31  # the whole held-out split of math500
+    c.data.eval_sources = ("mmath:aime24", "mmath:aime25")  # AIME 2024, 2025: eval/aime24/...
+    c.data.eval_samples = 1  # one greedy sample per problem of those sets: pass@1
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # built-in engine: same base, adapters and latent KV cache as the learner

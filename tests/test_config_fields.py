@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 
 from rlx.config import DataSection, EnvSection, RunConfig, TrainSection, parse_config
+from rlx.data.eval_sets import load_eval_sets
 from rlx.errors import ConfigError
 from rlx.learner.losses import LossConfig, policy_loss
 from rlx.mesh import make_mesh
@@ -165,6 +166,9 @@ EFFECTS = {
     "data.system_prompt": ("data", "Answer briefly.", {}),
     "data.template": ("data", "Q: {prompt}", {}),
     "data.eval_size": ("data", 1, {}),
+    "data.eval_sources": ("loop", ("arith:add2",), {}),  # eval/add2/... beside eval/accuracy
+    "data.eval_samples": ("loop", 2, {"data.eval_sources": ("arith:add2",),
+                                      "rollout.eval_temperature": 0.5}),
 }
 SECTIONS = {"loss": LossConfig, "train": TrainSection, "rollout": RolloutSection,
             "rollout.sglang": SGLangSection, "rollout.jax": JaxSection, "env": EnvSection,
@@ -262,6 +266,7 @@ def _loop(cfg: RunConfig, skip: bool = False, sampling: dict | None = None) -> t
     run = Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=_Engine(tokenizer, compiled, trace),
               tokenizer=tokenizer, data=prompt_data(cfg, tokenizer, hosts), eval_set=eval_examples(cfg),
               prompt_format=prompt_format(cfg), reward=make_reward(cfg),
+              eval_sets=load_eval_sets(cfg.data.eval_sources, cfg.data.eval_size),
               logger=make_logger(cfg, 0, progress=False),
               checkpointer=open_checkpointer(cfg, compiled.state), hosts=hosts,
               sampling_overrides=sampling or {})

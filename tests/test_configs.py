@@ -217,7 +217,7 @@ def shrunken(name: str, tmp_path, stand_in, **overrides) -> dict:
     c["mesh"] = fit_mesh(c.get("mesh", {}))
     c["distributed"] = {"enabled": False}  # one process with 8 fake devices
     data = c.setdefault("data", {})
-    data.update(prompts_per_step=4, eval_size=0,  # 8 rollouts: one per device
+    data.update(prompts_per_step=4, eval_size=0, eval_sources=(),  # 8 rollouts: one per device
                 max_prompt_tokens=min(data.get("max_prompt_tokens", 128), 128))
     c.setdefault("rollout", {}).update(group_size=2, max_new_tokens=8)
     c.setdefault("train", {}).update(steps=1, micro_batches=1, eval_every=0, sample_every=0,

@@ -2,7 +2,9 @@
 DIR] [--k 8] [--n N] [--temperature 0.7] [--problems N] [--out DIR]``.
 
 Scores the config's model (with a run's checkpoint or a PEFT adapter) on the held-out split of
-its data source: pass@1, pass@k and the mean reward, printed and written to ``<out>/report.json``
+its data source and on each named set of ``data.eval_sources`` (e.g.
+``--config.data.eval_sources='("mmath:math500", "mmath:aime24")'``, each in ``<out>/<name>/``):
+pass@1, pass@k and the mean reward, printed and written to ``<out>/report.json``
 with one line per problem in ``<out>/problems.jsonl`` (``out`` defaults to
 ``<config.output_dir>/eval``). A bad config or option: one line, exit status 2, nothing written.
 """
@@ -48,9 +50,11 @@ def main(argv) -> None:
         print(f"rlx.eval: error: {e}", file=sys.stderr)
         sys.exit(2)
     k = opts.k
-    print(f"{report['problems']} problems x {report['n']} samples (temperature "
-          f"{report['temperature']}): pass@1 {report['pass@1']:.4f}  pass@{k} "
-          f"{report[f'pass@{k}']:.4f}  mean reward {report['mean_reward']:.4f}")
+    for name, figures in ({"": report} | report["sets"]).items():
+        if figures["problems"]:
+            print(f"{name + ': ' if name else ''}{figures['problems']} problems x {report['n']} samples (temperature "
+                  f"{report['temperature']}): pass@1 {figures['pass@1']:.4f}  pass@{k} "
+                  f"{figures[f'pass@{k}']:.4f}  mean reward {figures['mean_reward']:.4f}")
 
 
 if __name__ == "__main__":

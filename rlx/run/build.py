@@ -26,7 +26,7 @@ from rlx.data.chat import PromptFormat
 from rlx.data.eval import distinct_examples
 from rlx.data.overlap import count_overlap
 from rlx.data.pipeline import make_prompt_pipeline
-from rlx.data.sources import Example, FieldMap, ListSource, get_source
+from rlx.data.sources import Example, FieldMap, ListSource, Source, get_source
 from rlx.envs.runner import EnvRunner, episode_tool_format, make_runner
 from rlx.errors import ConfigError
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
@@ -51,6 +51,7 @@ from rlx.rewards import RewardFn, get_reward
 from rlx.rewards.tool_formats import FORMATS, detect_format
 from rlx.run.checks import check_before_build, read_architecture, with_warm_start
 from rlx.run.engines import make_engine
+from rlx.run.heldout import named_eval_sets
 from rlx.run.hosts import Hosts
 from rlx.run.learn import needs_old_logprobs
 from rlx.run.lifecycle import checkpoint_dir, open_checkpointer, restore
@@ -100,6 +101,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     reward = make_reward(cfg, tokenizer)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=checked_eval_examples(cfg), prompt_format=prompt_format(cfg),
+               eval_sets=named_eval_sets(cfg, _training_source(cfg) if cfg.data.eval_sources else None),
                reward=reward, logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
                resumed_in_flight=in_flight, sampling_overrides=sampling_overrides,
@@ -133,12 +135,16 @@ def checked_eval_examples(cfg: RunConfig) -> list[Example]:
     one of them (in-memory training sources; a generated one is not read through)."""
     held = eval_examples(cfg)
     if held:
-        train = get_source(cfg.data.source, "train", **source_options(cfg))
+        train = _training_source(cfg)
         if isinstance(train, ListSource):
             overlap = count_overlap(train, held)
             (log.warning if overlap.count else log.info)(
                 "contamination: %s", overlap.describe(cfg.data.source, "the evaluation set"))
     return held
+
+
+def _training_source(cfg: RunConfig) -> Source:
+    return get_source(cfg.data.source, "train", **source_options(cfg))
 
 
 def source_options(cfg: RunConfig) -> dict[str, FieldMap]:

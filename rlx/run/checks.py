@@ -24,7 +24,8 @@ raises a one-line ``ConfigError`` naming the field, what is wrong and the values
   naming the method); ``quant.format='gguf'`` needs a GGUF file holding
   Q4_0/Q4_1/Q8_0 linear weights (and real weights, not ``model.shrink``), int4/nf4 group sizes must
   divide every layer's input size; what SGLang cannot serve (``rlx.rollout.sglang.policy.
-  check_servable``: LoRA on MoE experts only over a float or fp8 base, ...).
+  check_servable``: LoRA on MoE experts only over a float or fp8 base, ...);
+- the named eval sets (``data.eval_sources``: ``rlx.run.heldout.check_eval_sets``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from rlx.quant.lora import target_counts
 from rlx.quant.peft_import import peft_lora_config
 from rlx.rollout.sglang.policy import check_servable
 from rlx.run.engines import serving
+from rlx.run.heldout import check_eval_sets
 
 
 def with_warm_start(cfg: RunConfig) -> RunConfig:
@@ -64,6 +66,7 @@ def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
     """Every check above; returns the (shrunk) architecture the run will build."""
     cfg.mesh.check_devices(n_devices)
     check_batch(cfg)
+    check_eval_sets(cfg)
     arch, gguf_types = read_architecture(cfg)
     check_mesh_fits(cfg, arch)
     if cfg.train.mode == "lora":

@@ -7,7 +7,9 @@ model, quant and lora sections must be the run's), or a PEFT adapter folder (``a
 ``lora.init_from``). It samples ``n`` completions (at least ``k``) of each of ``problems`` held-out
 problems (``data.eval_size`` unless given) with the config's engine, grades them with the
 config's reward and reports pass@1, pass@k (the unbiased estimator, ``rlx.data.eval``) and the
-mean reward: ``report.json`` and one line per problem in ``problems.jsonl`` under ``out``.
+mean reward: ``report.json`` and one line per problem in ``problems.jsonl`` under ``out``. The
+named sets of ``data.eval_sources`` (``rlx.data.eval_sets``) are scored alike, whole, each in
+``<out>/<name>/`` and under ``"sets"`` in ``<out>/report.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from flax import nnx
 
 from rlx.config import RunConfig, to_dict
 from rlx.data.eval import EvalReport, evaluate
+from rlx.data.eval_sets import load_eval_sets
 from rlx.errors import ConfigError
 from rlx.mesh import make_mesh
 from rlx.run.build import compile_steps, eval_examples, load_policy, make_reward, prompt_format
@@ -80,8 +83,9 @@ def eval_config(cfg: RunConfig, opts: EvalOptions) -> RunConfig:
     cfg = with_warm_start(cfg)
     if opts.problems:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_size=opts.problems))
-    if not cfg.data.eval_size:
-        raise ConfigError("config.data.eval_size is 0: pass --problems N")
+    if not (cfg.data.eval_size or cfg.data.eval_sources):
+        raise ConfigError("config.data.eval_size is 0 and data.eval_sources is empty: pass "
+                          "--problems N or --config.data.eval_sources='(\"mmath:aime24\",)'")
     return cfg
 
 
@@ -127,7 +131,7 @@ def run_eval(cfg: RunConfig, opts: EvalOptions) -> dict[str, Any]:
         raise ConfigError(f"config.model.path={cfg.model.path!r} carries no tokenizer")
     policy, step = (restore_policy(cfg, model, mesh, opts.checkpoint) if opts.checkpoint
                     else (_Policy(model), None))
-    examples = eval_examples(cfg)
+    examples, sets = eval_examples(cfg), load_eval_sets(cfg.data.eval_sources, cfg.data.eval_size)
     n = opts.n or opts.k
     temperature = cfg.rollout.temperature if opts.temperature is None else opts.temperature
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, n=n,
@@ -135,23 +139,35 @@ def run_eval(cfg: RunConfig, opts: EvalOptions) -> dict[str, Any]:
                               **cfg.rollout.cuts(), seed=cfg.seed, logprobs=False, stop_token_ids=(tokenizer.eos_id,))
     engine = make_engine(cfg, policy, tokenizer, mesh)
     reward = make_reward(cfg, tokenizer)
-    start = time.perf_counter()
-    try:
-        report = _evaluate(engine, examples, reward, cfg, opts, sampling, tokenizer)
-    finally:
-        engine.close()
-        if hasattr(reward, "close"):
-            reward.close()
+    start, out = time.perf_counter(), opts.out or os.path.join(cfg.output_dir, "eval")
     summary = {
         "config": to_dict(cfg), "checkpoint": opts.checkpoint or None, "checkpoint_step": step,
         "adapter": opts.adapter or None, "data_source": cfg.data.source, "split": "eval",
         "problems": len(examples), "k": opts.k, "n": n, "temperature": temperature,
-        "max_new_tokens": cfg.rollout.max_new_tokens, "pass@1": report.pass_at[1],
-        f"pass@{opts.k}": report.pass_at[opts.k], "mean_reward": report.mean_score,
-        "seconds": time.perf_counter() - start}
-    write_report(opts.out or os.path.join(cfg.output_dir, "eval"), summary, report, examples,
-                 opts.k)
+        "max_new_tokens": cfg.rollout.max_new_tokens, "sets": {}}
+    try:
+        if examples:
+            report = _evaluate(engine, examples, reward, cfg, opts, sampling, tokenizer)
+            summary.update(_figures(report, opts.k))
+            write_report(out, summary, report, examples, opts.k)
+        for s in sets:  # each in its own folder, data.eval_sources' name
+            report = _evaluate(engine, s.examples, reward, cfg, opts, sampling, tokenizer)
+            summary["sets"][s.name] = {"source": s.spec, "problems": len(s.examples),
+                                       **_figures(report, opts.k)}
+            write_report(os.path.join(out, s.name), summary["sets"][s.name], report,
+                         s.examples, opts.k)
+    finally:
+        engine.close()
+        if hasattr(reward, "close"):
+            reward.close()
+    summary["seconds"] = time.perf_counter() - start
+    write_report(out, summary, None, (), opts.k)
     return summary
+
+
+def _figures(report: EvalReport, k: int) -> dict[str, float]:
+    return {"pass@1": report.pass_at[1], f"pass@{k}": report.pass_at[k],
+            "mean_reward": report.mean_score}
 
 
 def _evaluate(engine, examples, reward, cfg, opts, sampling, tokenizer) -> EvalReport:
@@ -164,9 +180,15 @@ def _evaluate(engine, examples, reward, cfg, opts, sampling, tokenizer) -> EvalR
                         batch_size=opts.batch, keep_completions=True, on_batch=bar.update)
 
 
-def write_report(out: str, summary: dict, report: EvalReport, examples, k: int) -> None:
-    """``report.json`` (the summary) and ``problems.jsonl`` (one line per problem) under ``out``."""
+def write_report(out: str, summary: dict, report: EvalReport | None, examples, k: int) -> None:
+    """``report.json`` (the summary) and ``problems.jsonl`` (one line per problem; none without
+    a ``report``) under ``out``."""
     os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, REPORT_FILE), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, default=str)
+        f.write("\n")
+    if report is None:
+        return
     by_uid = {e.uid: e for e in examples}
     with open(os.path.join(out, PROBLEMS_FILE), "w", encoding="utf-8") as f:
         for r in report.records:
@@ -176,9 +198,6 @@ def write_report(out: str, summary: dict, report: EvalReport, examples, k: int) 
                 "correct": r.correct, "pass@1": r.pass_at[1], f"pass@{k}": r.pass_at[k],
                 "mean_reward": sum(r.scores) / r.n, "scores": list(r.scores),
                 "completions": list(r.completions)}) + "\n")
-    with open(os.path.join(out, REPORT_FILE), "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2, default=str)
-        f.write("\n")
 
 
 __all__ = ["EvalOptions", "PROBLEMS_FILE", "REPORT_FILE", "checkpoint_location", "eval_config",

@@ -50,7 +50,8 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig
 from rlx.data.chat import PromptFormat
 from rlx.data.sources import Example, user_example
-from rlx.envs.runner import EnvRunner, evaluate_episodes, make_runner, transcript
+from rlx.data.eval_sets import EvalSet, summary_lines
+from rlx.envs.runner import EnvRunner, make_runner, transcript
 from rlx.io.checkpoint import Checkpointer
 from rlx.io.export import export_critic, export_merged, export_peft
 from rlx.io.metrics import MetricsLogger, TextSample
@@ -58,6 +59,7 @@ from rlx.learner.step import Compiled
 from rlx.models.tokenizer import Tokenizer
 from rlx.rewards.base import RewardFn, RewardResult, score_batch
 from rlx.rollout.errors import RolloutError
+from rlx.run.heldout import Evaluator
 from rlx.run.hosts import Hosts
 from rlx.run.learn import StepLearner
 from rlx.run.lifecycle import StopSignals
@@ -93,7 +95,7 @@ class Run:
     engine: RolloutEngine | None  # None on a process of a multi-host run that does not sample
     tokenizer: Tokenizer
     data: grain.DatasetIterator  # yields PromptBatch (rlx.data.pipeline)
-    eval_set: Sequence[Example]
+    eval_set: Sequence[Example]  # the held-out split (data.eval_size; rlx.run.heldout)
     prompt_format: PromptFormat
     reward: RewardFn
     logger: MetricsLogger
@@ -113,6 +115,7 @@ class Run:
     # SamplingParams fields of the training rollouts set by the caller beside the config, e.g.
     # {"ignore_eos": True, "stop_token_ids": ()}: every completion max_new_tokens long
     sampling_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eval_sets: Sequence[EvalSet] = ()  # data.eval_sources (rlx.data.eval_sets)
 
     # --- one RL step ----------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -294,16 +297,18 @@ class Run:
         total = self.cfg.train.steps if steps is None else self.step_count + steps
         every, check = self.cfg.train.eval_every, self.cfg.rollout.preflight_every
         self._horizon, self.stopped_by = total, None
+        evaluating = bool(self.eval_set or self.eval_sets)
         with StopSignals() as signals:
             try:
-                if self.step_count == 0 and self.eval_set and self.step_count < total:
-                    self.preflight()
+                if self.step_count == 0 and evaluating and self.step_count < total:
+                    if self.eval_set:  # the parity probe's prompts
+                        self.preflight()
                     self.evaluate()
                 while self.step_count < total and self.hosts.first_signal(signals.received) is None:
                     self.step()
                     if check and self.eval_set and self.step_count % check == 0:
                         self.preflight()
-                    if self.eval_set and (self.step_count == total
+                    if evaluating and (self.step_count == total
                                           or (every and self.step_count % every == 0)):
                         self.evaluate()
                     self.save()
@@ -379,7 +384,7 @@ class Run:
                              threshold=self.cfg.rollout.preflight_threshold)
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy (``rollout.eval_temperature``) accuracy on the held-out set."""
+        """The held-out split's accuracy and each eval set's figures (``rlx.run.heldout``)."""
         self.queue.wait()
         record = self.hosts.with_engine(self._evaluate)
         self.metrics.append({"step": self.step_count, **record})
@@ -387,18 +392,11 @@ class Run:
         return record
 
     def _evaluate(self) -> dict[str, float]:
-        from rlx.data.eval import evaluate
-
-        t = time.perf_counter()
-        if self.env is not None:
-            rows = self.cfg.data.prompts_per_step * self.cfg.rollout.group_size
-            record = evaluate_episodes(self.env, self.engine, self.eval_set,
-                                       self._sampling(evaluation=True), chunk=rows)
-            return {**record, "time/eval": time.perf_counter() - t}
-        report = evaluate(self.engine, self.eval_set, self.reward, k=1,
-                          sampling=self._sampling(evaluation=True), tokenizer=self.tokenizer,
-                          prompt_format=self.prompt_format)
-        return {"eval/accuracy": float(report.pass_at[1]), "eval/mean_reward": report.mean_score,
+        t, sampling = time.perf_counter(), self._sampling(evaluation=True)
+        on = Evaluator(self.engine, self.reward, self.tokenizer, self.prompt_format, self.env)
+        rows = self.cfg.data.prompts_per_step * self.cfg.rollout.group_size
+        return {**on.split(self.eval_set, sampling, rows),
+                **on.sets(self.eval_sets, sampling, self.cfg.data.eval_samples),
                 "time/eval": time.perf_counter() - t}
 
     def generate(self, texts: Sequence[str], tools: Sequence[str] | None = None,
@@ -445,7 +443,7 @@ class Run:
                     f"{r[key]:.2f}" for r in self.metrics if key in r))
         if len(evals) >= 2:
             lines.append(f"change: {100 * (evals[-1][1] - evals[0][1]):+.1f} points")
-        return "\n".join(lines)
+        return "\n".join(lines + summary_lines(self.metrics))
 
     def export(self, path: str) -> dict[str, str]:
         """The trained policy and PPO's critic, each in its own folder (``rlx.io.export``),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 
 from rlx.data.eval import evaluate, pass_at_k
 from rlx.data.sources import user_example
 from rlx.rewards import RewardResult, available_rewards, get_reward, register
-from rlx.types import Rollout, SamplingParams
+from rlx.types import SamplingParams
+from tests.helpers.replay import ReplayEngine
 from tests.helpers.tokenizers import byte_tokenizer
 
 
@@ -33,23 +33,6 @@ def test_pass_at_k_rejects_bad_counts():
         pass_at_k(3, 4, 1)
     with pytest.raises(ValueError):
         pass_at_k(3, 1, 4)
-
-
-class ReplayEngine:
-    """Answers every prompt with pre-written completions, cycling through them."""
-
-    def __init__(self, tokenizer, answers: dict[str, list[str]]):
-        self.tokenizer, self.answers = tokenizer, answers
-
-    def generate(self, prompts, sampling):
-        out = []
-        for prompt in prompts:
-            for i in range(sampling.n):
-                text = self.answers[prompt.uid][i % len(self.answers[prompt.uid])]
-                ids = np.asarray(self.tokenizer.encode(text) + [self.tokenizer.eos_id], np.int32)
-                out.append(Rollout(prompt.uid, np.asarray(prompt.token_ids, np.int32), ids,
-                                   np.zeros(len(ids), np.float32), "stop", 0, i))
-        return out
 
 
 def exact(completion: str, sample) -> RewardResult:

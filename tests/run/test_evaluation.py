@@ -84,8 +84,13 @@ def test_a_checkpoint_is_scored_with_its_own_parameters(tmp_path, caplog):
     assert step == 1
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(trained)))
 
-    report = run_eval(parsed, EvalOptions(k=2, n=4, temperature=1.0, checkpoint=str(out),
-                                          out=str(tmp_path / "eval"), progress=False))
+    pair = tmp_path / "pair.jsonl"  # a named set (data.eval_sources) beside the split
+    pair.write_text("".join(json.dumps({"prompt": f"Is {i} even?", "answer": "no"}) + "\n"
+                            for i in (1, 3)))
+    with_set = dataclasses.replace(parsed, data=dataclasses.replace(
+        parsed.data, eval_sources=(f"pair=jsonl:{pair}",)))
+    report = run_eval(with_set, EvalOptions(k=2, n=4, temperature=1.0, checkpoint=str(out),
+                                            out=str(tmp_path / "eval"), progress=False))
     assert report["checkpoint_step"] == 1 and report["problems"] == 3 and report["n"] == 4
     lines = [json.loads(x) for x in open(tmp_path / "eval" / PROBLEMS_FILE)]
     assert len(lines) == 3 and all(len(x["completions"]) == 4 == len(x["scores"]) for x in lines)
@@ -99,6 +104,14 @@ def test_a_checkpoint_is_scored_with_its_own_parameters(tmp_path, caplog):
     assert report["mean_reward"] == pytest.approx(np.mean([s for x in lines for s in x["scores"]]))
     assert 0 < report["mean_reward"] < 1 and report["pass@1"] <= report["pass@2"]
     assert json.load(open(tmp_path / "eval" / REPORT_FILE))["pass@2"] == report["pass@2"]
+    figures = report["sets"]["pair"]  # the same arithmetic over its own folder's lines
+    lines = [json.loads(x) for x in open(tmp_path / "eval" / "pair" / PROBLEMS_FILE)]
+    assert figures["problems"] == 2 == len(lines) and figures["source"] == f"jsonl:{pair}"
+    assert figures["pass@2"] == pytest.approx(np.mean([_pass_at(4, x["correct"], 2)
+                                                       for x in lines]))
+    assert figures["pass@1"] == pytest.approx(np.mean([x["correct"] / 4 for x in lines]))
+    assert figures["mean_reward"] == pytest.approx(np.mean([s for x in lines for s in x["scores"]]))
+    assert json.load(open(tmp_path / "eval" / "pair" / REPORT_FILE)) == figures
 
 
 CODE_CONFIG = """
