@@ -83,7 +83,7 @@ class JudgeConfig:
     max_retries: int = 2  # more tries after a timeout, lost connection, HTTP 429/5xx, bad JSON
     backoff_s: float = 1.0  # wait before retry k (k = 0, 1, ...): backoff_s * 2**k
     cache_size: int = 100_000  # verdicts kept in memory, least recently used dropped (0: none)
-    max_tokens: int = 256  # the judge's reply length cap
+    max_reply_tokens: int = 256  # the judge's reply length cap (max_tokens of the request)
 
     def __post_init__(self):
         if self.rubric and self.rubric_file:
@@ -102,7 +102,7 @@ class JudgeConfig:
         if groups < 1:
             raise ValueError("JudgeConfig.score_pattern needs a group around the number, e.g. "
                              r"'Score: (\d+)'")
-        for name in ("max_concurrency", "max_tokens"):
+        for name in ("max_concurrency", "max_reply_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"JudgeConfig.{name}={getattr(self, name)} must be >= 1")
         if self.timeout_s <= 0 or self.max_retries < 0 or self.backoff_s < 0 or self.cache_size < 0:
@@ -360,7 +360,7 @@ class JudgeReward:
         try:
             response = self._client.chat.completions.create(
                 model=self.config.model, messages=[{"role": "user", "content": message}],
-                temperature=0.0, max_tokens=self.config.max_tokens)
+                temperature=0.0, max_tokens=self.config.max_reply_tokens)
         except Exception as exc:  # every failure of a request is a counted reward error
             kind, retry = classify(exc)
             return None, kind, _one_line(exc), retry

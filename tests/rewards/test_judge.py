@@ -58,7 +58,7 @@ def test_a_normal_verdict_and_what_the_server_was_sent(tmp_path):
     rubric = tmp_path / "rubric.txt"
     rubric.write_text(RUBRIC)
     with FaultyJudge() as server, _judge(server, rubric="", rubric_file=str(rubric),
-                                         max_tokens=32) as judge:
+                                         max_reply_tokens=32) as judge:
         results = judge.batch(["It is 5. score:9", "It is 6. score:3"], [SAMPLE, SAMPLE])
         assert [r.score for r in results] == pytest.approx([0.9, 0.3])  # 9 / 10, 3 / 10
         assert results[0].extra["judge_score"] == 9.0 and "Score: 9" in results[0].reason

@@ -49,7 +49,7 @@ def server_url(tmp_path_factory):
 
 def test_smollm2_on_sglang_judges_a_batch_end_to_end(server_url):
     cfg = JudgeConfig(base_url=f"{server_url}/v1", model=NAME, rubric=RUBRIC,
-                      score_pattern=r"(\d+(?:\.\d+)?)", max_tokens=16, max_concurrency=4,
+                      score_pattern=r"(\d+(?:\.\d+)?)", max_reply_tokens=16, max_concurrency=4,
                       timeout_s=300.0)
     samples = [{"prompt": q, "answer": ref} for q, _, ref in PAIRS]
     completions = [c for _, c, _ in PAIRS]
