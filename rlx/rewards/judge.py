@@ -118,7 +118,6 @@ class Verdict:
     reason: str  # the judge's reply (shortened) or why it failed
     raw: float | None = None  # the score as the judge wrote it
     error: str = ""  # the failure's kind ("" when it scored)
-    attempts: int = 0  # requests sent (0: from the cache)
 
 
 class _Counts:
@@ -234,6 +233,13 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
+def _outcome(future: concurrent.futures.Future) -> Verdict:
+    try:
+        return future.result()
+    except Exception as exc:  # a fault of the judging itself must not end the run either
+        return Verdict(None, f"judging raised {_one_line(exc)}", error="error")
+
+
 class JudgeReward:
     """Grades completions with an LLM judge behind an OpenAI-compatible endpoint (see the module
     docstring); ``take_metrics()`` hands its counts to the run's step record."""
@@ -275,7 +281,7 @@ class JudgeReward:
                     verdicts[key] = cached
         futures = {key: self._pool.submit(self._judge, message) for key, message in todo.items()}
         for key, future in futures.items():
-            verdicts[key] = future.result()
+            verdicts[key] = _outcome(future)
             self._keep(key, verdicts[key])
         results = [self._result(verdicts[key], key in todo) for key, _ in items]
         failed = [verdicts[key].error for key, _ in items if verdicts[key].error]
@@ -311,21 +317,20 @@ class JudgeReward:
             return verdict
 
     def _keep(self, key: str, verdict: Verdict) -> None:
-        """Caches a verdict with a score (failures are asked again next time); logs the first
-        failure of each kind."""
+        """Caches a verdict with a score (a failure is asked again next time); logs the first
+        failure of each kind with its reason."""
+        size = self.config.cache_size
         with self._lock:
-            if verdict.error:
-                first = verdict.error not in self._logged
-                self._logged.add(verdict.error)
-            elif self.config.cache_size:
-                first = False
-                self._cache[key] = dataclasses.replace(verdict, attempts=0)
-                while len(self._cache) > self.config.cache_size:
-                    self._cache.popitem(last=False)
-            else:
-                first = False
-        if first:
-            log.warning("judge reward: %s (%s); scored %g, further %r failures are only counted "
+            if not verdict.error:
+                if size:
+                    self._cache[key] = verdict
+                    while len(self._cache) > size:
+                        self._cache.popitem(last=False)
+                return
+            if verdict.error in self._logged:
+                return
+            self._logged.add(verdict.error)
+        log.warning("judge reward: %s (%s); scored %g, further %r failures are only counted "
                         "(reward/judge_errors)", verdict.error, verdict.reason,
                         self.config.error_score, verdict.error)
 
@@ -348,12 +353,11 @@ class JudgeReward:
             self._counts.add(requests=1)
             text, kind, reason, retry = self._request(message)
             if text is not None:
-                return dataclasses.replace(parse_score(text, cfg), attempts=attempt + 1)
+                return parse_score(text, cfg)
             if not retry:
                 break
         tries = f"{attempt + 1} {'try' if attempt == 0 else 'tries'}"
-        return Verdict(None, f"judge failed ({kind}) after {tries}: {reason}", error=kind,
-                       attempts=attempt + 1)
+        return Verdict(None, f"judge failed ({kind}) after {tries}: {reason}", error=kind)
 
     def _request(self, message: str) -> tuple[str | None, str, str, bool]:
         """(the reply's text, or None with the failure's kind, reason and whether to retry)."""

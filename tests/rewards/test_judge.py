@@ -141,3 +141,14 @@ def test_at_most_max_concurrency_requests_are_in_flight():
         results = judge.batch(completions, [SAMPLE] * 9)
         assert [r.score for r in results] == pytest.approx([i / 10 for i in range(9)])
         assert server.max_in_flight == 3 and len(server.requests) == 9
+
+
+def test_a_server_that_is_gone_is_a_connection_error():
+    with FaultyJudge() as server:
+        url = server.url
+    judge = JudgeReward(base_url=url, model="m", max_retries=1, backoff_s=0.01, timeout_s=2.0)
+    with judge:
+        (result,) = judge.batch(["score:5"], [SAMPLE])
+        assert result.score == 0.0 and result.extra["judge_error"] == "connection"
+        metrics = take_metrics(judge)
+        assert metrics["reward/judge_requests"] == 2 and metrics["reward/judge_errors/connection"] == 1
