@@ -30,6 +30,7 @@ from rlx.learner.step import FORWARDS, StepConfig
 from rlx.mesh import MeshShape
 from rlx.models.loading import ModelSection, resolve_path
 from rlx.quant.config import LoraConfig, QuantConfig
+from rlx.rewards.judge import JudgeConfig
 from rlx.rollout.config import RolloutSection
 
 
@@ -143,7 +144,7 @@ class TrainSection:
     # "layer" keeps layer inputs and recomputes; "projections" keeps every linear layer's output and
     # recomputes attention, norms and activations
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-    reward: str = "math"  # a registered reward (math, code, ...)
+    reward: str = "math"  # a registered reward (math, code, tool_call, judge: config.judge, ...)
     math_extractors: tuple[str, ...] = ("boxed", "hash", "answer_is")  # math answer extraction order
     eval_every: int = 10  # steps between evaluations (0 = only at the start and the end)
     checkpoint_every: int = 0  # steps between checkpoints (0 = only at exit)
@@ -234,6 +235,7 @@ class RunConfig:
     rollout: RolloutSection = RolloutSection()
     env: EnvSection = EnvSection()  # single-turn completions or tool-use episodes (rlx.envs)
     train: TrainSection = TrainSection()
+    judge: JudgeConfig = JudgeConfig()  # train.reward="judge": the LLM judge (rlx.rewards.judge)
     loss: LossConfig = LossConfig()  # policy loss, KL, entropy, truncated importance sampling
     critic: CriticSection = CriticSection()  # PPO's learned critic (train.advantage="gae")
     optim: OptimizerConfig = OptimizerConfig()  # AdamW + schedule + clipping

@@ -30,7 +30,8 @@ ALLOWED = {
     "rlx.envs": FOUNDATION | {"rlx.models", "rlx.rewards", "rlx.data"},
     "rlx.io": LOW | {"rlx.models", "rlx.quant", "rlx.learner"},
     "rlx.rollout": LOW | {"rlx.models", "rlx.quant", "rlx.io"},
-    "rlx.config": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout"},
+    "rlx.config": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.io", "rlx.rollout",
+                         "rlx.rewards"},
     "rlx.run": LOW | {"rlx.models", "rlx.quant", "rlx.learner", "rlx.rewards", "rlx.data",
                       "rlx.envs", "rlx.io", "rlx.rollout", "rlx.config"},
     "rlx.commandline": FOUNDATION | {"rlx.config"},  # the run config's fields and defaults

@@ -78,8 +78,9 @@ class Example:
     fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def reward_sample(self) -> dict[str, Any]:
-        """The ground-truth mapping rewards take (`answer`, `tests`, and `fields`)."""
-        sample: dict[str, Any] = dict(self.fields)
+        """The ground-truth mapping rewards take (`answer`, `tests`, and `fields`; `prompt`, the
+        question text, unless a field has that name: what an LLM judge is shown)."""
+        sample: dict[str, Any] = {"prompt": self.prompt, **self.fields}
         if self.answer is not None:
             sample["answer"] = self.answer
         if self.tests:

@@ -1,5 +1,5 @@
 """Host-side rewards: math answers (math-verify), code (sandboxed execution), tool calls against
-BFCL-style ground truth (`rlx.rewards.bfcl`), composition.
+BFCL-style ground truth (`rlx.rewards.bfcl`), an LLM judge (`rlx.rewards.judge`), composition.
 
 Importing this package loads only the records and the registry; the graders (sympy, the
 sandbox) are imported on first use, by `get_reward(name)` or by attribute access below.
@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 from rlx.rewards.base import (BatchRewardFn, RewardFn, RewardResult, available_rewards, get_reward,
-                              register, score_batch)
+                              register, score_batch, take_metrics)
 
 _LAZY = {
     "MathReward": "rlx.rewards.math",
@@ -39,6 +39,8 @@ _LAZY = {
     "CallReward": "rlx.rewards.bfcl",
     "grade_calls": "rlx.rewards.bfcl",
     "parse_tool_calls": "rlx.rewards.tool_calls",
+    "JudgeReward": "rlx.rewards.judge",
+    "JudgeConfig": "rlx.rewards.judge",
 }
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "get_reward",
     "register",
     "score_batch",
+    "take_metrics",
     *_LAZY,
 ]
 

@@ -3,7 +3,8 @@
 A reward function maps one completion (the generated text) and its ground-truth sample (a
 mapping from the data set: gold answer, unit tests, ...) to a `RewardResult`. Functions that can
 grade many completions faster together (a process pool, a sandbox pool) also offer `batch`; use
-`score_batch` to call either kind.
+`score_batch` to call either kind. A reward that counts things across calls (the judge's
+failed requests) offers `take_metrics()`, read once per step through `take_metrics(fn)`.
 
 Built-in rewards are registered by dotted path and imported only when asked for, so importing
 `rlx.rewards` stays cheap (no sympy, no subprocess machinery).
@@ -68,6 +69,13 @@ def score_batch(
     return [fn(c, s) for c, s in zip(completions, samples)]
 
 
+def take_metrics(fn: RewardFn) -> dict[str, float]:
+    """What a reward counted since the last call (the judge's errors, requests, cache hits) as
+    flat metrics, from its optional `take_metrics()`; {} for a reward that counts nothing."""
+    take = getattr(fn, "take_metrics", None)
+    return dict(take()) if callable(take) else {}
+
+
 RewardFactory = Callable[..., RewardFn]
 
 # name -> "module:attribute" of a factory; imported on first use.
@@ -76,6 +84,7 @@ _BUILTIN: dict[str, str] = {
     "math_format": "rlx.rewards.math:FormatReward",
     "code": "rlx.rewards.code:CodeReward",
     "tool_call": "rlx.rewards.bfcl:CallReward",
+    "judge": "rlx.rewards.judge:JudgeReward",
 }
 _REGISTRY: dict[str, RewardFactory] = {}
 _LOCK = threading.Lock()

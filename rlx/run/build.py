@@ -169,10 +169,11 @@ def tool_format(cfg: RunConfig, tokenizer: Tokenizer | None) -> str:
 
 def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None) -> RewardFn:
     """The reward ``train.reward`` names (the math reward with ``train.math_extractors``, the
-    call reward reading ``env.tool_format``'s syntax)."""
+    call reward reading ``env.tool_format``'s syntax, the judge with ``config.judge``)."""
     fmt = tool_format(cfg, tokenizer)  # checked whichever reward reads it
     kw: dict[str, Any] = {"math": {"extractors": cfg.train.math_extractors},
-                          "tool_call": {"tool_format": fmt}}.get(cfg.train.reward, {})
+                          "tool_call": {"tool_format": fmt},
+                          "judge": {"config": cfg.judge}}.get(cfg.train.reward, {})
     return get_reward(cfg.train.reward, **kw)
 
 

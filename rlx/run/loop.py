@@ -57,7 +57,7 @@ from rlx.io.export import export_critic, export_merged, export_peft
 from rlx.io.metrics import MetricsLogger, TextSample
 from rlx.learner.step import Compiled
 from rlx.models.tokenizer import Tokenizer
-from rlx.rewards.base import RewardFn, RewardResult, score_batch
+from rlx.rewards.base import RewardFn, RewardResult, score_batch, take_metrics
 from rlx.rollout.errors import RolloutError
 from rlx.run.heldout import Evaluator
 from rlx.run.hosts import Hosts
@@ -274,7 +274,7 @@ class Run:
             "batch/kept_frac": len(keep) / len(rollouts),
             **staleness(rollouts, self.step_count - 1),
             "throughput/gen_tokens_per_s": tokens / max(times["time/generate"], 1e-9),
-            **self._env_metrics, **times,
+            **self._env_metrics, **take_metrics(self.reward), **times,  # reward/judge_*
         })
         for name, n in cost.counts.items():  # moe_dropped_pairs (learner/...: the update's), preempted
             record[f"rollout/{name}"] = float(n)

@@ -59,7 +59,8 @@ def test_local_folder_reads_fields_and_splits(folder):
     e = by_prompt["What is 5 + 5?"]
     assert e.answer == "10" and e.messages[-1].content == "What is 5 + 5?"
     # every other scalar column reaches the reward, as strings like FieldMap's extra fields
-    assert e.reward_sample() == {"answer": "10", "level": "2", "subject": "arithmetic"}
+    assert e.reward_sample() == {"prompt": "What is 5 + 5?", "answer": "10", "level": "2",
+                                 "subject": "arithmetic"}
     (test,) = get_source(f"hf:{folder}@test", "all", fields=Q)
     assert (test.prompt, test.answer, test.fields["subject"]) == ("What is 7 * 6?", "42", "algebra")
 

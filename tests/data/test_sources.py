@@ -34,7 +34,7 @@ def test_jsonl_field_map(tmp_path):
     first = source[0]
     assert first.prompt == "1+1?" and first.messages == (Message("user", "1+1?"),)
     assert first.answer == "2"  # numbers become strings
-    assert first.reward_sample() == {"answer": "2", "tests": ["assert f() == 2"]}
+    assert first.reward_sample() == {"prompt": "1+1?", "answer": "2", "tests": ["assert f() == 2"]}
     assert first.split in ("train", "eval") and first.source == "toy"
 
 
