@@ -20,7 +20,9 @@ the environment that are plain Python:
   final answer (with no tools, the first turn is);
 - reward: the task's own scoring (``Task.score``: its ``@vf.reward`` functions and plugged
   judges, awaited, weighted and summed as ``trace.reward``) on a verifiers ``Trace`` of the
-  transcript, the assistant turns marked as sampled.
+  transcript, the assistant turns marked as sampled. As in `ToolEnv`, an episode that still
+  calls tools on its last allowed turn (``env.max_turns``, "turn_limit") or is cut at the token
+  budget ("length") scores 0 unscored.
 
 Not played here: harness programs (bash, coding agents), tools behind remote MCP servers,
 multi-agent environments (user simulators, judges that sample), and scoring functions that
