@@ -187,3 +187,27 @@ def test_tiny_step_trains_on_the_rubric_rewards(reference, prefix, tmp_path):
     if prefix:  # an error turn: env tokens in the sequence, out of the loss
         assert any(not e.loss_mask.all() for e in made)
     assert np.isfinite(record["learner/loss"])
+
+
+def test_a_failing_rubric_scores_zero_with_its_error():
+    """verifiers awaits every reward together: a plain (not async) one, or one that raises,
+    fails the scoring, which is the episode's reason, not a crashed run."""
+    import verifiers.v1 as vf
+
+    from rlx.data.sources import Message
+    from rlx.envs.verifiers_env import score_transcript
+
+    class Plain(vf.Task):
+        @vf.reward
+        def length(self, trace) -> float:
+            return float(len(trace.last_reply))
+
+    class Raising(vf.Task):
+        @vf.reward
+        async def broken(self, trace) -> float:
+            raise ZeroDivisionError("no")
+
+    chat = [Message("user", "hi"), Message("assistant", "hello")]
+    for task in (Plain(vf.TaskData(prompt="hi")), Raising(vf.TaskData(prompt="hi"))):
+        result = score_transcript(task, chat, 1)
+        assert result.score == 0.0 and result.reason.startswith("verifiers scoring failed (")
