@@ -12,6 +12,7 @@ line naming the field and the fix.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -185,7 +186,22 @@ class TrainSection:
                               "keep_checkpoints >= 1")
 
 
-ENV_KINDS = ("single", "tools")
+ENV_KINDS = ("single", "tools", "verifiers")
+
+
+def check_verifiers(reference: str, args: str) -> None:
+    """``env.verifiers`` names a function and ``env.verifiers_args`` is a JSON object."""
+    module, _, function = reference.partition(":")
+    if not module or not function:
+        raise ConfigError(f"config.env.verifiers={reference!r} must name the function that "
+                          "returns the environment: 'package.module:function'")
+    try:
+        parsed = json.loads(args)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"config.env.verifiers_args={args!r} must be a JSON object of the "
+                          'function\'s keyword arguments, e.g. \'{"num_tasks": 8}\'')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,9 +226,16 @@ class EnvSection:
     # chat template shows (hermes when none) | hermes | llama3_json | deepseek_v3 | harmony
     # (rlx.rewards.tool_formats; checked when the run is built)
     tool_format: str = "auto"
+    # kind "verifiers": a verifiers 0.4 environment (rlx.envs.verifiers_env) from the function
+    # "package.module:function" called with verifiers_args (a JSON object); its tasks replace
+    # data.source, its tools and scoring the env.tools and train.reward
+    verifiers: str = ""
+    verifiers_args: str = "{}"
 
     def validate(self) -> None:
         one_of("config.env.kind", self.kind, ENV_KINDS)
+        if self.kind == "verifiers":
+            check_verifiers(self.verifiers, self.verifiers_args)
         if self.max_turns < 1 or self.max_episode_tokens < 1:
             raise ConfigError(f"config.env.max_turns={self.max_turns} and max_episode_tokens="
                               f"{self.max_episode_tokens} must be >= 1")

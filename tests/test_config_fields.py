@@ -158,6 +158,9 @@ EFFECTS = {
     # tiny's SmolLM2 template shows no family syntax (auto: hermes); the policy's <tool_call>
     # blocks are no calls in Llama's JSON format
     "env.tool_format": ("env", "llama3_json", TOOLS),
+    "env.verifiers": ("refused", "no_function", {"env.kind": "verifiers"}),
+    "env.verifiers_args": ("refused", "[1]", {"env.kind": "verifiers",
+                                              "env.verifiers": "rlx_vf_arith:load_environment"}),
     "data.source": ("data", "arith:mul", {}),
     "data.prompt_field": ("data", "question", FIELDS_FILE),
     "data.answer_field": ("data", "solution", FIELDS_FILE),

@@ -1,12 +1,14 @@
 """Multi-turn environments: the protocol, tool calls, tools, the tool-use env, the driver, and the
 loop's side (`runner`: episodes as a step's rollouts, `config.env.kind = "tools"`; `registry`:
-tools by name, user functions "package.module:function").
+tools by name, user functions "package.module:function"; `verifiers_env`: environments of the
+verifiers library, `config.env.kind = "verifiers"`).
 
 Importing this package loads only the protocol records; the rest is imported on first
 attribute access.
 
 May import ``rlx.data`` (examples, chat rendering), ``rlx.models`` (the tokenizer), ``rlx.rewards``
-(the code sandbox, reward records) and the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``).
+(the code sandbox, reward records) and the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``);
+``verifiers_env`` imports the optional ``verifiers`` package when an environment is loaded.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ _LAZY = {
     "make_runner": "rlx.envs.runner",
     "FunctionTool": "rlx.envs.registry",
     "make_tools": "rlx.envs.registry",
+    "VerifiersEnv": "rlx.envs.verifiers_env",
+    "make_verifiers_runner": "rlx.envs.verifiers_env",
 }
 
 __all__ = ["Env", "EnvError", "Observation", "StepInfo", "StepResult", *_LAZY]

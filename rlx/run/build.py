@@ -28,6 +28,7 @@ from rlx.data.overlap import count_overlap
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import Example, FieldMap, ListSource, Source, get_source
 from rlx.envs.runner import EnvRunner, episode_tool_format, make_runner
+from rlx.envs.verifiers_env import make_verifiers_runner, verifiers_source
 from rlx.errors import ConfigError
 from rlx.io.metrics import METRICS_FILE, LoggerConfig, MetricsLogger, read_metrics
 from rlx.learner.critic import (init_critic, make_critic_step, make_value_step, read_value_head,
@@ -101,7 +102,8 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     reward = make_reward(cfg, tokenizer)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=checked_eval_examples(cfg), prompt_format=prompt_format(cfg),
-               eval_sets=named_eval_sets(cfg, _training_source(cfg) if cfg.data.eval_sources else None),
+               eval_sets=named_eval_sets(
+                   cfg, run_source(cfg, "train") if cfg.data.eval_sources else None),
                reward=reward, logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
                resumed_in_flight=in_flight, sampling_overrides=sampling_overrides,
@@ -115,7 +117,7 @@ def prompt_format(cfg: RunConfig) -> PromptFormat:
 
 def prompt_data(cfg: RunConfig, tokenizer: Tokenizer, hosts: Hosts) -> grain.DatasetIterator:
     """This process's training prompts: ``data.prompts_per_step`` per step over its data shards."""
-    source = get_source(cfg.data.source, "train", **source_options(cfg))
+    source = run_source(cfg, "train")
     return hosts.prompt_data(lambda index, count, size: make_prompt_pipeline(
         source, tokenizer, batch_size=size, seed=cfg.seed,
         shard_index=index, shard_count=count, max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -126,7 +128,7 @@ def eval_examples(cfg: RunConfig) -> list[Example]:
     """``data.eval_size`` distinct held-out problems (none when it is 0)."""
     if not cfg.data.eval_size:
         return []
-    return distinct_examples(get_source(cfg.data.source, "eval", **source_options(cfg)),
+    return distinct_examples(run_source(cfg, "eval"),
                              cfg.data.eval_size)
 
 
@@ -135,7 +137,7 @@ def checked_eval_examples(cfg: RunConfig) -> list[Example]:
     one of them (in-memory training sources; a generated one is not read through)."""
     held = eval_examples(cfg)
     if held:
-        train = _training_source(cfg)
+        train = run_source(cfg, "train")
         if isinstance(train, ListSource):
             overlap = count_overlap(train, held)
             (log.warning if overlap.count else log.info)(
@@ -143,8 +145,15 @@ def checked_eval_examples(cfg: RunConfig) -> list[Example]:
     return held
 
 
-def _training_source(cfg: RunConfig) -> Source:
-    return get_source(cfg.data.source, "train", **source_options(cfg))
+def run_source(cfg: RunConfig, split: str) -> Source:
+    """The run's ``split`` of ``data.source``, or with ``env.kind="verifiers"`` of the
+    environment's tasks (``rlx.envs.verifiers_env``)."""
+    if cfg.env.kind != "verifiers":
+        return get_source(cfg.data.source, split, **source_options(cfg))
+    try:
+        return verifiers_source(cfg.env.verifiers, split, cfg.env.verifiers_args)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}" if str(e).startswith("env.") else str(e)) from None
 
 
 def source_options(cfg: RunConfig) -> dict[str, FieldMap]:
@@ -179,13 +188,20 @@ def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None) -> RewardFn:
 
 def make_env_runner(cfg: RunConfig, reward: RewardFn, tokenizer: Tokenizer) -> EnvRunner | None:
     """``env.kind="tools"``: the tool-use episodes' runner (``rlx.envs.runner``) offering
-    ``env.tools``, grading final answers with the run's reward; None for single turns."""
+    ``env.tools``, grading final answers with the run's reward; ``"verifiers"``: the verifiers
+    environment's episodes (``rlx.envs.verifiers_env``); None for single turns."""
     if cfg.env.kind == "single":
         return None
     try:
         fmt = episode_tool_format(tokenizer, tool_format(cfg, tokenizer))
     except ValueError as e:
         raise ConfigError(f"config.env.tool_format={cfg.env.tool_format!r}: {e}") from None
+    if cfg.env.kind == "verifiers":
+        return make_verifiers_runner(
+            cfg.env.verifiers, cfg.env.verifiers_args, tokenizer,
+            dataclasses.replace(prompt_format(cfg), tool_format=fmt), max_turns=cfg.env.max_turns,
+            max_episode_tokens=cfg.env.max_episode_tokens, format_coef=cfg.env.format_coef,
+            assistant_prefix=cfg.env.assistant_prefix)
     try:
         return make_runner(cfg.env.tools, reward, tokenizer,
                            dataclasses.replace(prompt_format(cfg), tool_format=fmt),
