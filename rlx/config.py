@@ -28,6 +28,7 @@ from rlx.learner.preference import ALGORITHMS
 from rlx.learner.state import MODES, OptimizerConfig
 from rlx.learner.step import FORWARDS, StepConfig
 from rlx.mesh import MeshShape
+from rlx.models.classifier import RewardModelSection
 from rlx.models.loading import ModelSection, resolve_path
 from rlx.quant.config import LoraConfig, QuantConfig
 from rlx.rollout.config import RolloutSection
@@ -136,7 +137,7 @@ class TrainSection:
     # "layer" keeps layer inputs and recomputes; "projections" keeps every linear layer's output and
     # recomputes attention, norms and activations
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-    reward: str = "math"  # a registered reward (math, code, ...)
+    reward: str = "math"  # a registered reward (math, code, ...) or "reward_model" (config.reward_model)
     math_extractors: tuple[str, ...] = ("boxed", "hash", "answer_is")  # math answer extraction order
     eval_every: int = 10  # steps between evaluations (0 = only at the start and the end)
     checkpoint_every: int = 0  # steps between checkpoints (0 = only at exit)
@@ -229,6 +230,7 @@ class RunConfig:
     train: TrainSection = TrainSection()
     loss: LossConfig = LossConfig()  # policy loss, KL, entropy, truncated importance sampling
     critic: CriticSection = CriticSection()  # PPO's learned critic (train.advantage="gae")
+    reward_model: RewardModelSection = RewardModelSection()  # train.reward="reward_model"
     optim: OptimizerConfig = OptimizerConfig()  # AdamW + schedule + clipping
     distributed: DistributedSection = DistributedSection()
     log: LogSection = LogSection()  # trackers: tensorboard, wandb, mlflow (rlx.io.trackers)
@@ -288,6 +290,7 @@ class RunConfig:
                               "train.mode='lora' (the reference is the base with the adapter off) "
                               "or loss.kl_coef=0")
         self._check_critic()
+        self.reward_model.check_used(self.train.reward)
         if self.rollout.partial and not self.train.max_staleness:
             raise ConfigError("config.rollout.partial=True continues generations across weight "
                               "syncs, which needs batches in flight: set train.max_staleness >= 1")

@@ -52,7 +52,7 @@ class RewardModelSection:
     path: str = ""  # HF folder of a *ForSequenceClassification checkpoint with its tokenizer
     label: int = 0  # the logit that is the reward (0 for the usual one-label reward model)
     batch_size: int = 8  # sequences per forward pass
-    max_tokens: int = 2048  # longer prompt + completion keeps its last max_tokens tokens
+    max_length: int = 2048  # longer prompt + completion keeps its last max_length tokens
     dtype: str = "float32"  # compute and storage dtype: float32 | bfloat16
     scale: float = 1.0  # reward = scale * logit + offset
     offset: float = 0.0
@@ -60,9 +60,9 @@ class RewardModelSection:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"config.reward_model.dtype={self.dtype!r} is not one of {list(DTYPES)}")
-        if self.batch_size < 1 or self.max_tokens < 1 or self.label < 0:
-            raise ConfigError(f"config.reward_model.batch_size={self.batch_size} and max_tokens="
-                              f"{self.max_tokens} must be >= 1, label={self.label} >= 0")
+        if self.batch_size < 1 or self.max_length < 1 or self.label < 0:
+            raise ConfigError(f"config.reward_model.batch_size={self.batch_size} and max_length="
+                              f"{self.max_length} must be >= 1, label={self.label} >= 0")
 
     def check_used(self, reward: str) -> None:
         """``train.reward="reward_model"`` needs ``path``, a folder that exists."""
@@ -171,19 +171,19 @@ class Scorer:
 
 
 def classify(scorer: Scorer, tokens: Sequence[Sequence[int]], batch_size: int,
-             max_tokens: int) -> np.ndarray:
-    """Logits ``[N, num_labels]`` of each token list (its last ``max_tokens`` tokens), in
+             max_length: int) -> np.ndarray:
+    """Logits ``[N, num_labels]`` of each token list (its last ``max_length`` tokens), in
     batches of ``batch_size`` rows (rounded up to the mesh's batch shards), right-padded with the
     pad id to a power-of-two length."""
     if not tokens:
         raise ValueError("classify needs at least one token list")
-    kept = [list(t)[-max_tokens:] for t in tokens]
+    kept = [list(t)[-max_length:] for t in tokens]
     rows = round_up(batch_size, scorer.row_multiple)
     out = []
     for start in range(0, len(kept), rows):
         chunk = kept[start:start + rows]
         longest = max(max(len(t) for t in chunk), 1)
-        t = min(max(MIN_LENGTH, 1 << (longest - 1).bit_length()), max(max_tokens, longest))
+        t = min(max(MIN_LENGTH, 1 << (longest - 1).bit_length()), max_length)
         ids = np.full((rows, t), scorer.pad_id, np.int32)
         lengths = np.zeros((rows,), np.int32)
         for i, row in enumerate(chunk):

@@ -55,6 +55,7 @@ from rlx.run.learn import needs_old_logprobs
 from rlx.run.lifecycle import checkpoint_dir, open_checkpointer, restore
 from rlx.run.loop import Run
 from rlx.run.multihost import initialize_from
+from rlx.run.reward_model import NAME as REWARD_MODEL, RewardModelReward
 from rlx.types import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     if start:
         hosts.sync_weights(engine, compiled, start)
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
-    reward = make_reward(cfg, tokenizer)
+    reward = make_reward(cfg, tokenizer, mesh)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=checked_eval_examples(cfg), prompt_format=prompt_format(cfg),
                reward=reward, logger=make_logger(cfg, start, progress),
@@ -160,10 +161,13 @@ def tool_format(cfg: RunConfig, tokenizer: Tokenizer | None) -> str:
     return name
 
 
-def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None) -> RewardFn:
+def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None,
+                mesh: Mesh | None = None) -> RewardFn:
     """The reward ``train.reward`` names (the math reward with ``train.math_extractors``, the
-    call reward reading ``env.tool_format``'s syntax)."""
+    call reward reading ``env.tool_format``'s syntax, the reward model on ``mesh``)."""
     fmt = tool_format(cfg, tokenizer)  # checked whichever reward reads it
+    if cfg.train.reward == REWARD_MODEL:
+        return RewardModelReward(cfg.reward_model, mesh)
     kw: dict[str, Any] = {"math": {"extractors": cfg.train.math_extractors},
                           "tool_call": {"tool_format": fmt}}.get(cfg.train.reward, {})
     return get_reward(cfg.train.reward, **kw)

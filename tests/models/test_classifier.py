@@ -42,7 +42,7 @@ def test_logits_equal_transformers_on_a_padded_batch(family, tmp_path):
     model = load_classifier(path)
     tokens, ids, mask = _batch(model.body.config.vocab_size)
     want = hf_classifier_logits(path, ids, mask)  # [5, 3]
-    got = classify(Scorer(model), tokens, batch_size=2, max_tokens=64)  # 3 batches of 2 rows
+    got = classify(Scorer(model), tokens, batch_size=2, max_length=64)  # 3 batches of 2 rows
     assert got.shape == want.shape == (5, 3)
     assert np.abs(want).max() > 0.1  # O(1) logits: a wrong token or layout shows far above 1e-4
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -51,13 +51,13 @@ def test_logits_equal_transformers_on_a_padded_batch(family, tmp_path):
 def test_an_eight_device_mesh_gives_one_devices_logits(tmp_path):
     path = make_classifier("llama", str(tmp_path))
     tokens, _, _ = _batch(97)
-    single = classify(Scorer(load_classifier(path)), tokens, batch_size=4, max_tokens=64)
+    single = classify(Scorer(load_classifier(path)), tokens, batch_size=4, max_length=64)
     mesh = make_mesh(MeshShape(data=2, fsdp=2, tensor=2))
     model = load_classifier(path, mesh)
     embed, score = model.body.embed[...], model.score[...]
     assert len(embed.sharding.device_set) == 8 and embed.addressable_shards[0].data.shape == (97, 16)
     assert score.addressable_shards[0].data.shape == (16, 3)  # hidden split over fsdp
-    sharded = classify(Scorer(model, mesh), tokens, batch_size=4, max_tokens=64)
+    sharded = classify(Scorer(model, mesh), tokens, batch_size=4, max_length=64)
     np.testing.assert_allclose(sharded, single, atol=1e-5, rtol=0)
 
 
