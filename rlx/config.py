@@ -290,7 +290,7 @@ class RunConfig:
                               "train.mode='lora' (the reference is the base with the adapter off) "
                               "or loss.kl_coef=0")
         self._check_critic()
-        self.reward_model.check_used(self.train.reward)
+        self.reward_model.check_used(self.train.reward, self.env.kind, self.distributed.enabled)
         if self.rollout.partial and not self.train.max_staleness:
             raise ConfigError("config.rollout.partial=True continues generations across weight "
                               "syncs, which needs batches in flight: set train.max_staleness >= 1")

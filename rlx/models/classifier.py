@@ -64,13 +64,20 @@ class RewardModelSection:
             raise ConfigError(f"config.reward_model.batch_size={self.batch_size} and max_length="
                               f"{self.max_length} must be >= 1, label={self.label} >= 0")
 
-    def check_used(self, reward: str) -> None:
-        """``train.reward="reward_model"`` needs ``path``, a folder that exists."""
-        if reward == "reward_model" and not self.path:
+    def check_used(self, reward: str, env_kind: str, distributed: bool) -> None:
+        """``train.reward="reward_model"`` needs ``path``, a folder that exists, and scores
+        single-turn completions of a one-process run (episodes and processes scoring their own
+        rollouts on a shared mesh are not wired yet)."""
+        if reward != "reward_model":
+            return
+        if not self.path:
             raise ConfigError("config.train.reward='reward_model' needs config.reward_model.path: "
                               f"the HF folder of a *{SUFFIX} checkpoint")
-        if reward == "reward_model":
-            check_path("config.reward_model.path", self.path)
+        check_path("config.reward_model.path", self.path)
+        if env_kind != "single" or distributed:
+            raise ConfigError(f"config.train.reward='reward_model' scores single-turn completions "
+                              f"in one process; got env.kind={env_kind!r}, distributed.enabled="
+                              f"{distributed}: use env.kind='single' without distributed")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,10 @@ def test_a_missing_path_and_a_label_out_of_range_are_refused(tmp_path):
         run_config("tiny", tmp_path, **{"train.reward": "reward_model",
                                         "reward_model.path": "/nowhere"})
     path = _reward_model(tmp_path)
+    with pytest.raises(ConfigError, match=r"^config.train.reward='reward_model' scores single-"
+                                          r"turn completions in one process; got env.kind='tools'"):
+        run_config("tiny", tmp_path, **{"train.reward": "reward_model", "env.kind": "tools",
+                                        "reward_model.path": path})
     cfg = run_config("tiny", tmp_path, **{"train.reward": "reward_model",
                                           "reward_model.path": path, "reward_model.label": 2})
     with pytest.raises(ConfigError, match=r"^config.reward_model.label=2 is out of range: .* has "
