@@ -142,7 +142,21 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     return {"frozen": total[False], "trainable": total[True],
             "optimizer": 2 * total[True],  # AdamW: mu and nu in the parameter dtype
             "critic": critic, "critic_optimizer": 2 * critic, "engine": engine,
-            "load_tensor": load_tensor_bytes(spec)}
+            "reward_model": reward_model_bytes(spec), "load_tensor": load_tensor_bytes(spec)}
+
+
+def reward_model_bytes(spec: PlanSpec) -> int:
+    """Per-device bytes of the frozen reward model (``spec.reward_model``): its body counted as
+    full mode's parameters in its dtype (sharded by the same rules), plus the score head
+    ``[D, labels]`` whole (an upper bound: it is split over the ``embed`` axes)."""
+    if spec.reward_model is None:
+        return 0
+    dt = spec.reward_model_dtype
+    body = spec.replace(model=spec.reward_model, mode="full", dtype=dt, param_dtype=dt,
+                        reward_model=None, critic=False, decode_layout="in_out",
+                        engine_copies_trainables=False, gguf_types=())
+    head = spec.reward_model.hidden_size * spec.reward_model_labels * np.dtype(dt).itemsize
+    return state_bytes(body)["trainable"] + head
 
 
 def load_tensor_bytes(spec: PlanSpec) -> int:
