@@ -29,6 +29,7 @@ from rlx.learner.preference import ALGORITHMS
 from rlx.learner.state import MODES, OptimizerConfig
 from rlx.learner.step import FORWARDS, StepConfig
 from rlx.mesh import MeshShape
+from rlx.models.classifier import RewardModelSection
 from rlx.models.loading import ModelSection, resolve_path
 from rlx.quant.config import LoraConfig, QuantConfig
 from rlx.rewards.judge import JudgeConfig
@@ -145,7 +146,9 @@ class TrainSection:
     # "layer" keeps layer inputs and recomputes; "projections" keeps every linear layer's output and
     # recomputes attention, norms and activations
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal
-    reward: str = "math"  # a registered reward (math, code, tool_call, judge: config.judge, ...)
+    # a registered reward (math, code, tool_call, judge: config.judge, ...) or "reward_model"
+    # (config.reward_model)
+    reward: str = "math"
     math_extractors: tuple[str, ...] = ("boxed", "hash", "answer_is")  # math answer extraction order
     eval_every: int = 10  # steps between evaluations (0 = only at the start and the end)
     checkpoint_every: int = 0  # steps between checkpoints (0 = only at exit)
@@ -261,6 +264,7 @@ class RunConfig:
     judge: JudgeConfig = JudgeConfig()  # train.reward="judge": the LLM judge (rlx.rewards.judge)
     loss: LossConfig = LossConfig()  # policy loss, KL, entropy, truncated importance sampling
     critic: CriticSection = CriticSection()  # PPO's learned critic (train.advantage="gae")
+    reward_model: RewardModelSection = RewardModelSection()  # train.reward="reward_model"
     optim: OptimizerConfig = OptimizerConfig()  # AdamW + schedule + clipping
     distributed: DistributedSection = DistributedSection()
     log: LogSection = LogSection()  # trackers: tensorboard, wandb, mlflow (rlx.io.trackers)
@@ -315,6 +319,7 @@ class RunConfig:
                               f"format={self.quant.format!r} freezes a quantized base; use "
                               "train.mode='lora' or quant.format='none'")
         self._check_critic()
+        self.reward_model.check_used(self.train.reward, self.env.kind, self.distributed.enabled)
         if self.rollout.partial and not self.train.max_staleness:
             raise ConfigError("config.rollout.partial=True continues generations across weight "
                               "syncs, which needs batches in flight: set train.max_staleness >= 1")

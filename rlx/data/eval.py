@@ -21,6 +21,7 @@ from rlx.data.chat import PromptFormat, encode_prompt
 from rlx.data.sources import Example, content_key
 from rlx.models.tokenizer import Tokenizer
 from rlx.rewards import RewardFn, get_reward, score_batch
+from rlx.rewards.base import reads_chat
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
 
 
@@ -110,7 +111,7 @@ def evaluate(
             _check_order(rollouts, chunk, sampling.n)
             texts = [tokenizer.decode(r.completion_ids, skip_special_tokens=True)
                      for r in rollouts]
-            samples = [e.reward_sample() for e in chunk for _ in range(sampling.n)]
+            samples = [e.reward_sample(reads_chat(grader)) for e in chunk for _ in range(sampling.n)]
             scores = [r.score for r in score_batch(grader, texts, samples)]
             for i, example in enumerate(chunk):
                 mine = slice(i * sampling.n, (i + 1) * sampling.n)

@@ -34,6 +34,8 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol, overload
 
+from rlx.rewards.base import CHAT_KEY
+
 Split = Literal["train", "eval", "all"]
 SPLITS = ("train", "eval", "all")
 _SPLIT_SALT = b"rlx-split-v1\0"
@@ -77,10 +79,13 @@ class Example:
     tools: tuple[Mapping[str, Any], ...] = ()
     fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def reward_sample(self) -> dict[str, Any]:
+    def reward_sample(self, chat: bool = False) -> dict[str, Any]:
         """The ground-truth mapping rewards take (`answer`, `tests`, and `fields`; `prompt`, the
-        question text, unless a field has that name: what an LLM judge is shown)."""
+        question text, unless a field has that name: what an LLM judge is shown; with `chat` also
+        the prompt's messages under `rlx.rewards.base.CHAT_KEY`, for a reward model)."""
         sample: dict[str, Any] = {"prompt": self.prompt, **self.fields}
+        if chat:
+            sample[CHAT_KEY] = [m.to_dict() for m in self.messages]
         if self.answer is not None:
             sample["answer"] = self.answer
         if self.tests:

@@ -145,7 +145,21 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
             "critic": critic, "critic_optimizer": 2 * critic, "engine": engine,
             # full mode's frozen reference policy: one more copy of the params, as they are placed
             "reference": total[True] if spec.reference and spec.mode == "full" else 0,
-            "load_tensor": load_tensor_bytes(spec)}
+            "reward_model": reward_model_bytes(spec), "load_tensor": load_tensor_bytes(spec)}
+
+
+def reward_model_bytes(spec: PlanSpec) -> int:
+    """Per-device bytes of the frozen reward model (``spec.reward_model``): its body counted as
+    full mode's parameters in its dtype (sharded by the same rules), plus the score head
+    ``[D, labels]`` whole (an upper bound: it is split over the ``embed`` axes)."""
+    if spec.reward_model is None:
+        return 0
+    dt = spec.reward_model_dtype
+    body = spec.replace(model=spec.reward_model, mode="full", dtype=dt, param_dtype=dt,
+                        reward_model=None, critic=False, decode_layout="in_out",
+                        engine_copies_trainables=False, gguf_types=())
+    head = spec.reward_model.hidden_size * spec.reward_model_labels * np.dtype(dt).itemsize
+    return state_bytes(body)["trainable"] + head
 
 
 def load_tensor_bytes(spec: PlanSpec) -> int:

@@ -3,7 +3,8 @@
 
 Prints bytes per device for the frozen base, trainable params, gradients, AdamW state, full
 mode's frozen reference copy of the params (``loss.kl_coef > 0`` or DPO), PPO's critic and its
-AdamW state (``critic.enabled``), activations (with the remat choice), log-prob chunks, the batch,
+AdamW state (``critic.enabled``), the frozen reward model (``train.reward="reward_model"``, sized
+from its folder's config.json), activations (with the remat choice), log-prob chunks, the batch,
 the built-in engine's own weights (it shares the frozen base) and KV cache, and
 the load transient; whether the peaks of the train step, of sampling and of loading fit the
 device memory; and, when they do not, which knob to turn (remat, micro-batches, chunk size,
@@ -39,6 +40,7 @@ from rlx.learner.batching import micro_rows
 from rlx.learner.state import MODES
 from rlx.mesh import MESH_AXES, MeshShape, batch_shards
 from rlx.models import from_hf_config
+from rlx.models.classifier import read_classifier_config
 from rlx.models.loading import resolve_path
 from rlx.models.presets import PRESETS, find_preset, preset_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
@@ -51,19 +53,16 @@ RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmen
 # the built-in engine's own weights ("engine": an asynchronous run's copy of the trainable
 # variables; it shares the frozen base, and a synchronous run's trainable variables too)
 # live through the whole run: one-step-off sampling reads them while the learner updates
-TRAIN_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic",
-              "critic_optimizer", "engine", "grads",
-              "activations", "logprob_chunks", "batch")
-SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic",
-               "critic_optimizer", "engine",
-               "kv_cache", "decode_temp")
+TRAIN_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic", "critic_optimizer",
+              "engine", "reward_model", "grads", "activations", "logprob_chunks", "batch")
+SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic", "critic_optimizer",
+               "engine", "reward_model", "kv_cache", "decode_temp")
 # building the run: the base streamed in tensor by tensor, adapters attached, one tensor in flight
 LOAD_KEYS = ("frozen", "trainable", "load_tensor")
 # a weight sync: the engine places its new copy (resharded on the devices) before it lets the
 # old one go, between generate calls and after the update (no step transient alive)
-SYNC_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic",
-             "critic_optimizer", "engine",
-             "engine_sync")
+SYNC_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic", "critic_optimizer",
+             "engine", "reward_model", "engine_sync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +155,8 @@ def format_plan(p: Plan, compiled: dict[str, int] | None = None, devices_per_nod
              f"micro_batches={s.micro_batches}",
              "per device (GB)"]
     for key in dict.fromkeys(TRAIN_KEYS + SAMPLE_KEYS + LOAD_KEYS + SYNC_KEYS):
-        if key.startswith("critic") and not s.critic or key == "reference" and not p.bytes[key]:
+        if (key.startswith("critic") and not s.critic or key == "reference" and not p.bytes[key]
+                or key == "reward_model" and not s.reward_model):
             continue
         lines.append(f"  {key:15s} {p.bytes[key] / GB:10.3f}")
     lines.append(f"  {'train peak':15s} {p.train_peak / GB:10.3f}")
@@ -285,6 +285,10 @@ def spec_from_config(cfg: Any) -> PlanSpec:
         extra.setdefault(key, getattr(run.model, key))
     extra.setdefault("critic", run.critic.enabled)  # PPO's critic, as the run would build it
     extra.setdefault("reference", run.loss.kl_coef > 0 or run.train.algorithm == "dpo")
+    if run.train.reward == "reward_model" and run.reward_model.path:  # its config.json's sizes
+        rm = read_classifier_config(resolve_path(run.reward_model.path))
+        extra.setdefault("reward_model", rm.body)
+        extra.update(reward_model_labels=rm.num_labels, reward_model_dtype=run.reward_model.dtype)
     if run.quant.spec.keeps_file_blocks:  # the GGUF file's blocks, by the types in its header
         extra.setdefault("gguf_types", _gguf_types(_section(cfg, "model")))
     return PlanSpec(model=arch, quant=run.quant, lora=run.lora, mesh=run.mesh, **extra)

@@ -83,6 +83,11 @@ class PlanSpec:
     # train.mode="full"): a copy of the trainable variables, sharded as they are (lora: none, the
     # reference is the base with the adapter off)
     reference: bool = False
+    # train.reward="reward_model": the frozen classifier's body (no lm_head) and score labels,
+    # resident in reward_model_dtype for the whole run (rlx.models.classifier); None: no model
+    reward_model: ModelConfig | None = None
+    reward_model_labels: int = 1
+    reward_model_dtype: str = "float32"
     # quant.format="gguf": the file's tensor types ((HF name, GGUF type), from its header); the
     # block-quantized ones are planned as the blocks rlx.quant.load_gguf_quantized keeps
     gguf_types: tuple[tuple[str, str], ...] = ()
@@ -92,7 +97,7 @@ class PlanSpec:
         one_of("plan.decode_layout", self.decode_layout, ("in_out", "out_in"))
         one_of("plan.remat", self.remat, FORWARDS)
         one_of("plan.batching", self.batching, BATCHING)
-        for name in ("dtype", "param_dtype", "kv_dtype"):
+        for name in ("dtype", "param_dtype", "kv_dtype", "reward_model_dtype"):
             one_of(f"plan.{name}", getattr(self, name), DTYPES)
         one_of("plan.moe_impl", self.moe_impl, MOE_IMPLS)
         one_of("plan.scan_layers", self.scan_layers, SCAN_MODES)

@@ -76,6 +76,15 @@ def take_metrics(fn: RewardFn) -> dict[str, float]:
     return dict(take()) if callable(take) else {}
 
 
+CHAT_KEY = "chat"  # the sample key of the prompt's messages (`reads_chat`)
+
+
+def reads_chat(fn: RewardFn) -> bool:
+    """Whether `fn` grades the prompt too (a reward model: its attribute `reads_chat` is True);
+    its samples then carry the prompt's messages, role/content dicts, under `CHAT_KEY`."""
+    return bool(getattr(fn, "reads_chat", False))
+
+
 RewardFactory = Callable[..., RewardFn]
 
 # name -> "module:attribute" of a factory; imported on first use.

@@ -58,6 +58,7 @@ from rlx.run.learn import needs_old_logprobs
 from rlx.run.lifecycle import checkpoint_dir, open_checkpointer, restore
 from rlx.run.loop import Run
 from rlx.run.multihost import initialize_from
+from rlx.run.reward_model import NAME as REWARD_MODEL, RewardModelReward
 from rlx.types import RolloutEngine
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     if start:
         hosts.sync_weights(engine, compiled, start)
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
-    reward = make_reward(cfg, tokenizer)
+    reward = make_reward(cfg, tokenizer, mesh)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
                data=data, eval_set=checked_eval_examples(cfg), prompt_format=prompt_format(cfg),
                eval_sets=named_eval_sets(
@@ -176,10 +177,14 @@ def tool_format(cfg: RunConfig, tokenizer: Tokenizer | None) -> str:
     return name
 
 
-def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None) -> RewardFn:
+def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None,
+                mesh: Mesh | None = None) -> RewardFn:
     """The reward ``train.reward`` names (the math reward with ``train.math_extractors``, the
-    call reward reading ``env.tool_format``'s syntax, the judge with ``config.judge``)."""
+    call reward reading ``env.tool_format``'s syntax, the judge with ``config.judge``, the reward
+    model on ``mesh``)."""
     fmt = tool_format(cfg, tokenizer)  # checked whichever reward reads it
+    if cfg.train.reward == REWARD_MODEL:
+        return RewardModelReward(cfg.reward_model, mesh)
     kw: dict[str, Any] = {"math": {"extractors": cfg.train.math_extractors},
                           "tool_call": {"tool_format": fmt},
                           "judge": {"config": cfg.judge}}.get(cfg.train.reward, {})

@@ -57,7 +57,7 @@ from rlx.io.export import export_critic, export_merged, export_peft
 from rlx.io.metrics import MetricsLogger, TextSample
 from rlx.learner.step import Compiled
 from rlx.models.tokenizer import Tokenizer
-from rlx.rewards.base import RewardFn, RewardResult, score_batch, take_metrics
+from rlx.rewards.base import RewardFn, RewardResult, reads_chat, score_batch, take_metrics
 from rlx.rollout.errors import RolloutError
 from rlx.run.heldout import Evaluator
 from rlx.run.hosts import Hosts
@@ -241,7 +241,7 @@ class Run:
         own = [i for i, r in enumerate(rollouts) if r.prompt_uid in examples]  # this process's
         texts = [self.tokenizer.decode(rollouts[i].completion_ids.tolist(), skip_special_tokens=True)
                  for i in own]
-        samples = [examples[rollouts[i].prompt_uid].reward_sample() for i in own]
+        samples = [examples[rollouts[i].prompt_uid].reward_sample(reads_chat(self.reward)) for i in own]
         results = score_batch(self.reward, texts, samples)
         return self.hosts.gather_scores(len(rollouts), own, [res.score for res in results], texts,
                                         [res.reason for res in results])
