@@ -4,8 +4,9 @@ models whose indexer keeps 4 keys per query (fewer than the sequences, so the se
 
 Tolerances: max |logit difference| <= 1e-4 relative to the largest oracle logit (about 4 here)
 for HF -> rlx (padded rows compared on their real tokens); 1e-5 for the rlx -> to_hf ->
-transformers / rlx round trip and for a cached decode (prefill, then one-token steps over the
-latent and indexer-key cache) against the full forward pass. Keys tied at a query's k-th index
+transformers / rlx round trip, for a cached decode (prefill, then one-token steps over the
+latent and indexer-key cache) against the full forward pass, and for the built-in engine's
+sampled and scored log-probs against the learner's (``tests.helpers.parity``). Keys tied at a query's k-th index
 score would make the selection the backend's choice (transformers' ``topk``); the zoo's 8
 indexer heads make an exact tie (every head's relu at zero for two keys) unlikely, and one would
 fail these tests rather than pass them.
@@ -23,7 +24,11 @@ from rlx.learner.state import MODES
 from rlx.models import ModelConfigError, from_hf, from_hf_config, to_hf
 from rlx.models.dsa import IndexerWeight
 from rlx.models.kv_cache import KVCache
+from rlx.quant import LoraConfig, QuantConfig
 from tests.helpers.hf_zoo import hf_config, hf_logits, load_hf_model, make_hf_model
+from tests.helpers.parity import TOL as ENGINE_TOL
+from tests.helpers.parity import parity
+from tests.helpers.quant import quantized_lora_model
 
 TOL = 1e-4
 DSA = ("deepseek_v32", "glm_moe_dsa")
@@ -105,6 +110,28 @@ def test_decode_over_the_cache_equals_forward(zoo, family):
     decoded = np.concatenate([np.asarray(o) for o in outs], axis=1)
     real = np.asarray(mask).astype(bool)
     assert np.abs(decoded[real] - full[real]).max() <= 1e-5 * np.abs(full[real]).max()
+
+
+@pytest.mark.parametrize("family", [pytest.param("deepseek_v32", marks=pytest.mark.slow),
+                                    "glm_moe_dsa"])
+def test_engine_logprobs_equal_learner_mode_a(zoo, family):
+    """The built-in engine (paged KV cache, continuous batching: prompts of 3, 11 and 6 tokens,
+    12 sampled tokens each) samples, and scores, what the learner's log-prob step computes."""
+    sampled, scored, preflight = parity(from_hf(make_hf_model(family, zoo)))
+    assert sampled <= ENGINE_TOL and scored <= ENGINE_TOL and preflight <= ENGINE_TOL
+
+
+def test_engine_logprobs_equal_learner_mode_b(zoo):
+    """Mode B: an int8 base with random LoRA adapters on every attention projection; the
+    indexer stays float and frozen."""
+    attention = LoraConfig(rank=3, alpha=5.0, targets=("q_a", "q_b", "kv_a", "kv_b", "o"))
+    model = quantized_lora_model(zoo, "glm_moe_dsa", QuantConfig(format="int8", group_size=8),
+                                 attention)
+    assert model.layers[0].self_attn.q_a_proj.lora is not None
+    _, lora, _ = nnx.split(model, nnx.LoRAParam, ...)
+    assert not any("indexer" in "/".join(map(str, k)) for k, _ in nnx.to_flat_state(lora))
+    sampled, scored, _ = parity(model)
+    assert sampled <= ENGINE_TOL and scored <= ENGINE_TOL
 
 
 def test_indexer_is_frozen_in_both_modes(zoo):
