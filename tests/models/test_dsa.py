@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transformers
 from flax import nnx
 
 from rlx.learner.state import MODES
-from rlx.models import ModelConfigError, from_hf, from_hf_config, to_hf
+from rlx.models import ModelConfigError, from_hf, from_hf_config, to_hf, to_hf_config
 from rlx.models.dsa import IndexerWeight
 from rlx.models.kv_cache import KVCache
 from rlx.quant import LoraConfig, QuantConfig
@@ -165,9 +166,17 @@ def test_unsupported_options_are_refused_naming_the_field(field, value):
         from_hf_config(hf | {field: value})
 
 
-def test_config_round_trips():
-    from rlx.models import to_hf_config
-    for family in DSA:
-        cfg = from_hf_config(hf_config(family).to_dict() | {"architectures": [ARCH[family]]})
-        assert from_hf_config(to_hf_config(cfg)) == cfg
-        assert dataclasses.replace(cfg, dsa=None).attention_kind == "mla"
+@pytest.mark.parametrize("family", DSA)
+@pytest.mark.parametrize("first_dense", [None, 0])
+def test_config_round_trips(family, first_dense):
+    """What transformers saves reads back; rlx writes what reads back the same (``first_dense``
+    0: every layer sparse, as transformers derives ``mlp_layer_types``)."""
+    hf = hf_config(family).to_dict()
+    if first_dense is not None:
+        hf = hf | {"first_k_dense_replace": first_dense, "mlp_layer_types": None}
+        hf = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf).to_dict()
+    cfg = from_hf_config(hf | {"architectures": [ARCH[family]]})
+    first = 1 if first_dense is None else first_dense  # the zoo: the first layer dense
+    assert cfg.moe.sparse_layers == tuple(range(first, cfg.num_layers))
+    assert from_hf_config(to_hf_config(cfg)) == cfg
+    assert dataclasses.replace(cfg, dsa=None).attention_kind == "mla"

@@ -89,7 +89,8 @@ def dsa_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 def _extra_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     arch = "DeepseekV32ForCausalLM"
-    check_layer_types(hf, arch, int(hf.get("first_k_dense_replace") or 3))
+    check_layer_types(hf, arch, _DEFAULTS["first_k_dense_replace"] if hf.get(
+        "first_k_dense_replace") is None else int(hf["first_k_dense_replace"]))
     refuse_unless("indexer_rope_interleave", hf.get("indexer_rope_interleave", False), (False,),
                   arch)
     return {"dsa": dsa_from_hf(hf, heads=64, interleave=False)}

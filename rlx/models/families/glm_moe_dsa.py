@@ -69,7 +69,8 @@ def indexer_types(hf: Mapping[str, Any]) -> list[str]:
 
 def _extra_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
     arch = "GlmMoeDsaForCausalLM"
-    check_layer_types(hf, arch, int(hf.get("first_k_dense_replace") or 3))
+    check_layer_types(hf, arch, _DEFAULTS["first_k_dense_replace"] if hf.get(
+        "first_k_dense_replace") is None else int(hf["first_k_dense_replace"]))
     refuse_unless("indexer_rope_interleave", hf.get("indexer_rope_interleave", True), (True,), arch)
     indexer_types(hf)
     return {"dsa": dsa_from_hf(hf, heads=32, interleave=True)}
