@@ -78,7 +78,8 @@ def _ci(name: str, *slow: str):
     tests; deepseek_v3_fp8's multi-head latent attention and fp8 block base run in
     kimi_k2's and qwen25_7b_math_fp8's; kimi_k26's shrunken language model is kimi_k2's (its
     vision-language checkpoint in tests/models/test_kimi_k25.py); glm45_air's architecture in tests/models/test_deepseek_glm.py
-    and its MoE LoRA run in qwen3_30b_a3b_int4's; gpt_oss_120b's architecture in
+    and its MoE LoRA run in qwen3_30b_a3b_int4's; glm5's architecture and engine in
+    tests/models/test_dsa.py; gpt_oss_120b's architecture in
     tests/models/test_hf_parity.py and tests/rollout/jax/test_engine.py; ppo_quickstart's PPO in tests/run/test_ppo.py;
     the int8 / fp8 recipes' bases in tests/quant, tiny's run in tests/run/test_loop.py, dpo's in
     tests/run/test_dpo.py)."""
@@ -283,7 +284,7 @@ def served_policy_matches_the_learner(run) -> None:
     assert sorted(os.listdir(serving)) == ["adapter-2", "base", "sglang-0.log"]  # old ones deleted
 
 
-@pytest.mark.parametrize("name", [_ci(n, "deepseek_v3_fp8", "glm45_air", "gpt_oss_120b",
+@pytest.mark.parametrize("name", [_ci(n, "deepseek_v3_fp8", "glm45_air", "glm5", "gpt_oss_120b",
                                       "kimi_k26", "ppo_quickstart",
                                       "qwen25_1p5b_math_int8", "qwen25_7b_math_fp8", "tiny", "dpo")
                                   for n in RUNS])

@@ -44,7 +44,7 @@ def from_hf_config(hf: dict[str, Any], *, text_only: bool = False) -> ModelConfi
     heads = req(hf, "num_attention_heads")
     hidden = req(hf, "hidden_size")
     layers = req(hf, "num_hidden_layers")
-    mla = _mla_from_hf(hf) if spec.attention == "mla" else None
+    mla = _mla_from_hf(hf) if spec.attention in ("mla", "dsa") else None  # DSA is MLA + indexer
     fields = dict(
         architecture=arch,
         vocab_size=req(hf, "vocab_size"),

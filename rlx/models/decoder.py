@@ -2,8 +2,9 @@
 (multi-head latent attention, ``rlx.models.mla``), GLM-4.5 and gpt-oss (per-layer sliding windows
 and attention sinks, ``Attention``).
 
-Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``
-or ``MLAttention`` (``attention_kind``) and a dense or sparse MLP (``mlp_kind``; DeepSeek / GLM: the
+Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``,
+``MLAttention`` or ``DSAttention`` (MLA with DeepSeek sparse attention's indexer, ``rlx.models.dsa``;
+``attention_kind``) and a dense or sparse MLP (``mlp_kind``; DeepSeek / GLM: the
 first ``first_k_dense_replace`` layers dense). The rotary angles are computed once per forward pass for the config's
 ``rotary_dim`` (a GLM head's rotating part, MLA's ``qk_rope_head_dim``), scaled by YaRN's
 temperature where the rope has one.
@@ -49,6 +50,7 @@ from rlx.models.kv_cache import KVCache
 from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq, rotate, weight_value
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
+from rlx.models.dsa import DSAttention
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
 from rlx.models.paged_kv import PagedKVCache, per_device, pool_specs, rows_spec
@@ -200,7 +202,7 @@ def _sparse_mlp(cfg: ModelConfig, p: Precision, rngs) -> SparseMoE:
 
 
 # the layer kinds a Block is composed of (ModelConfig.attention_kind / mlp_kind -> builder)
-ATTENTION_LAYERS = {"gqa": Attention, "mla": MLAttention}
+ATTENTION_LAYERS = {"gqa": Attention, "mla": MLAttention, "dsa": DSAttention}
 MLP_LAYERS = {"dense": _dense_mlp, "moe": _sparse_mlp}
 
 

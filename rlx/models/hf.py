@@ -75,8 +75,10 @@ def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
     us, hf = f"layers/{i}", f"model.layers.{i}"
     out = {f"{us}/{n}/weight": ParamSource((f"{hf}.{n}.weight",), "copy")
            for n in ("input_layernorm", "post_attention_layernorm")}
-    attention = {"gqa": _attention_map, "mla": _mla_map}[cfg.attention_kind]
+    attention = {"gqa": _attention_map, "mla": _mla_map, "dsa": _mla_map}[cfg.attention_kind]
     out.update(attention(cfg, f"{us}/self_attn", f"{hf}.self_attn"))
+    if cfg.dsa is not None:
+        out.update(_indexer_map(f"{us}/self_attn/indexer", f"{hf}.self_attn.indexer"))
     if cfg.mlp_kind(i) == "dense":
         for p in ("gate_proj", "up_proj", "down_proj"):
             out[f"{us}/mlp/{p}/kernel"] = ParamSource((f"{hf}.mlp.{p}.weight",), "T")
@@ -115,6 +117,14 @@ def _mla_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:
                  if n in names) if cfg.qkv_bias else ()
     norms = ("q_a_layernorm", "kv_a_layernorm") if low_rank_q else ("kv_a_layernorm",)
     return _linears(us, hf, names, bias) | _norms(us, hf, norms)
+
+
+def _indexer_map(us: str, hf: str) -> dict[str, ParamSource]:
+    """The DSA indexer's projections and its key's LayerNorm (``rlx.models.dsa``)."""
+    out = {f"{us}/{p}": ParamSource((f"{hf}.{p}.weight",), "T")
+           for p in ("wq_b", "wk", "weights_proj")}
+    return out | {f"{us}/k_norm_{p}": ParamSource((f"{hf}.k_norm.{p}",), "copy")
+                  for p in ("weight", "bias")}
 
 
 def _moe_map(cfg: ModelConfig, us: str, hf: str) -> dict[str, ParamSource]:

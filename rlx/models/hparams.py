@@ -20,7 +20,8 @@ import math
 
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")  # rotary frequency scalings rlx implements
 ROUTERS = ("softmax", "sigmoid")  # MoE router scoring functions
-ATTENTION_KINDS = ("gqa", "mla")  # grouped-query attention; multi-head latent attention
+# grouped-query attention; multi-head latent attention; MLA with DeepSeek sparse attention's indexer
+ATTENTION_KINDS = ("gqa", "mla", "dsa")
 MLP_KINDS = ("dense", "moe")  # a SwiGLU MLP; routed experts (and shared ones)
 
 
@@ -94,6 +95,18 @@ class MLAConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over MLA: a lightning indexer per layer
+    scores every earlier key for each query and the attention keeps the ``index_topk`` best
+    (``rlx.models.dsa``); every layer has its own indexer."""
+
+    index_topk: int  # keys kept per query
+    index_head_dim: int  # width of the indexer's query heads and of its one key per token
+    index_n_heads: int
+    rope_interleave: bool  # the indexer's rotary pairs interleaved (GLM-5) or half-split (V3.2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +200,12 @@ class ModelConfig:
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit joins every softmax
     sliding_window: int | None = None  # keys fewer than this many positions back (sliding layers)
     sliding_layers: tuple[int, ...] = ()  # layer_types' "sliding_attention" layers
+    dsa: DSAConfig | None = None  # DeepSeek sparse attention over ``mla`` (needs ``mla``)
 
     def __post_init__(self):
+        if self.dsa is not None and (self.mla is None or self.mla.q_lora_rank is None):
+            raise ModelConfigError("DeepSeek sparse attention (index_topk) needs multi-head latent "
+                                   "attention with a q_lora_rank: its indexer reads the q_a latent")
         if self.sliding_layers and not self.sliding_window:
             raise ModelConfigError(f"sliding layers {list(self.sliding_layers)} need a positive "
                                    f"sliding_window; got {self.sliding_window!r}")
@@ -230,8 +247,17 @@ class ModelConfig:
 
     @property
     def attention_kind(self) -> str:
-        """The attention layers' kind (one of ATTENTION_KINDS): ``"mla"`` with ``mla``, else GQA."""
+        """The attention layers' kind (one of ATTENTION_KINDS): ``"dsa"`` with ``dsa``, ``"mla"``
+        with ``mla``, else GQA."""
+        if self.dsa is not None:
+            return "dsa"
         return "mla" if self.mla is not None else "gqa"
+
+    @property
+    def latent_cache_width(self) -> int:
+        """Width of an MLA layer's cached per-token values: the latent (``kv_lora_rank``) and,
+        with ``dsa``, the indexer's key beside it."""
+        return self.mla.kv_lora_rank + (self.dsa.index_head_dim if self.dsa is not None else 0)
 
     def mlp_kind(self, i: int) -> str:
         """Layer ``i``'s MLP kind (one of MLP_KINDS): ``"moe"`` for a sparse layer, else dense."""
@@ -247,8 +273,16 @@ class ModelConfig:
         attn = self._mla_params() if self.mla is not None else self._gqa_params()
         total = v * d * (1 if self.tie_word_embeddings else 2) + d
         for i in range(self.num_layers):
-            total += attn + 2 * d + self._mlp_params(i)
+            total += attn + 2 * d + self._mlp_params(i) + self._indexer_params(i)
         return total
+
+    def _indexer_params(self, i: int) -> int:
+        """wq_b, wk, k_norm (weight and bias) and weights_proj of layer ``i``'s indexer."""
+        x = self.dsa
+        if x is None:
+            return 0
+        return (self.mla.q_lora_rank * x.index_n_heads * x.index_head_dim
+                + self.hidden_size * (x.index_head_dim + x.index_n_heads) + 2 * x.index_head_dim)
 
     def _gqa_params(self) -> int:
         d, hd = self.hidden_size, self.head_dim
@@ -281,4 +315,4 @@ class ModelConfig:
 
 
 __all__ = ["ROPE_KINDS", "ROUTERS", "ATTENTION_KINDS", "MLP_KINDS", "ModelConfigError", "RopeConfig",
-           "MLAConfig", "MoEConfig", "ModelConfig", "yarn_get_mscale"]
+           "MLAConfig", "DSAConfig", "MoEConfig", "ModelConfig", "yarn_get_mscale"]

@@ -146,9 +146,9 @@ def cache_dtype(dtype, policy: PlatformPolicy | None = None) -> jnp.dtype:
 def layer_shapes(cfg: ModelConfig, batch: int, length: int) -> tuple[tuple[int, ...], ...]:
     """Shapes of one layer's (keys, values) buffers: GQA ``[b, kv, head_dim, s]`` and ``[b, kv, s,
     value_head_dim]``; MLA (``cfg.mla``) the shared rotary key ``[b, qk_rope_head_dim, s]`` and
-    the latent ``[b, s, kv_lora_rank]``."""
+    the latent ``[b, s, kv_lora_rank]`` (DSA: and the indexer's key, ``latent_cache_width``)."""
     if cfg.mla is not None:
-        return (batch, cfg.mla.qk_rope_head_dim, length), (batch, length, cfg.mla.kv_lora_rank)
+        return (batch, cfg.mla.qk_rope_head_dim, length), (batch, length, cfg.latent_cache_width)
     kv = cfg.num_kv_heads
     return (batch, kv, cfg.head_dim, length), (batch, kv, length, cfg.value_head_dim)
 

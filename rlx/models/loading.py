@@ -239,14 +239,19 @@ def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN
 def shrunk(cfg, s: ShrinkSection):
     """``cfg`` (a ``ModelConfig``) with the sizes of a ``config.model.shrink`` section. MLA keeps
     its kind (low-rank queries or not, interleaved rope) with ranks ``hidden_size // 2``, a
-    ``head_dim`` position-free part, a ``head_dim // 2`` rotary part and ``head_dim`` values."""
+    ``head_dim`` position-free part, a ``head_dim // 2`` rotary part and ``head_dim`` values; a
+    DSA indexer ``num_heads`` heads of ``head_dim`` keeping at most 8 keys (a short sequence's
+    selection binds)."""
     moe = None if cfg.moe is None else _shrunk_moe(cfg.moe, s)
     mla = None if cfg.mla is None else dataclasses.replace(
         cfg.mla, q_lora_rank=None if cfg.mla.q_lora_rank is None else s.hidden_size // 2,
         kv_lora_rank=s.hidden_size // 2, qk_nope_head_dim=s.head_dim,
         qk_rope_head_dim=s.head_dim // 2, v_head_dim=s.head_dim)
+    dsa = None if cfg.dsa is None else dataclasses.replace(
+        cfg.dsa, index_head_dim=s.head_dim, index_n_heads=s.num_heads,
+        index_topk=min(cfg.dsa.index_topk, 8))
     return dataclasses.replace(
-        cfg, num_layers=s.num_layers, hidden_size=s.hidden_size,
+        cfg, num_layers=s.num_layers, hidden_size=s.hidden_size, dsa=dsa,
         intermediate_size=s.intermediate_size, num_heads=s.num_heads,
         num_kv_heads=s.num_heads if mla else s.num_kv_heads,
         head_dim=mla.qk_head_dim if mla else s.head_dim, moe=moe, mla=mla,

@@ -222,12 +222,13 @@ class MLAttention(nnx.Module):
 
     def absorbed(self, q_nope: Float[Array, "b t h n"], q_rope: Float[Array, "b t h r"],
                  rope_keys: Float[Array, "b r s"], latents: Float[Array, "b s c"],
-                 seen: Seen, adapter: bool = True) -> Float[Array, "b t h v"]:
+                 seen: Seen, adapter: bool = True, mask=None) -> Float[Array, "b t h v"]:
         """``expanded``'s attention with ``kv_b_proj`` absorbed (``kv_b_blocks``): scores
         ``(q_nope W_k) . latent + q_rope . k_rope``, output ``(probs . latent) W_v``; scores and
         softmax in f32 (``_absorbed_parts``: one such term, or two under W8A8 with an
         adapter). The ``t`` tokens' heads are one ``[t * h]`` query axis, so each product is
-        one batched matrix product per row over the whole cache."""
+        one batched matrix product per row over the whole cache. ``mask`` ``[b, t, s]``: the
+        keys each query attends (default: those ``seen`` allows; DSA: its selection too)."""
         b, t, h, _ = q_nope.shape
         dtype = q_nope.dtype
         plain = latents.astype(dtype)  # [b, s, c]
@@ -240,7 +241,7 @@ class MLAttention(nnx.Module):
             scores = scores + jnp.einsum("bqc,bsc->bqs", q_lat.reshape(b, t * h, -1),
                                          quantized if quant else plain, **f32)
         scores = scores.reshape(b, t, h, -1) * self.scale  # [b, t, h, s]
-        mask = attention_mask(*seen)  # [b, t, s]: one decode step's row per query
+        mask = attention_mask(*seen) if mask is None else mask  # [b, t, s]: a row per query
         scores = jnp.where(mask[:, :, None, :], scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b, t * h, -1)
         return _latent_values([jnp.einsum("bqs,bsc->bqc", probs, quantized if quant else plain

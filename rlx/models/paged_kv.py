@@ -44,7 +44,7 @@ def page_shapes(cfg: ModelConfig, pages: int, page_size: int) -> tuple[tuple[int
     """One layer's (keys, values) pool shapes (module docstring)."""
     if cfg.mla is not None:
         return (pages, cfg.mla.qk_rope_head_dim, page_size), (pages, page_size,
-                                                              cfg.mla.kv_lora_rank)
+                                                              cfg.latent_cache_width)
     kv = cfg.num_kv_heads
     return (pages, kv, cfg.head_dim, page_size), (pages, kv, page_size, cfg.value_head_dim)
 

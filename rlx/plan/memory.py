@@ -340,9 +340,9 @@ def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
 def kv_cache_per_token(c: ModelConfig) -> int:
     """Numbers the built-in engine caches per token and layer (``rlx.models.kv_cache``), before
     tensor sharding: GQA every KV head's key and value, MLA the latent and the shared rotary key
-    (DeepSeek-V3: 512 + 64 = 576)."""
+    (DeepSeek-V3: 512 + 64 = 576; DSA adds the indexer's key: GLM-5 512 + 128 + 64 = 704)."""
     if c.mla is not None:
-        return c.mla.kv_lora_rank + c.mla.qk_rope_head_dim
+        return c.latent_cache_width + c.mla.qk_rope_head_dim
     return c.num_kv_heads * (c.head_dim + c.value_head_dim)
 
 

@@ -101,7 +101,24 @@ def _extra_configs() -> dict[str, transformers.PretrainedConfig]:
     mla_dense = {**_sigmoid_routed_configs()["deepseek_v3"].to_dict(), "first_k_dense_replace": 2}
     return {"llama_wide": transformers.LlamaConfig(**wide, tie_word_embeddings=False),
             "deepseek_v3_dense": transformers.DeepseekV3Config(**mla_dense),
-            "kimi_k25": _kimi_k25_config()}
+            "kimi_k25": _kimi_k25_config(), **_dsa_configs()}
+
+
+def _dsa_configs() -> dict[str, transformers.PretrainedConfig]:
+    """DeepSeek-V3.2 and GLM-5 (MLA + the DSA indexer): an indexer of 8 heads of 16 keeping 4
+    keys per query (fewer than the tests' sequences and caches, so the selection binds), its
+    first 8 dimensions rotating; 8 experts, the first layer dense. V3.2 with YaRN (a cos/sin and
+    a softmax temperature the indexer's rope shares) and 4 groups; GLM-5 with one group and a
+    default rope."""
+    base = dict(_sigmoid_routed_configs()["deepseek_v3"].to_dict(), index_topk=4,
+                index_head_dim=16, index_n_heads=8)
+    for k in ("architectures", "model_type", "transformers_version", "rope_interleave"):
+        base.pop(k, None)
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+            "mscale_all_dim": 0.8}
+    return {"deepseek_v32": transformers.DeepseekV32Config(**{**base, "rope_parameters": yarn}),
+            "glm_moe_dsa": transformers.GlmMoeDsaConfig(**{**base, "n_group": 1, "topk_group": 1})}
 
 
 def _kimi_k25_config() -> transformers.PretrainedConfig:

@@ -42,6 +42,8 @@ def _tiny_hf(model_type: str, seed: int, **overrides) -> dict:
         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=head_dim // 2, v_head_dim=8,
         rope_parameters={"rope_type": "default", "rope_theta": rng.choice((100.0, 10000.0))},
     )
+    if model_type in ("deepseek_v32", "glm_moe_dsa"):  # their indexer reads the query latent
+        sizes["q_lora_rank"] = 24
     return transformers.AutoConfig.for_model(model_type, **sizes | overrides).to_dict()
 
 

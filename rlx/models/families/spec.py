@@ -1,9 +1,9 @@
 """The record that describes one model family (``FamilySpec``) and the pieces it is made of.
 
 A family is what transformers calls a ``model_type``: the ``config.json`` classes it reads
-(``architectures``), its layer kinds (attention: ``"gqa"`` or ``"mla"``; MLP: ``"dense"`` or
-``"moe"``), how its ``config.json`` options map onto ``rlx.models.hparams.ModelConfig`` and back,
-how its MoE tensors are named, its default LoRA targets, the published sizes of its checkpoints
+(``architectures``), its layer kinds (attention: ``"gqa"``, ``"mla"`` or ``"dsa"``; MLP:
+``"dense"`` or ``"moe"``), how its ``config.json`` options map onto
+``rlx.models.hparams.ModelConfig`` and back, how its MoE tensors are named, its default LoRA targets, the published sizes of its checkpoints
 (presets) and, where llama.cpp has one, its GGUF architecture. The generic readers and writers
 (``rlx.models.config``, ``rlx.models.hf``, ``rlx.models.gguf``, ``rlx.models.presets``) ask the
 spec; none of them names a family.
