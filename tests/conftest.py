@@ -11,6 +11,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Chosen by the first process that loads this file (the controller); its workers inherit it.
 _CACHE = os.environ.setdefault("RLX_TESTS_JAX_CACHE",
                                os.path.join(tempfile.gettempdir(), f"rlx-tests-jax-{os.getpid()}"))
@@ -26,3 +28,69 @@ def pytest_sessionfinish(session):
     """The controller (not an xdist worker) removes this run's cache."""
     if not hasattr(session.config, "workerinput"):
         shutil.rmtree(_CACHE, ignore_errors=True)
+
+
+# Cases the CI leaves to the slow marker (the CI's 30 minutes on 2 cores), each covered in CI by
+# the case named beside it; `python -m pytest -m slow` runs them.
+CI_SLOW = {
+    "tests/rollout/jax/test_engine.py::test_sampler_logprobs_equal_learner_on_gguf_blocks[Q8_0]":
+        "[Q4_1]: GGUF blocks",
+    "tests/rollout/jax/test_engine.py::test_bf16_logprob_figures[full]": "[lora]",
+    "tests/rollout/jax/test_engine.py::test_sharded_mesh_gives_the_same_tokens[llama-full]":
+        "[llama], [qwen3_moe]",
+    "tests/rollout/jax/test_engine.py::"
+    "test_sampler_logprobs_equal_learner_with_blockwise_attention[deepseek_v3]":
+        "[llama], [gpt_oss] and tests/rollout/jax/test_engine_mla.py",
+    "tests/rollout/jax/test_engine.py::test_sampler_logprobs_equal_learner_mode_a[qwen3_moe]":
+        "mode_b[qwen3_moe-int8], mode_a[llama]",
+    "tests/rollout/jax/test_engine_mla.py::"
+    "test_latent_cache_sampler_matches_learner_and_greedy_matches_transformers[kimi_k2]":
+        "[deepseek_v3], [kimi_k25]",
+    "tests/learner/test_router_replay.py::test_engine_records_every_fed_token[lockstep]":
+        "[continuous], [preempting]",
+    "tests/rollout/jax/test_prefix_cache.py::"
+    "test_continued_requests_prefill_only_their_new_tokens[llama stacked-lockstep]":
+        "[llama stacked-continuous]",
+    "tests/quant/test_mla_lora.py::test_peft_parity[deepseek_v2_lite-int4]":
+        "[glm4_moe-int4], [kimi_k2-int4]",
+    "tests/kernels/test_context_parallel.py::"
+    "test_context_parallel_logprobs_and_grads_equal_one_device[deepseek_v3-lora-context2-fsdp2-tensor2]":
+        "[llama-full-context2-fsdp2-tensor2] and the deepseek_v3 logits case",
+    "tests/kernels/test_context_parallel.py::"
+    "test_context_parallel_engine_samples_and_scores_as_one_device[deepseek_v3-lockstep]":
+        "[deepseek_v3-continuous]",
+    "tests/kernels/test_context_parallel.py::"
+    "test_context_parallel_engine_samples_and_scores_as_one_device[llama-lockstep]":
+        "[llama-continuous]",
+    "tests/plan/test_plan.py::test_context_parallel_step_matches_compiled[lora-context4]":
+        "[full-context2-tensor2]",
+    "tests/plan/test_aot.py::test_the_sample_step_plan_agrees_with_xla_tpu":
+        "test_train_and_generate_compile_and_match_the_plan",
+    "tests/learner/test_logprob_head.py::test_blocked_head_gives_the_losses_and_gradients_of_the_"
+    "logits_callable[untied-bf16-lora-0.0]": "[tied-bf16-full-0.01] and the f32 cases",
+    "tests/learner/test_logprob_head.py::test_blocked_head_gives_the_losses_and_gradients_of_the_"
+    "logits_callable[untied-bf16-lora-0.01]": "[tied-bf16-full-0.01] and the f32 cases",
+    "tests/learner/test_logprob_head.py::test_blocked_head_gives_the_losses_and_gradients_of_the_"
+    "logits_callable[tied-bf16-full-0.0]": "[tied-bf16-full-0.01] and the f32 cases",
+    "tests/learner/test_step.py::"
+    "test_scoring_only_the_loss_columns_gives_the_same_loss_and_gradients[full-padded]":
+        "[lora-padded]",
+    "tests/rewards/test_judge_sglang.py::test_smollm2_on_sglang_judges_a_batch_end_to_end":
+        "tests/rewards/test_judge.py's OpenAI-compatible server (this one starts SGLang: 2 min)",
+    "tests/envs/test_runner.py::test_a_resumed_synchronous_tool_run_ends_bit_identical":
+        "tests/run/test_resume.py (the same checkpoint and data position, single-turn)",
+    "tests/run/test_reward_model.py::test_one_tiny_rl_step_trains_on_the_reward_model":
+        "test_the_reward_is_transformers_logit_of_the_chat and tests/run/test_judge_run.py's step",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks the cases of ``CI_SLOW`` slow; a name there that no test has is an error."""
+    ids = {item.nodeid for item in items}
+    for item in items:
+        if item.nodeid in CI_SLOW:
+            item.add_marker(pytest.mark.slow)
+    if not config.option.collectonly and len(items) > 200:  # a whole run: every name is a test
+        missing = [n for n in CI_SLOW if n not in ids]
+        assert not missing, f"tests/conftest.py CI_SLOW names no test: {missing}"

@@ -381,7 +381,17 @@ def test_every_field_has_a_row():
     assert set(EFFECTS) == fields
 
 
-@pytest.mark.parametrize("field", sorted(EFFECTS))
+# The loop and learner observers build a run twice (6-25 s a row on 2 cores): the CI sweeps every
+# other observer's rows and these three of theirs; the slow marker runs them all.
+CI_LOOP_ROWS = ("train.steps", "train.mode", "train.advantage")
+
+
+def _row(field: str):
+    slow = EFFECTS[field][0] in ("loop", "learner") and field not in CI_LOOP_ROWS
+    return pytest.param(field, marks=pytest.mark.slow) if slow else field
+
+
+@pytest.mark.parametrize("field", [_row(f) for f in sorted(EFFECTS)])
 def test_changing_the_field_changes_the_run_or_is_refused(field, tmp_path):
     kind, value, context = EFFECTS[field]
     if kind == "refused":

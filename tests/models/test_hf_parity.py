@@ -37,14 +37,16 @@ def _ids(b=3, t=9, seed=0):
     return np.random.RandomState(seed).randint(0, 97, (b, t))
 
 
-def _ci(family: str, *args, fast: bool = False):
+def _ci(family: str, *args, fast: bool = False, short: bool = False):
     """A parameter case; gpt-oss's are ``slow`` unless ``fast`` (the CI runs its long
-    blockwise cases, where window and sinks meet the query blocks, and the round trip)."""
-    marks = pytest.mark.slow if family == "gpt_oss" and not fast else ()
+    blockwise cases, where window and sinks meet the query blocks, and the round trip), and so
+    is every family's ``short`` case that a longer case of the same test covers (the CI runs the
+    long ones, the slow marker both)."""
+    marks = pytest.mark.slow if short or family == "gpt_oss" and not fast else ()
     return pytest.param(family, *args, marks=marks)
 
 
-LOGITS = [_ci(f, n, a, fast=a == "blockwise") for f in FAMILIES
+LOGITS = [_ci(f, n, a, fast=a == "blockwise", short=n < 100) for f in FAMILIES
           for n, a in [(9, "dense"), (100, "dense"), (100, "blockwise")]]
 
 
@@ -61,7 +63,8 @@ def test_logits_match_hf(zoo, family, length, attention):
 
 # the long batch (3 query blocks) once per attention kind of the DeepSeek / GLM / YaRN variants
 _SHORT_ONLY = ("deepseek_v2_lite", "kimi_k2", "glm4_moe_plain", "qwen3_yarn")
-PADDED = [_ci(f, lengths, "dense") for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
+PADDED = [_ci(f, lengths, "dense", short=lengths[0] < 100 and f not in _SHORT_ONLY)
+          for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
           if lengths[0] < 100 or f not in _SHORT_ONLY]
 PADDED += [_ci(f, (100, 70, 37), "blockwise", fast=True) for f in FAMILIES if f not in _SHORT_ONLY]
 
@@ -90,7 +93,7 @@ def test_padded_batch_matches_hf(zoo, family, side, lengths, attention):
         assert np.abs(out[r][real[r]] - hf_logits(path, alone)[0]).max() <= TOL
 
 
-PACKED = [_ci(f, *case, fast=case[2] == "blockwise")
+PACKED = [_ci(f, *case, fast=case[2] == "blockwise", short=case[0] < 60)
           for f in ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
           for case in [(5, 4, "dense"), (60, 50, "dense"), (60, 50, "blockwise")]]  # 112: 3 blocks
 
