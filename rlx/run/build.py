@@ -90,7 +90,8 @@ def build(config: RunConfig | ml_collections.ConfigDict | dict, *, progress: boo
 def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine | None,
          tokenizer: Tokenizer, progress: bool, hosts: Hosts, sampling_overrides: dict) -> Run:
     """Data, evaluation set, checkpoints (restored when resuming), logger and reward."""
-    data = prompt_data(cfg, tokenizer, hosts)
+    train = run_source(cfg, "train")  # read once: the prompts and both contamination counts
+    data = prompt_data(cfg, tokenizer, hosts, train)
     checkpointer = open_checkpointer(cfg, compiled.state)
     try:
         start, compiled.state, in_flight = restore(cfg, checkpointer, compiled.state, data, hosts)
@@ -102,9 +103,8 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
     earlier = [r for r in _logged(cfg.output_dir) if r["step"] <= start] if start else []
     reward = make_reward(cfg, tokenizer, mesh)
     return Run(cfg=cfg, mesh=mesh, compiled=compiled, engine=engine, tokenizer=tokenizer,
-               data=data, eval_set=checked_eval_examples(cfg), prompt_format=prompt_format(cfg),
-               eval_sets=named_eval_sets(
-                   cfg, run_source(cfg, "train") if cfg.data.eval_sources else None),
+               data=data, eval_set=checked_eval_examples(cfg, train),
+               prompt_format=prompt_format(cfg), eval_sets=named_eval_sets(cfg, train),
                reward=reward, logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
                resumed_in_flight=in_flight, sampling_overrides=sampling_overrides,
@@ -116,9 +116,11 @@ def prompt_format(cfg: RunConfig) -> PromptFormat:
     return PromptFormat(system_prompt=cfg.data.system_prompt or None, template=cfg.data.template)
 
 
-def prompt_data(cfg: RunConfig, tokenizer: Tokenizer, hosts: Hosts) -> grain.DatasetIterator:
-    """This process's training prompts: ``data.prompts_per_step`` per step over its data shards."""
-    source = run_source(cfg, "train")
+def prompt_data(cfg: RunConfig, tokenizer: Tokenizer, hosts: Hosts,
+                source: Source | None = None) -> grain.DatasetIterator:
+    """This process's training prompts: ``data.prompts_per_step`` per step over its data shards
+    (of ``source``, the run's training source, read here when not given)."""
+    source = run_source(cfg, "train") if source is None else source
     return hosts.prompt_data(lambda index, count, size: make_prompt_pipeline(
         source, tokenizer, batch_size=size, seed=cfg.seed,
         shard_index=index, shard_count=count, max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -133,16 +135,15 @@ def eval_examples(cfg: RunConfig) -> list[Example]:
                              cfg.data.eval_size)
 
 
-def checked_eval_examples(cfg: RunConfig) -> list[Example]:
-    """``eval_examples``, after logging how many training problems share a normalised prompt with
-    one of them (in-memory training sources; a generated one is not read through)."""
+def checked_eval_examples(cfg: RunConfig, train: Source) -> list[Example]:
+    """``eval_examples``, after logging how many problems of ``train`` (the training source)
+    share a normalised prompt with one of them (in-memory sources; a generated one is not read
+    through)."""
     held = eval_examples(cfg)
-    if held:
-        train = run_source(cfg, "train")
-        if isinstance(train, ListSource):
-            overlap = count_overlap(train, held)
-            (log.warning if overlap.count else log.info)(
-                "contamination: %s", overlap.describe(cfg.data.source, "the evaluation set"))
+    if held and isinstance(train, ListSource):
+        overlap = count_overlap(train, held)
+        (log.warning if overlap.count else log.info)(
+            "contamination: %s", overlap.describe(cfg.data.source, "the evaluation set"))
     return held
 
 

@@ -44,7 +44,7 @@ def check_eval_sets(cfg: RunConfig) -> None:
                           f"{cfg.env.kind!r} runs episodes: leave data.eval_sources empty")
 
 
-def named_eval_sets(cfg: RunConfig, train: Sequence[Example] | None) -> tuple[EvalSet, ...]:
+def named_eval_sets(cfg: RunConfig, train: Sequence[Example]) -> tuple[EvalSet, ...]:
     """The sets of ``data.eval_sources``, after logging how many problems of ``train`` (the
     training source, when held in memory) each one shares."""
     sets = load_eval_sets(cfg.data.eval_sources, cfg.data.eval_size)

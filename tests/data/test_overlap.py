@@ -10,7 +10,7 @@ import logging
 from rlx.config import parse_config
 from rlx.data.overlap import count_overlap, normalise_prompt, prompt_hash
 from rlx.data.sources import load_file, split_of, user_example
-from rlx.run.build import checked_eval_examples
+from rlx.run.build import checked_eval_examples, run_source
 from tests.helpers.runs import config_dict
 
 
@@ -52,7 +52,7 @@ def test_build_logs_the_count_once(tmp_path, caplog):
     cfg = parse_config(config_dict("tiny", tmp_path / "run", **{
         "data.source": f"jsonl:{path}", "data.eval_size": len(load_file(path, "eval"))}))
     with caplog.at_level(logging.INFO, logger="rlx.run.build"):
-        examples = checked_eval_examples(cfg)
+        examples = checked_eval_examples(cfg, run_source(cfg, "train"))
     assert held in {e.prompt for e in examples}
     lines = [r.getMessage() for r in caplog.records if "contamination" in r.getMessage()]
     assert len(lines) == 1 and "1 of " in lines[0] and "also in the evaluation set" in lines[0]
