@@ -87,13 +87,20 @@ def dsa_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             "first_k_dense_replace": cfg.num_layers if k is None else k}
 
 
+def dsa_fields(hf: Mapping[str, Any], arch: str, defaults: Mapping[str, Any], *, heads: int,
+               interleave: bool) -> dict[str, Any]:
+    """Both classes' ``extra_from_hf``: the layer kinds checked (``first_k_dense_replace`` from
+    ``defaults`` when absent), the indexer's rotary layout refused unless it is the class's
+    (``interleave``), and its fields (``heads``: the default ``index_n_heads``)."""
+    first = hf.get("first_k_dense_replace")
+    check_layer_types(hf, arch, defaults["first_k_dense_replace"] if first is None else int(first))
+    refuse_unless("indexer_rope_interleave", hf.get("indexer_rope_interleave", interleave),
+                  (interleave,), arch)
+    return {"dsa": dsa_from_hf(hf, heads=heads, interleave=interleave)}
+
+
 def _extra_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
-    arch = "DeepseekV32ForCausalLM"
-    check_layer_types(hf, arch, _DEFAULTS["first_k_dense_replace"] if hf.get(
-        "first_k_dense_replace") is None else int(hf["first_k_dense_replace"]))
-    refuse_unless("indexer_rope_interleave", hf.get("indexer_rope_interleave", False), (False,),
-                  arch)
-    return {"dsa": dsa_from_hf(hf, heads=64, interleave=False)}
+    return dsa_fields(hf, "DeepseekV32ForCausalLM", _DEFAULTS, heads=64, interleave=False)
 
 
 SPEC = FamilySpec(

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlx.models.families.common import refuse_unless, req, sigmoid_moe_from_hf, sigmoid_moe_to_hf
-from rlx.models.families.deepseek_v32 import MLA_CHOICES, check_layer_types, dsa_from_hf, dsa_to_hf
+from rlx.models.families.deepseek_v32 import MLA_CHOICES, dsa_fields, dsa_to_hf
 from rlx.models.families.spec import MLA_TARGETS, FamilySpec, MoENames
 from rlx.models.hparams import ModelConfig, ModelConfigError
 
@@ -68,12 +68,8 @@ def indexer_types(hf: Mapping[str, Any]) -> list[str]:
 
 
 def _extra_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
-    arch = "GlmMoeDsaForCausalLM"
-    check_layer_types(hf, arch, _DEFAULTS["first_k_dense_replace"] if hf.get(
-        "first_k_dense_replace") is None else int(hf["first_k_dense_replace"]))
-    refuse_unless("indexer_rope_interleave", hf.get("indexer_rope_interleave", True), (True,), arch)
     indexer_types(hf)
-    return {"dsa": dsa_from_hf(hf, heads=32, interleave=True)}
+    return dsa_fields(hf, "GlmMoeDsaForCausalLM", _DEFAULTS, heads=32, interleave=True)
 
 
 def _extra_to_hf(cfg: ModelConfig) -> dict[str, Any]:
