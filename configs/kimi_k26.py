@@ -30,28 +30,21 @@ vision tower and the output folder differ. Variants (``--config configs/kimi_k26
 ``long_context``), within the 262,144 positions that YaRN (factor 64 over 4,096) gives the model.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from rlx.commandline import load_config_file
+
 VARIANTS = ("", "long")
-
-
-def _kimi_k2():
-    """configs/kimi_k2.py, loaded from its file beside this one (configs/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        "rlx_configs_kimi_k2", pathlib.Path(__file__).with_name("kimi_k2.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+KIMI_K2 = pathlib.Path(__file__).with_name("kimi_k2.py")  # the same language model's recipe
 
 
 def get_config(variant: str = "") -> ml_collections.ConfigDict:
     if variant not in VARIANTS:
         raise ValueError(f"configs/kimi_k26.py has no variant {variant!r}; its variants: "
                          f"{list(VARIANTS)}")
-    c = _kimi_k2().get_config(variant)  # Kimi-K2's language model, data, rollout, loss and optim
+    c = load_config_file(f"{KIMI_K2}:{variant}")  # Kimi-K2's model, data, rollout, loss, optim
     c.output_dir = "runs/kimi_k26_long" if variant == "long" else "runs/kimi_k26"
     c.model.path = "moonshotai/Kimi-K2.6"  # Hugging Face Hub id or a local HF folder
     # the checkpoint is vision-language (Kimi_K25ForConditionalGeneration): RL its language model
