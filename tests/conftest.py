@@ -81,6 +81,65 @@ CI_SLOW = {
         "tests/run/test_resume.py (the same checkpoint and data position, single-turn)",
     "tests/run/test_reward_model.py::test_one_tiny_rl_step_trains_on_the_reward_model":
         "test_the_reward_is_transformers_logit_of_the_chat and tests/run/test_judge_run.py's step",
+    "tests/models/test_hf_parity.py::test_round_trip_through_to_hf[deepseek_v3]":
+        "[kimi_k2] (the same DeepseekV3 architecture), [deepseek_v2_lite]",
+    "tests/models/test_hf_parity.py::test_moe_ragged_equals_dense[glm4_moe]":
+        "[deepseek_v3] (the same sigmoid routing with a correction bias)",
+    "tests/models/test_hf_parity.py::test_correction_bias_decides_the_experts[kimi_k2]":
+        "[deepseek_v3] (the same DeepseekV3 router)",
+    "tests/rollout/jax/test_engine.py::test_sharded_mesh_gives_the_same_tokens[llama]":
+        "[qwen3_moe] (its attention is sharded as llama's)",
+    "tests/rollout/jax/test_engine.py::test_greedy_equals_transformers[qwen2]":
+        "[llama], [qwen3_moe] and the learner parity of every family",
+    "tests/rollout/jax/test_engine.py::test_greedy_equals_transformers[qwen3]":
+        "[llama], [qwen3_moe] and the learner parity of every family",
+    "tests/rollout/jax/test_engine.py::"
+    "test_out_in_weights_sample_what_the_learner_layout_samples[qwen3]": "[llama]",
+    "tests/rollout/jax/test_engine.py::test_sampling_matches_model_distribution[top_p]":
+        "[top_k_top_p]",
+    "tests/rollout/jax/test_engine.py::test_sampling_matches_model_distribution[top_k]":
+        "[top_k_top_p]",
+    "tests/rollout/jax/test_engine.py::"
+    "test_without_logprobs_the_same_tokens_and_nan_logprobs[1.0]": "[0.0]",
+    "tests/rollout/jax/test_engine.py::test_samples_of_a_prompt_share_its_prefill[1.0]": "[0.0]",
+    "tests/rollout/jax/test_engine.py::test_shared_variables_are_the_callers_arrays[none]":
+        "[int4]",
+    "tests/quant/test_shipped.py::test_float_checkpoint_quantized_while_read[int8-all-llama]":
+        "[int8-all-deepseek_v3], [int4-all-llama]",
+    "tests/learner/test_step.py::test_packed_equals_padded[seq-mean-token-mean]":
+        "[seq-mean-token-sum-norm] (per-sequence means over packed segments), [token-mean]",
+    "tests/learner/test_step.py::test_packed_equals_padded[seq-mean-token-sum]":
+        "[seq-mean-token-sum-norm] (per-sequence means over packed segments), [token-mean]",
+    "tests/learner/test_step.py::test_remat_gives_the_same_loss_and_gradients[full-layer]":
+        "[lora-layer], [full-projections]",
+    "tests/learner/test_step.py::test_remat_gives_the_same_loss_and_gradients[lora-projections]":
+        "[lora-layer], [full-projections]",
+    "tests/test_configs.py::test_config_runs_one_shrunken_step[qwen3_30b_a3b_int4]":
+        "[kimi_k2] (int4 experts as shipped), [quickstart] (GQA)",
+    "tests/learner/test_logprob_head.py::test_blocked_head_gives_the_losses_and_gradients_of_the_"
+    "logits_callable[tied-f32-full-0.01]": "[untied-f32-lora-0.01], [tied-f32-full-0.0], [tied-bf16-full-0.01]",
+    "tests/learner/test_logprob_head.py::test_blocked_head_gives_the_losses_and_gradients_of_the_"
+    "logits_callable[untied-f32-full-0.0]": "[untied-f32-lora-0.01], [tied-f32-full-0.0], [tied-bf16-full-0.01]",
+    "tests/learner/test_logprob_head.py::test_blocked_head_gives_the_losses_and_gradients_of_the_"
+    "logits_callable[tied-f32-lora-0.01]": "[untied-f32-lora-0.01], [tied-f32-full-0.0], [tied-bf16-full-0.01]",
+    "tests/learner/test_logprob_head.py::test_blocked_head_gives_the_losses_and_gradients_of_the_"
+    "logits_callable[untied-f32-lora-0.0]": "[untied-f32-lora-0.01], [tied-f32-full-0.0], [tied-bf16-full-0.01]",
+    "tests/rollout/jax/test_engine_mla.py::test_adapters_and_quantized_kv_b_match_the_learner[none]":
+        "[int8_token] (the same adapters over a quantized kv_b)",
+    "tests/quant/test_export.py::test_round_trip_bit_identical[int4-asym-ct-llama]":
+        "[int4-asym-ct-qwen2_moe] (attention, a dense shared expert and the experts)",
+    "tests/quant/test_export.py::test_round_trip_bit_identical[fp8-block128-llama]":
+        "[fp8-block128-qwen2_moe] (attention, a dense shared expert and the experts)",
+    "tests/quant/test_export.py::test_round_trip_bit_identical[fp8-channel-llama]":
+        "[fp8-channel-qwen2_moe] (attention, a dense shared expert and the experts)",
+    "tests/quant/test_export.py::test_round_trip_bit_identical[int4-ct-llama]":
+        "[int4-ct-qwen2_moe] (attention, a dense shared expert and the experts)",
+    "tests/quant/test_export.py::test_round_trip_bit_identical[int4-bf16-scales-llama]":
+        "[int4-bf16-scales-qwen2_moe] (attention, a dense shared expert and the experts)",
+    "tests/plan/test_plan.py::test_analytic_matches_compiled[dense-lora]":
+        "[dense-full], [moe-lora] (the adapter's and the base's bytes each counted once)",
+    "tests/plan/test_plan.py::test_analytic_matches_compiled[moe-full]":
+        "[dense-full], [moe-lora] (the adapter's and the base's bytes each counted once)",
 }
 
 

@@ -63,14 +63,18 @@ def test_logits_match_hf(zoo, family, length, attention):
 
 # the long batch (3 query blocks) once per attention kind of the DeepSeek / GLM / YaRN variants
 _SHORT_ONLY = ("deepseek_v2_lite", "kimi_k2", "glm4_moe_plain", "qwen3_yarn")
-PADDED = [_ci(f, lengths, "dense", short=lengths[0] < 100 and f not in _SHORT_ONLY)
-          for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
-          if lengths[0] < 100 or f not in _SHORT_ONLY]
-PADDED += [_ci(f, (100, 70, 37), "blockwise", fast=True) for f in FAMILIES if f not in _SHORT_ONLY]
+_PADDED = [(f, lengths, "dense", lengths[0] < 100 and f not in _SHORT_ONLY)
+           for f in FAMILIES for lengths in [(8, 5, 3), (100, 70, 37)]
+           if lengths[0] < 100 or f not in _SHORT_ONLY]
+_PADDED += [(f, (100, 70, 37), "blockwise", False) for f in FAMILIES if f not in _SHORT_ONLY]
+# each case runs both sides; the CI runs one: dense right-padded (the learner's batches),
+# blockwise left-padded (the engine's prompts)
+PADDED = [_ci(f, side, lengths, a, fast=a == "blockwise",
+              short=short or side != ("right" if a == "dense" else "left"))
+          for f, lengths, a, short in _PADDED for side in ("right", "left")]
 
 
-@pytest.mark.parametrize("family, lengths, attention", PADDED)
-@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("family, side, lengths, attention", PADDED)
 def test_padded_batch_matches_hf(zoo, family, side, lengths, attention):
     path = make_hf_model(family, zoo)
     ids = _ids(3, lengths[0], seed=1)
@@ -93,7 +97,9 @@ def test_padded_batch_matches_hf(zoo, family, side, lengths, attention):
         assert np.abs(out[r][real[r]] - hf_logits(path, alone)[0]).max() <= TOL
 
 
-PACKED = [_ci(f, *case, fast=case[2] == "blockwise", short=case[0] < 60)
+# the CI runs the 3-block blockwise case of each family and qwen3_moe's dense one
+PACKED = [_ci(f, *case, fast=case[2] == "blockwise",
+              short=case[0] < 60 or case[2] == "dense" and f != "qwen3_moe")
           for f in ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
           for case in [(5, 4, "dense"), (60, 50, "dense"), (60, 50, "blockwise")]]  # 112: 3 blocks
 
