@@ -36,7 +36,7 @@ from rlx.rewards.judge import JudgeConfig
 from rlx.rollout.config import RolloutSection
 
 
-ROLLOUTS = ("primary", "per_host", "global")
+ROLLOUTS = ("auto", "global", "primary", "per_host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +51,15 @@ class DistributedSection:
     process_id: int = 0  # ignored when auto-detecting
     # "global": every process runs the built-in engine as one program over the whole mesh, on
     # the learner's arrays | "primary": process 0 samples all prompts | "per_host": each its own
-    # (both from a host copy of the model)
-    rollouts: str = "primary"
+    # (both from a host copy of the model) | "auto": "global" with the built-in engine,
+    # "primary" with servers (SGLang: process 0 drives them)
+    rollouts: str = "auto"
+
+    def resolved_rollouts(self, engine: str) -> str:
+        """``rollouts`` with "auto" decided for ``rollout.engine``."""
+        if self.rollouts != "auto":
+            return self.rollouts
+        return "global" if engine == "jax" else "primary"
     data_shards: int = 0  # 0: one per process; fixed (a multiple of it): same batches on any count
     # seconds a process may go silent before the others count it lost and stop (rlx.run.multihost)
     heartbeat_timeout_s: int = 300
@@ -359,20 +366,18 @@ class RunConfig:
                               f"{clash[0]} does not support; turn it off or use env.kind='single'")
 
     def _check_global_rollouts(self) -> None:
-        """``distributed.rollouts="global"``: the built-in engine, single-turn completions (every
-        process runs every step alike; tool calls would run on each). SGLang is driven by
-        process 0 (``"primary"``)."""
-        if self.rollout.engine == "sglang" and self.distributed.rollouts == "per_host":
+        """``distributed.rollouts="global"`` runs the built-in engine (every process runs every
+        step alike; episodes' env calls are split over the processes, ``rlx.envs.episode``).
+        SGLang is driven by process 0 (``"primary"``)."""
+        engine, rollouts = self.rollout.engine, self.distributed.rollouts
+        if engine == "sglang" and rollouts == "per_host":
             raise ConfigError("config.distributed.rollouts='per_host' with rollout.engine="
                               "'sglang': process 0 sends every request to the servers and syncs "
-                              "them; use distributed.rollouts='primary'")
-        if self.distributed.rollouts != "global":
-            return
-        if self.rollout.engine != "jax" or self.env.kind != "single":
+                              "them; use distributed.rollouts='primary' (or 'auto')")
+        if engine != "jax" and rollouts == "global":
             raise ConfigError(f"config.distributed.rollouts='global' runs the built-in engine "
-                              f"(rollout.engine='jax') on single-turn completions (env.kind="
-                              f"'single'); got rollout.engine={self.rollout.engine!r}, env.kind="
-                              f"{self.env.kind!r}: use distributed.rollouts='primary' there")
+                              f"(rollout.engine='jax'), not {engine!r}: use "
+                              "distributed.rollouts='primary' (or 'auto')")
 
     def _check_critic(self) -> None:
         gae, critic = self.train.advantage in TOKEN_ESTIMATORS, self.critic

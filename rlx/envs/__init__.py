@@ -33,6 +33,7 @@ _LAZY = {
     "ToolEnvConfig": "rlx.envs.tool_env",
     "Episode": "rlx.envs.episode",
     "EpisodeConfig": "rlx.envs.episode",
+    "EpisodeShare": "rlx.envs.episode",
     "Turn": "rlx.envs.episode",
     "run_episodes": "rlx.envs.episode",
     "EnvRunner": "rlx.envs.runner",

@@ -26,6 +26,11 @@ the KV-cache row of the episode's previous turn and prefills only the tokens aft
 sampled token and the env's), and the rows are freed as the episodes end. Other engines get the
 same requests (SGLang's radix cache reuses the prefixes it has seen).
 
+Several processes (a multi-host run's "global" rollouts, where every process drives the same
+engine program over every episode) pass an `EpisodeShare`: each process resets and steps only the
+environments of its own episodes and every process gets every outcome, so tools run once per
+episode and every process continues from the same messages and tokens whatever a tool does.
+
 Budget: `max_completion_tokens` bounds everything after the prompt (model and env tokens). A turn
 that hits the budget or the engine's per-turn `max_new_tokens` ends the episode with finish
 reason "length" and reward 0 (the cut text is not graded); so does an env reply that leaves no
@@ -45,7 +50,7 @@ import numpy as np
 
 from rlx.data.chat import render_chat
 from rlx.data.sources import Example, Message
-from rlx.envs.base import Env, EnvError, StepInfo
+from rlx.envs.base import Env, EnvError, Observation, StepInfo, StepResult
 from rlx.models.tokenizer import Tokenizer
 from rlx.rewards import RewardResult
 from rlx.types import Prompt, Rollout, RolloutEngine, SamplingParams
@@ -61,6 +66,49 @@ class EpisodeConfig:
         if min(self.max_completion_tokens, self.group_size, self.env_workers) < 1:
             raise ValueError("EpisodeConfig needs max_completion_tokens, group_size and "
                              "env_workers >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeShare:
+    """Which process resets and steps which episode's environment when several processes hold
+    every episode: episode ``i`` (in example-major order) is process ``i % count``'s. ``gather``
+    takes any picklable host value and returns every process's, in process order, on every
+    process (a collective: every process calls it the same number of times)."""
+
+    index: int
+    count: int
+    gather: Callable[[Any], list[Any]]
+
+    def owns(self, episode: int) -> bool:
+        return episode % self.count == self.index
+
+    def everyone(self, calls: Callable[[Sequence[int]], dict[int, Any]], episodes: Sequence[int]
+                 ) -> dict[int, Any]:
+        """``calls`` on this process's share of ``episodes``; every process's outcomes, each a
+        value or the `_Failed` it raised (raised here on every process alike)."""
+        merged: dict[int, Any] = {}
+        for part in self.gather(calls([i for i in episodes if self.owns(i)])):
+            merged.update(part)
+        failed = [(i, f) for i, f in sorted(merged.items()) if isinstance(f, _Failed)]
+        if failed:
+            i, f = failed[0]
+            raise EnvError(f"the environment of episode {i} raised on process {i % self.count}: "
+                           f"{f.error}")
+        return merged
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    """An env call's exception, as text that any process can raise."""
+
+    error: str
+
+
+def _guarded(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - shared with the other processes, raised there too
+        return _Failed(f"{type(e).__name__}: {e}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,33 +190,63 @@ def run_episodes(
     tokenizer: Tokenizer,
     sampling: SamplingParams,
     config: EpisodeConfig = EpisodeConfig(),
+    share: EpisodeShare | None = None,
 ) -> list[Episode]:
     """Runs `config.group_size` episodes per example to the end; results in example order.
 
     The group's episodes are separate prompts of one `generate` call (`sampling.n` must be 1);
     an engine that seeds each prompt alike (`sampling.seed` set) would make them identical.
+    ``share``: this process runs the env calls of its own episodes (`EpisodeShare`).
     """
     if sampling.n != 1:
         raise ValueError("run_episodes samples one turn per episode: use "
                          "EpisodeConfig.group_size for groups, with sampling.n == 1")
     stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *_eos(tokenizer))))
-    states = [_start(make_env(), example, index, tokenizer)
-              for example in examples for index in range(config.group_size)]
+    jobs = [(make_env(), example, index) for example in examples
+            for index in range(config.group_size)]
     continuing = getattr(engine, "prefix_cache", contextlib.nullcontext)
     with concurrent.futures.ThreadPoolExecutor(config.env_workers) as pool, continuing():
-        while active := [s for s in states if s.finish is None]:
-            room = max(config.max_completion_tokens - len(s.ids) for s in active)
+        calls = _EnvCalls(pool, share)
+        openings = calls.run(range(len(jobs)), lambda i: jobs[i][0].reset(jobs[i][1]),
+                             threads=False)
+        states = [_start(env, example, index, openings[i], tokenizer)
+                  for i, (env, example, index) in enumerate(jobs)]
+        while active := [i for i, s in enumerate(states) if s.finish is None]:
+            room = max(config.max_completion_tokens - len(states[i].ids) for i in active)
             turn_sampling = dataclasses.replace(
                 sampling, max_new_tokens=min(sampling.max_new_tokens, room), stop_token_ids=stops)
             # a turn's request uid names the episode and the turn: an engine seeding by uid
             # draws fresh random numbers for every turn
-            prompts = [Prompt(s.turn_key, tuple(s.prompt_ids + s.ids)) for s in active]
+            prompts = [Prompt(states[i].turn_key, tuple(states[i].prompt_ids + states[i].ids))
+                       for i in active]
             rollouts = engine.generate(prompts, turn_sampling)
-            _check_rollouts(active, rollouts)
-            advance = functools.partial(_advance, tokenizer=tokenizer, stops=stops,
-                                        budget=config.max_completion_tokens)
-            list(pool.map(advance, active, rollouts))  # list(): re-raises env errors
+            _check_rollouts([states[i] for i in active], rollouts)
+            sampled = {i: _take(states[i], r, tokenizer, stops, config.max_completion_tokens)
+                       for i, r in zip(active, rollouts)}
+            going = [i for i in active if sampled[i] is not None]
+            results = calls.run(going, lambda i: states[i].env.step(sampled[i].content))
+            for i in going:
+                _reply(states[i], sampled[i], results[i], tokenizer, config.max_completion_tokens)
     return [_episode(s) for s in states]
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnvCalls:
+    """Env calls on the worker threads: all of them, or (``share``) this process's, with every
+    process's outcomes gathered."""
+
+    pool: concurrent.futures.Executor
+    share: EpisodeShare | None
+
+    def run(self, episodes: Sequence[int], call: Callable[[int], Any], threads: bool = True
+            ) -> dict[int, Any]:
+        def calls(mine: Sequence[int], each: Callable[[int], Any]) -> dict[int, Any]:
+            return dict(zip(mine, self.pool.map(each, mine) if threads else map(each, mine)))
+
+        if self.share is None:  # dict(zip(...)) consumes the map: env errors re-raise here
+            return calls(episodes, call)
+        return self.share.everyone(
+            lambda mine: calls(mine, lambda i: _guarded(lambda: call(i))), episodes)
 
 
 def _check_rollouts(active: Sequence[_State], rollouts: Sequence[Rollout]) -> None:
@@ -184,8 +262,8 @@ def _eos(tokenizer: Tokenizer) -> tuple[int, ...]:
     return () if tokenizer.eos_id is None else (tokenizer.eos_id,)
 
 
-def _start(env: Env, example: Example, sample_index: int, tokenizer: Tokenizer) -> _State:
-    observation = env.reset(example)
+def _start(env: Env, example: Example, sample_index: int, observation: Observation,
+           tokenizer: Tokenizer) -> _State:
     messages = list(observation.messages)
     text = render_chat(tokenizer, messages, observation.tools, add_generation_prompt=True,
                        tool_format=observation.tool_format)
@@ -195,10 +273,23 @@ def _start(env: Env, example: Example, sample_index: int, tokenizer: Tokenizer) 
                   opening=observation.assistant_prefix, tool_format=observation.tool_format)
 
 
-def _advance(
-    state: _State, rollout: Rollout, tokenizer: Tokenizer, stops: tuple[int, ...], budget: int
-) -> None:
-    """Appends one sampled turn, steps the env and appends its reply (or ends the episode)."""
+@dataclasses.dataclass(frozen=True)
+class _Sampled:
+    """A sampled turn the env is to step: its tokens, log-probs and assistant message."""
+
+    ids: list[int]
+    logp: list[float]
+    assistant: Message
+    version: int
+
+    @property
+    def content(self) -> str:
+        return self.assistant.content
+
+
+def _take(state: _State, rollout: Rollout, tokenizer: Tokenizer, stops: tuple[int, ...],
+          budget: int) -> _Sampled | None:
+    """Appends one sampled turn; None when it was cut (the episode then ends unstepped)."""
     room = budget - len(state.ids)
     ids = [int(t) for t in rollout.completion_ids[:room]]
     logp = [float(x) for x in rollout.sampler_logp[:room]]
@@ -213,24 +304,31 @@ def _advance(
         state.turns.append(Turn(tuple(ids), tuple(logp), (), text, None, version))
         state.messages.append(assistant)
         state.finish = ("length", RewardResult.zero("cut at the token budget"))
-        return
-    result = state.env.step(text)
+        return None
+    return _Sampled(ids, logp, assistant, version)
+
+
+def _reply(state: _State, sampled: _Sampled, result: StepResult, tokenizer: Tokenizer,
+           budget: int) -> None:
+    """Appends the env's reply to a sampled turn (or ends the episode)."""
     env_ids: tuple[int, ...] = ()
     if result.done:
         state.finish = (result.info.reason, result.info.reward_result
                         or RewardResult(score=result.reward))
     else:
-        env_ids = tuple(_env_tokens(tokenizer, state, assistant, result.observation.messages, ids))
+        env_ids = tuple(_env_tokens(tokenizer, state, sampled.assistant,
+                                    result.observation.messages, sampled.ids))
         if len(state.ids) + len(env_ids) >= budget:
             env_ids = ()
             state.finish = ("length", RewardResult.zero("no room left for another turn"))
-    state.messages.append(assistant)
+    state.messages.append(sampled.assistant)
     if env_ids:
         state.messages += result.observation.messages
         state.ids += env_ids
         state.mask += [0] * len(env_ids)
         state.logp += [0.0] * len(env_ids)
-    state.turns.append(Turn(tuple(ids), tuple(logp), env_ids, text, result.info, version))
+    state.turns.append(Turn(tuple(sampled.ids), tuple(sampled.logp), env_ids,
+                            sampled.content, result.info, sampled.version))
 
 
 def _env_tokens(

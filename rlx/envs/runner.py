@@ -38,7 +38,7 @@ import numpy as np
 from rlx.data.chat import PromptFormat, chat_tool_format
 from rlx.data.sources import Example
 from rlx.envs.base import Env
-from rlx.envs.episode import Episode, EpisodeConfig, run_episodes
+from rlx.envs.episode import Episode, EpisodeConfig, EpisodeShare, run_episodes
 from rlx.envs.registry import demonstration, make_tools
 from rlx.envs.tool_env import ToolEnv, ToolEnvConfig
 from rlx.models.tokenizer import Tokenizer
@@ -86,6 +86,7 @@ class EnvRunner:
     max_episode_tokens: int
     format_coef: float = 0.0
     env_workers: int = 4
+    share: EpisodeShare | None = None  # several processes drive every episode (rlx.envs.episode)
     _done: dict = dataclasses.field(default_factory=dict)  # (uid, sample) -> Episode
     _prefilled: dict = dataclasses.field(default_factory=dict)  # a batch's first key -> tokens
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -95,7 +96,7 @@ class EnvRunner:
         config = EpisodeConfig(max_completion_tokens=self.max_episode_tokens,
                                group_size=sampling.n, env_workers=self.env_workers)
         return run_episodes(engine, self.make_env, examples, self.tokenizer,
-                            dataclasses.replace(sampling, n=1), config)
+                            dataclasses.replace(sampling, n=1), config, self.share)
 
     def reward(self, episode: Episode) -> float:
         return float(episode.reward) + self.format_coef * valid(episode)

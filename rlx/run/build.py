@@ -27,6 +27,7 @@ from rlx.data.eval import distinct_examples
 from rlx.data.overlap import count_overlap
 from rlx.data.pipeline import make_prompt_pipeline
 from rlx.data.sources import Example, FieldMap, ListSource, Source, get_source
+from rlx.envs.episode import EpisodeShare
 from rlx.envs.runner import EnvRunner, episode_tool_format, make_runner
 from rlx.envs.verifiers_env import make_verifiers_runner, verifiers_source
 from rlx.errors import ConfigError
@@ -108,7 +109,7 @@ def _run(cfg: RunConfig, mesh: Mesh, compiled: Compiled, engine: RolloutEngine |
                reward=reward, logger=make_logger(cfg, start, progress),
                step_count=start, checkpointer=checkpointer, metrics=earlier, hosts=hosts,
                resumed_in_flight=in_flight, sampling_overrides=sampling_overrides,
-               env=make_env_runner(cfg, reward, tokenizer))
+               env=make_env_runner(cfg, reward, tokenizer, hosts.episode_share()))
 
 
 def prompt_format(cfg: RunConfig) -> PromptFormat:
@@ -192,12 +193,20 @@ def make_reward(cfg: RunConfig, tokenizer: Tokenizer | None = None,
     return get_reward(cfg.train.reward, **kw)
 
 
-def make_env_runner(cfg: RunConfig, reward: RewardFn, tokenizer: Tokenizer) -> EnvRunner | None:
+def make_env_runner(cfg: RunConfig, reward: RewardFn, tokenizer: Tokenizer,
+                    share: EpisodeShare | None = None) -> EnvRunner | None:
     """``env.kind="tools"``: the tool-use episodes' runner (``rlx.envs.runner``) offering
     ``env.tools``, grading final answers with the run's reward; ``"verifiers"``: the verifiers
-    environment's episodes (``rlx.envs.verifiers_env``); None for single turns."""
+    environment's episodes (``rlx.envs.verifiers_env``); None for single turns. ``share``:
+    several processes drive every episode (``"global"`` rollouts)."""
     if cfg.env.kind == "single":
         return None
+    runner = _env_runner(cfg, reward, tokenizer)
+    runner.share = share
+    return runner
+
+
+def _env_runner(cfg: RunConfig, reward: RewardFn, tokenizer: Tokenizer) -> EnvRunner:
     try:
         fmt = episode_tool_format(tokenizer, tool_format(cfg, tokenizer))
     except ValueError as e:

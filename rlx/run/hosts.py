@@ -15,8 +15,11 @@ In each step:
      copy of the model; only token ids, log-probs and lengths reach the hosts). The engine's
      calls are collectives, so they run on the thread that runs the train steps, in the same
      order on every process: generation does not overlap an update (``max_staleness`` keeps its
-     meaning, one-step-off batches are generated before the update that trains on the older);
-   * ``"primary"``: every process's prompts are gathered to process 0, whose engine samples all of
+     meaning, one-step-off batches are generated before the update that trains on the older).
+     Tool-use episodes run alike on every process, each process calling the environments of its
+     share of them (``Hosts.episode_share``): tools run once per episode and every process
+     continues from the same replies. ``"auto"``, the default, is this with the built-in engine;
+   * ``"primary"`` (``"auto"`` with SGLang): every process's prompts are gathered to process 0, whose engine samples all of
      them; the rollouts are broadcast to every process;
    * ``"per_host"``: each process samples its own prompts with its own engine; the rollouts are
      all-gathered.
@@ -25,7 +28,7 @@ In each step:
    a GRPO group (one prompt's samples) is sampled by one engine and never split. The engines seed
    every sample by (step, prompt uid, sample index), so both modes draw the same tokens.
 3. rewards: each process scores the rollouts of its own prompts (it holds their examples: answers,
-   tests, environments) and the scores are all-gathered, so advantages, dynamic sampling and the
+   tests, environments; an episode comes graded by its environment) and the scores are all-gathered, so advantages, dynamic sampling and the
    padded batch come out identical on every process;
 4. batch: each process puts only its own rows of that batch on its devices (``take_local_rows``,
    ``global_batch``) for the compiled steps;
@@ -64,6 +67,7 @@ from jax.sharding import Mesh
 from rlx.config import RunConfig
 from rlx.data.pipeline import PromptBatch
 from rlx.errors import ConfigError
+from rlx.envs.episode import EpisodeShare
 from rlx.learner.batching import shard_batch
 from rlx.learner.step import Compiled
 from rlx.mesh import MeshShape, make_mesh
@@ -110,7 +114,7 @@ def local_mesh(mesh: Mesh) -> Mesh:
 class Hosts:
     """This process's part in the run (see the module docstring); the identity on one process."""
 
-    rollouts: str = "primary"  # "global" | "primary" | "per_host" (config.distributed.rollouts)
+    rollouts: str = "primary"  # "global" | "primary" | "per_host" (distributed.rollouts, resolved)
     data_shards: int = 0  # 0: one per process
     streams: bool = False  # SGLang full mode in memory: every process streams the weights
     index: int = dataclasses.field(default_factory=jax.process_index)
@@ -121,7 +125,8 @@ class Hosts:
         """From ``config.distributed`` (after ``jax.distributed`` is up); checks the data split."""
         streams = (cfg.rollout.engine == "sglang" and cfg.train.mode == "full"
                    and cfg.rollout.sglang.weight_sync == "memory")
-        hosts = cls(cfg.distributed.rollouts, cfg.distributed.data_shards, streams)
+        hosts = cls(cfg.distributed.resolved_rollouts(cfg.rollout.engine),
+                    cfg.distributed.data_shards, streams)
         shards, per_step = hosts.shards, cfg.data.prompts_per_step
         if shards % hosts.count:
             raise ConfigError(f"config.distributed.data_shards={shards} is not a multiple of the "
@@ -236,6 +241,18 @@ class Hosts:
         if not self.multi:
             return tuple(examples)
         return tuple(e for part in multihost.allgather_objects(tuple(examples)) for e in part)
+
+    def every_episode(self, items: Sequence[Any]) -> tuple[Any, ...]:
+        """Per-episode items of every process, everywhere: ``all_examples``, or (``"global"``:
+        every process ran every episode) this process's own."""
+        return tuple(items) if self.spmd else self.all_examples(items)
+
+    def episode_share(self) -> EpisodeShare | None:
+        """``"global"``: each process runs the env calls of its share of the episodes, which
+        every process drives (``rlx.envs.episode.EpisodeShare``); else None."""
+        if not self.spmd:
+            return None
+        return EpisodeShare(self.index, self.count, multihost.allgather_objects)
 
     def share(self, rollouts: list[Rollout], seconds: float, counts: dict[str, int]
               ) -> tuple[list[Rollout], float, dict[str, int]]:

@@ -233,9 +233,9 @@ class Run:
 
     def _score(self, rollouts: Sequence[Rollout], batch) -> tuple[np.ndarray, list[str], list[str]]:
         if self.env is not None:  # the episodes were graded by their envs
-            # env/* over every process's episodes (all_examples: each process's items, everywhere)
+            # env/* over every episode of the batch, whichever process ran it
             rewards, texts, reasons, self._env_metrics = self.env.scores(
-                rollouts, pool=self.hosts.all_examples)
+                rollouts, pool=self.hosts.every_episode)
             return rewards, texts, reasons
         examples = {e.uid: e for e in batch.examples}
         own = [i for i, r in enumerate(rollouts) if r.prompt_uid in examples]  # this process's
@@ -421,6 +421,7 @@ class Run:
                              self.tokenizer, fmt, max_turns=env.max_turns,
                              max_episode_tokens=env.max_episode_tokens, demo=env.demo,
                              assistant_prefix=env.assistant_prefix)
+        runner.share = self.hosts.episode_share()  # "global": each process its envs' calls
         examples = [user_example(f"gen-{i}", "generate", t) for i, t in enumerate(texts)]
         self.queue.wait()
         episodes = self.hosts.with_engine(lambda: runner.episodes(self.engine, examples,

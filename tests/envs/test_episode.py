@@ -230,3 +230,81 @@ def test_template_with_tools_merged_responses_and_trimmed_turns():
         "</tool_response><|im_end|>\n<|im_start|>assistant\n",
         "",
     ])
+
+
+class _Exchange:
+    """``count`` threads' values gathered for each of them, as processes' collectives are."""
+
+    def __init__(self, count: int):
+        import threading
+
+        self.barrier, self.slots = threading.Barrier(count), [None] * count
+
+    def gather(self, index: int, value):
+        self.barrier.wait()
+        self.slots[index] = value
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+
+def _shared_runs(make, count: int = 2):
+    """``run_episodes`` on ``count`` threads, each an ``EpisodeShare`` of its index; each
+    thread's episodes or exception, and the (thread, episode key) of every env step."""
+    import concurrent.futures
+
+    from rlx.envs.episode import EpisodeShare
+
+    exchange, stepped, tok = _Exchange(count), [], byte_tokenizer()
+    other = user_example("calc:2", "toy", "Compute (17*23)+5 again.", answer="396")
+
+    def run(index: int):
+        def env():
+            inner = make()
+
+            class Recorded:
+                def reset(self, example):
+                    self.key = example.uid
+                    return inner.reset(example)
+
+                def step(self, text):
+                    stepped.append((index, self.key))
+                    return inner.step(text)
+            return Recorded()
+        share = EpisodeShare(index, count, lambda value: exchange.gather(index, value))
+        return run_episodes(ScriptedEngine(tok, solver), env, [TASK, other], tok, SAMPLING,
+                            EpisodeConfig(group_size=2, env_workers=2), share)
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(run, i) for i in range(count)]
+        return [f.exception() or f.result() for f in futures], stepped
+
+
+def test_shared_episodes_step_each_env_on_its_process_only_and_end_alike():
+    alone = run_episodes(ScriptedEngine(byte_tokenizer(), solver), make_env(),
+                         [TASK, user_example("calc:2", "toy", "Compute (17*23)+5 again.",
+                                             answer="396")], byte_tokenizer(), SAMPLING,
+                         EpisodeConfig(group_size=2))
+    (first, second), stepped = _shared_runs(make_env())
+    for a, b, c in zip(first, second, alone):
+        assert a.completion_ids.tolist() == b.completion_ids.tolist() == c.completion_ids.tolist()
+        assert a.messages == b.messages == c.messages and a.reward == b.reward == c.reward == 1.0
+    # 4 episodes x 3 turns; episode i (calc:1 #0, #1, calc:2 #0, #1) stepped by thread i % 2 only
+    assert len(stepped) == 12
+    assert sorted(set(stepped)) == [(0, "calc:1"), (0, "calc:2"), (1, "calc:1"), (1, "calc:2")]
+    assert sum(1 for t, _ in stepped if t == 0) == sum(1 for t, _ in stepped if t == 1) == 6
+
+
+def test_an_env_raising_on_one_process_raises_on_every_process():
+    class Broken:
+        def reset(self, example):
+            return make_env()().reset(example)
+
+        def step(self, text):
+            raise RuntimeError("the sandbox is gone")
+
+    (first, second), stepped = _shared_runs(Broken)
+    for error in (first, second):
+        assert isinstance(error, EnvError)
+        assert "episode 0 raised on process 0: RuntimeError: the sandbox is gone" in str(error)

@@ -2,13 +2,14 @@
 
 Run as ``python -m tests.helpers.multihost_env_driver --out result.npz --output-dir DIR
 --num-processes P --process-id I --coordinator HOST:PORT --local-devices D --rollouts
-primary|per_host`` once per process. The tiny config (random shrunken SmolLM2, int8 base + LoRA,
+global|primary|per_host`` once per process. The tiny config (random shrunken SmolLM2, int8 base + LoRA,
 GRPO) runs ``env.kind="tools"`` with 2 prompts x 4 episodes per step (one data shard per process);
 the episodes' env answers every turn with a tool message and ends the third (with a reward that
 is a hash of that turn's text, so that rewards differ within a group), and every odd token id also
 stops a turn, so the random policy's episodes run all three turns. Every process writes ``--out`` with its process index appended: the step's
 record, the trainable parameters (all-gathered), and the (prompt uid, sample) of the episodes
-this process's engine ran. ``tests/run/test_multihost_env.py`` compares them.
+this process's engine ran, and how many env steps this process took. ``tests/run/test_multihost_env.py``
+compares them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ COMPARED = ("learner/loss", "learner/grad_norm", "learner/mismatch_abs_max", "re
 def _parse(argv=None) -> argparse.Namespace:
     p = add_process_args(argparse.ArgumentParser(description=__doc__))
     p.add_argument("--output-dir", required=True)
-    p.add_argument("--rollouts", choices=("primary", "per_host"), default="primary")
+    p.add_argument("--rollouts", choices=("global", "primary", "per_host"), default="global")
     return p.parse_args(argv)
 
 
@@ -50,7 +51,10 @@ def _config(args: argparse.Namespace) -> dict:
 
 class Chatter:
     """An env that answers every turn with a tool message until its third turn ends the
-    episode, whatever the model writes (reward: a hash of the last turn's text in [0, 1])."""
+    episode, whatever the model writes (reward: a hash of the last turn's text in [0, 1]).
+    ``steps`` counts this process's env steps."""
+
+    steps = 0
 
     def reset(self, example):
         from rlx.data.sources import Message
@@ -65,6 +69,7 @@ class Chatter:
         from rlx.rewards import RewardResult
 
         self.turn += 1
+        Chatter.steps += 1
         if self.turn == 3:
             result = RewardResult(zlib.crc32(text.encode()) % 7 / 6, "hash")
             return StepResult(Observation(()), result.score, True,
@@ -84,7 +89,8 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray]:
     step = build(_config(args), progress=False)
     ran = []
     try:
-        step.env = EnvRunner(Chatter, step.tokenizer, max_episode_tokens=96)
+        step.env = EnvRunner(Chatter, step.tokenizer, max_episode_tokens=96,
+                             share=step.env.share)
         if step.engine is not None:  # primary: only process 0 samples
             step.engine = ShortTurns(step.engine)
         generate = step.env.generate
@@ -105,6 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, np.ndarray]:
     out["ran"] = np.array([f"{uid}#{j}" for uid, j, *_ in ran], dtype=str)
     out["rewards"] = np.array([reward for _, _, reward, _ in ran], np.float64)
     out["tokens"] = np.array([" ".join(map(str, ids)) for *_, ids in ran], dtype=str)
+    out["env_steps"] = np.array(Chatter.steps)
     out["process_index"] = np.array(jax.process_index())
     out["process_count"] = np.array(jax.process_count())
     return out

@@ -175,14 +175,22 @@ def test_data_shards_concatenate_in_shard_order():
         parse_config(config)
 
 
-def test_global_rollouts_are_the_built_in_engines_single_turns():
-    """``rollouts="global"`` runs the built-in engine on every process; another engine, or
-    episodes whose tool calls would run on each process, are refused naming the way out."""
+def test_global_rollouts_are_the_built_in_engines_and_the_default():
+    """``rollouts="global"`` runs the built-in engine on every process, also for tool-use
+    episodes; ``"auto"`` (the default) picks it for the built-in engine and ``"primary"`` for
+    SGLang; global with SGLang is refused naming the way out."""
     from tests.helpers.multihost_run_driver import _config, _parse
 
     config = _config(_parse(["--out", "unused", "--output-dir", "unused", "--rollouts",
                              "global"]))
     assert parse_config(config).distributed.rollouts == "global"
+    config["env"] = dict(kind="tools")
+    assert parse_config(config).env.kind == "tools"
+    del config["distributed"]["rollouts"]
+    assert parse_config(config).distributed.rollouts == "auto"
+    assert Hosts.from_config(parse_config(config)).rollouts == "global"
     config["rollout"].update(engine="sglang", sglang={"urls": ["http://127.0.0.1:1"]})
+    assert Hosts.from_config(parse_config(config)).rollouts == "primary"
+    config["distributed"]["rollouts"] = "global"
     with pytest.raises(ConfigError, match="rollouts='global' runs the built-in engine.*'primary'"):
         parse_config(config)
