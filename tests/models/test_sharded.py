@@ -28,7 +28,9 @@ MESHES = {
     ("mixtral", "data-fsdp-tensor"), ("qwen3_moe", "data-tensor-expert"),
     ("qwen2_moe", "data-tensor-expert"), ("deepseek_v3", "data-fsdp-tensor"),
     ("kimi_k2", "data-tensor-expert"), ("glm4_moe", "data-tensor-expert"),
-    ("gpt_oss", "fsdp-tensor-expert"),
+    ("gpt_oss", "fsdp-tensor-expert"), ("glm_moe_dsa", "fsdp-tensor-expert"),
+    # the same DSAttention as GLM-5's (its indexer's rotary pairs aside): slow
+    pytest.param("deepseek_v32", "data-fsdp-tensor", marks=pytest.mark.slow),
 ])
 def test_sharded_logits_equal_unsharded(zoo, family, mesh_name):
     path = make_hf_model(family, zoo)
