@@ -1,0 +1,139 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``, ``rlx.models.families.deepseek_v4``) against
+transformers 5.25's class, f32, on a tiny random model whose sizes make every feature bind: a
+sliding window (4) shorter than the rows (13), compressed sparse (rate 2: 6 entries, the indexer
+keeps 2) and heavily compressed (rate 4) layers with a YaRN ``compress`` rope, shared-KV
+attention with a partial rotary (8 of 16), learned sinks, a grouped output projection (2 groups),
+3 hyper-connection streams (5 Sinkhorn iterations), two hash-routed and two routed MoE layers
+(``sqrtsoftplus``, a shared expert, routed scaling) and a ``swiglu_limit`` that clips. Every
+weight, bias, sink and table is random (transformers initialises many of them to zero).
+
+Tolerances: max |logit difference| <= 1e-4 relative to the largest oracle logit (padded rows
+compared on their real tokens), 1e-5 for the rlx -> ``to_hf`` -> transformers round trip.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from rlx.models.families import deepseek_v4 as v4
+from rlx.models.hparams import ModelConfigError
+
+TOL = 1e-4
+VOCAB, T = 48, 13
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=12,
+    partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+    layer_types=["sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention"],
+    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+    hc_mult=3, hc_sinkhorn_iters=5, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+    swiglu_limit=0.3, sliding_window=4, o_groups=2, o_lora_rank=8, index_n_heads=8,
+    index_head_dim=12, index_topk=2, num_nextn_predict_layers=0, max_position_embeddings=64,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                     "beta_fast": 8.0, "beta_slow": 1.0})
+
+
+def _randomise(model, seed: int) -> None:
+    """Every parameter and buffer random (module docstring); ``tid2eid`` distinct experts."""
+    g = torch.Generator().manual_seed(seed)
+    normal = lambda t, std: torch.randn(t.shape, generator=g) * std  # noqa: E731
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("tid2eid"):
+                keys = torch.rand((t.shape[0], 4), generator=g)
+                t.copy_(keys.argsort(-1)[:, :t.shape[1]])
+            elif "inv_freq" in name:
+                continue
+            elif "norm" in name or name.endswith("scale"):
+                t.copy_(1 + normal(t, 0.2))
+            elif t.ndim == 1 or "position_bias" in name:
+                t.copy_(normal(t, 0.5))
+            else:
+                t.copy_(normal(t, 0.2))
+
+
+def make_v4(path: str, seed: int = 0, **overrides) -> str:
+    cfg = transformers.DeepseekV4Config(**(TINY | overrides))
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    _randomise(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.numpy()
+
+
+@nnx.jit
+def _forward(model, ids, mask):
+    return model(ids, attention_mask=mask)
+
+
+def logits(model, ids, mask=None) -> np.ndarray:
+    ids = jnp.asarray(ids)
+    return np.asarray(_forward(model, ids, jnp.ones_like(ids) if mask is None else jnp.asarray(mask)))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_v4(str(tmp_path_factory.mktemp("v4")))
+
+
+def _ids(b=2, t=T, seed=0):
+    return np.random.RandomState(seed).randint(0, VOCAB, (b, t))
+
+
+def test_logits_match_transformers(tiny):
+    ids = _ids()
+    ref = hf_logits(tiny, ids)
+    scale = np.abs(ref).max()
+    assert scale > 0.5, "oracle logits too small to make the test meaningful"
+    out = logits(v4.load(tiny), ids)
+    assert np.abs(out - ref).max() <= TOL * scale
+
+
+def _unbound(model, feature: str):
+    """``model`` with ``feature`` switched off (so its binding shows in the logits)."""
+    for layer in model.layers:
+        a = layer.attn
+        if feature == "topk" and a.indexer is not None:
+            a.indexer.topk = 10 ** 6
+        if feature == "limit":
+            layer.ffn.experts.limit = layer.ffn.shared_experts.limit = 1e9
+        if feature == "window":
+            a.a = dataclasses.replace(a.a, window=10 ** 6)
+    return model
+
+
+@pytest.mark.slow
+def test_each_feature_binds(tiny):
+    """Switched off, the indexer's top-k, the SwiGLU limit and the window each move the logits
+    far beyond the tolerance: the parity test exercises them."""
+    ids = _ids()
+    out = logits(v4.load(tiny), ids)
+    for feature in ("topk", "limit", "window"):
+        other = logits(_unbound(v4.load(tiny), feature), ids)
+        assert np.abs(out - other).max() > 100 * TOL * np.abs(out).max(), feature
+
+
+def test_padded_rows_equal_unpadded(tiny):
+    """Right-padded rows of several lengths give each real token its unpadded logits."""
+    model = v4.load(tiny)
+    ids = _ids(b=2)
+    lengths = [T, 7]
+    mask = np.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    padded = logits(model, np.where(mask, ids, 0), mask)
+    for i, n in enumerate(lengths):
+        alone = logits(model, ids[i:i + 1, :n])[0]
+        assert np.abs(padded[i, :n] - alone).max() <= 1e-5 * np.abs(alone).max()
