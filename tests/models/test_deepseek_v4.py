@@ -12,6 +12,8 @@ compared on their real tokens), 1e-5 for the rlx -> ``to_hf`` -> transformers ro
 """
 
 import dataclasses
+import json
+import logging
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from rlx.models.families import deepseek_v4 as v4
 from rlx.models.hparams import ModelConfigError
@@ -137,3 +140,78 @@ def test_padded_rows_equal_unpadded(tiny):
     for i, n in enumerate(lengths):
         alone = logits(model, ids[i:i + 1, :n])[0]
         assert np.abs(padded[i, :n] - alone).max() <= 1e-5 * np.abs(alone).max()
+
+
+def _with_config(src: str, dst, **changes) -> str:
+    """A folder holding ``src``'s config.json with ``changes`` and no weights."""
+    with open(f"{src}/config.json") as f:
+        cfg = json.load(f) | changes
+    dst.mkdir(exist_ok=True)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+@pytest.mark.parametrize("field, value, supported", [
+    ("hidden_act", "gelu", "['silu']"),
+    ("scoring_func", "softmax", "['sqrtsoftplus', 'sigmoid']"),
+    ("num_key_value_heads", 2, "[1]"),
+    ("n_shared_experts", 2, "[1]"),
+    ("layer_types", ["sliding_attention", "full_attention", "sliding_attention",
+                     "sliding_attention"], "'compressed_sparse_attention'"),
+    ("mlp_layer_types", ["dense", "moe", "moe", "moe"], "['hash_moe', 'moe']"),
+    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "['default', 'yarn']"),
+])
+def test_unsupported_options_are_refused_before_any_weight(tiny, tmp_path, field, value, supported):
+    """The folder has no weights: the error comes from config.json alone, naming the field and
+    the values rlx implements."""
+    path = _with_config(tiny, tmp_path / "bad", **{field: value})
+    with pytest.raises(ModelConfigError) as err:
+        v4.load(path)
+    assert field in str(err.value) and supported in str(err.value)
+
+
+def test_legacy_compress_ratios_refused_outside_the_class_values(tiny, tmp_path):
+    hf = json.load(open(f"{tiny}/config.json"))
+    del hf["layer_types"]
+    with pytest.raises(ModelConfigError, match=r"compress_ratios\[\.\.\.\]=16 .*\[0, 4, 128\]"):
+        v4.from_hf_config(hf | {"compress_ratios": [0, 4, 16, 4]})
+    legacy = v4.from_hf_config(hf | {"compress_ratios": [0, 4, 128, 4]})
+    assert legacy.layer_types[1:3] == ("compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def _copy_with(src: str, dst, extra: dict) -> str:
+    """``src``'s checkpoint with the tensors ``extra`` added."""
+    tensors = load_file(f"{src}/model.safetensors")
+    dst.mkdir(exist_ok=True)
+    save_file(tensors | extra, str(dst / "model.safetensors"))
+    (dst / "config.json").write_text(open(f"{src}/config.json").read())
+    return str(dst)
+
+
+def test_mtp_tensors_are_skipped_with_a_note_and_others_refused(tiny, tmp_path, caplog):
+    """A multi-token-prediction layer's tensors are skipped (logged, logits unchanged); a tensor
+    rlx would not read is refused rather than ignored."""
+    mtp = {"mtp.0.attn.wq_a.weight": np.ones((12, 32), np.float32),
+           "mtp.0.enorm.weight": np.ones((32,), np.float32)}
+    path = _copy_with(tiny, tmp_path / "mtp", mtp)
+    with caplog.at_level(logging.INFO):
+        model = v4.load(path)
+    assert "multi-token-prediction" in caplog.text
+    ids = _ids()
+    assert np.array_equal(logits(model, ids), logits(v4.load(tiny), ids))
+    stray = _copy_with(tiny, tmp_path / "stray", {"model.layers.0.attn.wq_c.weight": mtp[
+        "mtp.0.attn.wq_a.weight"]})
+    with pytest.raises(ModelConfigError, match="wq_c"):
+        v4.load(stray)
+
+
+def test_to_hf_round_trip(tiny, tmp_path):
+    """rlx -> ``to_hf`` -> transformers and -> rlx give rlx's logits within 1e-5."""
+    model = v4.load(tiny)
+    ids = _ids()
+    ours = logits(model, ids)
+    out = str(tmp_path / "out")
+    v4.to_hf(model, out)
+    scale = np.abs(ours).max()
+    assert np.abs(hf_logits(out, ids) - ours).max() <= 1e-5 * scale
+    assert np.abs(logits(v4.load(out), ids) - ours).max() <= 1e-5 * scale
