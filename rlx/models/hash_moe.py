@@ -20,7 +20,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rlx.models.layers import Linear, param
-from rlx.models.moe import CorrectionBias, Experts
+from rlx.models.moe import CorrectionBias, Experts, SparseMoE
 
 SCORING = {"sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)), "sigmoid": jax.nn.sigmoid}
 
@@ -58,8 +58,10 @@ class SharedExpert(nnx.Module):
         return self.down_proj(h, adapter)
 
 
-class V4MoE(nnx.Module):
-    """One sparse layer: router (``hashed``: the table), experts and the shared expert."""
+class V4MoE(SparseMoE):
+    """One sparse layer: router (``hashed``: the table), experts and the shared expert. A
+    ``SparseMoE`` by its parts (``experts``, ``shared_expert``), so ``rlx.quant.apply_lora``
+    adapts them as it does every MoE's; routing, arithmetic and call are its own."""
 
     def __init__(self, d: int, f: int, experts: int, k: int, vocab: int, *, hashed: bool,
                  scoring: str, scale: float, limit: float, dtype, param_dtype, rngs):
@@ -69,9 +71,10 @@ class V4MoE(nnx.Module):
         self.experts = LimitedExperts(experts, d, f, dtype=dtype, param_dtype=param_dtype,
                                       rngs=rngs)
         self.experts.limit = limit
-        self.shared_experts = SharedExpert(d, f, limit, dtype=dtype, param_dtype=param_dtype,
+        self.shared_expert = SharedExpert(d, f, limit, dtype=dtype, param_dtype=param_dtype,
                                            rngs=rngs)
         self.k, self.scoring, self.scale = k, scoring, scale
+        self.shared_gate = None
 
     def route(self, x: Float[Array, "n d"], ids: Int[Array, " n"]):
         """``(experts [n, k], gates [n, k])`` (module docstring)."""
@@ -89,4 +92,4 @@ class V4MoE(nnx.Module):
         flat = x.reshape(b * t, d)
         idx, gates = self.route(flat, ids.reshape(-1))
         routed = self.experts.ragged(flat, idx, gates.astype(x.dtype), adapter)
-        return (routed + self.shared_experts(flat, adapter)).reshape(b, t, d)
+        return (routed + self.shared_expert(flat, adapter)).reshape(b, t, d)

@@ -67,9 +67,9 @@ class V4Block(nnx.Module):
         self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps, **norm)
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps, **norm)
-        self.attn = V4Attention(cfg.attn, cfg.layer_types[i], dtype=dtype, param_dtype=param_dtype,
+        self.self_attn = V4Attention(cfg.attn, cfg.layer_types[i], dtype=dtype, param_dtype=param_dtype,
                                 rngs=rngs)
-        self.ffn = V4MoE(d, cfg.moe_intermediate_size, cfg.n_routed_experts,
+        self.mlp = V4MoE(d, cfg.moe_intermediate_size, cfg.n_routed_experts,
                          cfg.num_experts_per_tok, cfg.vocab_size,
                          hashed=cfg.mlp_layer_types[i] == HASH, scoring=cfg.scoring_func,
                          scale=cfg.routed_scaling_factor, limit=cfg.swiglu_limit, dtype=dtype,
@@ -78,10 +78,10 @@ class V4Block(nnx.Module):
 
     def __call__(self, h: Float[Array, "b t n d"], ids, positions, segment_ids, adapter: bool = True):
         post, comb, x = self.attn_hc(h)
-        x = self.attn(self.attn_norm(x).astype(self.dtype), positions, segment_ids, adapter)
+        x = self.self_attn(self.attn_norm(x).astype(self.dtype), positions, segment_ids, adapter)
         h = expand(h, x, post, comb)
         post, comb, x = self.ffn_hc(h)
-        x = self.ffn(self.ffn_norm(x).astype(self.dtype), ids, adapter)
+        x = self.mlp(self.ffn_norm(x).astype(self.dtype), ids, adapter)
         return expand(h, x, post, comb)
 
 

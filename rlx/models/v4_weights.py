@@ -69,7 +69,7 @@ def _moe(cfg: V4Config, i: int, us: str, hf: str) -> list[Entry]:
         out.append(Entry(f"{us}.bias", f"{hf}.gate.bias", "raw"))
     for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
         out.append(Entry(f"{us}.experts.{ours}", f"{hf}.experts.{{e}}.{theirs}.weight", "expert"))
-        out.append(Entry(f"{us}.shared_experts.{ours}.kernel",
+        out.append(Entry(f"{us}.shared_expert.{ours}.kernel",
                          f"{hf}.shared_experts.{theirs}.weight", "linear"))
     return out
 
@@ -86,8 +86,8 @@ def entries(cfg: V4Config) -> list[Entry]:
                 Entry(f"{us}.ffn_norm.weight", f"{hf}.ffn_norm.weight", "raw")]
         out += [Entry(f"{us}.{s}_hc.{k}", f"{hf}.hc_{s}_{k}", "raw")
                 for s in ("attn", "ffn") for k in ("fn", "base", "scale")]
-        out += _attention(cfg, i, f"{us}.attn", f"{hf}.attn")
-        out += _moe(cfg, i, f"{us}.ffn", f"{hf}.ffn")
+        out += _attention(cfg, i, f"{us}.self_attn", f"{hf}.attn")
+        out += _moe(cfg, i, f"{us}.mlp", f"{hf}.ffn")
     return out
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from safetensors.numpy import load_file, save_file
 
 from rlx.models.families import deepseek_v4 as v4
 from rlx.models.hparams import ModelConfigError
+from rlx.quant import LoraConfig, apply_lora
 
 TOL = 1e-4
 VOCAB, T = 48, 13
@@ -107,11 +109,11 @@ def test_logits_match_transformers(tiny):
 def _unbound(model, feature: str):
     """``model`` with ``feature`` switched off (so its binding shows in the logits)."""
     for layer in model.layers:
-        a = layer.attn
+        a = layer.self_attn
         if feature == "topk" and a.indexer is not None:
             a.indexer.topk = 10 ** 6
         if feature == "limit":
-            layer.ffn.experts.limit = layer.ffn.shared_experts.limit = 1e9
+            layer.mlp.experts.limit = layer.mlp.shared_expert.limit = 1e9
         if feature == "window":
             a.a = dataclasses.replace(a.a, window=10 ** 6)
     return model
@@ -215,3 +217,41 @@ def test_to_hf_round_trip(tiny, tmp_path):
     scale = np.abs(ours).max()
     assert np.abs(hf_logits(out, ids) - ours).max() <= 1e-5 * scale
     assert np.abs(logits(v4.load(out), ids) - ours).max() <= 1e-5 * scale
+
+
+def _paths(state) -> list[str]:
+    return ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(state)]
+
+
+@nnx.jit
+def _lora_grads(model, ids):
+    def loss(m):
+        return -jnp.take_along_axis(jax.nn.log_softmax(m(ids)), ids[..., None], -1).mean()
+    return nnx.grad(loss, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+
+
+@pytest.mark.slow
+def test_mode_b_adapts_attention_and_experts_with_indexer_and_compressors_frozen(tiny):
+    """LoRA (``rlx.quant.apply_lora``) on the query projections, the routed experts and the
+    shared expert: fresh adapters leave the logits unchanged, their gradients flow, and nothing
+    of the compressors, the indexer, the correction biases or the hash tables is trainable in
+    either mode (mode A trains the compressors, not the indexer)."""
+    model = v4.load(tiny)
+    ids = _ids()
+    base = logits(model, ids)
+    apply_lora(model, LoraConfig(rank=2, targets=("q_a", "q_b", "gate", "up", "down")),
+               nnx.Rngs(1))
+    assert np.abs(logits(model, ids) - base).max() <= 1e-6 * np.abs(base).max()
+    lora = _paths(nnx.state(model, nnx.LoRAParam))
+    for i in range(4):
+        for part in ("self_attn/q_a_proj", "self_attn/q_b_proj", "mlp/experts/gate_lora",
+                     "mlp/experts/down_lora", "mlp/shared_expert/up_proj"):
+            assert any(p.startswith(f"layers/{i}/{part}") for p in lora), (i, part)
+    assert not any("compressor" in p or "indexer" in p for p in lora)
+
+    grads = _lora_grads(model, jnp.asarray(ids))
+    leaves = [np.asarray(g) for _, g in nnx.to_flat_state(grads)]
+    assert all(np.isfinite(g).all() for g in leaves) and any(np.abs(g).max() > 0 for g in leaves)
+    full = _paths(nnx.state(model, nnx.Param))  # mode A's trainable set
+    assert any(p.endswith("compressor/wkv") for p in full)
+    assert not any("indexer" in p or p.endswith(("mlp/bias", "tid2eid")) for p in full)

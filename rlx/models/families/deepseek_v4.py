@@ -24,7 +24,9 @@ The multi-token-prediction layers (``num_nextn_predict_layers``; tensors under `
 part of rlx's model, as transformers does not build them: their tensors are skipped with a logged
 note, and any other tensor rlx does not hold is refused.
 
-Training: in mode A every ``nnx.Param`` trains (attention, compressors, hyper-connections, router,
+Training: in mode B ``rlx.quant.apply_lora`` adapts the query projections (targets ``q_a``,
+``q_b``), the routed experts and the shared expert (``gate``, ``up``, ``down``); nothing else
+trains. In mode A every ``nnx.Param`` trains (attention, compressors, hyper-connections, router,
 experts); the indexer's weights, the routers' correction biases and the hash tables are frozen
 buffers in both modes (``rlx.models.compressor``: DeepSeek trains its indexer with its own KL
 loss against the main attention, which rlx does not implement, so rlx keeps the released indexer).
