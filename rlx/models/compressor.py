@@ -60,14 +60,17 @@ class Compressor(nnx.Module):
         self.norm = make((head,), "ones")
         self.rate, self.overlap, self.head = rate, overlap, head
 
-    def __call__(self, x: Float[Array, "b t d"], eps: float, rope: Angles
-                 ) -> Float[Array, "b w c"]:
-        """The entries of the ``t // rate`` complete windows; ``rope``: the ``compress`` angles
-        at each window's first position (``window_angles``)."""
-        b, t, _ = x.shape
-        r, n, c = self.rate, t // self.rate, self.wkv.shape[-1]
-        kv = (x @ self.wkv[...].astype(x.dtype))[:, :n * r].reshape(b, n, r, c)
-        gate = (x @ self.wgate[...].astype(x.dtype))[:, :n * r].reshape(b, n, r, c)
+    def sources(self, x: Float[Array, "b t d"]) -> tuple[Array, Array]:
+        """Each token's projections ``kv``, ``gate`` ``[b, t, c]`` (what a decode cache keeps)."""
+        return x @ self.wkv[...].astype(x.dtype), x @ self.wgate[...].astype(x.dtype)
+
+    def pool(self, kv: Float[Array, "b t c"], gate: Float[Array, "b t c"], eps: float,
+             rope: Angles) -> Float[Array, "b w h"]:
+        """The entries of the ``t // rate`` complete windows of the sources; ``rope``: the
+        ``compress`` angles at each window's first position."""
+        b, t, c = kv.shape
+        r, n = self.rate, t // self.rate
+        kv, gate = kv[:, :n * r].reshape(b, n, r, c), gate[:, :n * r].reshape(b, n, r, c)
         gate = gate.astype(jnp.float32) + self.ape[...].astype(jnp.float32)
         if self.overlap:
             h = self.head
@@ -77,7 +80,12 @@ class Compressor(nnx.Module):
             gate = jnp.concatenate([prev(gate, -jnp.inf), gate[..., h:]], axis=2)
         pooled = jnp.sum(kv.astype(jnp.float32) * jax.nn.softmax(gate, axis=2), axis=2)
         normed = unweighted_rms(pooled, eps) * self.norm[...].astype(jnp.float32)
-        return rotate_tail(normed[:, :, None, :], *rope)[:, :, 0, :].astype(x.dtype)
+        return rotate_tail(normed[:, :, None, :], *rope)[:, :, 0, :].astype(kv.dtype)
+
+    def __call__(self, x: Float[Array, "b t d"], eps: float, rope: Angles
+                 ) -> Float[Array, "b w h"]:
+        """The entries of the ``t // rate`` complete windows of ``x``."""
+        return self.pool(*self.sources(x), eps, rope)
 
 
 def visible(positions: Int[Array, "b t"], n: int, rate: int) -> Bool[Array, "b t w"]:
@@ -95,10 +103,13 @@ class Indexer(nnx.Module):
         self.heads, self.head, self.topk = heads, head, topk
 
     def select(self, x: Float[Array, "b t d"], q_latent: Float[Array, "b t r"], eps: float,
-               query_rope: Angles, key_rope: Angles, allowed: Bool[Array, "b t w"]
-               ) -> Bool[Array, "b t w"]:
-        """The visible entries each query keeps: its ``topk`` best by the indexer's score."""
-        keys = self.compressor(x, eps, key_rope).astype(jnp.float32)  # [b, w, ihd]
+               query_rope: Angles, key_rope: Angles, allowed: Bool[Array, "b t w"],
+               sources: tuple[Array, Array] | None = None) -> Bool[Array, "b t w"]:
+        """The visible entries each query keeps: its ``topk`` best by the indexer's score.
+        ``sources``: the compressor's cached projections of every position (decoding), else
+        those of ``x``."""
+        sources = self.compressor.sources(x) if sources is None else sources
+        keys = self.compressor.pool(*sources, eps, key_rope).astype(jnp.float32)  # [b, w, ihd]
         b, t, _ = x.shape
         q = (q_latent.astype(jnp.float32) @ self.wq_b[...]).reshape(b, t, self.heads, self.head)
         q = rotate_tail(q, *query_rope)

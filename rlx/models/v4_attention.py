@@ -17,6 +17,7 @@ concatenation through ``o_b_proj``.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -97,19 +98,28 @@ class V4Attention(nnx.Module):
 
     def _compressed(self, x, q_latent, positions, segment_ids):
         """The compressed entries ``[b, w, head_dim]`` and the mask ``[b, t, w]`` over them."""
+        sources = self.compressor.sources(x)
+        isources = None if self.indexer is None else self.indexer.compressor.sources(x)
+        allowed = (segment_ids != 0)[:, :, None]
+        return self._entries(x, q_latent, positions, sources, isources, allowed)
+
+    def _entries(self, x, q_latent, positions, sources, isources, allowed):
+        """Entries pooled from ``sources`` (every position's compressor projections) and the
+        queries' mask over them: complete windows before each query (and ``allowed``), in a
+        sparse layer only those the indexer keeps."""
         a, rate = self.a, self.compressor.rate
-        b, t, _ = x.shape
-        n = t // rate
+        b, n = x.shape[0], sources[0].shape[1] // rate
         starts = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32) * rate, (b, n))
-        entries = self.compressor(x, a.eps, a.rope(starts, True))
-        allowed = visible(positions, n, rate) & (segment_ids != 0)[:, :, None]
+        entries = self.compressor.pool(*sources, a.eps, a.rope(starts, True))
+        allowed = visible(positions, n, rate) & allowed
         if self.indexer is not None:
             allowed = self.indexer.select(x, q_latent, a.eps, a.rope(positions, True),
-                                          a.rope(starts, True), allowed)
+                                          a.rope(starts, True), allowed, isources)
         return entries, allowed
 
-    def __call__(self, x: Float[Array, "b t d"], positions: Int[Array, "b t"],
-                 segment_ids: Int[Array, "b t"], adapter: bool = True) -> Float[Array, "b t d"]:
+    def _project(self, x, positions, adapter: bool):
+        """Rotated queries ``[b, t, h, hd]``, their latent, the rotated shared keys
+        ``[b, t, hd]`` and the angles."""
         a = self.a
         b, t, _ = x.shape
         rope = a.rope(positions, self.kind != SLIDING)
@@ -117,15 +127,74 @@ class V4Attention(nnx.Module):
         q = self.q_b_proj(q_latent, adapter).reshape(b, t, a.heads, a.head_dim)
         q = rotate_tail(unweighted_rms(q, a.eps).astype(q.dtype), *rope)
         kv = rotate_tail(self.kv_norm(self.kv_proj(x, adapter))[:, :, None, :], *rope)
-        kv = kv.astype(q.dtype)
-        mask = sliding_mask(positions, segment_ids, a.window)
-        if self.compressor is not None:
-            entries, allowed = self._compressed(x, q_latent, positions, segment_ids)
-            kv = jnp.concatenate([kv, entries[:, :, None, :].astype(kv.dtype)], axis=1)
-            mask = jnp.concatenate([mask, allowed], axis=2)
-        out = gqa_attention(q, kv, kv, mask, scale=a.head_dim ** -0.5,
-                            sinks=self.attn_sink[...])  # [b, t, h, hd]
+        return q, q_latent, kv[:, :, 0, :].astype(q.dtype), rope
+
+    def _attend(self, q, keys, mask, rope, adapter: bool):
+        """Sink attention over ``keys`` (also the values), rotated back, grouped output."""
+        a = self.a
+        b, t = q.shape[:2]
+        out = gqa_attention(q, keys[:, :, None, :], keys[:, :, None, :], mask,
+                            scale=a.head_dim ** -0.5, sinks=self.attn_sink[...])  # [b, t, h, hd]
         out = rotate_tail(out, rope[0], -rope[1])
         grouped = out.reshape(b, t, a.o_groups, -1)
         low = jnp.einsum("btgi,gir->btgr", grouped, self.wo_a[...].astype(grouped.dtype))
         return self.o_b_proj(low.reshape(b, t, -1), adapter)
+
+    def __call__(self, x: Float[Array, "b t d"], positions: Int[Array, "b t"],
+                 segment_ids: Int[Array, "b t"], adapter: bool = True) -> Float[Array, "b t d"]:
+        q, q_latent, kv, rope = self._project(x, positions, adapter)
+        mask = sliding_mask(positions, segment_ids, self.a.window)
+        if self.compressor is not None:
+            entries, allowed = self._compressed(x, q_latent, positions, segment_ids)
+            kv = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+            mask = jnp.concatenate([mask, allowed], axis=2)
+        return self._attend(q, kv, mask, rope, adapter)
+
+    def step(self, x: Float[Array, "b t d"], positions: Int[Array, "b t"], cache: "LayerCache",
+             adapter: bool = True) -> tuple[Float[Array, "b t d"], "LayerCache"]:
+        """``t`` new tokens per row at ``positions`` (a prefill or a decode step) against the
+        layer's cache of every earlier position (``LayerCache``); returns the cache with theirs
+        written. Each row holds one sequence; the compressed entries are pooled again from the
+        cached sources, so a window that a new token completes joins at once."""
+        q, q_latent, kv, rope = self._project(x, positions, adapter)
+        rows = jnp.arange(x.shape[0])[:, None]
+        put = lambda buf, new: None if buf is None else buf.at[rows, positions].set(  # noqa: E731
+            new.astype(buf.dtype))
+        cache = LayerCache(put(cache.kv, kv), *(
+            (None, None) if self.compressor is None else
+            tuple(put(c, v) for c, v in zip(cache[1:3], self.compressor.sources(x)))), *(
+            (None, None) if self.indexer is None else
+            tuple(put(c, v) for c, v in zip(cache[3:5], self.indexer.compressor.sources(x)))))
+        kp, qp = jnp.arange(cache.kv.shape[1])[None, None, :], positions[:, :, None]
+        mask = (kp <= qp) & (qp - kp < self.a.window)
+        keys = cache.kv
+        if self.compressor is not None:
+            isources = None if self.indexer is None else (cache.ikv, cache.igate)
+            entries, allowed = self._entries(x, q_latent, positions, (cache.ckv, cache.cgate),
+                                             isources, True)
+            keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+            mask = jnp.concatenate([mask, allowed], axis=2)
+        return self._attend(q, keys.astype(q.dtype), mask, rope, adapter), cache
+
+
+class LayerCache(NamedTuple):
+    """A layer's decode cache over ``S`` positions: the rotated shared keys ``kv`` ``[b, S, hd]``
+    and, in compressed layers, the compressor's (``ckv``, ``cgate``) and the indexer's
+    (``ikv``, ``igate``) projections of every position ``[b, S, c]`` (None where the layer has
+    none)."""
+
+    kv: Array
+    ckv: Array | None = None
+    cgate: Array | None = None
+    ikv: Array | None = None
+    igate: Array | None = None
+
+
+def empty_cache(layer: V4Attention, batch: int, length: int, dtype) -> LayerCache:
+    """A zero ``LayerCache`` of ``length`` positions for ``layer``."""
+    zeros = lambda c: jnp.zeros((batch, length, c), dtype)  # noqa: E731
+    comp = layer.compressor
+    return LayerCache(zeros(layer.a.head_dim),
+                      *((None, None) if comp is None else (zeros(comp.wkv.shape[-1]),) * 2),
+                      *((None, None) if layer.indexer is None else
+                        (zeros(layer.indexer.compressor.wkv.shape[-1]),) * 2))

@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 from rlx.models.hash_moe import V4MoE
 from rlx.models.hyper import HyperConnection, HyperHead, expand
 from rlx.models.layers import Linear, RMSNorm, param
-from rlx.models.v4_attention import V4Attention, V4Attn
+from rlx.models.v4_attention import LayerCache, V4Attention, V4Attn, empty_cache
 
 HASH, ROUTED = "hash_moe", "moe"  # mlp_layer_types values
 MLP_LAYER_TYPES = (HASH, ROUTED)
@@ -80,9 +80,20 @@ class V4Block(nnx.Module):
         post, comb, x = self.attn_hc(h)
         x = self.self_attn(self.attn_norm(x).astype(self.dtype), positions, segment_ids, adapter)
         h = expand(h, x, post, comb)
+        return self._ffn(h, ids, adapter)
+
+    def _ffn(self, h, ids, adapter: bool):
         post, comb, x = self.ffn_hc(h)
         x = self.mlp(self.ffn_norm(x).astype(self.dtype), ids, adapter)
         return expand(h, x, post, comb)
+
+    def step(self, h: Float[Array, "b t n d"], ids, positions, cache: LayerCache,
+             adapter: bool = True):
+        """The block over new tokens against the attention's decode cache."""
+        post, comb, x = self.attn_hc(h)
+        x, cache = self.self_attn.step(self.attn_norm(x).astype(self.dtype), positions, cache,
+                                       adapter)
+        return self._ffn(expand(h, x, post, comb), ids, adapter), cache
 
 
 class DeepseekV4(nnx.Module):
@@ -107,6 +118,25 @@ class DeepseekV4(nnx.Module):
         for layer in self.layers:
             h = layer(h, input_ids, positions, segment_ids, adapter)
         return self.norm(self.hc_head(h)).astype(self.dtype)
+
+    def empty_cache(self, batch: int, length: int) -> tuple[LayerCache, ...]:
+        """Zero decode caches of ``length`` positions, one per layer."""
+        return tuple(empty_cache(layer.self_attn, batch, length, self.dtype)
+                     for layer in self.layers)
+
+    def step(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
+             caches: tuple[LayerCache, ...], adapter: bool = True):
+        """Logits of ``t`` new tokens per row at ``positions`` (a prefill, or a decode step)
+        against the caches of the earlier ones, and the caches with the new tokens written:
+        the same logits as the full forward pass over the row."""
+        x = self.embed[...].astype(self.dtype)[input_ids]
+        h = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
+        out = []
+        for layer, cache in zip(self.layers, caches):
+            h, cache = layer.step(h, input_ids, positions, cache, adapter)
+            out.append(cache)
+        h = self.norm(self.hc_head(h)).astype(self.dtype)
+        return self.head(h, adapter), tuple(out)
 
     def __call__(self, input_ids: Int[Array, "b t"], positions=None, segment_ids=None,
                  attention_mask=None, adapter: bool = True) -> Float[Array, "b t v"]:
