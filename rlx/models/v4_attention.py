@@ -150,16 +150,20 @@ class V4Attention(nnx.Module):
             mask = jnp.concatenate([mask, allowed], axis=2)
         return self._attend(q, kv, mask, rope, adapter)
 
-    def step(self, x: Float[Array, "b t d"], positions: Int[Array, "b t"], cache: "LayerCache",
-             adapter: bool = True) -> tuple[Float[Array, "b t d"], "LayerCache"]:
+    def step(self, x: Float[Array, "b t d"], positions: Int[Array, "b t"],
+             segment_ids: Int[Array, "b t"], cache: "LayerCache", adapter: bool = True
+             ) -> tuple[Float[Array, "b t d"], "LayerCache"]:
         """``t`` new tokens per row at ``positions`` (a prefill or a decode step) against the
-        layer's cache of every earlier position (``LayerCache``); returns the cache with theirs
-        written. Each row holds one sequence; the compressed entries are pooled again from the
-        cached sources, so a window that a new token completes joins at once."""
+        layer's cache of every earlier position (``LayerCache``, indexed by position, so left
+        padding is as good as right); returns the cache with the real tokens written (padding,
+        ``segment_ids`` 0, is not). Each row holds one sequence; the compressed entries are
+        pooled again from the cached sources, so a window that a new token completes joins at
+        once."""
         q, q_latent, kv, rope = self._project(x, positions, adapter)
         rows = jnp.arange(x.shape[0])[:, None]
-        put = lambda buf, new: None if buf is None else buf.at[rows, positions].set(  # noqa: E731
-            new.astype(buf.dtype))
+        slots = jnp.where(segment_ids != 0, positions, cache.kv.shape[1])  # padding: dropped
+        put = lambda buf, new: None if buf is None else buf.at[rows, slots].set(  # noqa: E731
+            new.astype(buf.dtype), mode="drop")
         cache = LayerCache(put(cache.kv, kv), *(
             (None, None) if self.compressor is None else
             tuple(put(c, v) for c, v in zip(cache[1:3], self.compressor.sources(x)))), *(

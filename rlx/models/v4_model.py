@@ -87,12 +87,12 @@ class V4Block(nnx.Module):
         x = self.mlp(self.ffn_norm(x).astype(self.dtype), ids, adapter)
         return expand(h, x, post, comb)
 
-    def step(self, h: Float[Array, "b t n d"], ids, positions, cache: LayerCache,
+    def step(self, h: Float[Array, "b t n d"], ids, positions, segment_ids, cache: LayerCache,
              adapter: bool = True):
         """The block over new tokens against the attention's decode cache."""
         post, comb, x = self.attn_hc(h)
-        x, cache = self.self_attn.step(self.attn_norm(x).astype(self.dtype), positions, cache,
-                                       adapter)
+        x, cache = self.self_attn.step(self.attn_norm(x).astype(self.dtype), positions,
+                                       segment_ids, cache, adapter)
         return self._ffn(expand(h, x, post, comb), ids, adapter), cache
 
 
@@ -125,15 +125,17 @@ class DeepseekV4(nnx.Module):
                      for layer in self.layers)
 
     def step(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
-             caches: tuple[LayerCache, ...], adapter: bool = True):
-        """Logits of ``t`` new tokens per row at ``positions`` (a prefill, or a decode step)
-        against the caches of the earlier ones, and the caches with the new tokens written:
-        the same logits as the full forward pass over the row."""
+             segment_ids: Int[Array, "b t"], caches: tuple[LayerCache, ...],
+             adapter: bool = True):
+        """Logits of ``t`` new tokens per row at ``positions`` (a prefill, left-padded or not,
+        or a decode step; ``segment_ids`` 0 marks padding) against the caches of the earlier
+        ones, and the caches with the new tokens written: the logits of the full forward pass
+        over the row."""
         x = self.embed[...].astype(self.dtype)[input_ids]
         h = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
         out = []
         for layer, cache in zip(self.layers, caches):
-            h, cache = layer.step(h, input_ids, positions, cache, adapter)
+            h, cache = layer.step(h, input_ids, positions, segment_ids, cache, adapter)
             out.append(cache)
         h = self.norm(self.hc_head(h)).astype(self.dtype)
         return self.head(h, adapter), tuple(out)

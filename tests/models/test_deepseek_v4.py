@@ -258,24 +258,35 @@ def test_mode_b_adapts_attention_and_experts_with_indexer_and_compressors_frozen
 
 
 @nnx.jit
-def _step(model, ids, positions, caches):
-    return model.step(ids, positions, caches)
+def _step(model, ids, positions, segments, caches):
+    return model.step(ids, positions, segments, caches)
 
 
 def test_cached_decode_equals_the_full_forward(tiny):
-    """A 5-token prefill, then 8 one-token steps over a 16-position cache: past the window (4),
-    through several compression windows (rates 2 and 4) and the indexer's choice; every step's
-    logits equal the full forward pass's at that position within 1e-5 (relative)."""
+    """Left-padded prefills (5 and 3 tokens), then one-token steps over a 16-position cache:
+    past the window (4), through several compression windows (rates 2 and 4) and the indexer's
+    choice; every real position's logits equal the full forward pass's over the unpadded row
+    within 1e-5 (relative)."""
     model = v4.load(tiny)
     ids = _ids()
     full = logits(model, ids)
     b, t = ids.shape
-    pos = np.broadcast_to(np.arange(t), (b, t))
+    lens = np.array([5, 3])
+    prompt = np.zeros((b, 5), ids.dtype)
+    pos, seg = np.zeros((b, 5), np.int32), np.zeros((b, 5), np.int32)
+    for i, n in enumerate(lens):
+        prompt[i, 5 - n:], pos[i, 5 - n:], seg[i, 5 - n:] = ids[i, :n], np.arange(n), 1
     caches = model.empty_cache(b, 16)
-    out, caches = _step(model, jnp.asarray(ids[:, :5]), jnp.asarray(pos[:, :5]), caches)
-    got = [np.asarray(out)]
-    for i in range(5, t):
-        out, caches = _step(model, jnp.asarray(ids[:, i:i + 1]), jnp.asarray(pos[:, i:i + 1]),
-                            caches)
-        got.append(np.asarray(out))
-    assert np.abs(np.concatenate(got, axis=1) - full).max() <= 1e-5 * np.abs(full).max()
+    out, caches = _step(model, jnp.asarray(prompt), jnp.asarray(pos), jnp.asarray(seg), caches)
+    got = [[np.asarray(out)[i, 5 - n:]] for i, n in enumerate(lens)]
+    for k in range(t - lens.min()):
+        p = np.minimum(lens + k, t - 1)[:, None]
+        out, caches = _step(model, jnp.asarray(np.take_along_axis(ids, p, 1)), jnp.asarray(p),
+                            jnp.ones_like(jnp.asarray(p)), caches)
+        for i in range(b):
+            if lens[i] + k < t:
+                got[i].append(np.asarray(out)[i])
+    for i in range(b):
+        row = np.concatenate(got[i], axis=0)
+        assert row.shape == full[i].shape
+        assert np.abs(row - full[i]).max() <= 1e-5 * np.abs(full).max()
