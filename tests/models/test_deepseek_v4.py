@@ -25,7 +25,10 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from rlx.models.families import deepseek_v4 as v4
+from rlx.models.hash_moe import HashTable
 from rlx.models.hparams import ModelConfigError
+from rlx.models.moe import CorrectionBias
+from rlx.models.v4_model import DeepseekV4
 from rlx.quant import LoraConfig, apply_lora
 
 TOL = 1e-4
@@ -290,3 +293,24 @@ def test_cached_decode_equals_the_full_forward(tiny):
         row = np.concatenate(got[i], axis=0)
         assert row.shape == full[i].shape
         assert np.abs(row - full[i]).max() <= 1e-5 * np.abs(full).max()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(v4.PRESETS))
+def test_presets_have_transformers_parameter_count(name):
+    """Each published preset reads as rlx's model with exactly transformers' parameter count
+    (built on the meta device; buffers such as ``tid2eid`` and the correction biases are not
+    parameters in either), and the layer schedule transformers derives."""
+    hf = v4.PRESETS[name]
+    cfg = v4.from_hf_config(hf)
+    theirs = transformers.DeepseekV4Config(**{k: v for k, v in hf.items()
+                                              if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        expected = sum(p.numel() for p in transformers.DeepseekV4ForCausalLM(theirs).parameters())
+    abstract = nnx.eval_shape(lambda: DeepseekV4(cfg, rngs=nnx.Rngs(0)))
+    buffer = lambda v: isinstance(v, HashTable) or type(v) is CorrectionBias  # noqa: E731
+    ours = sum(int(np.prod(v.shape)) for _, v in nnx.to_flat_state(nnx.state(abstract))
+               if not buffer(v))
+    assert ours == expected
+    assert list(cfg.layer_types) == theirs.layer_types
+    assert list(cfg.mlp_layer_types) == theirs.mlp_layer_types

@@ -73,6 +73,38 @@ CHOICES = (("hidden_act", ("silu",)), ("scoring_func", tuple(SCORING)),
 _CLASS_DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                    "tie_word_embeddings": False, "norm_topk_prob": True}
 
+_FLASH_RATIOS = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)] + [0]  # + the MTP layer's
+# The published sizes. DeepSeek-V4-Flash: transformers 5.25's DeepseekV4Config defaults (its
+# docstring's checkpoint is deepseek-ai/DeepSeek-V4-Flash-Base) with the release's per-layer
+# compress_ratios (two sliding layers, then compressed sparse / heavily compressed alternating);
+# 284.3B parameters without the MTP layer, the published 284B. DeepSeek-V4-Pro: the published
+# architecture (7168 wide, 61 layers, 128 heads of 512, q_lora_rank 1536, 16 output groups of
+# 1024, 384 experts of 3072 with 6 routed, indexer top-1024, YaRN x16 from 65536 positions on the
+# compress table) with transformers' default layer schedule (two heavily compressed layers, then
+# alternating); 1.573T parameters and about 49.8B active, the published 1.6T / 49B.
+_COMMON = {"architectures": [ARCH], "model_type": MODEL_TYPE, "vocab_size": 129280,
+           "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+           "num_experts_per_tok": 6, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus",
+           "norm_topk_prob": True, "routed_scaling_factor": 1.5, "num_hash_layers": 3,
+           "sliding_window": 128, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+           "swiglu_limit": 10.0, "index_n_heads": 64, "index_head_dim": 128,
+           "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+           "max_position_embeddings": 1048576, "num_nextn_predict_layers": 1,
+           "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+           "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16"}
+PRESETS = {
+    "deepseek-ai/DeepSeek-V4-Flash": _COMMON | {
+        "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64,
+        "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "n_routed_experts": 256,
+        "moe_intermediate_size": 2048, "index_topk": 512, "compress_ratios": _FLASH_RATIOS},
+    "deepseek-ai/DeepSeek-V4-Pro": _COMMON | {
+        "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "q_lora_rank": 1536, "o_groups": 16, "o_lora_rank": 1024, "n_routed_experts": 384,
+        "moe_intermediate_size": 3072, "index_topk": 1024,
+        "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1}},
+}
+
 
 def _get(hf: Mapping[str, Any], key: str) -> Any:
     value = hf.get(key)
