@@ -1,0 +1,157 @@
+"""Qwen3-Next (``Qwen3NextForCausalLM``): gated DeltaNet layers (``rlx.models.deltanet``) among
+gated full-attention ones, against transformers 5.25's class (its torch fallbacks for the chunked
+gated delta rule and the causal convolution), f32, on the zoo's tiny model: linear layers 0, 1,
+3, full layers 2, 4, 2 key heads serving 4 value heads through a 4-tap convolution, a quarter of
+each full head rotating, top-2 of 4 experts plus the gated shared expert.
+
+Tolerances: max |logit difference| <= 1e-4 relative to the largest oracle logit (about 5 here)
+for HF -> rlx (padded rows compared on their real tokens); 1e-5 for a padded or packed row
+against its sequence alone (rlx against rlx) and for the rlx -> to_hf -> transformers / rlx round
+trip.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlx.models import ModelConfigError, from_hf, from_hf_config, to_hf, to_hf_config
+from rlx.models.deltanet import gated_delta_rule, l2_normalize
+from tests.helpers.hf_zoo import hf_config, hf_logits, load_hf_model, make_hf_model
+
+TOL = 1e-4
+ARCH = "Qwen3NextForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_hf_model("qwen3_next", str(tmp_path_factory.mktemp("zoo")))
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    return from_hf(path)
+
+
+def _ids(b=3, t=9, seed=0):
+    return np.random.RandomState(seed).randint(0, 97, (b, t))
+
+
+def _forward(model, ids, **kw):
+    return np.asarray(jax.jit(lambda m, x, kw: m(x, **kw))(model, jnp.asarray(ids), kw))
+
+
+def test_logits_match_transformers(path, model):
+    ids = _ids()
+    ref = hf_logits(path, ids)
+    scale = np.abs(ref).max()
+    assert scale > 0.5, "oracle logits too small to make the test meaningful"
+    assert np.abs(_forward(model, ids) - ref).max() <= TOL * scale
+    cfg = model.config
+    assert cfg.linear_attention.layers == (0, 1, 3) and cfg.moe.sparse_layers == (0, 1, 2, 4)
+    assert cfg.rotary_dim == 4 and cfg.attention_output_gate and cfg.centered_norms
+
+
+def test_padded_batch_matches_transformers_and_unpadded(path, model):
+    """Left padding: transformers zeroes the pad tokens' inputs to the linear layers; rlx keeps
+    them out of the convolution and the state, which gives the row alone."""
+    ids = _ids(b=2, t=11, seed=1)
+    mask = np.array([[1] * 11, [0] * 4 + [1] * 7])
+    ref = hf_logits(path, ids, attention_mask=mask)
+    out = _forward(model, ids, attention_mask=jnp.asarray(mask))
+    real = mask.astype(bool)
+    assert np.abs(out[real] - ref[real]).max() <= TOL * np.abs(ref[real]).max()
+    alone = _forward(model, ids[1:, 4:])[0]
+    np.testing.assert_allclose(out[1, 4:], alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+
+
+def test_packed_row_equals_each_sequence_alone(model):
+    """Two sequences (7 and 5 tokens) and 2 pads in one row: the convolution's taps and the
+    recurrent state restart at the second sequence's first token."""
+    ids = _ids(b=1, t=14, seed=2)
+    seg = jnp.asarray([[1] * 7 + [2] * 5 + [0] * 2])
+    pos = jnp.asarray([list(range(7)) + list(range(5)) + [0, 0]])
+    packed = _forward(model, ids, positions=pos, segment_ids=seg)[0]
+    for lo, hi in ((0, 7), (7, 12)):
+        alone = _forward(model, ids[:, lo:hi])[0]
+        np.testing.assert_allclose(packed[lo:hi], alone, rtol=0, atol=1e-5 * np.abs(alone).max())
+
+
+def test_delta_rule_equals_the_recurrence_written_out():
+    """The chunked, rematerialised scan (3 chunks of 64 over 150 steps, a reset at step 100)
+    against the per-token loop in numpy, with the state carried in and out."""
+    rng = np.random.RandomState(3)
+    b, t, h, dk, dv = 2, 150, 3, 4, 5
+    q, k = (np.asarray(l2_normalize(jnp.asarray(rng.randn(b, t, h, dk)))) for _ in range(2))
+    v = rng.randn(b, t, h, dv)
+    g, beta = -rng.rand(b, t, h), rng.rand(b, t, h)
+    reset = np.zeros((b, t), bool)
+    reset[:, 100] = True
+    s0 = rng.randn(b, h, dk, dv)
+    out, last = gated_delta_rule(*(jnp.asarray(a, jnp.float32) for a in (q, k, v, g, beta)),
+                                 jnp.asarray(reset), jnp.asarray(s0, jnp.float32))
+    s, want = s0.copy(), np.zeros((b, t, h, dv))
+    for i in range(t):
+        s = np.where(reset[:, i, None, None, None], 0.0, s) * np.exp(g[:, i])[..., None, None]
+        delta = (v[:, i] - np.einsum("bhk,bhkv->bhv", k[:, i], s)) * beta[:, i, :, None]
+        s = s + k[:, i, :, :, None] * delta[:, :, None, :]
+        want[:, i] = np.einsum("bhk,bhkv->bhv", q[:, i], s)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(last), s, rtol=0, atol=1e-5)
+
+
+def test_round_trip_through_to_hf(path, model, tmp_path):
+    to_hf(model, str(tmp_path / "out"))
+    ids = _ids()
+    ref = _forward(model, ids)
+    hf = hf_logits(str(tmp_path / "out"), ids)  # loadable, no tensor missing or left over
+    again = _forward(from_hf(str(tmp_path / "out")), ids)
+    assert np.abs(hf - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert np.abs(again - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_parameter_count_matches_transformers(path, model):
+    assert model.config.num_params() == load_hf_model(path).num_parameters()
+
+
+def test_config_round_trips_and_derives_the_layer_kinds():
+    hf = hf_config("qwen3_next").to_dict() | {"architectures": [ARCH]}
+    cfg = from_hf_config(hf)
+    assert from_hf_config(to_hf_config(cfg)) == cfg
+    # without layer_types: every full_attention_interval-th layer full, as transformers derives
+    derived = from_hf_config(hf | {"layer_types": None, "full_attention_interval": 2})
+    assert derived.linear_attention.layers == (0, 2, 4)
+    assert dataclasses.replace(cfg, linear_attention=None).is_linear_layer(0) is False
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("layer_types", ["linear_attention", "sliding_attention"] + ["full_attention"] * 3,
+     "layer_types"),
+    ("layer_types", ["full_attention"] * 4, "layer_types"),
+    ("attention_bias", True, "attention_bias"),
+    ("linear_num_value_heads", 3, "linear_num_value_heads"),
+    ("shared_expert_intermediate_size", 0, "shared_expert_intermediate_size"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("rope_parameters", {"rope_type": "dynamic", "rope_theta": 100.0, "factor": 2.0},
+     "rope_type")])
+def test_unsupported_options_are_refused_naming_the_field(field, value, named):
+    hf = hf_config("qwen3_next").to_dict() | {"architectures": [ARCH]}
+    with pytest.raises(ModelConfigError, match=named):
+        from_hf_config(hf | {field: value})
+
+
+def test_refused_before_any_weight_is_read(path, tmp_path):
+    """A folder whose config.json asks for an unsupported option and whose weights are absent:
+    the error names the option, not a missing tensor."""
+    import json
+    import os
+
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    os.makedirs(tmp_path / "bad")
+    with open(tmp_path / "bad" / "config.json", "w") as f:
+        json.dump(hf | {"attention_bias": True}, f)
+    with pytest.raises(ModelConfigError, match="attention_bias"):
+        from_hf(str(tmp_path / "bad"))
