@@ -180,6 +180,32 @@ class GatedDeltaNet(nnx.Module):
         o, _ = gated_delta_rule(q, k, v, g, beta, segment_starts(segment_ids))
         return self._out(o, z, adapter)
 
+    def decode(self, x, positions, segment_ids, angles, kv, cache, adapter: bool = True,
+               order=None):
+        """The layer over ``t`` new tokens of each row continuing its states ``kv`` =
+        (convolution inputs ``[b, k - 1, c]``, recurrent state ``[b, hv, dk, dv]``, a
+        ``KVCache``'s buffers of this layer); returns (out, the states after them). The states
+        carry on where the row's previous slot (``cache.previous_segments``) is of the same
+        segment, else restart (an empty cache, a left-padded prompt's first token)."""
+        if order is not None or not hasattr(cache, "previous_segments"):
+            raise ValueError("gated DeltaNet layers decode over a KVCache (lockstep batching), "
+                             "without context parallelism; got "
+                             f"{type(cache).__name__} with order={order}")
+        conv_state, state = kv
+        x = jnp.where((segment_ids > 0)[..., None], x, 0).astype(x.dtype)
+        qkv, z, b, a = self._project(x, adapter)
+        rows, hist = qkv.shape[0], conv_state.shape[1]
+        prev = cache.previous_segments()[:, None]  # [b, 1]
+        ext = jnp.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)  # [b, k - 1 + t, c]
+        ext_seg = jnp.concatenate([jnp.broadcast_to(prev, (rows, hist)), segment_ids], axis=1)
+        conv = causal_conv(ext, self.conv1d[...][:, 0, :], ext_seg)[:, hist:]
+        q, k, v = self._heads(conv)
+        beta, g = self._gates(b, a)
+        reset = segment_ids != jnp.concatenate([prev, segment_ids[:, :-1]], axis=1)
+        o, state = gated_delta_rule(q, k, v, g, beta, reset, state)
+        kept = ext[:, ext.shape[1] - hist:].astype(conv_state.dtype)  # the last k - 1 inputs
+        return self._out(o, z, adapter), (kept, state)
+
 
 def param_map_entries(us: str, hf: str) -> dict[str, tuple[str, str]]:
     """rlx parameter path -> (HF tensor name, layout) of a gated DeltaNet layer at rlx ``us`` /

@@ -7,10 +7,12 @@ each full head rotating, top-2 of 4 experts plus the gated shared expert.
 Tolerances: max |logit difference| <= 1e-4 relative to the largest oracle logit (about 5 here)
 for HF -> rlx (padded rows compared on their real tokens); 1e-5 for a padded or packed row
 against its sequence alone (rlx against rlx) and for the rlx -> to_hf -> transformers / rlx round
-trip.
+trip, for a cached decode against the forward pass, and for the built-in engine's sampled and
+scored log-probs against the learner's (``tests.helpers.parity``).
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,12 @@ import pytest
 
 from rlx.models import ModelConfigError, from_hf, from_hf_config, to_hf, to_hf_config
 from rlx.models.deltanet import gated_delta_rule, l2_normalize
+from rlx.models.kv_cache import KVCache
+from rlx.quant import LoraConfig, QuantConfig
 from tests.helpers.hf_zoo import hf_config, hf_logits, load_hf_model, make_hf_model
+from tests.helpers.parity import TOL as ENGINE_TOL
+from tests.helpers.parity import parity
+from tests.helpers.quant import quantized_lora_model
 
 TOL = 1e-4
 ARCH = "Qwen3NextForCausalLM"
@@ -146,7 +153,6 @@ def test_refused_before_any_weight_is_read(path, tmp_path):
     """A folder whose config.json asks for an unsupported option and whose weights are absent:
     the error names the option, not a missing tensor."""
     import json
-    import os
 
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
@@ -155,3 +161,48 @@ def test_refused_before_any_weight_is_read(path, tmp_path):
         json.dump(hf | {"attention_bias": True}, f)
     with pytest.raises(ModelConfigError, match="attention_bias"):
         from_hf(str(tmp_path / "bad"))
+
+
+def test_decode_over_the_cache_equals_forward(model):
+    """Left-padded prompts of 11 and 8 tokens: 7 slots prefilled, then 4 one-token steps, each
+    continuing every linear layer's convolution and recurrent state from the cache."""
+    ids = jnp.asarray(_ids(b=2, t=11))
+    mask = jnp.asarray(np.array([[1] * 11, [0] * 3 + [1] * 8]))
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    full = _forward(model, ids, attention_mask=mask)
+    step = jax.jit(lambda m, x, p, s, c: (lambda h, c: (m.logits(h), c))(*m.decode(x, p, s, c)))
+    cache = KVCache.zeros(model.config, 2, 11, jnp.float32)
+    la = model.config.linear_attention
+    assert cache.keys[0].shape == (2, la.conv_kernel - 1, la.conv_dim) and cache.is_linear(0)
+    assert cache.values[0].shape == (2, 4, 8, 6) and not cache.is_linear(2)
+    logits, cache = step(model, ids[:, :7], positions[:, :7], mask[:, :7], cache)
+    outs = [logits]
+    for t in range(7, 11):
+        logits, cache = step(model, ids[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1],
+                             cache)
+        outs.append(logits)
+    decoded = np.concatenate([np.asarray(o) for o in outs], axis=1)
+    real = np.asarray(mask).astype(bool)
+    assert np.abs(decoded[real] - full[real]).max() <= 1e-5 * np.abs(full[real]).max()
+
+
+@pytest.mark.slow  # 95 s measured on a loaded 2-core machine (compiles dominate)
+def test_engine_logprobs_equal_learner_mode_a(model):
+    """The built-in engine (lockstep for this model: prompts of 3, 11 and 6 tokens, 12 sampled
+    tokens each, 2 samples sharing each prompt's prefilled states) samples, and scores, what
+    the learner's log-prob step computes."""
+    sampled, scored, preflight = parity(model)
+    assert sampled <= ENGINE_TOL and scored <= ENGINE_TOL and preflight <= ENGINE_TOL
+
+
+@pytest.mark.slow  # 150 s measured on a loaded 2-core machine
+def test_engine_logprobs_equal_learner_mode_b(path):
+    """Mode B: an int8 base with random LoRA adapters on the full layers' q/k/v/o and on the
+    experts' (routed and shared) projections; the DeltaNet's projections quantized, frozen."""
+    root = os.path.dirname(path)
+    model = quantized_lora_model(root, "qwen3_next", QuantConfig(format="int8", group_size=8),
+                                 LoraConfig(rank=3, alpha=5.0, experts=True))
+    assert model.layers[2].self_attn.q_proj.lora is not None
+    assert model.layers[0].mlp.experts.gate_lora is not None
+    sampled, scored, _ = parity(model)
+    assert sampled <= ENGINE_TOL and scored <= ENGINE_TOL
