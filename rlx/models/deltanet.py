@@ -126,10 +126,18 @@ class GatedDeltaNet(nnx.Module):
                             param_dtype=p.param_dtype)
         self.out_proj = Linear(la.value_dim, d, ("heads", "embed"), **kw)
         self.la, self.dtype = la, p.dtype
+        self.sharding = None  # set by rlx.models.parallel; a context axis is refused (_no_context)
 
     def linears(self) -> tuple[Linear, ...]:
         """Every projection of the layer (for quantization and LoRA)."""
         return (self.in_proj_qkvz, self.in_proj_ba, self.out_proj)
+
+    def _no_context(self):
+        """Refuse context parallelism: it reorders each row's tokens over devices, and the
+        convolution and the recurrence run over them in order."""
+        if self.sharding is not None and self.sharding.context_shards > 1:
+            raise ValueError("gated DeltaNet layers run a recurrence over each sequence's tokens "
+                             "in order; context parallelism splits them: use mesh context=1")
 
     def _project(self, x, adapter: bool):
         """``(qkv [b, t, conv channels], z [b, t, hv, dv], b, a [b, t, hv])`` from transformers'
@@ -172,6 +180,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
         """The layer over ``x [b, t, D]`` (``positions`` and ``angles`` unused: no rotary)."""
+        self._no_context()
         x = jnp.where((segment_ids > 0)[..., None], x, 0).astype(x.dtype)
         qkv, z, b, a = self._project(x, adapter)
         qkv = causal_conv(qkv, self.conv1d[...][:, 0, :], segment_ids)
@@ -191,6 +200,7 @@ class GatedDeltaNet(nnx.Module):
             raise ValueError("gated DeltaNet layers decode over a KVCache (lockstep batching), "
                              "without context parallelism; got "
                              f"{type(cache).__name__} with order={order}")
+        self._no_context()
         conv_state, state = kv
         x = jnp.where((segment_ids > 0)[..., None], x, 0).astype(x.dtype)
         qkv, z, b, a = self._project(x, adapter)

@@ -22,6 +22,7 @@ import pytest
 from rlx.models import ModelConfigError, from_hf, from_hf_config, to_hf, to_hf_config
 from rlx.models.deltanet import gated_delta_rule, l2_normalize
 from rlx.models.kv_cache import KVCache
+from rlx.models.stack import layer_counts, stack_layers
 from rlx.quant import LoraConfig, QuantConfig
 from tests.helpers.hf_zoo import hf_config, hf_logits, load_hf_model, make_hf_model
 from tests.helpers.parity import TOL as ENGINE_TOL
@@ -206,3 +207,55 @@ def test_engine_logprobs_equal_learner_mode_b(path):
     assert model.layers[0].mlp.experts.gate_lora is not None
     sampled, scored, _ = parity(model)
     assert sampled <= ENGINE_TOL and scored <= ENGINE_TOL
+
+
+@pytest.mark.slow  # 52 s measured on a loaded 2-core machine (four compiles)
+def test_scanned_layers_equal_the_unrolled_model(path):
+    """Stacks of same-kind layers (DeltaNet 0-1, attention 2, DeltaNet 3, attention 4) scanned:
+    the forward pass and a cached decode (prefill of 6, one step) give the unrolled logits."""
+    ids = jnp.asarray(_ids(b=2, t=7, seed=4))
+    model = from_hf(path)
+    want = _forward(model, ids)
+    stacked = stack_layers(from_hf(path))
+    assert layer_counts(stacked) == (2, 1, 1, 1)
+    np.testing.assert_allclose(_forward(stacked, ids), want, rtol=0,
+                               atol=1e-5 * np.abs(want).max())
+    cache = KVCache.zeros(stacked.config, 2, 7, jnp.float32, layer_counts(stacked))
+    step = jax.jit(lambda m, x, p, s, c: (lambda h, c: (m.logits(h), c))(*m.decode(x, p, s, c)))
+    pos, seg = jnp.broadcast_to(jnp.arange(7), (2, 7)), jnp.ones((2, 7), jnp.int32)
+    first, cache = step(stacked, ids[:, :6], pos[:, :6], seg[:, :6], cache)
+    last, _ = step(stacked, ids[:, 6:], pos[:, 6:], seg[:, 6:], cache)
+    decoded = np.concatenate([np.asarray(first), np.asarray(last)], axis=1)
+    np.testing.assert_allclose(decoded, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_context_parallelism_is_refused(model):
+    from rlx.kernels.attention import AttentionSharding
+    from rlx.mesh import TRAIN_RULES, MeshShape, make_mesh
+
+    layer = model.layers[0].self_attn
+    layer.sharding = AttentionSharding.of(make_mesh(MeshShape(context=2),
+                                                    devices=jax.devices()[:2]), TRAIN_RULES)
+    try:
+        with pytest.raises(ValueError, match="context parallelism"):
+            layer(jnp.zeros((1, 4, 32)), None, jnp.ones((1, 4), jnp.int32), None)
+    finally:
+        layer.sharding = None
+
+
+def test_a_run_with_context_parallelism_is_refused_by_name(tmp_path):
+    """configs/qwen3_next_80b.py on a mesh with a context axis: refused before anything is
+    built, naming config.mesh.context."""
+    from rlx.commandline import load_config_file
+    from rlx.config import ConfigError, parse_config
+    from rlx.models.presets import write_preset_folder
+    from rlx.run.checks import check_before_build
+    from tests.helpers import ROOT
+
+    raw = load_config_file(os.path.join(ROOT, "configs", "qwen3_next_80b.py")).to_dict()
+    raw["model"]["path"] = write_preset_folder("Qwen/Qwen3-Next-80B-A3B-Instruct",
+                                               str(tmp_path / "preset"))
+    raw["output_dir"] = str(tmp_path / "run")
+    raw["mesh"].update(context=2, expert=4)
+    with pytest.raises(ConfigError, match="config.mesh.context=2: .*DeltaNet"):
+        check_before_build(parse_config(raw), 8)
