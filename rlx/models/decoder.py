@@ -1,6 +1,7 @@
 """The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
-(multi-head latent attention, ``rlx.models.mla``), GLM-4.5 and gpt-oss (per-layer sliding windows
-and attention sinks, ``Attention``).
+(multi-head latent attention, ``rlx.models.mla``), GLM-4.5, gpt-oss (per-layer sliding windows
+and attention sinks, ``Attention``) and Qwen3-Next (gated DeltaNet layers, ``rlx.models.deltanet``,
+in a Block's ``self_attn`` place; an output gate on its attention).
 
 Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``,
 ``MLAttention`` or ``DSAttention`` (MLA with DeepSeek sparse attention's indexer, ``rlx.models.dsa``;

@@ -3,8 +3,9 @@
 ``ModelConfig`` describes each supported decoder: Llama (incl. llama3 rope scaling), Qwen2 (qkv
 bias), Qwen3 (q/k RMSNorm), Mixtral, Qwen2-MoE (shared expert with a sigmoid gate), Qwen3-MoE,
 DeepSeek-V3 (multi-head latent attention, ``MLAConfig``; also Kimi-K2 and, with
-``q_lora_rank=None``, DeepSeek-V2-Lite shapes), GLM-4.5 (GQA with partial rotary) and gpt-oss
-(sliding-window layers, attention sinks, an o_proj bias, biased experts with a clamped SwiGLU). The
+``q_lora_rank=None``, DeepSeek-V2-Lite shapes), GLM-4.5 (GQA with partial rotary), gpt-oss
+(sliding-window layers, attention sinks, an o_proj bias, biased experts with a clamped SwiGLU) and
+Qwen3-Next (gated DeltaNet layers, ``LinearAttentionConfig``, among gated attention ones). The
 translation from and to transformers' ``config.json`` lives in ``rlx.models.config`` and the
 families' specs (``rlx.models.families``, which also name the HF classes); this module knows
 nothing of HF field names beyond the comments, so the records can be built directly.
