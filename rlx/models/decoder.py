@@ -1,6 +1,7 @@
 """The decoder: one nnx model for Llama, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3
-(multi-head latent attention, ``rlx.models.mla``), GLM-4.5 and gpt-oss (per-layer sliding windows
-and attention sinks, ``Attention``).
+(multi-head latent attention, ``rlx.models.mla``), GLM-4.5, gpt-oss (per-layer sliding windows
+and attention sinks, ``Attention``) and Qwen3-Next (gated DeltaNet layers, ``rlx.models.deltanet``,
+in a Block's ``self_attn`` place; an output gate on its attention).
 
 Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``,
 ``MLAttention`` or ``DSAttention`` (MLA with DeepSeek sparse attention's indexer, ``rlx.models.dsa``;
@@ -50,6 +51,7 @@ from rlx.models.kv_cache import KVCache
 from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq, rotate, weight_value
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
+from rlx.models.deltanet import GatedDeltaNet
 from rlx.models.dsa import DSAttention
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
@@ -105,16 +107,18 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, p: Precision, rngs, layer: int = 0):
         d, hd = cfg.hidden_size, cfg.head_dim
         kw = dict(dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)
-        self.q_proj = Linear(d, cfg.num_heads * hd, ("embed", "heads"), bias=cfg.qkv_bias, **kw)
+        gate = 2 if cfg.attention_output_gate else 1  # per head: [query, output gate]
+        self.q_proj = Linear(d, cfg.num_heads * hd * gate, ("embed", "heads"), bias=cfg.qkv_bias,
+                             **kw)
         self.k_proj = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
         self.v_proj = Linear(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), bias=cfg.qkv_bias, **kw)
         self.o_proj = Linear(cfg.num_heads * hd, d, ("heads", "embed"), bias=cfg.o_bias, **kw)
-        norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
+        norm = dict(dtype=p.dtype, param_dtype=p.param_dtype, centered=cfg.centered_norms)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, **norm) if cfg.qk_norm else None
         self.sinks = (param(rngs, (cfg.num_heads,), p.param_dtype, ("heads",))
                       if cfg.attention_sinks else None)
-        self.window = cfg.window(layer)
+        self.window, self.gated = cfg.window(layer), cfg.attention_output_gate
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.sharding = None  # an AttentionSharding where a mesh runs an opaque kernel (parallel)
 
@@ -128,24 +132,29 @@ class Attention(nnx.Module):
 
     def _qkv(self, x, angles, adapter: bool):
         """Projected queries, keys, values ``[b, t, heads, d]``, queries and keys rotated by
-        ``angles`` (the forward pass's ``Transformer.rope_angles``)."""
+        ``angles`` (the forward pass's ``Transformer.rope_angles``), and the output gate's
+        logits ``[b, t, heads * d]`` (None without ``attention_output_gate``)."""
         b, t, _ = x.shape
-        q = self.q_proj(x, adapter).reshape(b, t, self.num_heads, self.head_dim)
+        q = self.q_proj(x, adapter).reshape(b, t, self.num_heads, -1)
+        q, gate = (q, None) if not self.gated else (q[..., :self.head_dim], q[..., self.head_dim:])
         k = self.k_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x, adapter).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return rotate(q, angles), rotate(k, angles), v
+        return rotate(q, angles), rotate(k, angles), v, gate
 
-    def _out(self, out, adapter: bool):
+    def _out(self, out, adapter: bool, gate=None):
         b, t = out.shape[:2]
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim), adapter)
+        out = out.reshape(b, t, self.num_heads * self.head_dim)
+        if gate is not None:  # Qwen3-Next: sigmoid(gate) scales each head's output
+            out = (out * jax.nn.sigmoid(gate.reshape(b, t, -1).astype(jnp.float32))).astype(out.dtype)
+        return self.o_proj(out, adapter)
 
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
-        q, k, v = self._qkv(x, angles, adapter)
+        q, k, v, gate = self._qkv(x, angles, adapter)
         out = attend(q, k, v, segment_ids, segment_ids, positions, positions, causal_columns=True,
                      window=self.window, sinks=self._sinks(), sharding=self.sharding)
-        return self._out(out, adapter)  # [b, t, h, d] -> [b, t, D]
+        return self._out(out, adapter, gate)  # [b, t, h, d] -> [b, t, D]
 
     def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True,
                order: ContextSplit | None = None):
@@ -156,17 +165,17 @@ class Attention(nnx.Module):
         devices (``Transformer.decode_routed``); their keys and values are put back in slot order
         and gathered before they are written.
         """
-        q, k, v = self._qkv(x, angles, adapter)
+        q, k, v, gate = self._qkv(x, angles, adapter)
         if isinstance(cache, PagedKVCache) and order is None:  # the pages read in place
             out, kv = self._paged(q, k, v, kv, cache, positions, segment_ids)
-            return self._out(out, adapter), kv
+            return self._out(out, adapter, gate), kv
         k, v = (k, v) if order is None else (order.in_slot_order(a) for a in (k, v))
         kv = cache.store(kv, (k, v))
         keys, values = cache.view(kv)  # [b, kv, d, s], [b, kv, s, d]
         out = attend(q, keys, values, segment_ids, cache.segment_ids, positions, cache.positions,
                      window=self.window, sinks=self._sinks(), kv_major=True,
                      sharding=None if order is None else self.sharding)
-        return self._out(out, adapter), kv
+        return self._out(out, adapter, gate), kv
 
     def _paged(self, q, k, v, kv, cache: PagedKVCache, positions, segment_ids):
         """Write ``k`` / ``v`` into the pages and attend over them (``gqa_paged``), on each
@@ -202,15 +211,17 @@ def _sparse_mlp(cfg: ModelConfig, p: Precision, rngs) -> SparseMoE:
 
 
 # the layer kinds a Block is composed of (ModelConfig.attention_kind / mlp_kind -> builder)
-ATTENTION_LAYERS = {"gqa": Attention, "mla": MLAttention, "dsa": DSAttention}
+ATTENTION_LAYERS = {"gqa": Attention, "mla": MLAttention, "dsa": DSAttention, "linear": GatedDeltaNet}
 MLP_LAYERS = {"dense": _dense_mlp, "moe": _sparse_mlp}
 
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, p: Precision, rngs):
-        norm = dict(dtype=p.dtype, param_dtype=p.param_dtype)
+        norm = dict(dtype=p.dtype, param_dtype=p.param_dtype, centered=cfg.centered_norms)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
-        self.self_attn = ATTENTION_LAYERS[cfg.attention_kind](cfg, p, rngs, layer)
+        # the token mixer: a gated DeltaNet in a linear-attention layer (Qwen3-Next), else attention
+        kind = "linear" if cfg.is_linear_layer(layer) else cfg.attention_kind
+        self.self_attn = ATTENTION_LAYERS[kind](cfg, p, rngs, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm)
         self.mlp = MLP_LAYERS[cfg.mlp_kind(layer)](cfg, p, rngs)
 
@@ -252,7 +263,8 @@ class Transformer(nnx.Module):
         self.config, self.precision = cfg, p
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), p.param_dtype, ("vocab", "embed"))
         self.layers = nnx.List([Block(cfg, i, p, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=p.dtype, param_dtype=p.param_dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=p.dtype,
+                            param_dtype=p.param_dtype, centered=cfg.centered_norms)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False,
             dtype=p.dtype, param_dtype=p.param_dtype, rngs=rngs)

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
 from rlx.models.config import ModelConfig, from_hf_config, quantization_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
+from rlx.models.deltanet import param_map_entries
 from rlx.models.families import family_of
 from rlx.platform.cpu.host_layout import on_host, once_per_index, read_direct, read_transposed
 from rlx.models.moe import CorrectionBias
@@ -76,7 +77,11 @@ def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
     out = {f"{us}/{n}/weight": ParamSource((f"{hf}.{n}.weight",), "copy")
            for n in ("input_layernorm", "post_attention_layernorm")}
     attention = {"gqa": _attention_map, "mla": _mla_map, "dsa": _mla_map}[cfg.attention_kind]
-    out.update(attention(cfg, f"{us}/self_attn", f"{hf}.self_attn"))
+    if cfg.is_linear_layer(i):  # a gated DeltaNet, rlx's self_attn, transformers' linear_attn
+        out.update({p: ParamSource((n,), layout) for p, (n, layout) in param_map_entries(
+            f"{us}/self_attn", f"{hf}.linear_attn").items()})
+    else:
+        out.update(attention(cfg, f"{us}/self_attn", f"{hf}.self_attn"))
     if cfg.dsa is not None:
         out.update(_indexer_map(f"{us}/self_attn/indexer", f"{hf}.self_attn.indexer"))
     if cfg.mlp_kind(i) == "dense":

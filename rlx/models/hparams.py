@@ -3,8 +3,9 @@
 ``ModelConfig`` describes each supported decoder: Llama (incl. llama3 rope scaling), Qwen2 (qkv
 bias), Qwen3 (q/k RMSNorm), Mixtral, Qwen2-MoE (shared expert with a sigmoid gate), Qwen3-MoE,
 DeepSeek-V3 (multi-head latent attention, ``MLAConfig``; also Kimi-K2 and, with
-``q_lora_rank=None``, DeepSeek-V2-Lite shapes), GLM-4.5 (GQA with partial rotary) and gpt-oss
-(sliding-window layers, attention sinks, an o_proj bias, biased experts with a clamped SwiGLU). The
+``q_lora_rank=None``, DeepSeek-V2-Lite shapes), GLM-4.5 (GQA with partial rotary), gpt-oss
+(sliding-window layers, attention sinks, an o_proj bias, biased experts with a clamped SwiGLU) and
+Qwen3-Next (gated DeltaNet layers, ``LinearAttentionConfig``, among gated attention ones). The
 translation from and to transformers' ``config.json`` lives in ``rlx.models.config`` and the
 families' specs (``rlx.models.families``, which also name the HF classes); this module knows
 nothing of HF field names beyond the comments, so the records can be built directly.
@@ -110,6 +111,47 @@ class DSAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next's ``linear_attention`` layers, ``rlx.models.deltanet``):
+    each key head serves ``num_value_heads // num_key_heads`` value heads; a depthwise causal
+    convolution of ``conv_kernel`` taps runs over the queries, keys and values."""
+
+    layers: tuple[int, ...]  # the linear-attention layers; the others are full attention
+    num_key_heads: int  # linear_num_key_heads
+    num_value_heads: int  # linear_num_value_heads
+    key_head_dim: int  # linear_key_head_dim
+    value_head_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim
+
+    def __post_init__(self):
+        if self.num_value_heads % self.num_key_heads:
+            raise ModelConfigError(f"linear_num_value_heads={self.num_value_heads} must be a "
+                                   f"multiple of linear_num_key_heads={self.num_key_heads}")
+        if self.conv_kernel < 1:
+            raise ModelConfigError(f"linear_conv_kernel_dim={self.conv_kernel} must be at least 1")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: queries, keys and values side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    def num_params(self, d: int) -> int:
+        """in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, the gated norm and out_proj."""
+        nv = self.num_value_heads
+        return (d * (2 * self.key_dim + 2 * self.value_dim) + d * 2 * nv
+                + self.conv_dim * self.conv_kernel + 2 * nv + self.value_head_dim
+                + self.value_dim * d)
+
+
+@dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Sparse MLP: ``num_experts`` experts, ``top_k`` per token, optional shared experts.
 
@@ -201,6 +243,11 @@ class ModelConfig:
     sliding_window: int | None = None  # keys fewer than this many positions back (sliding layers)
     sliding_layers: tuple[int, ...] = ()  # layer_types' "sliding_attention" layers
     dsa: DSAConfig | None = None  # DeepSeek sparse attention over ``mla`` (needs ``mla``)
+    # Qwen3-Next: gated DeltaNet layers among the GQA ones, a sigmoid gate on each full
+    # attention's output (q_proj also projects it) and RMSNorms scaling by ``1 + weight``
+    linear_attention: LinearAttentionConfig | None = None
+    attention_output_gate: bool = False
+    centered_norms: bool = False
 
     def __post_init__(self):
         if self.dsa is not None and (self.mla is None or self.mla.q_lora_rank is None):
@@ -209,6 +256,10 @@ class ModelConfig:
         if self.sliding_layers and not self.sliding_window:
             raise ModelConfigError(f"sliding layers {list(self.sliding_layers)} need a positive "
                                    f"sliding_window; got {self.sliding_window!r}")
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Layer ``i`` is a gated DeltaNet layer (``linear_attention``), not attention."""
+        return self.linear_attention is not None and i in self.linear_attention.layers
 
     def window(self, i: int) -> int | None:
         """Layer ``i``'s attention window (``sliding_window`` for a sliding layer), else None."""
@@ -273,7 +324,8 @@ class ModelConfig:
         attn = self._mla_params() if self.mla is not None else self._gqa_params()
         total = v * d * (1 if self.tie_word_embeddings else 2) + d
         for i in range(self.num_layers):
-            total += attn + 2 * d + self._mlp_params(i) + self._indexer_params(i)
+            mixer = (self.linear_attention.num_params(d) if self.is_linear_layer(i) else attn)
+            total += mixer + 2 * d + self._mlp_params(i) + self._indexer_params(i)
         return total
 
     def _indexer_params(self, i: int) -> int:
@@ -287,6 +339,7 @@ class ModelConfig:
     def _gqa_params(self) -> int:
         d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += d * hd * self.num_heads if self.attention_output_gate else 0
         attn += hd * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
         attn += (d if self.o_bias else 0) + (self.num_heads if self.attention_sinks else 0)
         return attn + (2 * hd if self.qk_norm else 0)
@@ -315,4 +368,4 @@ class ModelConfig:
 
 
 __all__ = ["ROPE_KINDS", "ROUTERS", "ATTENTION_KINDS", "MLP_KINDS", "ModelConfigError", "RopeConfig",
-           "MLAConfig", "DSAConfig", "MoEConfig", "ModelConfig", "yarn_get_mscale"]
+           "MLAConfig", "DSAConfig", "LinearAttentionConfig", "MoEConfig", "ModelConfig", "yarn_get_mscale"]

@@ -22,6 +22,11 @@ the stack's layer axis first (``stacks`` records the counts), which its decode s
 the layer's variables; one whose decode unstacks its layers (the engine on XLA:CPU,
 ``rlx.models.stack.decode_model``) keeps one buffer per layer, as an unrolled model does.
 
+A gated DeltaNet layer (``rlx.models.deltanet``, Qwen3-Next's linear attention) holds no slots:
+its ``keys`` buffer is the convolution's state, each row's last ``conv_kernel - 1`` inputs
+``[B, K - 1, C]``, and its ``values`` buffer the recurrent state ``[B, HV, DK, DV]`` (f32), both
+carried per row from call to call (``linear`` marks these buffers; ``grow`` leaves them).
+
 All rows write at the same slot ``index``; rows differ only in their positions, so left-padded
 prompts of different lengths decode exactly: a row's padding slots carry segment 0 and its tokens
 carry their own positions (rotary embedding and causality use positions, not slots).
@@ -59,6 +64,8 @@ class KVCache:
     index: Int[Array, ""]  # next slot to write, shared by all rows
     # layers per buffer: None, one buffer per layer; else one [n, ...] buffer per stack of n layers
     stacks: tuple[int, ...] | None = struct.field(pytree_node=False, default=None)
+    # per buffer: True for a gated DeltaNet layer's states (no slots); () when there are none
+    linear: tuple[bool, ...] = struct.field(pytree_node=False, default=())
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype,
@@ -68,12 +75,30 @@ class KVCache:
         ``layer_shapes``; with ``stacks`` (a scanned model's layers per stack,
         ``rlx.models.stack.layer_counts``) each stack's buffers stacked on a leading axis."""
         dtype = cache_dtype(dtype)
-        key_shape, value_shape = layer_shapes(cfg, batch, length)
-        lead = [()] * cfg.num_layers if stacks is None else [(n,) for n in stacks]
-        keys = tuple(jnp.zeros(n + key_shape, dtype) for n in lead)
-        values = tuple(jnp.zeros(n + value_shape, dtype) for n in lead)
+        counts = [1] * cfg.num_layers if stacks is None else list(stacks)
+        firsts = [sum(counts[:i]) for i in range(len(counts))]
+        linear = tuple(cfg.is_linear_layer(i) for i in firsts)
+        keys, values = [], []
+        for n, lin in zip(counts, linear):
+            lead = () if stacks is None else (n,)
+            (key_shape, value_shape) = (recurrent_shapes(cfg, batch) if lin
+                                        else layer_shapes(cfg, batch, length))
+            keys.append(jnp.zeros(lead + key_shape, dtype))
+            values.append(jnp.zeros(lead + value_shape, jnp.float32 if lin else dtype))
         slots = jnp.zeros((batch, length), jnp.int32)
-        return cls(keys, values, slots, slots, jnp.zeros((), jnp.int32), stacks)
+        return cls(tuple(keys), tuple(values), slots, slots, jnp.zeros((), jnp.int32), stacks,
+                   linear if any(linear) else ())
+
+    def is_linear(self, unit: int) -> bool:
+        """Buffer ``unit`` holds a gated DeltaNet layer's states, not keys and values."""
+        return bool(self.linear) and self.linear[unit]
+
+    def previous_segments(self) -> Int[Array, " b"]:
+        """Each row's segment id in the slot before ``index`` (-1 at slot 0): a gated DeltaNet
+        layer's state continues across a call only within one segment."""
+        prev = jax.lax.dynamic_index_in_dim(self.segment_ids, jnp.maximum(self.index - 1, 0),
+                                            axis=1, keepdims=False)
+        return jnp.where(self.index > 0, prev, -1)
 
     @property
     def length(self) -> int:
@@ -100,8 +125,9 @@ class KVCache:
             return jnp.pad(x, widths)
 
         slots = ((0, 0), (0, extra))
-        return self.replace(keys=tuple(pad(k, -1) for k in self.keys),
-                            values=tuple(pad(v, -2) for v in self.values),
+        keep = [self.is_linear(i) for i in range(len(self.keys))]  # states: no slots to add
+        return self.replace(keys=tuple(k if s else pad(k, -1) for k, s in zip(self.keys, keep)),
+                            values=tuple(v if s else pad(v, -2) for v, s in zip(self.values, keep)),
                             positions=jnp.pad(self.positions, slots),
                             segment_ids=jnp.pad(self.segment_ids, slots))
 
@@ -151,6 +177,14 @@ def layer_shapes(cfg: ModelConfig, batch: int, length: int) -> tuple[tuple[int, 
         return (batch, cfg.mla.qk_rope_head_dim, length), (batch, length, cfg.latent_cache_width)
     kv = cfg.num_kv_heads
     return (batch, kv, cfg.head_dim, length), (batch, kv, length, cfg.value_head_dim)
+
+
+def recurrent_shapes(cfg: ModelConfig, batch: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of a gated DeltaNet layer's (convolution, recurrent) states: ``[b, conv_kernel - 1,
+    conv channels]`` and ``[b, value heads, key_head_dim, value_head_dim]``."""
+    la = cfg.linear_attention
+    return ((batch, la.conv_kernel - 1, la.conv_dim),
+            (batch, la.num_value_heads, la.key_head_dim, la.value_head_dim))
 
 
 def write_slots(cache: Float[Array, "b ..."], new: Float[Array, "b t ..."],

@@ -107,18 +107,24 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm computed in f32, scaled by ``weight`` after casting back (as HF Llama/Qwen)."""
+    """RMSNorm computed in f32, scaled by ``weight`` after casting back (as HF Llama/Qwen).
 
-    def __init__(self, dim: int, eps: float, *, dtype, param_dtype):
-        self.weight = param(None, (dim,), param_dtype, ("norm",), "ones")
+    ``centered`` (Qwen3-Next): the scale is ``1 + weight``, applied in f32 before the cast
+    (``weight`` starts at zero), as transformers' ``Qwen3NextRMSNorm``."""
+
+    def __init__(self, dim: int, eps: float, *, dtype, param_dtype, centered: bool = False):
+        self.weight = param(None, (dim,), param_dtype, ("norm",), "zeros" if centered else "ones")
         self.eps = eps
         self.dtype = dtype
+        self.centered = centered
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
         x32 = x.astype(jnp.float32)
         var = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
-        return self.weight[...].astype(self.dtype) * normed
+        normed = x32 * jax.lax.rsqrt(var + self.eps)
+        if self.centered:
+            return ((1.0 + self.weight[...].astype(jnp.float32)) * normed).astype(self.dtype)
+        return self.weight[...].astype(self.dtype) * normed.astype(self.dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:

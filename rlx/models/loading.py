@@ -241,8 +241,14 @@ def shrunk(cfg, s: ShrinkSection):
     its kind (low-rank queries or not, interleaved rope) with ranks ``hidden_size // 2``, a
     ``head_dim`` position-free part, a ``head_dim // 2`` rotary part and ``head_dim`` values; a
     DSA indexer ``num_heads`` heads of ``head_dim`` keeping at most 8 keys (a short sequence's
-    selection binds)."""
+    selection binds); gated DeltaNet layers ``num_kv_heads`` key and ``num_heads`` value heads
+    of ``head_dim``, the original linear layers but the last, which is full attention (as every
+    block of Qwen3-Next's pattern ends), so both kinds run."""
     moe = None if cfg.moe is None else _shrunk_moe(cfg.moe, s)
+    linear = None if cfg.linear_attention is None else dataclasses.replace(
+        cfg.linear_attention, num_key_heads=s.num_kv_heads, num_value_heads=s.num_heads,
+        key_head_dim=s.head_dim, value_head_dim=s.head_dim,
+        layers=tuple(i for i in cfg.linear_attention.layers if i < s.num_layers - 1))
     mla = None if cfg.mla is None else dataclasses.replace(
         cfg.mla, q_lora_rank=None if cfg.mla.q_lora_rank is None else s.hidden_size // 2,
         kv_lora_rank=s.hidden_size // 2, qk_nope_head_dim=s.head_dim,
@@ -254,7 +260,7 @@ def shrunk(cfg, s: ShrinkSection):
         cfg, num_layers=s.num_layers, hidden_size=s.hidden_size, dsa=dsa,
         intermediate_size=s.intermediate_size, num_heads=s.num_heads,
         num_kv_heads=s.num_heads if mla else s.num_kv_heads,
-        head_dim=mla.qk_head_dim if mla else s.head_dim, moe=moe, mla=mla,
+        head_dim=mla.qk_head_dim if mla else s.head_dim, moe=moe, mla=mla, linear_attention=linear,
         max_position_embeddings=s.max_position_embeddings or cfg.max_position_embeddings,
         sliding_layers=tuple(i for i in cfg.sliding_layers if i < s.num_layers))
 

@@ -186,7 +186,8 @@ def check_pairs(cfg: RunConfig) -> None:
 
 
 def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:
-    """Tensor parallelism splits attention heads; expert parallelism splits experts."""
+    """Tensor parallelism splits attention heads; expert parallelism splits experts; context
+    parallelism cannot split a gated DeltaNet's recurrence."""
     t, e = cfg.mesh.tensor, cfg.mesh.expert
     if arch.num_heads % t:
         raise ConfigError(f"config.mesh.tensor={t} does not divide the model's {arch.num_heads} "
@@ -194,6 +195,10 @@ def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:
     if arch.moe is not None and arch.moe.num_experts % e:
         raise ConfigError(f"config.mesh.expert={e} does not divide the model's "
                           f"{arch.moe.num_experts} experts; use one of {_divisors(arch.moe.num_experts)}")
+    if arch.linear_attention is not None and cfg.mesh.context > 1:
+        raise ConfigError(f"config.mesh.context={cfg.mesh.context}: {arch.architecture}'s gated "
+                          "DeltaNet layers run a recurrence over each sequence's tokens in order, "
+                          "which context parallelism splits; use context=1")
 
 
 def check_lora_targets(cfg: RunConfig, arch: ModelConfig) -> None:

@@ -101,7 +101,7 @@ def _extra_configs() -> dict[str, transformers.PretrainedConfig]:
     mla_dense = {**_sigmoid_routed_configs()["deepseek_v3"].to_dict(), "first_k_dense_replace": 2}
     return {"llama_wide": transformers.LlamaConfig(**wide, tie_word_embeddings=False),
             "deepseek_v3_dense": transformers.DeepseekV3Config(**mla_dense),
-            "kimi_k25": _kimi_k25_config(), **_dsa_configs()}
+            "kimi_k25": _kimi_k25_config(), **_dsa_configs(), "qwen3_next": _qwen3_next_config()}
 
 
 def _dsa_configs() -> dict[str, transformers.PretrainedConfig]:
@@ -131,6 +131,25 @@ def _kimi_k25_config() -> transformers.PretrainedConfig:
     return transformers.Kimi_K25Config(
         text_config=_sigmoid_routed_configs()["kimi_k2"].to_dict(), vision_config=vision,
         projection_hidden_size=8, tie_word_embeddings=False)
+
+
+def _qwen3_next_config() -> transformers.PretrainedConfig:
+    """Qwen3-Next with every feature binding: linear-attention layers 0, 1, 3 and full layers 2,
+    4; 2 key heads of 8 serving 4 value heads of 6 through a 4-tap convolution; full attention
+    of 4 heads of 16 (2 KV heads), 4 dimensions rotating; top-2 of 4 experts and a gated shared
+    expert in every layer but layer 3 (dense). Drawn at half the zoo's init range: at 0.2 this
+    model's own f32 forward differs from its f64 one by 2.8e-4 in log-probs (the delta rule's
+    ``v - k S`` cancels, the gated norm rescales the rest), so f32 comparisons at 1e-5 would
+    measure rounding; at 0.1, 1.4e-5 over the whole vocabulary, logits still about 2."""
+    return transformers.Qwen3NextConfig(
+        **{**_COMMON, "num_hidden_layers": 5, "initializer_range": 0.1}, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, mlp_only_layers=[3],
+        layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention",
+                                                "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0,
+                         "partial_rotary_factor": 0.25}, tie_word_embeddings=False)
 
 
 def hf_model_class(config: transformers.PretrainedConfig):

@@ -1,7 +1,8 @@
 """Model families as specs: one module per transformers ``model_type`` (llama, qwen2, qwen3,
 mixtral, qwen2_moe, qwen3_moe, deepseek_v3 with Kimi-K2, deepseek_v32 and glm_moe_dsa (DeepSeek
-sparse attention), glm4_moe, gpt_oss, and kimi_k25: the
-language model of Kimi-K2.5 / K2.6's vision-language checkpoints), each a ``FamilySpec``
+sparse attention), glm4_moe, gpt_oss, kimi_k25: the
+language model of Kimi-K2.5 / K2.6's vision-language checkpoints, and qwen3_next: gated DeltaNet
+layers among gated attention ones), each a ``FamilySpec``
 (``rlx.models.families.spec``), and the registry the generic readers and writers ask.
 
 Adding a family is one new module with its ``SPEC`` (and its parity test), listed in
@@ -13,13 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from rlx.models.families import (deepseek_v3, deepseek_v32, glm4_moe, glm_moe_dsa, gpt_oss,
-                                 kimi_k25, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe)
+                                 kimi_k25, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe,
+                                 qwen3_next)
 from rlx.models.families.spec import (ATTENTION_KINDS, GQA_TARGETS, MLA_TARGETS, MLP_KINDS,
                                       FamilySpec, GGUFArch, MoENames, Multimodal)
 from rlx.models.hparams import ModelConfig
 
 _MODULES = (llama, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3, glm4_moe, gpt_oss,
-            kimi_k25, deepseek_v32, glm_moe_dsa)
+            kimi_k25, deepseek_v32, glm_moe_dsa, qwen3_next)
 
 FAMILIES: dict[str, FamilySpec] = {m.SPEC.model_type: m.SPEC for m in _MODULES}  # by model_type
 BY_ARCHITECTURE: dict[str, FamilySpec] = {a: s for s in FAMILIES.values() for a in s.architectures}

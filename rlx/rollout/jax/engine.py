@@ -19,7 +19,8 @@ attention models (DeepSeek-V3, Kimi-K2) the cache holds each token's latent and 
 and decode steps absorb ``kv_b_proj`` (``rlx.models.mla``). With an MoE model's experts split
 over the mesh's ``expert`` axis, tokens go to their experts' devices, as the learner's do
 (``rlx.models.moe_dispatch``, dropless unless ``capacity_factor`` > 0; ``dropped_pairs()``
-counts the pairs a capacity drops, logged per batch as ``rollout/moe_dropped_pairs``).
+counts the pairs a capacity drops, logged per batch as ``rollout/moe_dropped_pairs``). Gated
+DeltaNet layers (Qwen3-Next) carry their states per row in the ``KVCache``: lockstep, no prefix.
 ``record_routes=True`` (routing replay, ``config.train.router_replay``) puts on each rollout
 the experts every MoE layer chose for its prompt and completion tokens (``Rollout.routes``, -1
 on the completion's last token, which is never fed).
@@ -106,11 +107,10 @@ def unroll_decode(state: nnx.State, policy: PlatformPolicy) -> bool:
     """Whether decode programs unstack a scanned model's layers (``rlx.models.stack.decode_model``:
     the stacks sliced per layer inside the program, once ahead of its token loop; one cache
     buffer per layer): where the platform's ``policy`` says so, for weights up to its
-    ``unroll_decode_bytes`` (XLA:CPU: 1 GiB). Scanning a stack
-    at every token makes XLA:CPU copy each layer's weights and cache out of the stack, and the
-    cache's layers back in; unstacked, the program holds the sliced weights (and each layer's
-    float conversions, hoisted out of the token loop) for the whole call: about a float copy of
-    the weights, which a large model cannot afford."""
+    ``unroll_decode_bytes`` (XLA:CPU: 1 GiB). Scanning a stack at every token makes XLA:CPU copy
+    each layer's weights and cache out of the stack, and the cache's layers back in; unstacked,
+    the program holds the sliced weights (and each layer's float conversions, hoisted out of the
+    token loop) for the whole call: about a float copy of the weights, too much for a large one."""
     weights = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
     return policy.unroll_decode_bytes is not None and weights <= policy.unroll_decode_bytes
 
@@ -133,6 +133,7 @@ class JaxEngine:
             raise ValueError("JaxEngine(record_routes=True) records MoE routing, but the model "
                              "has no MoE layer; leave it off (config.train.router_replay=False)")
         self.record_routes, self.capacity_factor = record_routes, capacity_factor
+        self.recurrent = model.config.linear_attention is not None  # gated DeltaNet layers
         self.mesh, self.settings = mesh, settings
         if mesh is not None and mesh.shape.get("context", 1) > 1 and self._continuous():
             rules = context_as_rows(rules)  # each sequence's pages on one device
@@ -326,7 +327,7 @@ class JaxEngine:
         scheduler cannot feed and read all: lockstep there, for now)."""
         across = self.mesh is not None and any(d.process_index != jax.process_index()
                                                for d in self.mesh.devices.flat)
-        return self.settings.batching == "continuous" and not across
+        return self.settings.batching == "continuous" and not (across or self.recurrent)
 
     def batching_stats(self) -> Stats | None:
         """Decode steps, slot occupancy and preemptions of the last continuous ``generate``
@@ -374,7 +375,7 @@ class JaxEngine:
         index = np.zeros((rows,), np.int32)
         index[:len(reqs)] = [j for _, j in reqs]
         spec, stops = SamplerSpec.of(sampling), self._stops(sampling)
-        keep = self._prefix.depth > 0 and not self.record_routes
+        keep = self._prefix.depth > 0 and not (self.record_routes or self.recurrent)
         fn = self._generate_fn(spec, b.new_tokens(sampling.max_new_tokens), keep, prefix is not None)
         scalars = (np.int32(seed), Knobs.of_sampling(sampling), np.int32(sampling.max_new_tokens))
         outs = fn(self._state, *self._rows(ids, lens, of_row, hashes, index), *scalars, stops,
@@ -434,8 +435,7 @@ class JaxEngine:
 
     def _stop_table(self, strings: tuple[str, ...]) -> StopTable | None:
         """The device automaton of ``strings`` (``rlx.rollout.jax.stops``), built once per set;
-        None without strings or for a tokenizer that cannot give its tokens' bytes (then only
-        the host cuts at them)."""
+        None without strings or for a tokenizer without its tokens' bytes (the host cuts)."""
         if strings not in self._stop_tables:
             self._stop_tables[strings] = stop_table(self.tokenizer, strings,
                                                     self._config.vocab_size)

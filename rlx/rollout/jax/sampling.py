@@ -46,8 +46,9 @@ def _constrain(cache: KVCache, kv: tuple[NamedSharding, NamedSharding] | None,
     if cache.stacks is not None:  # a scanned model's buffers
         kv = stacked(kv)
     put = jax.lax.with_sharding_constraint
-    return cache.replace(keys=tuple(put(k, kv[0]) for k in cache.keys),
-                         values=tuple(put(v, kv[1]) for v in cache.values),
+    lin = [cache.is_linear(i) for i in range(len(cache.keys))]  # gated DeltaNet states: as they are
+    return cache.replace(keys=tuple(k if s else put(k, kv[0]) for k, s in zip(cache.keys, lin)),
+                         values=tuple(v if s else put(v, kv[1]) for v, s in zip(cache.values, lin)),
                          positions=put(cache.positions, rows), segment_ids=put(cache.segment_ids, rows))
 
 
