@@ -309,3 +309,21 @@ def test_sglang_config_runs_one_shrunken_step_on_a_real_server(name, tmp_path, s
         startup_timeout_s=600.0)
     record = one_step(cfg, then=served_policy_matches_the_learner if lora else None)
     assert record["learner/mismatch_abs_max"] < 5e-3, record["learner/mismatch_abs_max"]
+
+
+def test_a_recurrent_model_asked_for_continuous_batching_is_told_it_runs_lockstep(
+        stand_in, tmp_path, caplog):
+    """Qwen3-Next's DeltaNet layers keep a per-row state the paged engine does not carry: a run
+    asking for continuous batching is told, in one logged line, that it samples lockstep."""
+    import logging
+
+    from rlx.config import parse_config
+    from rlx.run.checks import check_before_build
+
+    for batching, noted in (("continuous", True), ("lockstep", False)):
+        cfg = parse_config(shrunken("qwen3_next_80b", tmp_path, stand_in,
+                                    **{"rollout.jax.batching": batching}))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rlx"):
+            check_before_build(cfg, DEVICES)
+        assert ("lockstep (its paged cache does not carry the DeltaNet" in caplog.text) == noted

@@ -31,6 +31,7 @@ raises a one-line ``ConfigError`` naming the field, what is wrong and the values
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 
@@ -69,6 +70,7 @@ def check_before_build(cfg: RunConfig, n_devices: int) -> ModelConfig:
     check_eval_sets(cfg)
     arch, gguf_types = read_architecture(cfg)
     check_mesh_fits(cfg, arch)
+    note_lockstep(cfg, arch)
     if cfg.train.mode == "lora":
         check_lora_targets(cfg, arch)
     check_base_format(cfg, arch, gguf_types)
@@ -199,6 +201,17 @@ def check_mesh_fits(cfg: RunConfig, arch: ModelConfig) -> None:
         raise ConfigError(f"config.mesh.context={cfg.mesh.context}: {arch.architecture}'s gated "
                           "DeltaNet layers run a recurrence over each sequence's tokens in order, "
                           "which context parallelism splits; use context=1")
+
+
+def note_lockstep(cfg: RunConfig, arch: ModelConfig) -> None:
+    """Logs that the built-in engine runs a model with recurrent layers lockstep, when the config
+    asks for continuous batching."""
+    if (arch.linear_attention is not None and cfg.rollout.engine == "jax"
+            and cfg.rollout.jax.batching == "continuous"):
+        logging.getLogger("rlx").warning(
+            "config.rollout.jax.batching='continuous': the built-in engine samples %s lockstep "
+            "(its paged cache does not carry the DeltaNet layers' recurrent state yet); set "
+            "rollout.jax.batching='lockstep' to silence this", arch.architecture)
 
 
 def check_lora_targets(cfg: RunConfig, arch: ModelConfig) -> None:
