@@ -102,7 +102,7 @@ class QTensor(nnx.Module):
         q = self._decode_values(v)
         if zero is not None:
             q = q - expand_blocks(zero.astype(jnp.float32), k, n, bk, bn)
-        w = q * expand_blocks(scale.astype(jnp.float32), k, n, bk, bn)
+        w = q * expand_blocks(self.spec.scale_decode(scale), k, n, bk, bn)
         w = jnp.swapaxes(w, -1, -2) if self.transposed else w
         return w.astype(dtype)
 
@@ -169,7 +169,7 @@ class QTensor(nnx.Module):
             return None
         q = self.spec.integers(self.values[...]).astype(dtype)
         xr = x.reshape(rows, groups, k // groups).astype(dtype)  # one group: bk may exceed K
-        scale = expand_blocks(self.scale[...].astype(jnp.float32), groups, n, 1, bn)  # [G, N]
+        scale = expand_blocks(self.spec.scale_decode(self.scale[...]), groups, n, 1, bn)  # [G, N]
         zero = None if self.zero is None else expand_blocks(
             self.zero[...].astype(jnp.float32), groups, n, 1, bn)
         if groups == 1:  # a plain 2-D product (XLA:CPU's fast path takes no batch axis)
@@ -227,7 +227,7 @@ class QTensor(nnx.Module):
         vals = self.values[...].reshape(k // c, c // packed, n)
         xs = jnp.moveaxis(x.reshape(rows, k // c, c), 1, 0)  # [K/c, R, c]
         grouped = bk < k
-        scale = expand_blocks(self.scale[...].astype(jnp.float32), -(-k // bk), n, 1, bn)  # [G, N]
+        scale = expand_blocks(self.spec.scale_decode(self.scale[...]), -(-k // bk), n, 1, bn)  # [G, N]
         zero = None if self.zero is None else expand_blocks(
             self.zero[...].astype(jnp.float32), -(-k // bk), n, 1, bn)
 
@@ -308,6 +308,9 @@ def _quantized_leaves(w: Array, spec: formats.Format, params: Params,
     how = spec.how(w.ndim, params)
     calibration = _calibrate(w, how, transposed)
     scale, zero = qarray.compute_scale_zero_point(calibration, how[0])
+    if spec.scale_encode is not None:  # scales stored in the format's own encoding (E8M0)
+        values, zero = _values(w, scale, zero, how, spec.encode, transposed)
+        return values, spec.scale_encode(scale), zero
     scale_dtype = params.scale_dtype
     if scale_dtype != "float32":  # the values are computed with the scale as it is stored
         scale = scale.astype(_SCALE_DTYPES[scale_dtype]).astype(jnp.float32)

@@ -129,6 +129,10 @@ class Format:
     block: Callable | None = None
     encode: Callable = same  # qwix's quantized values -> stored values (packing)
     decode: Callable = as_f32  # stored values -> f32 quantized values (before zero and scale)
+    # f32 scales (qwix's) -> stored scales (None: stored in QuantConfig.scale_dtype), and back:
+    # MXFP4 keeps its E8M0 scales as their exponent bytes
+    scale_encode: Callable | None = None
+    scale_decode: Callable = as_f32
     # stored values -> the quantized values as numbers exact in bf16 (at most 8 significant
     # bits); None where they are not (a table lookup): then no bf16 dequantize and no product
     # on the stored values
