@@ -118,7 +118,7 @@ def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, para
     check_quantized(tensors, quantized, shapes, lay)  # headers (and weight_shape) only
     model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules,
                        skip=frozenset(quantized), abstract=abstract)
-    for p in sorted(quantized, key=lambda p: file_position(tensors, quantized[p])):
+    for p in sorted(quantized, key=lambda p: file_position(tensors, quantized[p], lay)):
         src = quantized[p]
         set_node(model, p, read_qtensor(tensors, src, shapes[p], axes[p], lay, mesh, rules))
         node_at(model, p.rpartition("/")[0]).act_quant = lay.act

@@ -18,10 +18,13 @@ compressed-tensors                 ``X.weight`` e4m3, ``X.weight_scale`` ``[out,
 ``float-quantized`` fp8            ``[1]`` (tensor) or ``[ceil(out/128), ceil(in/128)]`` (block)
 compressed-tensors                 ``X.weight`` int8, ``X.weight_scale`` ``[out, 1]`` (W8A8 int8)
 ``int-quantized`` int8 channel
+``mxfp4`` (gpt-oss; only the       fused stacks ``X_blocks`` uint8 ``[E, out, in/32, 16]`` (E2M1
+routed experts; ``modules_to_not_  pairs, even input low), ``X_scales`` E8M0 uint8 ``[E, out, in/32]``
+convert`` stay float)              (``rlx.quant.shipped_fused``)
 =================================  ===============================================================
 
 Each row is a layout reader (``rlx.quant.formats.layouts``: ``hf_fp8``, ``w8a8_int8``,
-``compressed_tensors``) declaring what it recognises, the tensors it reads and the rlx format its
+``compressed_tensors``, ``mxfp4``) declaring what it recognises, the tensors it reads and the rlx format its
 values become; ``layout`` asks their registry. A GGUF file's reader is the gguf format's
 (``rlx.quant.formats.gguf.file``).
 
@@ -69,6 +72,21 @@ def candidates(cfg) -> dict[str, ParamSource]:
             and not p.endswith(skip)}
 
 
+def fused_candidates(cfg) -> dict[str, ParamSource]:
+    """The routed experts' projections a family stores fused, one tensor per layer and projection
+    (gpt-oss's interleaved ``experts.gate_up_proj`` halves and ``experts.down_proj``)."""
+    from rlx.models.hf import stored_param_map
+
+    return {p: s for p, s in stored_param_map(cfg).items()
+            if p.startswith("layers/") and "/mlp/experts/" in p and p.endswith("_proj")
+            and s.layout not in ("T", "stack_T")}
+
+
+def fused_module(src: ParamSource) -> str:
+    """The HF module of a fused expert stack (``...mlp.experts.gate_up_proj`` -> ``...mlp.experts``)."""
+    return src.hf_names[0].rpartition(".")[0]
+
+
 def module_of(hf_name: str) -> str:
     """The HF module of a weight's name (``X.weight`` -> ``X``)."""
     return hf_name[: -len(".weight")]
@@ -85,13 +103,15 @@ def quantized_params(cfg, lay: Layout) -> dict[str, ParamSource]:
                 "not others; rlx keeps a layer's routed experts in one representation")
         if flags.pop():
             out[p] = src
+    if lay.fused:
+        out.update({p: s for p, s in fused_candidates(cfg).items() if lay.quantizes(fused_module(s))})
     return out
 
 
 def modules_kind(cfg, quantized: dict) -> str | None:
     """``QuantConfig.modules`` for the set quantized: "all", "experts" or None (another set)."""
-    every = candidates(cfg)
-    experts = {p for p, s in every.items() if s.layout == "stack_T"}
+    every = {**candidates(cfg), **fused_candidates(cfg)}
+    experts = {p for p, s in every.items() if s.layout == "stack_T" or "/mlp/experts/" in p}
     if set(quantized) == set(every):
         return "all"
     if set(quantized) == experts and experts:
@@ -161,5 +181,6 @@ def _nearest(lay: Layout, modules: str | None, scale_dtype: str) -> QuantConfig 
     return None
 
 
-__all__ = ["Layout", "SUPPORTED", "Shipped", "candidates", "layout", "module_of", "modules_kind",
+__all__ = ["Layout", "SUPPORTED", "Shipped", "candidates", "fused_candidates", "fused_module",
+           "layout", "module_of", "modules_kind",
            "quantized_params", "read_quantization_config", "shipped"]

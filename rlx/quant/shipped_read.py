@@ -29,6 +29,7 @@ from rlx.platform.cpu.host_layout import on_host, once_per_index, read_transpose
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder
 from rlx.quant.formats.layouts import Layout
 from rlx.quant.shipped import module_of
+from rlx.quant.shipped_fused import check_fused, names, read_fused
 from rlx.quant.tensors import QTensor
 
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -36,6 +37,11 @@ _SCALE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 # --- checks of the tensors, headers only -------------------------------------------------------
+def _fused(src: ParamSource) -> bool:
+    """A fused expert stack (``rlx.quant.shipped_fused``), not one linear or per-expert linears."""
+    return src.layout not in ("T", "stack_T")
+
+
 def _hf_shape(src: ParamSource, shape) -> tuple[int, int]:
     """(out, in) of one HF matrix of a kernel / stacked experts of rlx ``shape``."""
     return (shape[-1], shape[-2])
@@ -45,6 +51,9 @@ def check_quantized(tensors, quantized: dict[str, ParamSource], shapes: dict, la
     """Every quantized linear has its tensors, with the dtypes and shapes ``lay`` and config.json
     imply; ``weight_shape`` equals config.json's. Errors name the file and the tensor."""
     for p, src in quantized.items():
+        if _fused(src):
+            check_fused(tensors, src, shapes[p], lay)
+            continue
         n, k = _hf_shape(src, shapes[p])
         for name in src.hf_names:
             _check_linear(tensors, module_of(name), n, k, lay)
@@ -172,6 +181,8 @@ def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mes
     each distinct device slice read once: CPU devices get it laid out by the host
     (``rlx.platform.cpu.host_layout``); otherwise (and for packed int32 words) each device copies its
     slice of the file's tensors as stored and lays it out itself (transposes; unpacks words)."""
+    if _fused(src):
+        return read_fused(tensors, src, shape, axes, lay, mesh, rules)
     n, k = _hf_shape(src, shape)
     stacked = src.layout == "stack_T"
     modules = [module_of(name) for name in src.hf_names]
@@ -209,15 +220,20 @@ def _host_leaf(tensors: SafetensorsFolder, names: list[str], stacked: bool, shap
     return lambda index: read_transposed(read, names, stacked, index, shape, stored, stored)
 
 
-def file_position(tensors, src: ParamSource) -> tuple[str, int]:
+def file_position(tensors, src: ParamSource, lay: Layout) -> tuple[str, int]:
     """Where the values of a quantized parameter's first matrix lie (file, offset)."""
+    if _fused(src):
+        return tensors.position(names(src, lay)["values"])
     m = module_of(src.hf_names[0])
     name = f"{m}.weight" if f"{m}.weight" in tensors else f"{m}.weight_packed"
     return tensors.position(name)
 
 
 def scale_dtype_of(tensors, quantized: dict[str, ParamSource], lay: Layout) -> str:
-    """The ``QuantConfig.scale_dtype`` name of the file's scales (float32 when none)."""
+    """The ``QuantConfig.scale_dtype`` name of the file's scales (float32 when none, or when
+    the format stores them in its own encoding: E8M0 bytes)."""
+    if lay.format.scale_encode is not None:
+        return "float32"
     for src in quantized.values():
         return _SCALE_NAMES[tensors.dtype_name(f"{module_of(src.hf_names[0])}.{lay.tensors.scale}")]
     return "float32"

@@ -55,6 +55,9 @@ class Layout:
     ignore: tuple[str, ...] = ()  # modules left float
     ignore_style: str = "ct"  # "ct": exact names or "re:" regexes | "hf": modules_to_not_convert
     targets: tuple[str, ...] = ("Linear",)
+    # its quantized linears are fused expert stacks ``X`` (gpt-oss ``experts.gate_up_proj``)
+    # stored as ``X_<values>`` / ``X_<scale>`` (``rlx.quant.shipped_fused``); else per linear
+    fused: bool = False
 
     @property
     def fmt(self) -> str:
