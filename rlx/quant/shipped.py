@@ -21,10 +21,14 @@ compressed-tensors                 ``X.weight`` int8, ``X.weight_scale`` ``[out,
 ``mxfp4`` (gpt-oss; only the       fused stacks ``X_blocks`` uint8 ``[E, out, in/32, 16]`` (E2M1
 routed experts; ``modules_to_not_  pairs, even input low), ``X_scales`` E8M0 uint8 ``[E, out, in/32]``
 convert`` stay float)              (``rlx.quant.shipped_fused``)
+``modelopt``, ``quant_algo:        ``X.weight`` uint8 ``[out, in/2]`` (E2M1 pairs, even input low),
+NVFP4``, ``group_size: 16``        ``X.weight_scale`` e4m3 ``[out, in/16]``, ``X.weight_scale_2`` f32
+(config.json or                    (one per matrix); ``exclude_modules`` / ``ignore`` (fnmatch)
+``hf_quant_config.json``)          stay float
 =================================  ===============================================================
 
 Each row is a layout reader (``rlx.quant.formats.layouts``: ``hf_fp8``, ``w8a8_int8``,
-``compressed_tensors``, ``mxfp4``) declaring what it recognises, the tensors it reads and the rlx format its
+``compressed_tensors``, ``mxfp4``, ``modelopt``) declaring what it recognises, the tensors it reads and the rlx format its
 values become; ``layout`` asks their registry. A GGUF file's reader is the gguf format's
 (``rlx.quant.formats.gguf.file``).
 
@@ -52,12 +56,18 @@ from rlx.quant.formats.layouts.registry import SUPPORTED, file_reader, layout
 
 def read_quantization_config(path: str) -> dict | None:
     """A HF folder's ``quantization_config`` (None for a float checkpoint or a GGUF file; a
-    vision-language checkpoint's may sit in its text config)."""
+    vision-language checkpoint's may sit in its text config; a ModelOpt export may keep it in
+    ``hf_quant_config.json`` instead: its ``quantization`` with ``quant_method: modelopt``)."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         return None
     with open(file) as f:
-        return quantization_config(json.load(f))
+        qc = quantization_config(json.load(f))
+    modelopt = os.path.join(path, "hf_quant_config.json")
+    if not qc and os.path.isfile(modelopt):
+        with open(modelopt) as f:
+            return {"quant_method": "modelopt", **json.load(f).get("quantization", {})}
+    return qc
 
 
 # --- which rlx parameters a checkpoint stores quantized ------------------------------------------

@@ -1,5 +1,6 @@
 """Tiny FP4 checkpoints written by formulas of this module (not rlx's): a gpt-oss folder with
-MXFP4 experts as the released gpt-oss checkpoints store them.
+MXFP4 experts as the released gpt-oss checkpoints store them, and a Llama folder in ModelOpt's
+NVFP4 export layout (below: ``nvfp4_quantize``).
 
 The layout: per layer ``mlp.experts.gate_up_proj_blocks`` uint8 ``[E, 2I, D/32, 16]`` and
 ``..._scales`` uint8 ``[E, 2I, D/32]`` (rows: the fused, interleaved gate/up outputs; inputs in
@@ -90,3 +91,64 @@ def write_mxfp4(src: str, out: str) -> None:
                                      "modules_to_not_convert": NOT_CONVERTED}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+# --- NVFP4, ModelOpt's export ---------------------------------------------------------------
+def nvfp4_quantize(w: np.ndarray) -> dict[str, np.ndarray]:
+    """HF ``[N, K]`` f32 -> ModelOpt's NVFP4 tensors by its formula, in f32 numpy:
+    ``weight_scale_2 = amax / (6 * 448)``, per 16 inputs ``weight_scale = e4m3(block_amax /
+    (6 * weight_scale_2))`` (0 -> 1), codes = E2M1 of ``w / (weight_scale * weight_scale_2)``
+    (ml_dtypes' rounding), even input in the low nibble; ``input_scale`` 1."""
+    n, k = w.shape
+    s2 = np.float32(np.abs(w).max() / np.float32(6 * 448))
+    b = w.reshape(n, k // 16, 16)
+    per = np.abs(b).max(axis=-1) / (np.float32(6) * s2)
+    scale = np.where(per == 0, np.float32(1), per).astype(ml_dtypes.float8_e4m3fn)
+    full = scale.astype(np.float32)[..., None] * s2
+    codes = (np.clip(b / full, -6, 6).astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0x0F)
+    codes = codes.reshape(n, k)
+    return {"weight": (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8),
+            "weight_scale": scale, "weight_scale_2": np.array(s2, np.float32),
+            "input_scale": np.array(1.0, np.float32)}
+
+
+def nvfp4_dequantize(t: dict[str, np.ndarray]) -> np.ndarray:
+    """HF ``[N, K]`` f32 of ``nvfp4_quantize``'s tensors: ``e2m1 * (weight_scale * scale_2)``."""
+    p = t["weight"]
+    codes = np.stack([p & 0x0F, p >> 4], axis=-1).reshape(p.shape[0], -1)
+    vals = codes.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    full = t["weight_scale"].astype(np.float32) * t["weight_scale_2"]
+    return vals * np.repeat(full, 16, axis=-1)
+
+
+NVFP4_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "*.mlp.down_proj"]}
+
+
+def write_nvfp4(src: str, out: str, dequantized: str, hf_quant_config: bool = False) -> None:
+    """Copy float folder ``src`` to ``out`` with ModelOpt NVFP4 linears (``NVFP4_CONFIG``: in
+    config.json, or in ``hf_quant_config.json`` as older exports keep it) and to ``dequantized``
+    with the very values as f32 weights (what transformers, which reads no NVFP4, computes on)."""
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    quant, floats = {}, dict(tensors)
+    for name, w in tensors.items():
+        m = name[: -len(".weight")]
+        if (name.endswith("_proj.weight") and ".layers." in name
+                and not m.endswith("mlp.down_proj")):
+            t = nvfp4_quantize(w.astype(np.float32))
+            quant.update({f"{m}.{k}": v for k, v in t.items()})
+            floats[name] = nvfp4_dequantize(t)
+        else:
+            quant[name] = w
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    for path, tensors_out, qc in ((out, quant, not hf_quant_config), (dequantized, floats, False)):
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors_out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        cfg = dict(config, quantization_config=NVFP4_CONFIG) if qc and path == out else config
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    if hf_quant_config:
+        with open(os.path.join(out, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": {"name": "modelopt"}, "quantization": {
+                k: v for k, v in NVFP4_CONFIG.items() if k != "quant_method"}}, f)

@@ -133,6 +133,9 @@ class Format:
     # MXFP4 keeps its E8M0 scales as their exponent bytes
     scale_encode: Callable | None = None
     scale_decode: Callable = as_f32
+    # f32 [K, N] -> {"values", "scale", "scale2"} where the format quantizes by its own formula
+    # instead of qwix's (NVFP4's two-level scales, as ModelOpt computes them)
+    quantize: Callable | None = None
     # stored values -> the quantized values as numbers exact in bf16 (at most 8 significant
     # bits); None where they are not (a table lookup): then no bf16 dequantize and no product
     # on the stored values
