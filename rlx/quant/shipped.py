@@ -18,6 +18,9 @@ compressed-tensors                 ``X.weight`` e4m3, ``X.weight_scale`` ``[out,
 ``float-quantized`` fp8            ``[1]`` (tensor) or ``[ceil(out/128), ceil(in/128)]`` (block)
 compressed-tensors                 ``X.weight`` int8, ``X.weight_scale`` ``[out, 1]`` (W8A8 int8)
 ``int-quantized`` int8 channel
+compressed-tensors                 ``X.weight_packed`` uint8 ``[out, in/2]`` (E2M1 pairs),
+``nvfp4-pack-quantized``           ``X.weight_scale`` e4m3 ``[out, in/16]``, ``X.weight_global_scale``
+(group 16)                         f32 ``[1]`` (divides the scales)
 ``mxfp4`` (gpt-oss; only the       fused stacks ``X_blocks`` uint8 ``[E, out, in/32, 16]`` (E2M1
 routed experts; ``modules_to_not_  pairs, even input low), ``X_scales`` E8M0 uint8 ``[E, out, in/32]``
 convert`` stay float)              (``rlx.quant.shipped_fused``)

@@ -99,7 +99,7 @@ class QTensor(nnx.Module):
     def _scales(self, scale: Array) -> Array:
         """Stored block scales (all, or gathered columns) -> f32, times ``scale2`` if any."""
         s = self.spec.scale_decode(scale)
-        return s if self.scale2 is None else s * self.scale2[...]
+        return s if self.scale2 is None else self.spec.combine_scale2(s, self.scale2[...])
 
     def _dequantize(self, v: Array, scale: Array, zero: Array | None, n: int, dtype) -> Array:
         """``dequantize`` of stored values, scales and zero points with ``n`` columns (all of

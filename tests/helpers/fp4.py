@@ -152,3 +152,67 @@ def write_nvfp4(src: str, out: str, dequantized: str, hf_quant_config: bool = Fa
         with open(os.path.join(out, "hf_quant_config.json"), "w") as f:
             json.dump({"producer": {"name": "modelopt"}, "quantization": {
                 k: v for k, v in NVFP4_CONFIG.items() if k != "quant_method"}}, f)
+
+
+# --- NVFP4, compressed-tensors' nvfp4-pack-quantized (written by compressed-tensors itself) ---
+def ct_nvfp4(w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """compressed-tensors 0.20.0's NVFP4 of HF ``[N, K]`` f32: its global scale
+    (``generate_gparam``: 448 * 6 / amax), its e4m3 group scales (``calculate_qparams``), its
+    packing (``NVFP4PackedCompressor.compress``); returns (tensors, its f32 dequantization)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    x = torch.from_numpy(w)
+    amax = x.abs().max().reshape(1)
+    gs = generate_gparam(-amax, amax)
+    b = x.reshape(x.shape[0], -1, 16)
+    scale, _ = calculate_qparams(b.amin(-1), b.amax(-1), scheme.weights, global_scale=gs)
+    out = NVFP4PackedCompressor.compress(
+        {"weight": x, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+    codes = unpack_fp4_from_uint8(out["weight_packed"], *w.shape, torch.float32)
+    deq = dequantize(x_q=codes, scale=out["weight_scale"].float(), args=scheme.weights,
+                     global_scale=gs, dtype=torch.float32)
+    tensors = {k: v.numpy() if v.dtype != torch.float8_e4m3fn
+               else v.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+               for k, v in out.items()}
+    tensors["input_global_scale"] = np.ones(1, np.float32)
+    return tensors, deq.numpy()
+
+
+def ct_nvfp4_config() -> dict:
+    """The ``quantization_config`` of compressed-tensors' NVFP4 preset (lm_head left float)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme("NVFP4", ["Linear"])
+    dump = lambda a: {k: v for k, v in a.model_dump().items()  # noqa: E731
+                      if k in ("num_bits", "type", "symmetric", "group_size", "strategy", "dynamic")}
+    return {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": dump(scheme.weights),
+                                          "input_activations": dump(scheme.input_activations)}}}
+
+
+def write_ct_nvfp4(src: str, out: str, dequantized: str) -> None:
+    """Copy float folder ``src`` to ``out`` with compressed-tensors NVFP4 decoder linears and to
+    ``dequantized`` with compressed-tensors' own f32 dequantization of them."""
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    quant, floats = {}, dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith("_proj.weight") and ".layers." in name:
+            t, deq = ct_nvfp4(w.astype(np.float32))
+            quant.update({f"{name[: -len('.weight')]}.{k}": v for k, v in t.items()})
+            floats[name] = deq
+        else:
+            quant[name] = w
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    for path, data, cfg in ((out, quant, dict(config, quantization_config=ct_nvfp4_config())),
+                            (dequantized, floats, config)):
+        os.makedirs(path, exist_ok=True)
+        save_file(data, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)

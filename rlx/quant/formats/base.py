@@ -87,6 +87,11 @@ def group_how(qtype) -> Callable:
     return how
 
 
+def times(scale: Array, scale2: Array) -> Array:
+    """Block scales times a second-level scale (ModelOpt's ``weight_scale_2``)."""
+    return scale * scale2
+
+
 def none_mode(q) -> str:
     return "none"
 
@@ -136,6 +141,8 @@ class Format:
     # f32 [K, N] -> {"values", "scale", "scale2"} where the format quantizes by its own formula
     # instead of qwix's (NVFP4's two-level scales, as ModelOpt computes them)
     quantize: Callable | None = None
+    # (f32 block scales, stored second-level scale) -> the scales the values are multiplied by
+    combine_scale2: Callable = times
     # stored values -> the quantized values as numbers exact in bf16 (at most 8 significant
     # bits); None where they are not (a table lookup): then no bf16 dequantize and no product
     # on the stored values

@@ -7,7 +7,9 @@ over them (``weight_scale_2``), packed two codes a byte along K (even element in
 4.5 bits per weight. Quantized from float weights as ModelOpt does: ``scale2 = amax / (6 * 448)``
 over the matrix, each block's ``scale = e4m3(block_amax / (6 * scale2))`` (a zero block: 1), the
 values ``w / (scale * scale2)`` rounded to the nearest E2M1 (ties to even). compressed-tensors
-stores the reciprocal of ``scale2`` as its ``weight_global_scale`` (``amax`` -> ``2688 / amax``).
+stores the reciprocal of ``scale2`` as its ``weight_global_scale`` (``2688 / amax``) and divides by
+it: its layout's values are format "nvfp4-ct" (the same storage, ``w = e2m1 * (scale / global)``,
+read from checkpoints only).
 The learner's product is W4A16: values dequantized inside the jitted matmul, activations not
 quantized. SGLang serves these checkpoints as ``modelopt_fp4`` on Blackwell GPUs with FP4
 activations (W4A4, ``input_scale``); rlx neither quantizes activations nor serves the layout
@@ -58,3 +60,15 @@ NVFP4 = Format(
     name="nvfp4", summary="E2M1 (FP4) in blocks of 16 along the input, e4m3 block scales, one "
     "f32 scale per matrix", serving=("hf",), quantizes=True, values_per_byte=2, block=_block,
     decode=e2m1.decode, integers=None, quantize=quantize, bytes_per_param=_bytes)
+
+
+def _over(scale: jax.Array, global_scale: jax.Array) -> jax.Array:
+    """compressed-tensors' convention: block scales divided by the global scale."""
+    return scale / global_scale
+
+
+NVFP4_CT = Format(
+    name="nvfp4-ct", summary="NVFP4 as compressed-tensors stores it (E2M1, e4m3 block scales of "
+    "16, divided by a per-matrix f32 weight_global_scale); read from checkpoints only",
+    serving=("hf",), values_per_byte=2, block=_block, decode=e2m1.decode, integers=None,
+    combine_scale2=_over, bytes_per_param=_bytes)
