@@ -160,3 +160,32 @@ def test_bad_input_is_refused_naming_file_and_tensor(folder, tmp_path, case):
         load_shipped(path)
     assert "\n" not in str(e.value)
     assert read_hf_config(path).moe.num_experts == 4
+
+
+def test_the_host_never_holds_an_expert_stack_in_float(tmp_path):
+    """Streamed: loading an MXFP4 gpt-oss with 8 experts of 256 x 512 allocates on the host
+    (tracemalloc's peak over what the loaded model keeps) less than twice the largest tensor of
+    the file, while one layer's gate_up stack in f32 is 7.5x that tensor."""
+    import tracemalloc
+
+    import torch
+
+    from tests.helpers.fp4 import gpt_oss_config, write_mxfp4
+
+    config = gpt_oss_config()
+    config.hidden_size, config.intermediate_size, config.num_local_experts = 256, 256, 8
+    config.num_hidden_layers, config.layer_types = 2, ["sliding_attention", "full_attention"]
+    torch.manual_seed(0)
+    src, path = str(tmp_path / "f32"), str(tmp_path / "mx")
+    transformers.GptOssForCausalLM(config).save_pretrained(src)
+    write_mxfp4(src, path)
+    folder = SafetensorsFolder(path)
+    largest = max(folder.nbytes(n) for n in folder)
+    stack = 8 * 256 * 512 * 4  # one layer's gate_up experts in f32
+    tracemalloc.start()
+    load_shipped(path, tensors=folder)
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    print(f"mxfp4 load: host peak over kept {peak - kept} B, largest tensor {largest} B, "
+          f"an f32 gate_up stack {stack} B")
+    assert peak - kept < 2 * largest < stack / 3, (peak, kept, largest, stack)
