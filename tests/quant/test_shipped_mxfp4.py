@@ -189,3 +189,22 @@ def test_the_host_never_holds_an_expert_stack_in_float(tmp_path):
     print(f"mxfp4 load: host peak over kept {peak - kept} B, largest tensor {largest} B, "
           f"an f32 gate_up stack {stack} B")
     assert peak - kept < 2 * largest < stack / 3, (peak, kept, largest, stack)
+
+
+def test_exported_for_serving_as_its_dequantized_floats(folder, tmp_path):
+    """The base's serving layout ("hf"): float weights transformers loads, the experts the very
+    values transformers dequantizes from the MXFP4 folder (the same logits within 1e-4)."""
+    from rlx.io.export import export_base
+
+    loaded, info = load_shipped(folder)
+    out = export_base(loaded.model, info.quant, str(tmp_path / "base"), "v1")
+    served = read_safetensors(os.path.join(out, "model.safetensors"))
+    experts = _transformers(folder).model.layers[1].mlp.experts
+    np.testing.assert_array_equal(served[f"{X}.gate_up_proj"],
+                                  experts.gate_up_proj.detach().numpy())
+    ids = np.random.default_rng(1).integers(0, 97, size=(1, 10))
+    ours = np.asarray(loaded.model(jnp.asarray(ids)))
+    with torch.no_grad():
+        theirs = transformers.GptOssForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(
+            torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() / np.abs(theirs).max() <= 1e-4
