@@ -191,6 +191,7 @@ def test_the_host_never_holds_an_expert_stack_in_float(tmp_path):
     assert peak - kept < 2 * largest < stack / 3, (peak, kept, largest, stack)
 
 
+@pytest.mark.slow  # 55 s on 2 busy cores (two transformers loads, one more compile)
 def test_exported_for_serving_as_its_dequantized_floats(folder, tmp_path):
     """The base's serving layout ("hf"): float weights transformers loads, the experts the very
     values transformers dequantizes from the MXFP4 folder (the same logits within 1e-4)."""
