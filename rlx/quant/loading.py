@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding, shard_variables
-from rlx.models.config import from_hf_config, quantization_config
+from rlx.models.config import from_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.hf import (ParamSource, abstract_model, check_float_checkpoint, check_tensors,
                            load_model, param_map, read_hf_config, read_order,
@@ -36,7 +36,8 @@ from rlx.quant import formats
 from rlx.quant.config import QuantConfig, QuantConfigError
 from rlx.quant.formats.gguf.blocks import BLOCK_BYTES, GGUFTensor
 from rlx.quant.quantize import linears, quantize_model
-from rlx.quant.shipped import Shipped, layout, quantized_params, shipped
+from rlx.quant.shipped import (Shipped, layout, quantized_params, read_quantization_config,
+                               shipped)
 from rlx.quant.shipped_read import check_quantized, file_position, read_qtensor, scale_dtype_of
 from rlx.quant.tensors import QTensor, QuantWeight, quantize_array
 
@@ -103,7 +104,7 @@ def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, para
     with open(os.path.join(path, "config.json")) as f:
         hf_cfg = json.load(f)
     cfg = from_hf_config(hf_cfg, text_only=text_only)
-    qc = quantization_config(hf_cfg)
+    qc = read_quantization_config(path)
     if not qc:
         raise CheckpointError(f"{path}: config.json has no quantization_config; load it as a float "
                               "checkpoint (config.quant.format='none' or a format to quantize to)")
@@ -118,7 +119,7 @@ def load_shipped(path: str, dtype=jnp.float32, mesh: Mesh | None = None, *, para
     check_quantized(tensors, quantized, shapes, lay)  # headers (and weight_shape) only
     model = load_model(cfg, tensors, precision=precision, mesh=mesh, rules=rules,
                        skip=frozenset(quantized), abstract=abstract)
-    for p in sorted(quantized, key=lambda p: file_position(tensors, quantized[p])):
+    for p in sorted(quantized, key=lambda p: file_position(tensors, quantized[p], lay)):
         src = quantized[p]
         set_node(model, p, read_qtensor(tensors, src, shapes[p], axes[p], lay, mesh, rules))
         node_at(model, p.rpartition("/")[0]).act_quant = lay.act
@@ -175,7 +176,7 @@ def quantize_streamed(tensors, src: ParamSource, var, q: QuantConfig, transposed
     kw = dict(group_size=q.group_size, symmetric=q.symmetric, fp8_granularity=q.fp8_granularity,
               scale_dtype=q.scale_dtype, axes=axes, transposed=transposed)
     abstract = nnx.eval_shape(lambda: quantize_array(jnp.zeros(shape, var.dtype), q.format, **kw))
-    leaves = {k: getattr(abstract, k) for k in ("values", "scale", "zero")
+    leaves = {k: getattr(abstract, k) for k in ("values", "scale", "zero", "scale2")
               if getattr(abstract, k) is not None}
     stacked = src.layout == "stack_T"
     n = shape[-2] if transposed else shape[-1]
@@ -192,6 +193,8 @@ def quantize_streamed(tensors, src: ParamSource, var, q: QuantConfig, transposed
             c0, c1 = _bounds(idx[-1], v.shape[-1])
             lo, hi = min(lo, c0 * per_col), max(hi, min(n, c1 * per_col))
     lo, hi = lo // bn * bn, min(n, -(-hi // bn) * bn)
+    if "scale2" in leaves:  # a scale over the whole matrix: every row is read
+        lo, hi = 0, n
     parts = {}
     for e in sorted(experts) if stacked else [None]:
         x = _hf_rows(tensors, src, src.hf_names[0 if e is None else e], lo, hi, var.dtype)
@@ -213,7 +216,7 @@ def quantize_streamed(tensors, src: ParamSource, var, q: QuantConfig, transposed
                 return cut(parts[None], k, idx)
         arrays[k] = jax.make_array_from_callback(tuple(v.shape), shardings[k], cb)
     return QTensor(q.format, shape, arrays["values"], arrays["scale"], arrays.get("zero"),
-                   abstract.block, abstract_axes(abstract.values), transposed)
+                   abstract.block, abstract_axes(abstract.values), transposed, arrays.get("scale2"))
 
 
 def abstract_axes(var):

@@ -18,10 +18,20 @@ compressed-tensors                 ``X.weight`` e4m3, ``X.weight_scale`` ``[out,
 ``float-quantized`` fp8            ``[1]`` (tensor) or ``[ceil(out/128), ceil(in/128)]`` (block)
 compressed-tensors                 ``X.weight`` int8, ``X.weight_scale`` ``[out, 1]`` (W8A8 int8)
 ``int-quantized`` int8 channel
+compressed-tensors                 ``X.weight_packed`` uint8 ``[out, in/2]`` (E2M1 pairs),
+``nvfp4-pack-quantized``           ``X.weight_scale`` e4m3 ``[out, in/16]``, ``X.weight_global_scale``
+(group 16)                         f32 ``[1]`` (divides the scales)
+``mxfp4`` (gpt-oss; only the       fused stacks ``X_blocks`` uint8 ``[E, out, in/32, 16]`` (E2M1
+routed experts; ``modules_to_not_  pairs, even input low), ``X_scales`` E8M0 uint8 ``[E, out, in/32]``
+convert`` stay float)              (``rlx.quant.shipped_fused``)
+``modelopt``, ``quant_algo:        ``X.weight`` uint8 ``[out, in/2]`` (E2M1 pairs, even input low),
+NVFP4``, ``group_size: 16``        ``X.weight_scale`` e4m3 ``[out, in/16]``, ``X.weight_scale_2`` f32
+(config.json or                    (one per matrix); ``exclude_modules`` / ``ignore`` (fnmatch)
+``hf_quant_config.json``)          stay float
 =================================  ===============================================================
 
 Each row is a layout reader (``rlx.quant.formats.layouts``: ``hf_fp8``, ``w8a8_int8``,
-``compressed_tensors``) declaring what it recognises, the tensors it reads and the rlx format its
+``compressed_tensors``, ``mxfp4``, ``modelopt``) declaring what it recognises, the tensors it reads and the rlx format its
 values become; ``layout`` asks their registry. A GGUF file's reader is the gguf format's
 (``rlx.quant.formats.gguf.file``).
 
@@ -49,12 +59,18 @@ from rlx.quant.formats.layouts.registry import SUPPORTED, file_reader, layout
 
 def read_quantization_config(path: str) -> dict | None:
     """A HF folder's ``quantization_config`` (None for a float checkpoint or a GGUF file; a
-    vision-language checkpoint's may sit in its text config)."""
+    vision-language checkpoint's may sit in its text config; a ModelOpt export may keep it in
+    ``hf_quant_config.json`` instead: its ``quantization`` with ``quant_method: modelopt``)."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         return None
     with open(file) as f:
-        return quantization_config(json.load(f))
+        qc = quantization_config(json.load(f))
+    modelopt = os.path.join(path, "hf_quant_config.json")
+    if not qc and os.path.isfile(modelopt):
+        with open(modelopt) as f:
+            return {"quant_method": "modelopt", **json.load(f).get("quantization", {})}
+    return qc
 
 
 # --- which rlx parameters a checkpoint stores quantized ------------------------------------------
@@ -67,6 +83,21 @@ def candidates(cfg) -> dict[str, ParamSource]:
     return {p: s for p, s in stored_param_map(cfg).items()
             if p.startswith("layers/") and s.layout in ("T", "stack_T")
             and not p.endswith(skip)}
+
+
+def fused_candidates(cfg) -> dict[str, ParamSource]:
+    """The routed experts' projections a family stores fused, one tensor per layer and projection
+    (gpt-oss's interleaved ``experts.gate_up_proj`` halves and ``experts.down_proj``)."""
+    from rlx.models.hf import stored_param_map
+
+    return {p: s for p, s in stored_param_map(cfg).items()
+            if p.startswith("layers/") and "/mlp/experts/" in p and p.endswith("_proj")
+            and s.layout not in ("T", "stack_T")}
+
+
+def fused_module(src: ParamSource) -> str:
+    """The HF module of a fused expert stack (``...mlp.experts.gate_up_proj`` -> ``...mlp.experts``)."""
+    return src.hf_names[0].rpartition(".")[0]
 
 
 def module_of(hf_name: str) -> str:
@@ -85,13 +116,15 @@ def quantized_params(cfg, lay: Layout) -> dict[str, ParamSource]:
                 "not others; rlx keeps a layer's routed experts in one representation")
         if flags.pop():
             out[p] = src
+    if lay.fused:
+        out.update({p: s for p, s in fused_candidates(cfg).items() if lay.quantizes(fused_module(s))})
     return out
 
 
 def modules_kind(cfg, quantized: dict) -> str | None:
     """``QuantConfig.modules`` for the set quantized: "all", "experts" or None (another set)."""
-    every = candidates(cfg)
-    experts = {p for p, s in every.items() if s.layout == "stack_T"}
+    every = {**candidates(cfg), **fused_candidates(cfg)}
+    experts = {p for p, s in every.items() if s.layout == "stack_T" or "/mlp/experts/" in p}
     if set(quantized) == set(every):
         return "all"
     if set(quantized) == experts and experts:
@@ -161,5 +194,6 @@ def _nearest(lay: Layout, modules: str | None, scale_dtype: str) -> QuantConfig 
     return None
 
 
-__all__ = ["Layout", "SUPPORTED", "Shipped", "candidates", "layout", "module_of", "modules_kind",
+__all__ = ["Layout", "SUPPORTED", "Shipped", "candidates", "fused_candidates", "fused_module",
+           "layout", "module_of", "modules_kind",
            "quantized_params", "read_quantization_config", "shipped"]

@@ -29,6 +29,7 @@ from rlx.platform.cpu.host_layout import on_host, once_per_index, read_transpose
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder
 from rlx.quant.formats.layouts import Layout
 from rlx.quant.shipped import module_of
+from rlx.quant.shipped_fused import check_fused, names, read_fused
 from rlx.quant.tensors import QTensor
 
 SCALE_DTYPES = ("F32", "BF16", "F16")
@@ -36,6 +37,11 @@ _SCALE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 # --- checks of the tensors, headers only -------------------------------------------------------
+def _fused(src: ParamSource) -> bool:
+    """A fused expert stack (``rlx.quant.shipped_fused``), not one linear or per-expert linears."""
+    return src.layout not in ("T", "stack_T")
+
+
 def _hf_shape(src: ParamSource, shape) -> tuple[int, int]:
     """(out, in) of one HF matrix of a kernel / stacked experts of rlx ``shape``."""
     return (shape[-1], shape[-2])
@@ -45,6 +51,9 @@ def check_quantized(tensors, quantized: dict[str, ParamSource], shapes: dict, la
     """Every quantized linear has its tensors, with the dtypes and shapes ``lay`` and config.json
     imply; ``weight_shape`` equals config.json's. Errors name the file and the tensor."""
     for p, src in quantized.items():
+        if _fused(src):
+            check_fused(tensors, src, shapes[p], lay)
+            continue
         n, k = _hf_shape(src, shapes[p])
         for name in src.hf_names:
             _check_linear(tensors, module_of(name), n, k, lay)
@@ -80,11 +89,14 @@ def _check_linear(tensors, m: str, n: int, k: int, lay: Layout) -> None:
                 f"{tensors.file_of(shape_name)}: tensor {shape_name!r} is {got}, but config.json "
                 f"implies [out, in] = {[n, k]}; the weights and config.json disagree")
     else:
-        need(f"{m}.{t.values}", t.values_dtypes, [(n, k)], "")
+        need(f"{m}.{t.values}", t.values_dtypes, [(n, k // lay.format.values_per_byte)], "")
     scale = lay.scale_shape(n, k)
     shapes = [scale] + ([(1,), ()] if lay.strategy == "tensor" else [])
-    need(f"{m}.{t.scale}", SCALE_DTYPES, shapes,
+    need(f"{m}.{t.scale}", t.scale_dtypes, shapes,
          f"the scales of its {lay.fmt} values are needed")
+    if t.scale2:
+        need(f"{m}.{t.scale2}", ("F32",), [(), (1,)],
+             f"the global scale of its {lay.fmt} block scales is needed")
     if t.zero:
         need(f"{m}.{t.zero}", ("I32",), [(-(-n // per), scale[1])],
              "the zero points of its asymmetric values are needed")
@@ -95,7 +107,7 @@ def _stored(tensors, names: list[str], stacked: bool, tensor_scale: bool):
     """Callback: the ``index`` slice of the tensors ``names`` as stored (HF orientation)."""
     def one(name, index, out=None):
         if tensor_scale:
-            value = np.array(tensors[name]).reshape(1, 1)[index]
+            value = np.array(read_stored(tensors, name, ())).reshape(1, 1)[index]
         elif out is not None and isinstance(tensors, SafetensorsFolder):
             return tensors.read(name, index, out=out)  # straight into the stacked buffer
         else:
@@ -153,6 +165,8 @@ def _storage_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple
     out = {"values": lead + (kv, n), "scale": lead + (-(-k // bk), -(-n // bn))}
     if lay.tensors.zero:
         out["zero"] = lead + (-(-k // bk), n)
+    if lay.tensors.scale2:
+        out["scale2"] = lead + (1, 1)
     return out
 
 
@@ -160,8 +174,9 @@ def _stored_shapes(lay: Layout, lead: tuple, n: int, k: int) -> dict[str, tuple]
     """The file's shapes of each leaf's tensor (HF orientation, per matrix)."""
     per = 32 // lay.bits
     scale = lay.scale_shape(n, k)
-    out = {"values": lead + ((n, -(-k // per)) if lay.tensors.packed else (n, k)),
-           "scale": lead + scale}
+    kv = k // lay.format.values_per_byte
+    out = {"values": lead + ((n, -(-k // per)) if lay.tensors.packed else (n, kv)),
+           "scale": lead + scale, "scale2": lead + (1, 1)}
     if lay.tensors.zero:
         out["zero"] = lead + (-(-n // per), scale[1])
     return out
@@ -172,18 +187,21 @@ def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mes
     each distinct device slice read once: CPU devices get it laid out by the host
     (``rlx.platform.cpu.host_layout``); otherwise (and for packed int32 words) each device copies its
     slice of the file's tensors as stored and lays it out itself (transposes; unpacks words)."""
+    if _fused(src):
+        return read_fused(tensors, src, shape, axes, lay, mesh, rules)
     n, k = _hf_shape(src, shape)
     stacked = src.layout == "stack_T"
     modules = [module_of(name) for name in src.hf_names]
     lead = (len(modules),) if stacked else ()
     stored = _stored_shapes(lay, lead, n, k)
-    suffix = {"values": lay.tensors.values, "scale": lay.tensors.scale, "zero": lay.tensors.zero}
+    suffix = {"values": lay.tensors.values, "scale": lay.tensors.scale, "zero": lay.tensors.zero,
+              "scale2": lay.tensors.scale2}
     leaves = {}
     for leaf, leaf_shape in _storage_shapes(lay, lead, n, k).items():
         sharding = (jax.sharding.SingleDeviceSharding(jax.local_devices()[0]) if mesh is None
                     else named_sharding(mesh, axes, rules, leaf_shape))
         names = [f"{m}.{suffix[leaf]}" for m in modules]
-        tensor_scale = leaf == "scale" and lay.strategy == "tensor"
+        tensor_scale = (leaf == "scale" and lay.strategy == "tensor") or leaf == "scale2"
         fn = (_unpack_values(lay.bits, k) if leaf == "values" and lay.tensors.packed else
               _unpack_zero(lay.bits, n) if leaf == "zero" else None)
         if fn is None and not tensor_scale and isinstance(tensors, SafetensorsFolder) \
@@ -195,7 +213,7 @@ def read_qtensor(tensors, src: ParamSource, shape: tuple, axes, lay: Layout, mes
         raw = jax.make_array_from_callback(stored[leaf], swapped(sharding, stored[leaf]), read)
         leaves[leaf] = to_layout(raw.dtype, sharding, fn)(raw)
     return QTensor(lay.fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
-                   lay.block(k, n), axes)
+                   lay.block(k, n), axes, scale2=leaves.get("scale2"))
 
 
 def _host_leaf(tensors: SafetensorsFolder, names: list[str], stacked: bool, shape: tuple):
@@ -209,15 +227,20 @@ def _host_leaf(tensors: SafetensorsFolder, names: list[str], stacked: bool, shap
     return lambda index: read_transposed(read, names, stacked, index, shape, stored, stored)
 
 
-def file_position(tensors, src: ParamSource) -> tuple[str, int]:
+def file_position(tensors, src: ParamSource, lay: Layout) -> tuple[str, int]:
     """Where the values of a quantized parameter's first matrix lie (file, offset)."""
+    if _fused(src):
+        return tensors.position(names(src, lay)["values"])
     m = module_of(src.hf_names[0])
     name = f"{m}.weight" if f"{m}.weight" in tensors else f"{m}.weight_packed"
     return tensors.position(name)
 
 
 def scale_dtype_of(tensors, quantized: dict[str, ParamSource], lay: Layout) -> str:
-    """The ``QuantConfig.scale_dtype`` name of the file's scales (float32 when none)."""
+    """The ``QuantConfig.scale_dtype`` name of the file's scales (float32 when none, or when
+    the format stores them in its own encoding: E8M0 bytes)."""
+    if lay.format.scale_encode is not None or lay.tensors.scale_dtypes != SCALE_DTYPES:
+        return "float32"
     for src in quantized.values():
         return _SCALE_NAMES[tensors.dtype_name(f"{module_of(src.hf_names[0])}.{lay.tensors.scale}")]
     return "float32"

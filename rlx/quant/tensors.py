@@ -13,7 +13,9 @@ contraction axis along which groups and packing run::
 
 with ``(bk, bn)`` the scale block: int8 and fp8 "channel" ``(K, 1)`` (one scale per output), int4 /
 nf4 ``(group, 1)``, fp8 "block128" ``(128, 128)`` (ceil-divided edges, as DeepSeek/Qwen FP8 files).
-``decode`` is: int8 -> value; int4 -> nibble - 8; nf4 -> NF4 table[nibble]; fp8 e4m3 -> value.
+``decode`` is: int8 -> value; int4 -> nibble - 8; nf4 -> NF4 table[nibble]; fp8 e4m3 -> value;
+mxfp4 / nvfp4 -> E2M1 value of the nibble (mxfp4's E8M0 scale bytes decode to ``2^(e - 127)``,
+``Format.scale_decode``; nvfp4 multiplies a per-matrix ``scale2`` over its e4m3 block scales).
 int4 and nf4 are packed two per byte along K (XLA:CPU would spend a byte on an int4 element):
 row ``2i`` in the low nibble, row ``2i + 1`` in the high nibble. Each format declares these in its
 record (``rlx.quant.formats``: ``how``, ``block``, ``encode``, ``decode``, ``integers``,
@@ -64,11 +66,15 @@ def expand_blocks(s: Array, k: int, n: int, bk: int, bn: int) -> Array:
 class QTensor(nnx.Module):
     """A frozen int8 / int4 / nf4 / fp8 matrix (see the module docstring for the layout)."""
 
-    def __init__(self, fmt: str, shape, values, scale, zero, block, axes, transposed: bool = False):
+    def __init__(self, fmt: str, shape, values, scale, zero, block, axes, transposed: bool = False,
+                 scale2=None):
         self.fmt, self.shape, self.block, self.transposed = fmt, tuple(shape), tuple(block), transposed
         self.values = QuantWeight(values, logical_axes=axes)
         self.scale = QuantWeight(scale, logical_axes=axes)
         self.zero = None if zero is None else QuantWeight(zero, logical_axes=axes)
+        # a second, per-matrix f32 scale ``[..., 1, 1]`` over the block scales (NVFP4's
+        # ``weight_scale_2``): w = decode(values) * scale * scale2
+        self.scale2 = None if scale2 is None else QuantWeight(scale2, logical_axes=axes)
 
     @property
     def spec(self) -> formats.Format:
@@ -90,6 +96,11 @@ class QTensor(nnx.Module):
         zero = None if self.zero is None else self.zero[...]
         return self._dequantize(self.values[...], self.scale[...], zero, self.kn[1], dtype)
 
+    def _scales(self, scale: Array) -> Array:
+        """Stored block scales (all, or gathered columns) -> f32, times ``scale2`` if any."""
+        s = self.spec.scale_decode(scale)
+        return s if self.scale2 is None else self.spec.combine_scale2(s, self.scale2[...])
+
     def _dequantize(self, v: Array, scale: Array, zero: Array | None, n: int, dtype) -> Array:
         """``dequantize`` of stored values, scales and zero points with ``n`` columns (all of
         them, or the columns ``take`` gathered)."""
@@ -102,7 +113,7 @@ class QTensor(nnx.Module):
         q = self._decode_values(v)
         if zero is not None:
             q = q - expand_blocks(zero.astype(jnp.float32), k, n, bk, bn)
-        w = q * expand_blocks(scale.astype(jnp.float32), k, n, bk, bn)
+        w = q * expand_blocks(self._scales(scale), k, n, bk, bn)
         w = jnp.swapaxes(w, -1, -2) if self.transposed else w
         return w.astype(dtype)
 
@@ -169,7 +180,7 @@ class QTensor(nnx.Module):
             return None
         q = self.spec.integers(self.values[...]).astype(dtype)
         xr = x.reshape(rows, groups, k // groups).astype(dtype)  # one group: bk may exceed K
-        scale = expand_blocks(self.scale[...].astype(jnp.float32), groups, n, 1, bn)  # [G, N]
+        scale = expand_blocks(self._scales(self.scale[...]), groups, n, 1, bn)  # [G, N]
         zero = None if self.zero is None else expand_blocks(
             self.zero[...].astype(jnp.float32), groups, n, 1, bn)
         if groups == 1:  # a plain 2-D product (XLA:CPU's fast path takes no batch axis)
@@ -227,7 +238,7 @@ class QTensor(nnx.Module):
         vals = self.values[...].reshape(k // c, c // packed, n)
         xs = jnp.moveaxis(x.reshape(rows, k // c, c), 1, 0)  # [K/c, R, c]
         grouped = bk < k
-        scale = expand_blocks(self.scale[...].astype(jnp.float32), -(-k // bk), n, 1, bn)  # [G, N]
+        scale = expand_blocks(self._scales(self.scale[...]), -(-k // bk), n, 1, bn)  # [G, N]
         zero = None if self.zero is None else expand_blocks(
             self.zero[...].astype(jnp.float32), -(-k // bk), n, 1, bn)
 
@@ -254,6 +265,8 @@ class QTensor(nnx.Module):
         out = {"values": self.values[...], "scale": self.scale[...]}
         if self.zero is not None:
             out["zero"] = self.zero[...]
+        if self.scale2 is not None:
+            out["scale2"] = self.scale2[...]
         return out
 
 
@@ -280,10 +293,15 @@ def quantize_array(w: Array, fmt: str, *, group_size: int = 64, symmetric: bool 
         parts = [quantize_array(w[e], fmt, **kw) for e in range(shape[0])]
         leaves = {k: jnp.stack([p.leaves()[k] for p in parts]) for k in parts[0].leaves()}
         return QTensor(fmt, shape, leaves["values"], leaves["scale"], leaves.get("zero"),
-                       parts[0].block, _storage_axes(axes, transposed), transposed)
+                       parts[0].block, _storage_axes(axes, transposed), transposed,
+                       leaves.get("scale2"))
     k, n = (shape[-1], shape[-2]) if transposed else (shape[-2], shape[-1])
     spec, params = _quantizable(fmt), Params(group_size, symmetric, fp8_granularity, scale_dtype)
     block = spec.block(shape, k, n, params)
+    if spec.quantize is not None:  # the format's own two-level quantizer (NVFP4)
+        leaves = spec.quantize(_matrix(w, (None, (), ()), transposed))
+        return QTensor(fmt, shape, leaves["values"], leaves["scale"], None, block,
+                       _storage_axes(axes, transposed), transposed, leaves.get("scale2"))
     values, scale, zero = _quantized_leaves(w, spec, params, transposed)
     return QTensor(fmt, shape, values, scale, zero, block, _storage_axes(axes, transposed),
                    transposed)
@@ -308,6 +326,9 @@ def _quantized_leaves(w: Array, spec: formats.Format, params: Params,
     how = spec.how(w.ndim, params)
     calibration = _calibrate(w, how, transposed)
     scale, zero = qarray.compute_scale_zero_point(calibration, how[0])
+    if spec.scale_encode is not None:  # scales stored in the format's own encoding (E8M0)
+        values, zero = _values(w, scale, zero, how, spec.encode, transposed)
+        return values, spec.scale_encode(scale), zero
     scale_dtype = params.scale_dtype
     if scale_dtype != "float32":  # the values are computed with the scale as it is stored
         scale = scale.astype(_SCALE_DTYPES[scale_dtype]).astype(jnp.float32)

@@ -295,7 +295,7 @@ def test_the_float_model_never_exists_whole(tmp_path):
 UNSUPPORTED = [
     ({"quant_method": "gptq", "bits": 4}, r"quant_method='gptq': not a layout rlx reads"),
     ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes'"),
-    ({"quant_method": "mxfp4"}, r"quant_method='mxfp4'"),
+    ({"quant_method": "mxfp4", "block_size": 16}, r"quant_method='mxfp4': block_size=16"),
     ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"weight_block_size=\[64, 64\]"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
      r"activation_scheme='static'"),

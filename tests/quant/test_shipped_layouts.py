@@ -31,7 +31,7 @@ def test_a_layout_declares_the_tensors_its_producer_writes(name):
 
 def test_the_refusal_lists_every_readers_lines_in_registry_order():
     lines = [line for r in READERS for line in r.supported] + [f.supported for f in FILES]
-    assert list(SUPPORTED) == lines and len(lines) == 6
+    assert list(SUPPORTED) == lines and len(lines) == 9
     with pytest.raises(QuantConfigError) as e:
         layout({"quant_method": "awq"})
     assert str(e.value).endswith("; ".join(lines))

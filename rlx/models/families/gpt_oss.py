@@ -8,7 +8,8 @@ gpt-oss's clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``), stored as one fus
 Refused before any weight is read: a ``layer_types`` entry other than ``sliding_attention`` /
 ``full_attention``, a list whose length is not ``num_hidden_layers``, sliding layers without a
 positive ``sliding_window``. The published checkpoints ship MXFP4 experts
-(``quantization_config``), which float loading refuses (``rlx.models.hf.check_float_checkpoint``).
+(``quantization_config``): float loading refuses them (``rlx.models.hf.check_float_checkpoint``);
+``quant.format="shipped"`` keeps them as stored (``rlx.quant.formats.layouts.mxfp4``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 - ``base``: the ``Format`` and ``ServingLayout`` records, ``QuantConfigError`` and the nibble
   packing the 4-bit formats share.
-- ``plain`` ("none"), ``int8``, ``int4``, ``nf4``, ``fp8`` (channel / 128x128 tiles), ``gguf``
+- ``plain`` ("none"), ``int8``, ``int4``, ``nf4``, ``fp8`` (channel / 128x128 tiles), ``mxfp4``
+  (E2M1 in blocks of 32 with E8M0 scales), ``nvfp4`` (E2M1 in blocks of 16, e4m3 block scales
+  and one f32 scale per matrix; ``e2m1`` is their FP4 value codec), ``gguf``
   (a GGUF file's blocks), ``shipped`` (the checkpoint's own): one ``Format`` each. ``gguf`` is a
   package that also holds the blocks' storage and product (``gguf.blocks``: ``GGUFTensor``) and
   the K-quant decoders (``gguf.kquants``).

@@ -87,6 +87,11 @@ def group_how(qtype) -> Callable:
     return how
 
 
+def times(scale: Array, scale2: Array) -> Array:
+    """Block scales times a second-level scale (ModelOpt's ``weight_scale_2``)."""
+    return scale * scale2
+
+
 def none_mode(q) -> str:
     return "none"
 
@@ -129,6 +134,15 @@ class Format:
     block: Callable | None = None
     encode: Callable = same  # qwix's quantized values -> stored values (packing)
     decode: Callable = as_f32  # stored values -> f32 quantized values (before zero and scale)
+    # f32 scales (qwix's) -> stored scales (None: stored in QuantConfig.scale_dtype), and back:
+    # MXFP4 keeps its E8M0 scales as their exponent bytes
+    scale_encode: Callable | None = None
+    scale_decode: Callable = as_f32
+    # f32 [K, N] -> {"values", "scale", "scale2"} where the format quantizes by its own formula
+    # instead of qwix's (NVFP4's two-level scales, as ModelOpt computes them)
+    quantize: Callable | None = None
+    # (f32 block scales, stored second-level scale) -> the scales the values are multiplied by
+    combine_scale2: Callable = times
     # stored values -> the quantized values as numbers exact in bf16 (at most 8 significant
     # bits); None where they are not (a table lookup): then no bf16 dequantize and no product
     # on the stored values

@@ -14,11 +14,13 @@ from rlx.quant.formats.fp8 import FP8
 from rlx.quant.formats.gguf import GGUF
 from rlx.quant.formats.int4 import INT4
 from rlx.quant.formats.int8 import INT8
+from rlx.quant.formats.mxfp4 import MXFP4
+from rlx.quant.formats.nvfp4 import NVFP4, NVFP4_CT
 from rlx.quant.formats.nf4 import NF4
 from rlx.quant.formats.plain import NONE
 from rlx.quant.formats.shipped import SHIPPED
 
-BUILTIN = (NONE, INT8, INT4, FP8, NF4, GGUF, SHIPPED)
+BUILTIN = (NONE, INT8, INT4, FP8, NF4, MXFP4, NVFP4, NVFP4_CT, GGUF, SHIPPED)
 _FORMATS: dict[str, Format] = {f.name: f for f in BUILTIN}
 _SERVING: dict[str, ServingLayout] = {s.name: s for s in _serving.BUILTIN}
 

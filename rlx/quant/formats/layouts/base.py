@@ -11,6 +11,7 @@ what every reader reads.
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import re
 from typing import Callable
 
@@ -35,6 +36,8 @@ class Tensors:
     packed: bool = False  # values are int32 words of 32/bits values each along ``in``
     shape: str | None = None  # "weight_shape": [out, in] of packed values
     zero: str | None = None  # "weight_zero_point": packed zero points (asymmetric values)
+    scale_dtypes: tuple[str, ...] = ("F32", "BF16", "F16")  # safetensors dtypes of the scales
+    scale2: str | None = None  # "weight_scale_2": one f32 scale per matrix over the block scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +56,12 @@ class Layout:
     # whose serving export writes these values back; None: no run-level config does
     quant_fields: tuple[tuple[str, object], ...] | None = None
     ignore: tuple[str, ...] = ()  # modules left float
-    ignore_style: str = "ct"  # "ct": exact names or "re:" regexes | "hf": modules_to_not_convert
+    # "ct": exact names or "re:" regexes | "hf": modules_to_not_convert | "glob": fnmatch patterns
+    ignore_style: str = "ct"
     targets: tuple[str, ...] = ("Linear",)
+    # its quantized linears are fused expert stacks ``X`` (gpt-oss ``experts.gate_up_proj``)
+    # stored as ``X_<values>`` / ``X_<scale>`` (``rlx.quant.shipped_fused``); else per linear
+    fused: bool = False
 
     @property
     def fmt(self) -> str:
@@ -71,6 +78,8 @@ class Layout:
             return False
         if self.ignore_style == "hf":
             return not any(_hf_match(p, module) for p in self.ignore)
+        if self.ignore_style == "glob":  # ModelOpt's exclude_modules: fnmatch wildcards
+            return not any(fnmatch.fnmatchcase(module, p) for p in self.ignore)
         return not any(_ct_match(p, module) for p in self.ignore)
 
     def block(self, k: int, n: int) -> tuple[int, int]:

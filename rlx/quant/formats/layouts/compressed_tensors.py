@@ -8,10 +8,15 @@ linear, compressed, dense, no KV cache scheme or transform), one ``Scheme`` per 
 - ``float-quantized`` fp8: ``X.weight`` e4m3, ``X.weight_scale`` ``[out, 1]`` (channel), ``[1]``
   (tensor) or ``[ceil(out/128), ceil(in/128)]`` (block);
 - ``int-quantized`` int8 (channel, symmetric; W8A8 int8): ``X.weight`` int8, ``X.weight_scale``
-  ``[out, 1]``.
+  ``[out, 1]``;
+- ``nvfp4-pack-quantized`` (4-bit float, strategy ``tensor_group``, group 16): ``X.weight_packed``
+  uint8 ``[out, in/2]`` (two E2M1 codes a byte, even input low), ``X.weight_scale`` e4m3
+  ``[out, in/16]``, ``X.weight_global_scale`` f32 ``[1]`` (``w = e2m1 * scale / global``), and
+  ``X.input_global_scale`` (unread).
 
 Activations are quantized dynamically (fp8 per token or per 128-group, int8 per token) or not at
-all; the modules in ``ignore`` stay float.
+all; NVFP4's FP4 activations (W4A4 on the server) are not: rlx's forward is W4A16 over them. The
+modules in ``ignore`` stay float.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from rlx.quant.formats.fp8 import FP8
 from rlx.quant.formats.int4 import INT4
 from rlx.quant.formats.int8 import INT8
 from rlx.quant.formats.layouts.base import Layout, LayoutReader, Refused, Tensors
+from rlx.quant.formats.nvfp4 import BLOCK as NVFP4_BLOCK
+from rlx.quant.formats.nvfp4 import NVFP4_CT
 
 METHOD = "compressed-tensors"
 
@@ -95,7 +102,25 @@ INT = Scheme(
     check=_nothing, fmt=lambda bits: INT8,
     tensors=lambda symmetric: Tensors(values="weight", values_dtypes=("I8",), scale="weight_scale"),
     quant_fields=lambda bits, strategy, group, symmetric: ())
-SCHEMES = (PACKED, FLOAT, INT)
+
+
+def _nvfp4_group(w: dict) -> None:
+    if w.get("group_size") != NVFP4_BLOCK:
+        raise Refused(METHOD, f"nvfp4 group_size={w.get('group_size')} (NVFP4 scales blocks of "
+                              f"{NVFP4_BLOCK})")
+
+
+NVFP4 = Scheme(
+    keys=(("nvfp4-pack-quantized", "float"),),
+    supported="compressed-tensors 'nvfp4-pack-quantized' (E2M1, e4m3 scales per 16, "
+              "weight_global_scale)",
+    accepts=lambda w: w.get("num_bits") == 4 and w.get("strategy") == "tensor_group",
+    check=_nvfp4_group, fmt=lambda bits: NVFP4_CT,
+    tensors=lambda symmetric: Tensors(
+        values="weight_packed", values_dtypes=("U8",), scale="weight_scale",
+        scale_dtypes=("F8_E4M3",), scale2="weight_global_scale"),
+    quant_fields=lambda bits, strategy, group, symmetric: None)
+SCHEMES = (PACKED, FLOAT, INT, NVFP4)
 
 
 def _scheme(qc: dict) -> dict:
@@ -131,7 +156,7 @@ def parse(qc: dict) -> Layout:
         raise Refused(METHOD, what)
     if w.get("dynamic") or w.get("actorder"):
         raise Refused(METHOD, f"{what} and dynamic={w.get('dynamic')} actorder={w.get('actorder')}")
-    group = w.get("group_size") if strategy == "group" else None
+    group = w.get("group_size") if strategy in ("group", "tensor_group") else None
     if strategy == "group" and not (isinstance(group, int) and group >= 2 and group % 2 == 0):
         raise Refused(METHOD, f"group_size={group} (rlx reads even group sizes)")
     if strategy == "block" and list(w.get("block_structure") or []) != [128, 128]:
@@ -145,8 +170,8 @@ def parse(qc: dict) -> Layout:
 
 
 def _activations(a: dict | None) -> str:
-    if not a:
-        return "none"
+    if not a or (a.get("type"), a.get("num_bits"), a.get("strategy")) == ("float", 4, "tensor_group"):
+        return "none"  # NVFP4's FP4 activations: the learner's forward is W4A16
     kind = (a.get("type"), a.get("num_bits"), a.get("strategy"), bool(a.get("dynamic")),
             bool(a.get("symmetric", True)))
     modes = {("float", 8, "token", True, True): "fp8_token",
@@ -161,3 +186,14 @@ def _activations(a: dict | None) -> str:
 
 READER = LayoutReader(name="compressed_tensors", quant_methods=(METHOD,),
                       supported=tuple(s.supported for s in SCHEMES), parse=parse)
+
+
+def write_back_nvfp4(leaves: dict, name: str) -> dict:
+    """``nvfp4-pack-quantized`` tensors of one linear ``name`` from its rlx storage leaves (numpy
+    ``values`` ``[K/2, N]``, ``scale`` ``[K/16, N]``, ``scale2`` ``[1, 1]``: the global scale),
+    byte for byte as read (``input_global_scale`` is not kept)."""
+    import numpy as np
+
+    return {f"{name}.weight_packed": np.ascontiguousarray(leaves["values"].T),
+            f"{name}.weight_scale": np.ascontiguousarray(leaves["scale"].T),
+            f"{name}.weight_global_scale": np.asarray(leaves["scale2"]).reshape(1)}

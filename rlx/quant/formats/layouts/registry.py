@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from rlx.quant.formats.base import QuantConfigError
 from rlx.quant.formats.gguf import file as gguf_file
-from rlx.quant.formats.layouts import compressed_tensors, hf_fp8, w8a8_int8
+from rlx.quant.formats.layouts import compressed_tensors, hf_fp8, modelopt, mxfp4, w8a8_int8
 from rlx.quant.formats.layouts.base import FileReader, Layout, LayoutReader, Refused
 
-READERS: tuple[LayoutReader, ...] = (hf_fp8.READER, w8a8_int8.READER, compressed_tensors.READER)
+READERS: tuple[LayoutReader, ...] = (hf_fp8.READER, w8a8_int8.READER, compressed_tensors.READER,
+                                     mxfp4.READER, modelopt.READER)
 FILES: tuple[FileReader, ...] = (gguf_file.READER,)
 SUPPORTED: tuple[str, ...] = (tuple(line for r in READERS for line in r.supported)
                               + tuple(f.supported for f in FILES))
