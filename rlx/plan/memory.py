@@ -347,7 +347,8 @@ def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
     total["embed"] = a * tokens * c.hidden_size
     total["fsdp_gather"] = fsdp_gather_bytes(spec)
     p = _BYTES[spec.param_dtype]
-    total["vocab_grads"] = p * c.vocab_size * c.hidden_size / _embed_shards(spec) if tiled else 0.0
+    trained = tiled and spec.mode == "full"  # LoRA mode's embedding and head have no gradient
+    total["vocab_grads"] = p * c.vocab_size * c.hidden_size / _embed_shards(spec) if trained else 0.0
     total["head_tile"] = p * cols * c.hidden_size if tiled else 0.0
     return total
 
@@ -448,5 +449,6 @@ def step_bytes(spec: PlanSpec, trainable: int) -> dict[str, int]:
         c.vocab_size, spec.mesh.tensor)
     return {"grads": int(part["grads"]), "activations": int(acts),
             "fsdp_gather": int(part["fsdp_gather"]),
-            "logprob_chunks": int(part["logits"] + part["vocab_grads"] + part["head_tile"]), "batch": 32 * rows * spec.seq_len,  # 8 int32/f32 fields the step reads
+            "logprob_chunks": int(part["logits"] + part["vocab_grads"] + part["head_tile"]),
+            "batch": 32 * rows * spec.seq_len,  # 8 int32/f32 fields the step reads
             "kv_cache": engine_cache_bytes(spec), "decode_temp": int(decode_logits)}
