@@ -335,9 +335,11 @@ class Transformer(nnx.Module):
     def _split_rows(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
         """``x`` constrained to its rows split over the batch axes (``sharding.batch``), where
         they divide them and no context split folds the rows: an unrolled layer then runs on its
-        device's rows, the FSDP-sharded weights gathered. Unconstrained, XLA's partitioner kept
-        the weights split along ``embed`` and gathered the rows instead, every device holding
-        the whole batch's activations (a train step's peak 2.5x on ``fsdp=8``, ``rlx.plan``)."""
+        device's rows, the FSDP-sharded weights gathered (what ``rlx.plan`` models).
+        Unconstrained, XLA's partitioner kept the weights split along ``embed`` and gathered
+        the rows instead, every device holding the whole batch's activations: more memory
+        for large batches, less than the gathered weights for very small ones
+        (rlx/bench/README.md, "Memory per process across hosts")."""
         sh = self.sharding
         if sh is None or not sh.batch or self._context_shards() > 1:
             return x
