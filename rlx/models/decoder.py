@@ -35,12 +35,13 @@ jitted function (pass it as a static argument). Without adapters the flag change
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from rlx.kernels.attention import attend
@@ -334,12 +335,29 @@ class Transformer(nnx.Module):
                     rep, 2, 0), call, policy, remat)
                 experts = None if experts is None else jnp.moveaxis(experts, 0, 2)
             else:
-                x, (experts, drops) = _layer_call(call, unit, x, rep, remat, policy)
+                x, (experts, drops) = _layer_call(call, unit, self._split_rows(x), rep, remat,
+                                                  policy)
                 experts = None if experts is None else experts[:, :, None]
             if moe:
                 parts.append(experts)
                 dropped, j = dropped + jnp.sum(drops), j + count
-        return x, Routes(jnp.concatenate(parts, axis=2) if parts else None, dropped)
+        return self._split_rows(x), Routes(jnp.concatenate(parts, axis=2) if parts else None,
+                                           dropped)
+
+    def _split_rows(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+        """``x`` constrained to its rows split over the batch axes (``sharding.batch``), where
+        they divide them and no context split folds the rows: an unrolled layer then runs on its
+        device's rows, the FSDP-sharded weights gathered (what ``rlx.plan`` models).
+        Unconstrained, XLA's partitioner kept the weights split along ``embed`` and gathered
+        the rows instead, every device holding the whole batch's activations: more memory
+        for large batches, less than the gathered weights for very small ones
+        (rlx/bench/README.md, "Memory per process across hosts")."""
+        sh = self.sharding
+        if sh is None or not sh.batch or self._context_shards() > 1:
+            return x
+        if x.shape[0] % math.prod(sh.mesh.shape[a] for a in sh.batch):
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(sh.mesh, PartitionSpec(sh.batch)))
 
     def _units(self):
         """``(stack, layers)`` per stack of a stacked model, ``(layer, 1)`` per layer of an

@@ -44,7 +44,8 @@ from rlx.mesh import batch_shards, make_mesh
 from rlx.plan.aot_sample import (SAMPLE_CALIBRATION, SAMPLE_WHOLE_MODEL_POINTS, fit_sample_coeffs,
                                  generate_lowered, local_expert_bytes, paged_lowered,
                                  sample_temp)
-from rlx.plan.memory import compiled_bytes, state_bytes, step_features
+from rlx.plan.memory import (STEP_NOT_ACTIVATIONS, compiled_bytes, state_bytes,
+                             step_features)
 from rlx.plan.planner import (CONFIG_HELP, GB, Plan, command_line, format_plan, parse_mesh, plan,
                               spec_from_config)
 from rlx.plan.spec import PlanSpec
@@ -66,7 +67,10 @@ TPU_COEFFS = {"resid": 0.0, "qkv": 0.0, "scores": 0.656, "mlp": 0.0, "moe_d": 11
               "lora": 7.493, "ckpt": 1.035, "experts": 2.54,
               # context parallelism's gathered keys and values: not fitted (no compiled point
               # has context > 1); the CPU model's coefficient
-              "gathered": 2.0}
+              "gathered": 2.0,
+              # XLA:CPU's FSDP and vocabulary-tile terms (rlx.plan.memory.COEFFS): not fitted
+              # here, the TPU points' other terms absorb them
+              "fsdp_gather": 0.0, "vocab_grads": 0.0, "head_tile": 0.0}
 # The whole-model train programs ``calibrate`` fits besides ``calibration_specs``: the arguments
 # of ``python -m rlx.plan`` and XLA:TPU's transient GB per device (the program total less its
 # arguments), rlx/plan/README.md's rows
@@ -276,10 +280,10 @@ def tpu_plan(spec: PlanSpec, topo: Topology) -> Plan:
     ``decode_temp``), each device's HBM."""
     p = plan(spec, topo.device_hbm_gib * GIB / GB)
     part = {k: TPU_COEFFS[k] * v for k, v in tpu_features(spec, p.bytes["trainable"]).items()}
-    acts = sum(v for k, v in part.items() if k not in ("grads", "logits"))
+    acts = sum(v for k, v in part.items() if k not in STEP_NOT_ACTIVATIONS)
     decode = max(0, sample_temp(spec) - p.bytes["kv_cache"])
     return dataclasses.replace(p, bytes={**p.bytes, "grads": int(part["grads"]),
-                                         "activations": int(acts),
+                                         "activations": int(acts), "fsdp_gather": 0,
                                          "logprob_chunks": int(part["logits"]),
                                          "decode_temp": decode})
 

@@ -98,9 +98,9 @@ def _representative(spec: PlanSpec) -> tuple[PlanSpec, dict[int, int]]:
 
 @functools.lru_cache(maxsize=16)
 def _abstract_leaves(key: str, spec: PlanSpec
-                     ) -> tuple[tuple[bool, tuple, Any, Any, int, bool], ...]:
+                     ) -> tuple[tuple[bool, tuple, Any, Any, int, bool, bool], ...]:
     """(trainable?, shape, dtype, logical axes, layer multiplicity, a kernel the ``out_in``
-    decode layout transposes?) of every state leaf."""
+    decode layout transposes?, a decoder layer's?) of every state leaf."""
     del key  # the cache key: the spec without its mesh (shapes do not depend on the mesh)
     small, weight = _representative(spec)
     model = abstract_model(small)
@@ -113,7 +113,7 @@ def _abstract_leaves(key: str, spec: PlanSpec
             leaf = jax.tree.leaves(var)[0]
             times = weight[path[1]] if path[0] == "layers" else 1
             out.append((trainable, tuple(leaf.shape), leaf.dtype, axes, times,
-                        tuple(path) in kernels))
+                        tuple(path) in kernels, path[0] == "layers"))
     return tuple(out)
 
 
@@ -126,8 +126,8 @@ def state_bytes(spec: PlanSpec) -> dict[str, int]:
     sizes, total, engine = _Sizes(spec), {True: 0, False: 0}, 0
     meshless = spec.replace(mesh=MeshShape())  # the cache's key: shapes do not depend on the mesh
     rules = spec.engine_rules
-    for trainable, shape, dtype, axes, times, linear in _abstract_leaves(repr(meshless),
-                                                                         meshless):
+    for trainable, shape, dtype, axes, times, linear, _ in _abstract_leaves(repr(meshless),
+                                                                            meshless):
         total[trainable] += times * _shard_elems(shape, axes, sizes) * np.dtype(dtype).itemsize
         # the engine's own copies: an asynchronous engine's of every trainable variable (by the
         # sampling rules), a synchronous one's of the trainable float kernels the out_in layout
@@ -172,7 +172,7 @@ def load_tensor_bytes(spec: PlanSpec) -> int:
     full = spec.replace(mode="full", mesh=MeshShape())
     experts = spec.model.moe.num_experts if spec.model.moe is not None else 1
     largest = 0
-    for _, shape, dtype, axes, _, _ in _abstract_leaves(repr(full), full):
+    for _, shape, dtype, axes, _, _, _ in _abstract_leaves(repr(full), full):
         per = experts if axes is not None and "expert" in axes else 1
         largest = max(largest, math.prod(shape) // per * np.dtype(dtype).itemsize)
     return largest
@@ -235,7 +235,18 @@ COEFFS = {"resid": 3.6, "qkv": 1.5, "scores": 2.95, "mlp": 6.0, "moe_d": 0.83, "
           "ckpt": 1.0,  # remat="layer": each layer's input, kept once (not fitted)
           # context parallelism: a layer's keys and values over the whole sequence, kept for
           # the backward pass, and their gradient before its reduce-scatter (not fitted)
-          "gathered": 2.0}
+          "gathered": 2.0,
+          # Fitted on 12 full-mode f32 steps on fsdp = 1, 2, 8 (vocabularies of 2,048 and
+          # 32,768, widths 128 and 256, 2 and 4 layers; residuals within 10%): the decoder
+          # layers' weights FSDP gathers (whole less the device's shard; the gathered copy lives
+          # from the forward to the backward pass, and each layer's whole gradient before its
+          # reduce-scatter adds the rest), and, with the vocabulary in tiles (``vocab_block``),
+          # the embedding-sized gradients of the tied lookup and head and one head tile
+          "fsdp_gather": 1.3, "vocab_grads": 0.64, "head_tile": 0.68}
+
+
+# the step features ``step_bytes`` reports apart from the activations
+STEP_NOT_ACTIVATIONS = ("grads", "logits", "fsdp_gather", "vocab_grads", "head_tile")
 
 
 def _div(x: int, parts: int) -> float:
@@ -319,7 +330,7 @@ def _gathered_width(c: ModelConfig, tensor: int) -> float:
 
 def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
     """Feature bytes of the whole step: per-layer terms summed over the layers that keep them."""
-    c, t = spec.model, spec.mesh.tensor
+    c = spec.model
     layers = [_layer_features(spec, i) for i in range(c.num_layers)]
     if spec.remat == "none":
         total = {k: sum(lf[k] for lf in layers) for k in layers[0]}
@@ -330,11 +341,54 @@ def step_features(spec: PlanSpec, trainable: int) -> dict[str, float]:
     a = 2 if spec.dtype == "bfloat16" else 4
     rows = math.ceil(spec.micro_rows / spec.batch_shards)
     tokens = rows * spec.seq_len / spec.mesh.context
-    total["logits"] = 4 * balanced_chunk(math.ceil(tokens), spec.logprob_chunk) * _div(
-        c.vocab_size, t)
+    cols, tiled = vocab_columns(spec)
+    total["logits"] = 4 * balanced_chunk(math.ceil(tokens), spec.logprob_chunk) * cols
     total["grads"] = trainable
     total["embed"] = a * tokens * c.hidden_size
+    total["fsdp_gather"] = fsdp_gather_bytes(spec)
+    p = _BYTES[spec.param_dtype]
+    trained = tiled and spec.mode == "full"  # LoRA mode's embedding and head have no gradient
+    total["vocab_grads"] = p * c.vocab_size * c.hidden_size / _embed_shards(spec) if trained else 0.0
+    total["head_tile"] = p * cols * c.hidden_size if tiled else 0.0
     return total
+
+
+def vocab_columns(spec: PlanSpec) -> tuple[float, bool]:
+    """Vocabulary columns of one log-softmax tile per device, and whether the head runs in
+    several tiles: ``StepConfig.vocab_block`` columns at a time (``rlx.learner.step.
+    logprob_head``), or whole rows split over ``tensor`` (``for_mesh``)."""
+    v, t, block = spec.model.vocab_size, spec.mesh.tensor, StepConfig().vocab_block
+    if t > 1 or v <= block:
+        return _div(v, t), False
+    return float(block), True
+
+
+def _embed_shards(spec: PlanSpec) -> int:
+    """Devices an ``embed`` dimension is split over (``TRAIN_RULES``)."""
+    return spec.mesh.fsdp * spec.mesh.context * spec.mesh.expert
+
+
+# ``TRAIN_RULES`` as a layer's weights are used: ``embed`` dimensions (and MLA's latent ranks)
+# gathered from their FSDP shards, the tensor and expert splits kept
+_USED_RULES = tuple((name, "tensor" if target == "tensor" else
+                     "expert" if name == "expert" else None if name != "batch" else target)
+                    for name, target in TRAIN_RULES)
+
+
+def fsdp_gather_bytes(spec: PlanSpec) -> float:
+    """Per-device bytes FSDP gathers of the decoder layers' weights: each weight as its layer
+    uses it (``embed`` dimensions whole) less the device's own shard, for every layer of an
+    unrolled model (XLA keeps each gathered copy for the backward pass), one average layer's
+    for scanned ones (gathered inside the loop, ``rlx.models.stack.scan``; not compared with
+    XLA). The embedding and head are not gathered whole: the lookup gathers rows and the head
+    runs in vocabulary tiles (``vocab_grads``, ``head_tile``)."""
+    sizes, meshless = _Sizes(spec), spec.replace(mesh=MeshShape())
+    total = 0
+    for _, shape, dtype, axes, times, _, layer in _abstract_leaves(repr(meshless), meshless):
+        if layer:
+            used = _shard_elems(shape, axes, sizes, _USED_RULES)
+            total += times * (used - _shard_elems(shape, axes, sizes)) * np.dtype(dtype).itemsize
+    return total / spec.model.num_layers if spec.scanned else float(total)
 
 
 def kv_cache_per_token(c: ModelConfig) -> int:
@@ -389,10 +443,12 @@ def step_bytes(spec: PlanSpec, trainable: int) -> dict[str, int]:
     f = step_features(spec, trainable)
     part = {k: COEFFS[k] * v for k, v in f.items()}
     rows = math.ceil(spec.rows / spec.batch_shards)
-    acts = sum(v for k, v in part.items() if k not in ("grads", "logits"))
+    acts = sum(v for k, v in part.items() if k not in STEP_NOT_ACTIVATIONS)
     c = spec.model
     decode_logits = 4 * math.ceil(spec.rollout_rows / spec.batch_shards) * _div(
         c.vocab_size, spec.mesh.tensor)
     return {"grads": int(part["grads"]), "activations": int(acts),
-            "logprob_chunks": int(part["logits"]), "batch": 32 * rows * spec.seq_len,  # 8 int32/f32 fields the step reads
+            "fsdp_gather": int(part["fsdp_gather"]),
+            "logprob_chunks": int(part["logits"] + part["vocab_grads"] + part["head_tile"]),
+            "batch": 32 * rows * spec.seq_len,  # 8 int32/f32 fields the step reads
             "kv_cache": engine_cache_bytes(spec), "decode_temp": int(decode_logits)}

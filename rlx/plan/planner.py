@@ -41,7 +41,7 @@ from rlx.learner.state import MODES
 from rlx.mesh import MESH_AXES, MeshShape, batch_shards
 from rlx.models import from_hf_config
 from rlx.models.classifier import read_classifier_config
-from rlx.models.loading import resolve_path
+from rlx.models.loading import resolve_path, shrunk
 from rlx.models.presets import PRESETS, find_preset, preset_config
 from rlx.plan.memory import compiled_bytes, state_bytes, step_bytes
 from rlx.plan.spec import PlanSpec
@@ -54,7 +54,8 @@ RESERVE = 0.08  # of device memory kept for the runtime, collectives and fragmen
 # variables; it shares the frozen base, and a synchronous run's trainable variables too)
 # live through the whole run: one-step-off sampling reads them while the learner updates
 TRAIN_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic", "critic_optimizer",
-              "engine", "reward_model", "grads", "activations", "logprob_chunks", "batch")
+              "engine", "reward_model", "grads", "activations", "fsdp_gather", "logprob_chunks",
+              "batch")
 SAMPLE_KEYS = ("frozen", "trainable", "optimizer", "reference", "critic", "critic_optimizer",
                "engine", "reward_model", "kv_cache", "decode_temp")
 # building the run: the base streamed in tensor by tensor, adapters attached, one tensor in flight
@@ -279,6 +280,8 @@ def spec_from_config(cfg: Any) -> PlanSpec:
     model = _section(cfg, "model")
     arch = from_hf_config(_hf_config(model), text_only=bool(model.get("text_only", False)))
     run = run_sections(cfg)
+    if run.model.shrink.enabled:  # the run's random shrunken copy of that architecture
+        arch = shrunk(arch, run.model.shrink)
     extra = ({k: v for k, v in plan_section.items() if k in fields} if plan_section
              else run_plan_fields(run))  # a run config: the plan of the run it describes
     for key in ("dtype", "param_dtype", "moe_impl", "moe_capacity_factor", "scan_layers"):
