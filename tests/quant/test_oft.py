@@ -16,33 +16,14 @@ from rlx.quant import LoraConfig, QuantConfig, QuantWeight, apply_lora, quantize
 from rlx.quant.config import OftConfig
 from rlx.quant.oft import cayley
 from tests.helpers.hf_zoo import make_hf_model
-from tests.helpers.quant import INT4, ids, token_logprobs
+from tests.helpers.quant import INT4, OFT8, ids, oft_model, token_logprobs
 
-# block 8 divides every adapted input width of the zoo models (32, 48, 16, 24, 64)
-OFT8 = LoraConfig(kind="oft", oft=OftConfig(block_size=8))
 INT8 = QuantConfig(format="int8")
 
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     return str(tmp_path_factory.mktemp("zoo"))
-
-
-def randomize_oft(model: nnx.Module, seed: int = 1, scale: float = 0.15) -> None:
-    """Give every ``oft_r`` random values (a fresh adapter is exactly the identity)."""
-    key = jax.random.key(seed)
-    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
-        assert path[-1] == "oft_r"
-        var.set_value(scale * jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype))
-
-
-def oft_model(root: str, family: str, lora: LoraConfig = OFT8, q: QuantConfig = INT4,
-              randomize: bool = True):
-    model = quantize_model(from_hf(make_hf_model(family, root)), q)
-    apply_lora(model, lora, nnx.Rngs(0))
-    if randomize:
-        randomize_oft(model)
-    return model
 
 
 def _peft_logits(base: str, adapter: str, x, merge: bool = False) -> np.ndarray:
