@@ -159,6 +159,9 @@ class LoraConfig:
             raise QuantConfigError(f"targets={list(self.targets)}: each must be one of {list(LORA_TARGETS)}")
         one_of("param_dtype", self.param_dtype, DTYPES)
         one_of("kind", self.kind, ADAPTER_KINDS)
+        if self.kind == "oft" and self.init_from:
+            raise QuantConfigError(f"init_from={self.init_from!r} warm-starts from a PEFT LoRA "
+                                   "folder; kind='oft' starts from the identity (leave it unset)")
 
     @property
     def scaling(self) -> float:
