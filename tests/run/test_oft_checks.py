@@ -60,3 +60,12 @@ def test_peft_options_rlx_does_not_implement_are_unknown_fields(tmp_path, field)
     with pytest.raises(ConfigError) as e:
         _tiny(tmp_path, **{f"lora.oft.{field}": 1})
     assert field in _one_line(e)
+
+
+def test_a_gguf_lora_export_of_an_oft_run_is_refused(tmp_path):
+    from rlx.run.exporting import check_applies
+
+    check_applies(_tiny(tmp_path), "peft")  # a PEFT OFT folder
+    with pytest.raises(ConfigError) as e:
+        check_applies(_tiny(tmp_path), "gguf-lora")
+    assert "OFT adapter" in _one_line(e) and "--to merged" in str(e.value)
