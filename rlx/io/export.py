@@ -18,9 +18,10 @@ removed). Four kinds:
   ``lora_dropout: 0`` (dropout plays no part in serving). gpt-oss stores ``gate_up_proj`` as
   ``[E, d, 2f]`` with gate and up columns interleaved (``MoENames.fused``): peft's factors are
   the same (``in`` and ``out`` as named), the gate's rows of ``lora_B`` the even ones.
+  An OFT adapter (``lora.kind="oft"``) is written as a PEFT OFT folder (``rlx.io.export_oft``).
 - ``export_base``: the frozen base in the layout SGLang loads as the same values (mapping in
   ``rlx.quant.serving``; a GGUF base is the GGUF file it was loaded from).
-- ``export_merged``: base dequantized + ``(alpha / r) B A`` merged, plain HF safetensors (float32 by
+- ``export_merged``: base dequantized + ``(alpha / r) B A`` merged (OFT: ``R W``), plain HF safetensors (float32 by
   default; ``python -m rlx.export`` writes the base's own dtype) that any consumer loads.
 - ``export_critic``: PPO's critic apart from the policy, for ``AutoModelForTokenClassification``
   with one label: its adapter + value head as a PEFT folder (LoRA mode) or its merged model with
@@ -46,6 +47,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from rlx.io.export_oft import oft_peft
 from rlx.mesh import host_values
 from rlx.models.config import to_hf_config
 from rlx.models.decoder import Transformer
@@ -57,6 +59,7 @@ from rlx.models.stack import unrolled
 from rlx.quant.config import LoraConfig, QuantConfig, QuantConfigError
 from rlx.quant.loading import node_at
 from rlx.quant.lora import LoRA
+from rlx.quant.oft import OFT
 from rlx.quant.serving import quantization_config, to_serving
 
 
@@ -182,6 +185,9 @@ def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
     """Write the adapters of ``model`` as a HF PEFT adapter folder (published atomically); with a
     ``head`` (HF-named tensors of a task head, e.g. ``value_head_tensors``) a token-classification
     adapter whose head is PEFT's ``modules_to_save``."""
+    if lora.kind == "oft":  # a PEFT OFT folder (rlx.io.export_oft)
+        tensors, config = oft_peft(model, lora, base_model_name_or_path)
+        return _write_peft(path, version, config, tensors, {"adapter": "oft"})
     tensors, facts = peft_state(model)
     if not tensors:
         raise QuantConfigError("the model has no LoRA adapters to export; call rlx.quant.apply_lora first")
@@ -202,13 +208,19 @@ def export_peft(model: Transformer, lora: LoraConfig, path: str, version: str,
         "base_model_name_or_path": base_model_name_or_path,
     }
 
+    return _write_peft(path, version, config, tensors, {"rank": lora.rank, "alpha": lora.alpha})
+
+
+def _write_peft(path: str, version: str, config: dict, tensors: dict[str, np.ndarray], facts: dict
+                ) -> str:
+    """Publish a PEFT folder: ``adapter_config.json`` and ``adapter_model.safetensors``."""
     def write(tmp: str) -> dict:
         from safetensors.numpy import save_file
 
         with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=2)
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-        return {"rank": lora.rank, "alpha": lora.alpha}
+        return facts
 
     return publish(path, version, "peft", write)
 
@@ -230,14 +242,17 @@ def _float_dtype(model: Transformer, path: str, node, dtype):
     return dtype
 
 
-def _delta(model: Transformer, path: str) -> np.ndarray | None:
-    """``(alpha / r) A @ B`` in rlx layout for the weight at ``path``, or None without an adapter."""
+def _merge(model: Transformer, path: str, value: np.ndarray) -> np.ndarray:
+    """The weight at ``path`` (``value``, f32, rlx layout) with its adapter merged: plus LoRA's
+    ``(alpha / r) A @ B``, or OFT's rotation folded in (``R W``); as it is without an adapter."""
     owner_path, _, leaf = path.rpartition("/")
     owner = node_at(model, owner_path) if owner_path else model
     lo = owner.lora if leaf == "kernel" else getattr(owner, f"{leaf.removesuffix('_proj')}_lora", None)
+    if isinstance(lo, OFT):
+        return _np(lo.fold(value))
     if not isinstance(lo, LoRA):
-        return None
-    return np.matmul(_np(lo.lora_a[...]), _np(lo.lora_b[...])) * np.float32(lo.scaling)
+        return value
+    return value + np.matmul(_np(lo.lora_a[...]), _np(lo.lora_b[...])) * np.float32(lo.scaling)
 
 
 def completes(src: ParamSource) -> bool:
@@ -271,9 +286,7 @@ def merged_tensors(model: Transformer, dtype=np.float32, progress: Callable[[int
         for path in param_map(model.config):
             node = node_at(model, path)
             value = _value(node, np.float32)
-            delta = _delta(model, path)
-            if delta is not None:
-                value = value + delta
+            value = _merge(model, path, value)
             yield path, value.astype(_float_dtype(model, path, node, dtype), copy=False)
             if progress is not None:
                 progress(1)

@@ -4,7 +4,8 @@ Every parameter is an ``nnx.Param`` carrying ``logical_axes`` metadata (see ``rl
 are stored ``[in, out]``. A ``Linear`` kernel may instead be a frozen quantized tensor (``rlx.quant``:
 any object with ``dequantize(dtype)`` and ``product(x, dtype, out_dtype)``), whose product reads
 the packed values where it can and is dequantized inside the jitted matmul otherwise; a ``Linear`` may carry a
-LoRA adapter (``lora``, called on the unquantized input and skipped when ``adapter=False``) and an
+LoRA adapter (``lora``, called on the unquantized input and skipped when ``adapter=False``; an OFT
+adapter there rotates the input of the frozen product instead, ``rlx.quant.oft``) and an
 activation fake-quantizer (``act_quant``) that reproduces a W8A8 server's per-token dynamic
 activation quantization with a straight-through gradient. Attention itself (its masks, the
 dense, blockwise and platform kernels) lives in ``rlx.kernels.attention``.
@@ -89,9 +90,11 @@ class Linear(nnx.Module):
 
     def __call__(self, x: Float[Array, "... d_in"], adapter: bool = True) -> Float[Array, "... d_out"]:
         h = x.astype(self.dtype)
+        lora = adapter and self.lora is not None
+        if lora and self.lora.rotates:  # OFT: the frozen product takes the rotated input
+            h, lora = self.lora.rotate(h), False
         xq = quantize_activations(h, self.act_quant)
         product = matmul_out_in if self.kernel_layout == "out_in" else matmul
-        lora = adapter and self.lora is not None
         # With an adapter, a low-precision base product and the adapter's stay in their f32
         # accumulators and the sum is rounded once (XLA:CPU evaluates a bf16 sum in f32 with a
         # conversion pair around every operation).

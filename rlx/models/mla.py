@@ -137,7 +137,9 @@ class MLAttention(nnx.Module):
             w = w.T if lin.kernel_layout == "out_in" else w  # [c, h * (n + v)]
         else:
             w = jnp.zeros((), jnp.float32)
-        if lora:
+        if lora and lin.lora.rotates:  # OFT: (c R) W for the latent c, so R W
+            w = lin.lora.fold(w).astype(dtype)
+        elif lora:
             eye = jnp.eye(m.kv_lora_rank, dtype=lin.dtype)
             w = (w + lin.lora(eye, jnp.float32).astype(jnp.float32)).astype(dtype)
         w = w.reshape(m.kv_lora_rank, self.num_heads, m.qk_nope_head_dim + m.v_head_dim)

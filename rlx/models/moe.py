@@ -23,7 +23,7 @@ gpt-oss's experts add per-expert biases to each projection and use ``clamped_swi
 
 Experts are stacked parameters ``[E, in, out]`` and run as one batched computation, never a Python
 loop over experts. Expert weights may be frozen quantized tensors (``rlx.quant``) and each projection
-may carry a batched per-expert LoRA adapter (``gate_lora`` / ``up_lora`` / ``down_lora``, with
+may carry a batched per-expert adapter (``gate_lora`` / ``up_lora`` / ``down_lora``, LoRA or OFT, with
 ``ragged(x, group_sizes)`` and ``dense(x)`` methods); ``adapter=False`` skips the adapters. Two
 implementations give the same numbers:
 
@@ -134,6 +134,8 @@ class Experts(nnx.Module):
     def _ragged(self, x, w, lora, group_sizes, adapter: bool):
         """One projection of the grouped rows: ``w`` the stored stack (a float variable, or a
         frozen quantized tensor, which XLA:CPU multiplies one expert's matrix at a time)."""
+        if adapter and lora is not None and lora.rotates:  # OFT: rotate each expert's rows
+            x, lora = lora.ragged(x, group_sizes), None
         xq = quantize_activations(x, self.act_quant)
         if not isinstance(w, nnx.Variable) and current().experts_one_at_a_time:
             y = grouped_matmul(xq, w, group_sizes)
@@ -174,6 +176,8 @@ class Experts(nnx.Module):
         return jnp.zeros_like(x).at[token].add(y)
 
     def _dense(self, x, w, lora, spec: str, adapter: bool, bias=None):
+        if adapter and lora is not None and lora.rotates:  # OFT: each expert's rotated copy
+            x, lora, spec = lora.dense(x), None, spec.replace("nd,", "ned,")
         y = jnp.einsum(spec, quantize_activations(x, self.act_quant), w)
         if adapter and lora is not None:
             y = y + lora.dense(x).astype(y.dtype)

@@ -9,7 +9,8 @@
   ``load_quantized`` / ``load_gguf_quantized`` keep already-quantized checkpoints as they are;
   ``load_base`` is a run's base: ``format="shipped"`` the checkpoint's own representation
   (``rlx.quant.shipped``), int8 / int4 / fp8 / nf4 a float checkpoint quantized while it is read.
-- ``apply_lora`` attaches ``nnx.LoRAParam`` adapters; ``model(ids, adapter=False)`` is the reference.
+- ``apply_lora`` attaches ``nnx.LoRAParam`` adapters (LoRA, or OFT rotations with ``LoraConfig.kind="oft"``,
+  ``rlx.quant.oft``); ``model(ids, adapter=False)`` is the reference.
 - ``state_bytes`` reports frozen and trainable bytes. Export lives in ``rlx.io.export``.
 
 May import ``rlx.models``, ``rlx.platform``, ``rlx.kernels`` and the foundation (``rlx.types``, ``rlx.errors``, ``rlx.mesh``).

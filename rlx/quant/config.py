@@ -112,10 +112,33 @@ class QuantConfig:
         return "none"
 
 
+ADAPTER_KINDS = ("lora", "oft")  # LoraConfig.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class OftConfig:
+    """An OFT adapter's rotation (``rlx.quant.oft``), as PEFT 0.21's ``OFTConfig`` with
+    ``oft_block_size`` set (``r=0``) and ``coft``, ``block_share``, ``module_dropout`` off."""
+
+    block_size: int = 32  # b: every adapted input is rotated in blocks of b (b must divide it)
+    cayley_neumann: bool = True  # PEFT's default: the Neumann series of the Cayley map, not solve
+    neumann_terms: int = 5  # terms of that series (PEFT's num_cayley_neumann_terms)
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise QuantConfigError(f"oft.block_size={self.block_size} must be >= 2")
+        if self.neumann_terms < 1:
+            raise QuantConfigError(f"oft.neumann_terms={self.neumann_terms} must be >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-    """Low-rank adapters ``W x + (alpha / rank) * B A dropout(x)`` on the chosen projections."""
+    """The adapter on the chosen projections: ``kind="lora"``, low-rank ``W x + (alpha / rank) *
+    B A dropout(x)``; ``kind="oft"``, a block-diagonal rotation of the input ``(x R) W``
+    (``oft``; rank, alpha and dropout are LoRA's alone)."""
 
+    kind: str = "lora"  # one of ADAPTER_KINDS
+    oft: OftConfig = OftConfig()  # kind "oft": its block size and Cayley form
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0  # on the adapter's input only (active in nnx train mode)
@@ -135,6 +158,10 @@ class LoraConfig:
         if bad or not self.targets:
             raise QuantConfigError(f"targets={list(self.targets)}: each must be one of {list(LORA_TARGETS)}")
         one_of("param_dtype", self.param_dtype, DTYPES)
+        one_of("kind", self.kind, ADAPTER_KINDS)
+        if self.kind == "oft" and self.init_from:
+            raise QuantConfigError(f"init_from={self.init_from!r} warm-starts from a PEFT LoRA "
+                                   "folder; kind='oft' starts from the identity (leave it unset)")
 
     @property
     def scaling(self) -> float:

@@ -30,12 +30,15 @@ from rlx.models.layers import Linear
 from rlx.models.mixed import matmul
 from rlx.models.moe import DenseMLP, Experts, SparseMoE
 from rlx.quant.config import ATTN_MODULES, MLP_MODULES, TARGET_MODULES, LoraConfig
+from rlx.quant.oft import OFT, oft_adapter
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class LoRA(nnx.Module):
     """One adapter; with ``experts=E`` a stack of E adapters applied per expert group."""
+
+    rotates = False  # the adapter's output adds to the frozen product's (OFT rotates its input)
 
     def __init__(self, d_in: int, d_out: int, cfg: LoraConfig, axes, *, dtype, rngs: nnx.Rngs,
                  experts: int | None = None):
@@ -118,8 +121,10 @@ def _rank_bwd(res, ct):
 _rank_product.defvjp(_rank_fwd, _rank_bwd)
 
 
-def _linear_lora(lin: Linear, cfg: LoraConfig, rngs) -> LoRA:
+def _linear_lora(lin: Linear, cfg: LoraConfig, rngs) -> LoRA | OFT:
     d_in, d_out = lin.kernel.shape
+    if cfg.kind == "oft":
+        return oft_adapter(d_in, cfg, dtype=lin.dtype)
     return LoRA(d_in, d_out, cfg, lin.axes, dtype=lin.dtype, rngs=rngs)
 
 
@@ -135,13 +140,15 @@ def _expert_adapters(ex: Experts, cfg: LoraConfig, rngs) -> None:
     for t, name in MLP_MODULES.items():
         if t in cfg.targets:
             e, d_in, d_out = getattr(ex, name).shape
-            setattr(ex, f"{t}_lora", LoRA(d_in, d_out, cfg, axes[t], dtype=ex.dtype, rngs=rngs, experts=e))
+            adapter = (oft_adapter(d_in, cfg, dtype=ex.dtype, experts=e) if cfg.kind == "oft" else
+                       LoRA(d_in, d_out, cfg, axes[t], dtype=ex.dtype, rngs=rngs, experts=e))
+            setattr(ex, f"{t}_lora", adapter)
 
 
 def apply_lora(model: Transformer, cfg: LoraConfig, rngs: nnx.Rngs, *, mesh: Mesh | None = None,
                rules: LogicalRules = TRAIN_RULES) -> Transformer:
-    """Attach adapters to ``model`` in place (and return it); on a mesh they are sharded by logical
-    axes. A target the model lacks (``k`` on an MLA layer) adapts nothing here; ``target_counts``
+    """Attach adapters to ``model`` in place (and return it): LoRA, or OFT for ``cfg.kind="oft"``
+    (``rlx.quant.oft``); on a mesh they are sharded by logical axes. A target the model lacks (``k`` on an MLA layer) adapts nothing here; ``target_counts``
     says which, and ``rlx.run.checks`` refuses such targets before a run loads weights."""
     for layer in model.layers:
         for t, name in ATTN_MODULES.items():

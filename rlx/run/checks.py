@@ -42,11 +42,12 @@ from rlx.errors import ConfigError
 from rlx.learner.critic import HEAD_TENSORS, value_head_width
 from rlx.mesh import batch_axes, batch_shards
 from rlx.models.config import ModelConfig, from_hf_config
+from rlx.models.decoder import Precision
 from rlx.models.loading import resolve_path
 from rlx.quant.config import LORA_TARGETS, MLP_TARGETS, QuantConfig
 from rlx.quant.loading import check_shrink, resolve_quant
 from rlx.quant.lora import target_counts
-from rlx.quant.peft_import import peft_lora_config
+from rlx.quant.peft_import import abstract_lora_model, peft_lora_config
 from rlx.rollout.sglang.policy import check_servable
 from rlx.run.engines import serving
 from rlx.run.heldout import check_eval_sets
@@ -221,6 +222,8 @@ def check_lora_targets(cfg: RunConfig, arch: ModelConfig) -> None:
     counts = target_counts(arch, cfg.lora)
     dead = [t for t, n in counts.items() if n == 0]
     if not dead:
+        if cfg.lora.kind == "oft":
+            check_oft(cfg, arch)
         return
     every = target_counts(arch, dataclasses.replace(cfg.lora, targets=LORA_TARGETS))
     live = [t for t in LORA_TARGETS if every[t]]
@@ -232,6 +235,22 @@ def check_lora_targets(cfg: RunConfig, arch: ModelConfig) -> None:
     raise ConfigError(
         f"config.lora.targets={list(cfg.lora.targets)}: {dead} adapt no module of "
         f"{arch.architecture} ({attention}); {why}target only {live}")
+
+
+def check_oft(cfg: RunConfig, arch: ModelConfig) -> None:
+    """An OFT adapter (``lora.kind="oft"``) fits: its block size divides the input width of
+    every projection it adapts (on the shapes alone), and the serving format quantizes no
+    activations (a W8A8 server would quantize the input before the rotation a merged export
+    folds into the weight; the learner rotates first)."""
+    q = cfg.quant
+    if q.activation_mode != "none":
+        raise ConfigError(f"config.lora.kind='oft' with config.quant.serving={q.serving!r}, which "
+                          "quantizes activations: rlx rotates them before the base and a merged "
+                          "export cannot; serve a weight-only layout (e.g. quant.serving='hf')")
+    try:
+        abstract_lora_model(arch, Precision.named("float32", "float32"), cfg.lora)
+    except ValueError as e:
+        raise ConfigError(f"{e} (every adapted projection of {arch.architecture})") from None
 
 
 def check_critic(cfg: RunConfig, arch: ModelConfig) -> None:

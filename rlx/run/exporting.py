@@ -41,7 +41,7 @@ from rlx.run.lifecycle import CHECKPOINT_DIR
 KINDS = {  # --to: one line each (``python -m rlx.export --help`` lists them)
     "hf": "a HF folder (config.json, safetensors, tokenizer) of the policy, adapter merged",
     "merged": "the same folder as hf",
-    "peft": "the LoRA adapter as a PEFT folder on model.path (LoRA runs)",
+    "peft": "the adapter (LoRA or OFT) as a PEFT folder on model.path (LoRA runs)",
     "quantized": "base/ in quant.serving's layout (a GGUF base: its file) + adapter/ as PEFT "
                  "(LoRA runs)",
     "gguf-lora": "the adapter as a llama.cpp GGUF LoRA file for its GGUF base (LoRA runs)",
@@ -124,6 +124,9 @@ def check_applies(cfg: RunConfig, to: str) -> None:
     if to in ("peft", "quantized", "gguf-lora") and cfg.train.mode != "lora":
         raise ConfigError(f"--to {to} exports a LoRA adapter, and this run trained in "
                           f"train.mode={cfg.train.mode!r} (no adapter): use --to hf")
+    if to == "gguf-lora" and cfg.lora.kind == "oft":
+        raise ConfigError("--to gguf-lora writes a LoRA adapter, and this run trained an OFT "
+                          "adapter (lora.kind='oft'), which llama.cpp cannot load: use --to merged")
     if to == "gguf-lora" and not cfg.model.is_gguf:
         raise ConfigError(f"--to gguf-lora needs a GGUF base, and model.path={cfg.model.path!r} "
                           "is not a GGUF file: use --to peft")

@@ -9,10 +9,13 @@ from flax import nnx
 
 from rlx.models import from_hf
 from rlx.quant import LoraConfig, QuantConfig, apply_lora, quantize_model
+from rlx.quant.config import OftConfig
 from tests.helpers.hf_zoo import make_hf_model
 
 # group 8 divides every input size of the zoo models (32, 48, 16, 24).
 INT4 = QuantConfig(format="int4", group_size=8)
+# an OFT adapter whose blocks of 8 divide every adapted input width of the zoo (32, 48, 16, 24, 64)
+OFT8 = LoraConfig(kind="oft", oft=OftConfig(block_size=8))
 
 
 def randomize_lora_b(model: nnx.Module, seed: int = 1, scale: float = 0.3) -> None:
@@ -29,6 +32,24 @@ def quantized_lora_model(root: str, family: str, q: QuantConfig = INT4,
     apply_lora(model, lora, nnx.Rngs(0))
     if randomize:
         randomize_lora_b(model)
+    return model
+
+
+def randomize_oft(model: nnx.Module, seed: int = 1, scale: float = 0.15) -> None:
+    """Give every ``oft_r`` random values (a fresh adapter is exactly the identity)."""
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+        assert path[-1] == "oft_r"
+        var.set_value(scale * jax.random.normal(jax.random.fold_in(key, i), var.shape, var.dtype))
+
+
+def oft_model(root: str, family: str, lora: LoraConfig = OFT8, q: QuantConfig = INT4,
+              randomize: bool = True):
+    """A zoo model on a ``q`` base with ``lora``'s OFT adapters (random with ``randomize``)."""
+    model = quantize_model(from_hf(make_hf_model(family, root)), q)
+    apply_lora(model, lora, nnx.Rngs(0))
+    if randomize:
+        randomize_oft(model)
     return model
 
 

@@ -61,6 +61,11 @@ from rlx.types import Prompt, Rollout, SamplingParams
 def check_servable(serving: Serving, model: ModelConfig, process_count: int = 1) -> None:
     """Refuse, as a ``ConfigError`` naming the fields, what SGLang cannot serve for this run."""
     q, lora = serving.quant, serving.lora
+    if lora is not None and lora.kind == "oft":
+        raise ConfigError("config.rollout.engine='sglang' cannot serve config.lora.kind='oft': "
+                          "SGLang loads LoRA adapters only, no OFT rotation; use "
+                          "rollout.engine='jax' or serve a merged export (python -m rlx.export "
+                          "--to merged)")
     if process_count > 1 and lora is None and serving.sglang.weight_sync == "disk":
         raise ConfigError(f"config.rollout.sglang.weight_sync='disk' with {process_count} JAX "
                           "processes would gather the whole model to one host to export it: "
