@@ -140,6 +140,18 @@ CI_SLOW = {
         "[dense-full], [moe-lora] (the adapter's and the base's bytes each counted once)",
     "tests/plan/test_plan.py::test_analytic_matches_compiled[moe-full]":
         "[dense-full], [moe-lora] (the adapter's and the base's bytes each counted once)",
+    "tests/quant/test_oft.py::test_peft_parity[llama-lora1]":
+        "[llama-lora0] (the Neumann form) and test_cayley_forms (the exact form against it)",
+    "tests/quant/test_oft.py::test_peft_parity[qwen3-lora2]": "[llama-lora0]",
+    "tests/quant/test_oft.py::test_peft_parity[qwen2_moe-lora3]":
+        "[llama-lora0] (a dense MLP, as a shared expert is)",
+    "tests/quant/test_oft.py::test_reference_is_adapter_off_exactly[qwen3_moe]":
+        "[kimi_k2] (experts and MLA), [llama]",
+    "tests/rollout/jax/test_engine_oft.py::"
+    "test_sampler_logprobs_equal_learner_with_oft[llama-int4-lora0]":
+        "[kimi_k2-int4-lora2] (rotated linears and MLA's folded kv_b)",
+    "tests/test_configs.py::test_config_runs_one_shrunken_step[kimi_k26_oft]":
+        "tests/learner/test_oft_step.py (an RL step on an int4 base) and [kimi_k2]",
 }
 
 
