@@ -25,10 +25,10 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from rlx.models.families import deepseek_v4 as v4
-from rlx.models.hash_moe import HashTable
+from rlx.models.deepseek_v4.hash_moe import HashTable
 from rlx.models.hparams import ModelConfigError
 from rlx.models.moe import CorrectionBias
-from rlx.models.v4_model import DeepseekV4
+from rlx.models.deepseek_v4.model import DeepseekV4
 from rlx.quant import LoraConfig, apply_lora
 
 TOL = 1e-4

@@ -1,5 +1,5 @@
 """DeepSeek-V4 (``DeepseekV4ForCausalLM``, ``model_type`` ``deepseek_v4``): its own decoder
-(``rlx.models.v4_model``), read and written here.
+(``rlx.models.deepseek_v4.model``), read and written here.
 
 ``config.json`` is read as transformers' ``DeepseekV4Config`` reads it: ``layer_types`` (or the
 legacy per-layer ``compress_ratios`` 0 / 4 / 128, or the V4-Pro default: two heavily compressed
@@ -28,7 +28,7 @@ Training: in mode B ``rlx.quant.apply_lora`` adapts the query projections (targe
 ``q_b``), the routed experts and the shared expert (``gate``, ``up``, ``down``); nothing else
 trains. In mode A every ``nnx.Param`` trains (attention, compressors, hyper-connections, router,
 experts); the indexer's weights, the routers' correction biases and the hash tables are frozen
-buffers in both modes (``rlx.models.compressor``: DeepSeek trains its indexer with its own KL
+buffers in both modes (``rlx.models.deepseek_v4.compressor``: DeepSeek trains its indexer with its own KL
 loss against the main attention, which rlx does not implement, so rlx keeps the released indexer).
 """
 
@@ -45,13 +45,13 @@ import numpy as np
 from flax import nnx
 
 from rlx.models.families.common import refuse_unless, req
-from rlx.models.hash_moe import SCORING
+from rlx.models.deepseek_v4.hash_moe import SCORING
 from rlx.models.hparams import ModelConfigError, RopeConfig
-from rlx.models.v4_attention import CSA, HCA, LAYER_TYPES, SLIDING, V4Attn
+from rlx.models.deepseek_v4.attention import CSA, HCA, LAYER_TYPES, SLIDING, V4Attn
 from rlx.models.safetensors_io import SafetensorsFolder, save_sharded
-from rlx.models.v4_model import HASH, MLP_LAYER_TYPES, ROUTED, DeepseekV4, V4Config
-from rlx.models.v4_rope import inv_freq
-from rlx.models.v4_weights import MTP_PREFIXES, entries, from_stored, stored_name, to_stored
+from rlx.models.deepseek_v4.model import HASH, MLP_LAYER_TYPES, ROUTED, DeepseekV4, V4Config
+from rlx.models.deepseek_v4.rope import inv_freq
+from rlx.models.deepseek_v4.weights import MTP_PREFIXES, entries, from_stored, stored_name, to_stored
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's tensor names and layouts: where each weight of ``rlx.models.v4_model.DeepseekV4``
+"""DeepSeek-V4's tensor names and layouts: where each weight of ``rlx.models.deepseek_v4.model.DeepseekV4``
 sits in a checkpoint, and its conversion both ways.
 
 Names are DeepSeek's (``layers.{i}.attn.wq_a.weight``, ``attn.attn_sink``, ``ffn.gate.tid2eid``,
@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from rlx.models.v4_attention import CSA, SLIDING
-from rlx.models.v4_model import HASH, V4Config
+from rlx.models.deepseek_v4.attention import CSA, SLIDING
+from rlx.models.deepseek_v4.model import HASH, V4Config
 
 MTP_PREFIXES = ("mtp.", "model.mtp.")  # multi-token-prediction layers: never part of the model
 # transformers' saved name -> DeepSeek's own, for the tensors outside the layers

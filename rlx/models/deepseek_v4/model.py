@@ -1,12 +1,12 @@
 """The DeepSeek-V4 decoder (``DeepseekV4ForCausalLM``): embeddings copied into ``hc_mult``
-residual streams, blocks of attention (``rlx.models.v4_attention``) and a mixture of experts
-(``rlx.models.hash_moe``) each entered and left through a hyper-connection
-(``rlx.models.hyper``), the streams collapsed (``HyperHead``), RMS-normalised and projected by an
+residual streams, blocks of attention (``rlx.models.deepseek_v4.attention``) and a mixture of experts
+(``rlx.models.deepseek_v4.hash_moe``) each entered and left through a hyper-connection
+(``rlx.models.deepseek_v4.hyper``), the streams collapsed (``HyperHead``), RMS-normalised and projected by an
 untied ``head``.
 
 A block: ``post, comb, x = attn_hc(h)``; ``h = expand(h, attn(attn_norm(x)), post, comb)``; the
 same with ``ffn_hc``, ``ffn_norm`` and the MoE (which also reads the token ids: hash layers route
-by them). Rows hold one sequence each from column 0 (``rlx.models.compressor``); padding on the
+by them). Rows hold one sequence each from column 0 (``rlx.models.deepseek_v4.compressor``); padding on the
 right is masked by ``segment_ids`` (0) and gives every real token the logits of the unpadded row.
 """
 
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from rlx.models.hash_moe import V4MoE
-from rlx.models.hyper import HyperConnection, HyperHead, expand
+from rlx.models.deepseek_v4.hash_moe import V4MoE
+from rlx.models.deepseek_v4.hyper import HyperConnection, HyperHead, expand
 from rlx.models.layers import Linear, RMSNorm, param
-from rlx.models.v4_attention import LayerCache, V4Attention, V4Attn, empty_cache
+from rlx.models.deepseek_v4.attention import LayerCache, V4Attention, V4Attn, empty_cache
 
 HASH, ROUTED = "hash_moe", "moe"  # mlp_layer_types values
 MLP_LAYER_TYPES = (HASH, ROUTED)
@@ -34,12 +34,12 @@ class V4Config:
     vocab_size: int
     hidden_size: int
     attn: V4Attn
-    layer_types: tuple[str, ...]  # one of rlx.models.v4_attention.LAYER_TYPES per layer
+    layer_types: tuple[str, ...]  # one of rlx.models.deepseek_v4.attention.LAYER_TYPES per layer
     mlp_layer_types: tuple[str, ...]  # one of MLP_LAYER_TYPES per layer
     moe_intermediate_size: int
     n_routed_experts: int
     num_experts_per_tok: int
-    scoring_func: str  # a key of rlx.models.hash_moe.SCORING
+    scoring_func: str  # a key of rlx.models.deepseek_v4.hash_moe.SCORING
     routed_scaling_factor: float
     swiglu_limit: float
     hc_mult: int

@@ -1,9 +1,9 @@
 """DeepSeek-V4's attention (paper section 2.3): shared-KV multi-query attention over a sliding
-window, in compressed layers joined by compressed entries (``rlx.models.compressor``).
+window, in compressed layers joined by compressed entries (``rlx.models.deepseek_v4.compressor``).
 
 Queries: ``q_b_proj(q_norm(q_a_proj(x)))`` split into heads, each RMS-normalised without a weight
 (the latent ``q_norm`` output also feeds the indexer). One key per token, ``kv_norm(kv_proj(x))``,
-is also the value. Both rotate their trailing ``rope_dim`` channels (``rlx.models.v4_rope``:
+is also the value. Both rotate their trailing ``rope_dim`` channels (``rlx.models.deepseek_v4.rope``:
 ``main`` angles in sliding layers, ``compress`` angles in compressed ones). A query sees the keys
 of its own sequence fewer than ``sliding_window`` positions back and, in a compressed layer, the
 entries of complete windows before it (``compressed_sparse_attention``: only those its indexer
@@ -25,10 +25,10 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rlx.kernels.attention import gqa_attention
-from rlx.models.compressor import Compressor, Indexer, visible
-from rlx.models.hyper import unweighted_rms
+from rlx.models.deepseek_v4.compressor import Compressor, Indexer, visible
+from rlx.models.deepseek_v4.hyper import unweighted_rms
 from rlx.models.layers import Linear, RMSNorm, param
-from rlx.models.v4_rope import Angles, angles, rotate_tail
+from rlx.models.deepseek_v4.rope import Angles, angles, rotate_tail
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")

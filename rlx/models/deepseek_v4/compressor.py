@@ -3,7 +3,7 @@
 A compressor turns every ``rate`` consecutive tokens of a sequence into one key/value entry:
 ``kv = x @ wkv``, ``gate = x @ wgate + ape`` (a learned bias per slot of the window), and the entry
 is the per-channel softmax(gate)-weighted sum of the window's ``kv``, RMS-normalised (``norm``) and
-rotated (``rlx.models.v4_rope``, ``compress`` table) at the window's first position ``w * rate``.
+rotated (``rlx.models.deepseek_v4.rope``, ``compress`` table) at the window's first position ``w * rate``.
 Heavily compressed attention (HCA) uses non-overlapping windows (``kv`` of width ``head_dim``).
 Compressed sparse attention (CSA) projects to ``2 * head_dim``: the first half of each token is
 its contribution to the *next* window, the second half to its own, so entry ``w`` pools ``2 *
@@ -32,9 +32,9 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from rlx.models.dsa import IndexerWeight
-from rlx.models.hyper import unweighted_rms
+from rlx.models.deepseek_v4.hyper import unweighted_rms
 from rlx.models.layers import param
-from rlx.models.v4_rope import Angles, rotate_tail
+from rlx.models.deepseek_v4.rope import Angles, rotate_tail
 
 
 def _indexer_weight(rngs, shape, init="normal") -> IndexerWeight:
