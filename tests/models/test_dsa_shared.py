@@ -8,6 +8,13 @@ and unrolled.
 Tolerances as ``tests/models/test_dsa.py``: max |logit difference| <= 1e-4 relative to the
 largest oracle logit for HF -> rlx; 1e-5 for the to_hf round trip, a cached decode against the
 forward pass and the engine's log-probs against the learner's (``tests.helpers.parity``).
+
+Slow-marked (each over 20 s on the CI's 2 cores), with the CI cases that cover them: the padded
+batch (``test_dsa.py``'s padded ``glm_moe_dsa`` case for the masks, ``test_logits_match_
+transformers`` here for the sharing), the unrolled decode (the scanned decode here, which runs
+the same layers and carries the selection within and between stacks) and the engine
+(``test_dsa.py``'s ``glm_moe_dsa`` engine cases for the paged cache, the scanned decode here for
+the sharing under a cache).
 """
 
 import json
@@ -74,6 +81,7 @@ def test_shared_layers_without_the_shared_selection_differ(path, topk):
     assert np.abs(out - ref).max() > 100 * TOL * np.abs(ref).max()
 
 
+@pytest.mark.slow
 def test_padded_batch_matches_transformers_and_unpadded(path):
     ids = _ids(b=2, t=11, seed=1)
     mask = np.array([[1] * 11, [0] * 4 + [1] * 7])
@@ -108,7 +116,7 @@ def test_round_trip_through_to_hf(path, tmp_path):
     assert np.abs(again - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("scanned", [False, True])
+@pytest.mark.parametrize("scanned", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_decode_over_the_cache_equals_forward(path, scanned):
     """Left-padded prompts of 11 and 8 tokens: 7 slots prefilled, then 4 one-token steps; each
     shared layer attends under the same step's selection of layer 2 (scanned: carried out of
@@ -132,6 +140,7 @@ def test_decode_over_the_cache_equals_forward(path, scanned):
     assert np.abs(decoded[real] - full[real]).max() <= 1e-5 * np.abs(full[real]).max()
 
 
+@pytest.mark.slow
 def test_engine_logprobs_equal_learner(path):
     """The built-in engine (paged KV cache, continuous batching, prompts of 3, 11 and 6 tokens,
     12 sampled tokens each) samples and scores what the learner's log-prob step computes."""
