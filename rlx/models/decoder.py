@@ -4,11 +4,11 @@ and attention sinks, ``Attention``) and Qwen3-Next (gated DeltaNet layers, ``rlx
 in a Block's ``self_attn`` place; an output gate on its attention).
 
 Each ``Block`` composes the layer kinds its ``ModelConfig`` names, never a family: GQA ``Attention``,
-``MLAttention`` or ``DSAttention`` (MLA with DeepSeek sparse attention's indexer, ``rlx.models.dsa``;
-``attention_kind``) and a dense or sparse MLP (``mlp_kind``; DeepSeek / GLM: the
-first ``first_k_dense_replace`` layers dense). The rotary angles are computed once per forward pass for the config's
-``rotary_dim`` (a GLM head's rotating part, MLA's ``qk_rope_head_dim``), scaled by YaRN's
-temperature where the rope has one.
+``MLAttention`` or ``DSAttention`` (MLA with DeepSeek sparse attention's indexer, ``rlx.models.dsa``,
+whose index selection the layer loop carries to GLM-5's "shared" layers; ``attention_kind``) and a
+dense or sparse MLP (``mlp_kind``; DeepSeek / GLM: the first ``first_k_dense_replace`` layers dense).
+The rotary angles are computed once per forward pass for the config's ``rotary_dim``, scaled by
+YaRN's temperature where the rope has one.
 
 ``Transformer(input_ids, positions=None, segment_ids=None, attention_mask=None) -> logits [B,T,V]``.
 With neither ``positions`` nor ``segment_ids``, the batch is taken as unpadded. ``attention_mask``
@@ -18,14 +18,13 @@ positions counted over real tokens only, so left padding is exact. Packed batche
 
 The same module serves the learner and the built-in sampler; ``hidden_states`` and ``logits`` are
 exposed separately so the learner can compute log-probs chunk by chunk without [B, T, V] logits.
-``decode`` runs the same modules over a ``KVCache`` (``rlx.models.kv_cache``) for incremental
-generation; only the attention's key/value source differs (GQA: cached per-head keys and values;
-MLA: cached latents, with ``kv_b_proj`` absorbed into a decode step's products, ``rlx.models.mla``).
+``decode`` runs the same modules over a ``KVCache`` (``rlx.models.kv_cache``); only the attention's
+key/value source differs (GQA: cached per-head keys and values; MLA: cached latents, with
+``kv_b_proj`` absorbed into a decode step's products, ``rlx.models.mla``).
 
-The layers are either a list (``layers``, a Python loop: one copy of the layer per layer in a
-compiled program) or, after ``rlx.models.stack.stack_layers``, ``stacks`` of same-structure layers
-whose variables carry a leading layer axis, run with ``lax.scan`` (``run_layers``; ``decode``
-scans the stacked KV cache the same way).
+The layers are either a list (``layers``, a Python loop) or, after ``rlx.models.stack.stack_layers``,
+``stacks`` of same-structure layers whose variables carry a leading layer axis, run with ``lax.scan``
+(``run_layers``; ``decode`` scans the stacked KV cache the same way).
 
 ``adapter`` (default True) on every call enables the LoRA adapters attached by ``rlx.quant.apply_lora``;
 ``adapter=False`` gives the frozen base, i.e. the reference policy, from the same weights and the same
@@ -53,7 +52,7 @@ from rlx.models.layers import Linear, RMSNorm, param, rope_angles, rope_inv_freq
 from rlx.models.mixed import (FEW_ROWS, is_low_precision, matmul_feature_major, matmul_out_in,
                               mixed_einsum)
 from rlx.models.deltanet import GatedDeltaNet
-from rlx.models.dsa import DSAttention
+from rlx.models.dsa import DSAttention, mix, mix_decode, no_selection
 from rlx.models.mla import MLAttention
 from rlx.models.moe import DenseMLP, SparseMoE
 from rlx.models.paged_kv import PagedKVCache, per_device, pool_specs, rows_spec
@@ -229,11 +228,14 @@ class Block(nnx.Module):
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
         return self.routed(x, positions, segment_ids, angles, adapter)[0]
 
-    def routed(self, x, positions, segment_ids, angles, adapter: bool = True, replay=None):
-        """``(x, experts, dropped)``: the layer's output and, for a MoE layer, the experts each
-        token went to (``replay``: these, ``[b, t, k]``) and the pairs a capacity dropped."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, angles, adapter)
-        return self._mlp(x, adapter, replay)
+    def routed(self, x, positions, segment_ids, angles, adapter: bool = True, replay=None,
+               sel=None):
+        """``(x, experts, dropped, sel)``: the layer's output, for a MoE layer the experts each
+        token went to (``replay``: these, ``[b, t, k]``) and the pairs a capacity dropped, and
+        the DSA index selection handed on (``sel``, ``rlx.models.dsa.mix``)."""
+        a, sel = mix(self.self_attn, self.input_layernorm(x), positions, segment_ids, angles,
+                     adapter, sel)
+        return (*self._mlp(x + a, adapter, replay), sel)
 
     def _mlp(self, x, adapter: bool, replay):
         h = self.post_attention_layernorm(x)
@@ -244,16 +246,16 @@ class Block(nnx.Module):
 
     def decode(self, x, positions, segment_ids, angles, kv, cache: KVCache, adapter: bool = True):
         """``__call__`` with cached attention; returns (x, this layer's updated (keys, values))."""
-        x, _, _, kv = self.decode_routed(x, positions, segment_ids, angles, kv, cache, adapter)
+        x, _, _, kv, _ = self.decode_routed(x, positions, segment_ids, angles, kv, cache, adapter)
         return x, kv
 
     def decode_routed(self, x, positions, segment_ids, angles, kv, cache: KVCache,
-                      adapter: bool = True, order: ContextSplit | None = None):
-        """``decode`` that also returns the MoE routing (``routed``): ``(x, experts, dropped,
-        kv)``; ``order``: the tokens' context-parallel order (``Attention.decode``)."""
-        a, kv = self.self_attn.decode(self.input_layernorm(x), positions, segment_ids, angles, kv,
-                                      cache, adapter, order)
-        return (*self._mlp(x + a, adapter, None), kv)
+                      adapter: bool = True, order: ContextSplit | None = None, sel=None):
+        """``decode`` that also returns the MoE routing and selection (``routed``): ``(x,
+        experts, dropped, kv, sel)``; ``order``: the tokens' context-parallel order."""
+        a, kv, sel = mix_decode(self.self_attn, self.input_layernorm(x), positions, segment_ids,
+                                angles, kv, cache, adapter, order, sel)
+        return (*self._mlp(x + a, adapter, None), kv, sel)
 
 
 class Transformer(nnx.Module):
@@ -311,8 +313,7 @@ class Transformer(nnx.Module):
                    replay: Int[Array, "b t l k"] | None = None) -> Float[Array, "b t d"]:
         """Every layer over ``x`` (no final norm): a Python loop over ``layers``, or a scan over
         each of ``stacks`` (``rlx.models.stack``). ``remat``: each layer a ``jax.checkpoint``
-        with checkpoint ``policy`` (``config.train.remat``). ``replay``: the experts of every
-        token in every MoE layer (routing replay; ``routed_layers``)."""
+        with ``policy`` (``config.train.remat``). ``replay``: see ``routed_layers``."""
         return self.routed_layers(x, positions, segment_ids, angles, adapter, remat, policy,
                                   replay)[0]
 
@@ -321,12 +322,15 @@ class Transformer(nnx.Module):
                       replay: Int[Array, "b t l k"] | None = None
                       ) -> tuple[Float[Array, "b t d"], Routes]:
         """``run_layers`` and the MoE routing it took: the experts of every token in each MoE
-        layer, in layer order (``replay``, when given, fixes them) and the pairs dropped."""
-        def call(layer, x, rep):
-            x, experts, dropped = layer.routed(x, positions, segment_ids, angles, adapter, rep)
-            return x, (experts, dropped)
+        layer, in layer order (``replay``, when given, fixes them) and the pairs dropped. The
+        layers carry ``x`` and the DSA index selection (``rlx.models.dsa.no_selection``)."""
+        def call(layer, carry, rep):  # carry: (x, the DSA index selection)
+            x, experts, dropped, sel = layer.routed(carry[0], positions, segment_ids, angles,
+                                                    adapter, rep, carry[1])
+            return (x, sel), (experts, dropped)
 
         parts, dropped, j = [], jnp.zeros((), jnp.int32), 0
+        x = (x, no_selection(self.config, *x.shape[:2], x.shape[1]))
         for unit, count in self._units():
             moe = isinstance(unit.block.mlp if is_stacked(self) else unit.mlp, SparseMoE)
             rep = None if replay is None or not moe else replay[:, :, j:j + count]
@@ -335,23 +339,20 @@ class Transformer(nnx.Module):
                     rep, 2, 0), call, policy, remat)
                 experts = None if experts is None else jnp.moveaxis(experts, 0, 2)
             else:
-                x, (experts, drops) = _layer_call(call, unit, self._split_rows(x), rep, remat,
-                                                  policy)
+                x, (experts, drops) = _layer_call(call, unit, (self._split_rows(x[0]), x[1]),
+                                                  rep, remat, policy)
                 experts = None if experts is None else experts[:, :, None]
             if moe:
                 parts.append(experts)
                 dropped, j = dropped + jnp.sum(drops), j + count
-        return self._split_rows(x), Routes(jnp.concatenate(parts, axis=2) if parts else None,
-                                           dropped)
+        return self._split_rows(x[0]), Routes(jnp.concatenate(parts, axis=2) if parts else None,
+                                              dropped)
 
     def _split_rows(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
         """``x`` constrained to its rows split over the batch axes (``sharding.batch``), where
         they divide them and no context split folds the rows: an unrolled layer then runs on its
-        device's rows, the FSDP-sharded weights gathered (what ``rlx.plan`` models).
-        Unconstrained, XLA's partitioner kept the weights split along ``embed`` and gathered
-        the rows instead, every device holding the whole batch's activations: more memory
-        for large batches, less than the gathered weights for very small ones
-        (rlx/bench/README.md, "Memory per process across hosts")."""
+        device's rows, the FSDP-sharded weights gathered (what ``rlx.plan`` models), not the
+        rows gathered (rlx/bench/README.md, "Memory per process across hosts")."""
         sh = self.sharding
         if sh is None or not sh.batch or self._context_shards() > 1:
             return x
@@ -391,16 +392,17 @@ class Transformer(nnx.Module):
                                                  for a in (input_ids, positions, segment_ids))
         x, angles = self.embed_tokens(input_ids), self.rope_angles(positions)
 
-        def call(layer, x, kv):
-            x, experts, drops, kv = layer.decode_routed(x, positions, segment_ids, angles, kv,
-                                                        cache, adapter, order)
-            return x, (kv, experts, drops)
+        def call(layer, carry, kv):  # carry: (x, the DSA index selection)
+            x, experts, drops, kv, sel = layer.decode_routed(
+                carry[0], positions, segment_ids, angles, kv, cache, adapter, order, carry[1])
+            return (x, sel), (kv, experts, drops)
 
         if cache.stacks != layer_counts(self):
             raise ValueError(f"Transformer.decode: the cache's layers per stack {cache.stacks} "
                              f"are not the model's {layer_counts(self)}; make the cache with "
                              "KVCache.zeros(..., rlx.models.stack.layer_counts(model))")
         keys, values, parts, dropped = [], [], [], jnp.zeros((), jnp.int32)
+        x = (x, no_selection(self.config, *input_ids.shape, cache.positions.shape[1]))
         for (unit, _), k, v in zip(self._units(), cache.keys, cache.values):
             if is_stacked(self):  # a stack: its layers' buffers
                 x, ((k, v), experts, drops) = scan(unit, x, (k, v), call)
@@ -411,7 +413,7 @@ class Transformer(nnx.Module):
             if experts is not None:
                 parts.append(jnp.moveaxis(experts, 0, 2) if is_stacked(self) else experts[:, :, None])
                 dropped = dropped + jnp.sum(drops)
-        routes = Routes(jnp.concatenate(parts, axis=2) if parts else None, dropped)
+        routes, x = Routes(jnp.concatenate(parts, axis=2) if parts else None, dropped), x[0]
         if order is not None:
             x = order.leave(x, t)
             routes = routes._replace(experts=None if routes.experts is None
@@ -421,12 +423,9 @@ class Transformer(nnx.Module):
     def _decode_order(self, t: int) -> ContextSplit | None:
         """The context-parallel layout of a cached call's ``t`` new tokens (a prefill or a
         scored chunk): zig-zag and folded over the context devices where they are several and
-        ``t`` splits into ``2 x`` their number of chunks; else None (every context device runs
-        the whole call, as a one-token decode step does)."""
+        ``t`` splits into ``2 x`` their number of chunks; else None (every device runs it all)."""
         shards = self._context_shards()
-        if shards == 1 or t % (2 * shards):
-            return None
-        return ContextSplit(self.sharding)
+        return None if shards == 1 or t % (2 * shards) else ContextSplit(self.sharding)
 
     def _context_shards(self) -> int:
         """Devices each row's tokens are split over (``sharding.context``; 1 without)."""

@@ -26,8 +26,16 @@ The indexer is a frozen buffer (``IndexerWeight``), trained neither in mode B (L
 A: the top-k indices carry no gradient, and DeepSeek trains the indexer with its own loss (a KL
 divergence to the dense attention's distribution), which rlx does not implement.
 
-transformers' GLM-5 class can also let a layer reuse an earlier layer's selection
-(``indexer_types`` "shared"); rlx refuses such configs (``rlx.models.families.glm_moe_dsa``).
+GLM-5's "shared" layers (``DSAConfig.shared_layers``, from ``indexer_types``) have no indexer:
+a shared layer attends under the selection of the most recent layer that has one, in the same
+forward pass or decode step, as transformers hands the previous layer's top-k indices on. The
+selection travels through rlx's layer loop with the hidden states (``mix`` / ``mix_decode``
+take it and return it; ``no_selection`` starts it) as a boolean ``[b, t, s]`` mask, in the
+carry of the scan over a stack too: full and shared layers differ in structure, so they fall in
+different stacks, and each stack's scan carries the mask in and out (unrolling them instead
+would give up the scan's one-body compile for GLM-5's alternating patterns). A model without
+shared layers carries None. A shared layer's cache slots for the indexer key are written with
+zeros (never read): every layer's value buffer keeps one width.
 """
 
 from __future__ import annotations
@@ -118,12 +126,15 @@ def select_topk(scores: Float[Array, "b t s"], mask: Bool[Array, "b t s"], k: in
 
 
 class DSAttention(MLAttention):
-    """MLA with the DSA indexer (module docstring), with ``MLAttention``'s interface."""
+    """MLA with the DSA indexer (module docstring), with ``MLAttention``'s interface; a layer of
+    ``DSAConfig.shared_layers`` has no indexer (``indexer`` None) and reuses a selection."""
 
     def __init__(self, cfg: ModelConfig, p, rngs, layer: int = 0):
         super().__init__(cfg, p, rngs, layer)
-        self.indexer = Indexer(cfg, p.param_dtype, rngs)
+        shared = layer in cfg.dsa.shared_layers
+        self.indexer = None if shared else Indexer(cfg, p.param_dtype, rngs)
         self.index_topk, self.latent_rank = cfg.dsa.index_topk, cfg.mla.kv_lora_rank
+        self.index_width = cfg.dsa.index_head_dim
 
     def _q_resid(self, x, adapter: bool):
         return self.q_a_layernorm(self.q_a_proj(x, adapter))
@@ -134,11 +145,24 @@ class DSAttention(MLAttention):
         nope = self.mla.qk_nope_head_dim
         return q[..., :nope], self._rope(q[..., nope:], angles)
 
-    def _select(self, x, q_resid, angles, index_keys, mask):
-        return select_topk(self.indexer.scores(x, q_resid, angles, index_keys), mask,
-                           self.index_topk)
+    def _select(self, x, q_resid, angles, index_keys, mask, sel):
+        """The keys each query attends: ``mask``'s top-k by this layer's index scores, or in a
+        shared layer ``mask`` under ``sel``, the selection of the layer that last had an indexer."""
+        if self.indexer is not None:
+            return select_topk(self.indexer.scores(x, q_resid, angles, index_keys), mask,
+                               self.index_topk)
+        if sel is None:
+            raise ValueError("a DSA layer without an indexer (indexer_types 'shared') attends "
+                             "under an earlier layer's selection; run it inside the model's "
+                             "layer loop (Transformer), after a full indexer layer")
+        return mask & sel
 
     def __call__(self, x, positions, segment_ids, angles, adapter: bool = True):
+        return self.selecting(x, positions, segment_ids, angles, adapter)[0]
+
+    def selecting(self, x, positions, segment_ids, angles, adapter: bool = True, sel=None):
+        """``__call__`` and the selection it attended under (to hand on; None when ``sel`` is
+        None, the carry of a model without shared layers). ``sel``: the previous one."""
         if self.sharding is not None and self.sharding.context is not None:
             raise ValueError("DeepSeek sparse attention does not run under context parallelism "
                              "yet; set the mesh's context axis to 1")
@@ -149,20 +173,30 @@ class DSAttention(MLAttention):
         t = x.shape[1]
         mask = attention_mask(segment_ids, segment_ids, positions, positions)
         mask &= jnp.tril(jnp.ones((t, t), bool))[None]  # a sequence over itself: causal columns
-        sel = self._select(x, q_resid, angles, self.indexer.keys(x, angles), mask)
+        index_keys = None if self.indexer is None else self.indexer.keys(x, angles)
+        mask = self._select(x, q_resid, angles, index_keys, mask, sel)
         q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
-        out = gqa_attention(q, keys, values, mask & sel, scale=self.scale)
-        return self._out(out, adapter)
+        out = gqa_attention(q, keys, values, mask, scale=self.scale)
+        return self._out(out, adapter), None if sel is None else mask
 
     def decode(self, x, positions, segment_ids, angles, kv, cache, adapter: bool = True,
                order=None):
+        """``decode_selecting`` without a selection in or out. Returns (out, kv)."""
+        return self.decode_selecting(x, positions, segment_ids, angles, kv, cache, adapter,
+                                     order)[:2]
+
+    def decode_selecting(self, x, positions, segment_ids, angles, kv, cache,
+                         adapter: bool = True, order=None, sel=None):
         """``MLAttention.decode`` under the selection: the indexer's keys are written beside
-        the latents; one token per row attends absorbed, more expanded. Returns (out, kv)."""
+        the latents (zeros in a shared layer); one token per row attends absorbed, more
+        expanded. Returns (out, kv, the selection as ``selecting``)."""
         if order is not None:
             raise ValueError("DeepSeek sparse attention does not decode under context "
                              "parallelism yet; set the mesh's context axis to 1")
         latent, k_rope = self.latent_kv(x, angles, adapter)  # [b, t, c], [b, t, 1, r]
-        index_keys = self.indexer.keys(x, angles).astype(latent.dtype)  # [b, t, k]
+        index_keys = (jnp.zeros((*latent.shape[:2], self.index_width), latent.dtype)
+                      if self.indexer is None
+                      else self.indexer.keys(x, angles).astype(latent.dtype))  # [b, t, k]
         new = (k_rope[:, :, 0], jnp.concatenate([latent, index_keys], axis=-1))
         if isinstance(cache, PagedKVCache):
             (rope_keys, values), kv = self._paged_view(kv, new, cache)
@@ -173,8 +207,7 @@ class DSAttention(MLAttention):
         seen = (segment_ids, cache.segment_ids, positions, cache.positions)
         q_resid = self._q_resid(x, adapter)
         q_nope, q_rope = self._queries(q_resid, angles, adapter)
-        mask = attention_mask(*seen)
-        mask &= self._select(x, q_resid, angles, index_keys, mask)
+        mask = self._select(x, q_resid, angles, index_keys, attention_mask(*seen), sel)
         if x.shape[1] == 1:
             out = self.absorbed(q_nope, q_rope, rope_keys, latents, seen, adapter, mask=mask)
         else:
@@ -182,4 +215,31 @@ class DSAttention(MLAttention):
             keys, vals = self.expand_kv(latents, k_rope, adapter)
             q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
             out = gqa_attention(q, keys, vals, mask, scale=self.scale)
-        return self._out(out, adapter), kv
+        return self._out(out, adapter), kv, None if sel is None else mask
+
+
+def mix(attn: nnx.Module, x, positions, segment_ids, angles, adapter: bool, sel):
+    """A decoder layer's token mixer over ``x``: (out, selection). A DSA layer attends under,
+    or makes, the index selection it hands on (``DSAttention.selecting``); any other kind
+    passes ``sel`` through."""
+    if isinstance(attn, DSAttention):
+        return attn.selecting(x, positions, segment_ids, angles, adapter, sel)
+    return attn(x, positions, segment_ids, angles, adapter), sel
+
+
+def mix_decode(attn: nnx.Module, x, positions, segment_ids, angles, kv, cache, adapter: bool,
+               order, sel):
+    """``mix`` over a cache: (out, kv, selection) (``DSAttention.decode_selecting``)."""
+    if isinstance(attn, DSAttention):
+        return attn.decode_selecting(x, positions, segment_ids, angles, kv, cache, adapter,
+                                     order, sel)
+    return (*attn.decode(x, positions, segment_ids, angles, kv, cache, adapter, order), sel)
+
+
+def no_selection(cfg: ModelConfig, b: int, t: int, s: int) -> Bool[Array, "b t s"] | None:
+    """The selection carried into the first layer of a pass of ``t`` queries over ``s`` keys:
+    None for a model without shared layers, else an empty mask (layer 0 has an indexer and
+    replaces it)."""
+    if cfg.dsa is None or not set(cfg.dsa.shared_layers) & set(range(cfg.num_layers)):
+        return None
+    return jnp.zeros((b, t, s), bool)

@@ -82,7 +82,7 @@ def _layer_map(cfg: ModelConfig, i: int) -> dict[str, ParamSource]:
             f"{us}/self_attn", f"{hf}.linear_attn").items()})
     else:
         out.update(attention(cfg, f"{us}/self_attn", f"{hf}.self_attn"))
-    if cfg.dsa is not None:
+    if cfg.dsa is not None and i not in cfg.dsa.shared_layers:  # a "shared" layer has none
         out.update(_indexer_map(f"{us}/self_attn/indexer", f"{hf}.self_attn.indexer"))
     if cfg.mlp_kind(i) == "dense":
         for p in ("gate_proj", "up_proj", "down_proj"):

@@ -102,12 +102,14 @@ class MLAConfig:
 class DSAConfig:
     """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5) over MLA: a lightning indexer per layer
     scores every earlier key for each query and the attention keeps the ``index_topk`` best
-    (``rlx.models.dsa``); every layer has its own indexer."""
+    (``rlx.models.dsa``); ``shared_layers`` (GLM-5's "shared" ``indexer_types``) have no indexer
+    and attend under the selection of the most recent layer that has one."""
 
     index_topk: int  # keys kept per query
     index_head_dim: int  # width of the indexer's query heads and of its one key per token
     index_n_heads: int
     rope_interleave: bool  # the indexer's rotary pairs interleaved (GLM-5) or half-split (V3.2)
+    shared_layers: tuple[int, ...] = ()  # layers reusing the previous indexer layer's selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +255,9 @@ class ModelConfig:
         if self.dsa is not None and (self.mla is None or self.mla.q_lora_rank is None):
             raise ModelConfigError("DeepSeek sparse attention (index_topk) needs multi-head latent "
                                    "attention with a q_lora_rank: its indexer reads the q_a latent")
+        if self.dsa is not None and 0 in self.dsa.shared_layers:
+            raise ModelConfigError("layer 0 cannot share an earlier layer's index selection (no "
+                                   "layer before it has an indexer); make it a full indexer layer")
         if self.sliding_layers and not self.sliding_window:
             raise ModelConfigError(f"sliding layers {list(self.sliding_layers)} need a positive "
                                    f"sliding_window; got {self.sliding_window!r}")
@@ -331,7 +336,7 @@ class ModelConfig:
     def _indexer_params(self, i: int) -> int:
         """wq_b, wk, k_norm (weight and bias) and weights_proj of layer ``i``'s indexer."""
         x = self.dsa
-        if x is None:
+        if x is None or i in x.shared_layers:
             return 0
         return (self.mla.q_lora_rank * x.index_n_heads * x.index_head_dim
                 + self.hidden_size * (x.index_head_dim + x.index_n_heads) + 2 * x.index_head_dim)

@@ -109,7 +109,9 @@ def _dsa_configs() -> dict[str, transformers.PretrainedConfig]:
     keys per query (fewer than the tests' sequences and caches, so the selection binds), its
     first 8 dimensions rotating; 8 experts, the first layer dense. V3.2 with YaRN (a cos/sin and
     a softmax temperature the indexer's rope shares) and 4 groups; GLM-5 with one group and a
-    default rope."""
+    default rope. ``glm_moe_dsa_shared``: GLM-5 with cross-layer index sharing, 5 layers
+    "full", "full", "full", "shared", "shared" (the last two reuse layer 2's selection; layers
+    1-2 and 3-4 each one scanned stack)."""
     base = dict(_sigmoid_routed_configs()["deepseek_v3"].to_dict(), index_topk=4,
                 index_head_dim=16, index_n_heads=8)
     for k in ("architectures", "model_type", "transformers_version", "rope_interleave"):
@@ -117,8 +119,11 @@ def _dsa_configs() -> dict[str, transformers.PretrainedConfig]:
     yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "beta_fast": 32.0,
             "beta_slow": 1.0, "original_max_position_embeddings": 16, "mscale": 1.0,
             "mscale_all_dim": 0.8}
+    glm = {**base, "n_group": 1, "topk_group": 1}
+    shared = {**glm, "num_hidden_layers": 5, "indexer_types": ["full"] * 3 + ["shared"] * 2}
     return {"deepseek_v32": transformers.DeepseekV32Config(**{**base, "rope_parameters": yarn}),
-            "glm_moe_dsa": transformers.GlmMoeDsaConfig(**{**base, "n_group": 1, "topk_group": 1})}
+            "glm_moe_dsa": transformers.GlmMoeDsaConfig(**glm),
+            "glm_moe_dsa_shared": transformers.GlmMoeDsaConfig(**shared)}
 
 
 def _kimi_k25_config() -> transformers.PretrainedConfig:

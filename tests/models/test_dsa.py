@@ -153,16 +153,13 @@ def test_parameter_count_matches_transformers(zoo):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("indexer_types", ["full", "shared"]), ("index_topk_freq", 2), ("layer_types", ["x"] * 2),
-    ("mlp_layer_types", ["sparse", "sparse"]), ("rope_interleave", False),
-    ("indexer_rope_interleave", False), ("q_lora_rank", None)])
+    ("indexer_types", ["shared", "full"]), ("indexer_types", ["full", "dense"]),
+    ("layer_types", ["x"] * 2), ("mlp_layer_types", ["sparse", "sparse"]),
+    ("rope_interleave", False), ("indexer_rope_interleave", False), ("q_lora_rank", None)])
 def test_unsupported_options_are_refused_naming_the_field(field, value):
+    """(GLM-5's sharing itself: ``tests/models/test_dsa_shared.py``.)"""
     hf = hf_config("glm_moe_dsa").to_dict() | {"architectures": [ARCH["glm_moe_dsa"]]}
-    hf.pop("indexer_types")
-    hf = hf | {"num_hidden_layers": 3, "mlp_layer_types": ["dense", "sparse", "sparse"],
-               "layer_types": ["indexed_attention"] * 3} if field == "index_topk_freq" else hf
-    with pytest.raises(ModelConfigError, match=field if field != "index_topk_freq"
-                       else "indexer_types"):
+    with pytest.raises(ModelConfigError, match=field):
         from_hf_config(hf | {field: value})
 
 

@@ -4,15 +4,19 @@ group. transformers' class also has cross-layer index sharing: ``indexer_types``
 without an indexer reuse the top-k of the previous "full" layer; without ``indexer_types`` the
 pattern is derived from ``index_topk_pattern`` ("F" / "S" per layer), else from
 ``index_topk_freq`` and ``index_skip_topk_offset`` (every layer "full" by default, as in GLM-5's
-release). rlx derives the pattern the same way and implements "full" layers only.
+release). rlx derives the pattern the same way; its "shared" layers are
+``DSAConfig.shared_layers`` (``rlx.models.dsa``: no indexer weights; the selection of the most
+recent full layer), and ``to_hf`` writes ``indexer_types`` back.
 
 Refused before any weight is read: an ``indexer_types`` entry (given or derived) other than
-"full", a list whose length is not ``num_hidden_layers``, and what DeepSeek-V3.2 refuses
-(``rlx.models.families.deepseek_v32``).
+"full" or "shared", a "shared" first layer (no full layer before it to reuse; transformers fails
+there in its forward pass), a list whose length is not ``num_hidden_layers``, and what
+DeepSeek-V3.2 refuses (``rlx.models.families.deepseek_v32``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +29,7 @@ from rlx.models.hparams import ModelConfig, ModelConfigError
 # transformers' defaults for the optional fields of GlmMoeDsaConfig
 _DEFAULTS = {"n_shared_experts": 1, "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
              "first_k_dense_replace": 3, "norm_topk_prob": True}
-INDEXER_TYPES = ("full",)  # indexer_types values rlx implements ("shared" is not)
+INDEXER_TYPES = ("full", "shared")  # indexer_types values rlx implements
 
 PRESETS = {
     # 78 layers (the first 3 dense), 64 MLA heads (q latent 2048, key 192 + 64, value 256), 256
@@ -64,16 +68,22 @@ def indexer_types(hf: Mapping[str, Any]) -> list[str]:
     if len(types) != layers:
         raise ModelConfigError(f"config.json indexer_types has {len(types)} entries; "
                                f"num_hidden_layers={layers} needs one per layer")
+    if types and types[0] == "shared":
+        raise ModelConfigError("config.json indexer_types[0]='shared' has no earlier 'full' layer "
+                               "whose top-k selection it could reuse; make the first layer 'full'")
     return list(types)
 
 
 def _extra_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
-    indexer_types(hf)
-    return dsa_fields(hf, "GlmMoeDsaForCausalLM", _DEFAULTS, heads=32, interleave=True)
+    shared = tuple(i for i, t in enumerate(indexer_types(hf)) if t == "shared")
+    out = dsa_fields(hf, "GlmMoeDsaForCausalLM", _DEFAULTS, heads=32, interleave=True)
+    return out | {"dsa": dataclasses.replace(out["dsa"], shared_layers=shared)}
 
 
 def _extra_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return dsa_to_hf(cfg) | {"indexer_types": ["full"] * cfg.num_layers}
+    shared = cfg.dsa.shared_layers
+    return dsa_to_hf(cfg) | {"indexer_types": ["shared" if i in shared else "full"
+                                               for i in range(cfg.num_layers)]}
 
 
 SPEC = FamilySpec(
