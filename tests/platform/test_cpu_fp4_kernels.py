@@ -21,11 +21,14 @@ import pytest
 from flax import nnx
 
 from rlx.models import from_hf
+from rlx.models.mixed import FEW_ROWS
 from rlx.platform.cpu import kernels as cpu_kernels
 from rlx.quant import QuantConfig, quantize_model
 from rlx.quant.tensors import QTensor
+from rlx.rollout.jax.engine import JaxEngine
+from rlx.types import SamplingParams
 from tests.helpers.hf_zoo import make_hf_model
-from tests.helpers.parity import TOL, parity
+from tests.helpers.parity import TOL, parity, sample_prompts
 from tests.helpers.quant import check_f32_sum_bound, jitted_product
 
 BLOCK = {"mxfp4": 32, "nvfp4": 16, "nvfp4-ct": 16}
@@ -124,11 +127,17 @@ def test_nvfp4_decode_step_calls_the_kernel(tmp_path):
     assert cpu_kernels.FP4 in run.lower(state, one_token).compile().as_text()
 
 
-@pytest.mark.slow  # 23 s on 2 cores (the engine's programs compile)
-def test_nvfp4_engine_logprobs_equal_the_learners(tmp_path):
-    """The engine's decode runs the FP4 kernel (the test above), the learner's step
-    dequantizes inside its matmuls; log-probs within 1e-5."""
+@pytest.mark.slow  # 45 s on 2 cores (the engine's programs compile)
+def test_nvfp4_engine_logprobs_equal_the_learners(tmp_path, monkeypatch):
+    """The engine's decode traces the FP4 kernel (the real one, its calls counted), the
+    learner's step dequantizes inside its matmuls; log-probs within 1e-5."""
     model = _nvfp4_llama(str(tmp_path))
+    traced, kernel = [], cpu_kernels.fp4_product
+    monkeypatch.setattr(cpu_kernels, "fp4_product",
+                        lambda *a: traced.append(a[-1].shape) or kernel(*a))
+    JaxEngine(model).generate(sample_prompts(), SamplingParams(max_new_tokens=2, seed=1))
+    assert traced and all(rows <= FEW_ROWS for rows, _ in traced), traced
+    monkeypatch.undo()
     sampled, scored, _ = parity(model)
     print(f"nvfp4 llama f32 engine vs learner: sampler {sampled:.2e}, score {scored:.2e}")
     assert sampled <= TOL and scored <= TOL
