@@ -12,7 +12,7 @@ with the ``gguf`` package (as the error table does). Quantized bases trade memor
 work inside the matmul: on a CPU, where decode reads every weight once per token, fewer bytes can
 win or lose depending on how cheap the dequantization is. A CPU decode step's quantized products
 run ``rlx.platform.cpu.kernels`` where it builds (with ``RLX_CPU_KERNELS=0`` in the environment,
-XLA's). Columns: tokens/s and tokens per CPU-second of the worker (every thread), medians.
+XLA's: the "(XLA)" rows). Columns: tokens/s and tokens per CPU-second of the worker (every thread), medians.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ import time
 from rlx.bench.harness import Side, interleave, markdown_table
 
 DECODE_ROWS = ("f32", "int8 channel", "int8 channel + int8 embedding", "int4 g64 sym", "nf4 g64",
-               "fp8 channel", "GGUF Q8_0", "GGUF Q4_1")
+               "fp8 channel", "GGUF Q8_0", "GGUF Q4_1", "mxfp4", "mxfp4 (XLA)", "nvfp4")
 # decode rows beyond the error table's formats (rlx.bench.formats.ROWS): the QuantConfig fields a
-# user sets, here the tied embedding / head quantized too (QuantConfig.quantize_embed)
-DECODE_ONLY = {"int8 channel + int8 embedding": dict(format="int8", quantize_embed=True)}
+# user sets, here the tied embedding / head quantized too (QuantConfig.quantize_embed), and FP4
+DECODE_ONLY = {"int8 channel + int8 embedding": dict(format="int8", quantize_embed=True),
+               "mxfp4": dict(format="mxfp4"), "mxfp4 (XLA)": dict(format="mxfp4"),
+               "nvfp4": dict(format="nvfp4")}
+# a row's worker environment: "(XLA)" rows keep XLA's products (no native CPU kernel)
+ROW_ENV = {"mxfp4 (XLA)": {"RLX_CPU_KERNELS": "0"}}
 
 # An accelerator-sized model: Llama-3-8B's widths and vocabulary, random, bf16, few layers (each
 # layer reads the same bytes per token, so the per-format ratios do not depend on the depth)
@@ -112,7 +116,8 @@ def decode_table(model: str = "smollm2", batch: int = 8, prompt: int = 32, new: 
     w = Workload("smollm2" if model == "llama8b-wide" else model, batch, prompt, new)
     hf_config = smollm2_config() if model == "tiny" else None
     sides = [Side(label, "rlx.bench.quant_decode:decode_side",
-                  dict(model=model, label=label, prompts=prompt_ids(w), new=new, hf_config=hf_config))
+                  dict(model=model, label=label, prompts=prompt_ids(w), new=new, hf_config=hf_config),
+                  env=ROW_ENV.get(label, {}))
              for label in rows]
     with tempfile.TemporaryDirectory(prefix="rlx-bench-quant-") as logs:
         results = interleave(sides, repeats, warmup, logs)

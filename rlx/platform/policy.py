@@ -47,8 +47,9 @@ class PlatformPolicy:
     # the built-in engine's decode unstacks scanned layers for weights up to this many bytes
     # (rlx.rollout.jax.engine.unroll_decode); None: never
     unroll_decode_bytes: int | None = None
-    # a decode step's few f32 rows multiply packed weights (int8 channel, GGUF planar) directly:
-    # the native kernels (rlx.platform.cpu.kernels) where they build, else chunked reads
+    # a decode step's few f32 rows multiply packed weights (int8 channel, GGUF planar, FP4
+    # E2M1 blocks) directly: the native kernels (rlx.platform.cpu.kernels) where they build,
+    # else chunked reads
     few_row_products: bool = False
     # grouped scales (int4 groups, fp8 tiles) scale a few-row product's partial sums inside it
     grouped_products: bool = False

@@ -162,8 +162,8 @@ class QTensor(nnx.Module):
         few rows on accelerators (``GROUPED_ROWS``; ``grouped_products``). The compiler then
         reads the packed weights inside the product instead of writing and re-reading a float
         copy of the matrix on every call. On XLA:CPU, which converts a product's operand into a
-        float copy first, a decode step's few f32 rows take the native int8 channel kernel
-        (``rlx.platform.cpu.kernels``) where it runs, else ``_chunked_product``.
+        float copy first, a decode step's few f32 rows take the native int8 channel or FP4
+        kernel (``rlx.platform.cpu.kernels``) where it runs, else ``_chunked_product``.
         """
         k, n = self.kn
         bk, bn = self.block
@@ -171,6 +171,8 @@ class QTensor(nnx.Module):
         groups = -(-k // bk)
         if self._native(rows, dtype):
             return self._native_product(x, rows, out_dtype)
+        if self._native_fp4(rows, dtype):
+            return self._native_fp4_product(x, rows, out_dtype)
         if self._chunks(rows, dtype):
             y = self._chunked_product(x.reshape(rows, k).astype(jnp.float32))
             return y.astype(out_dtype).reshape(*x.shape[:-1], n)
@@ -211,6 +213,40 @@ class QTensor(nnx.Module):
             lambda v, q, s: cpu_kernels.int8_channel_product(q, s, v),
             lambda v, q, s: (v @ q.astype(jnp.float32)) * s.reshape(1, -1).astype(v.dtype),
             x.reshape(rows, k).astype(jnp.float32), self.values[...], self.scale[...])
+        return y.astype(out_dtype).reshape(*x.shape[:-1], n)
+
+    def _native_fp4(self, rows: int, dtype) -> bool:
+        """Whether the native FP4 kernel (``rlx.platform.cpu.kernels.fp4_product``) multiplies
+        these values: E2M1 codes with one 1-byte scale per block (``Format.e2m1_blocks``), a
+        decode step's few f32 rows of a 2-D kernel, on XLA:CPU."""
+        return (self.spec.e2m1_blocks and self.zero is None and not self.transposed
+                and len(self.shape) == 2 and self.scale[...].dtype.itemsize == 1
+                and rows <= FEW_ROWS and jnp.dtype(dtype) == jnp.float32
+                and current().few_row_products and cpu_kernels.available())
+
+    def _scale_table(self) -> Array:
+        """f32 ``[256]``: the scale each stored scale byte stands for, as ``dequantize`` applies
+        it (the format's ``scale_decode``, times ``scale2`` by its ``combine_scale2``)."""
+        codes = jnp.arange(256, dtype=jnp.uint8).reshape(1, 256)
+        stored = self.scale[...].dtype
+        if stored != jnp.uint8:  # e4m3 scales: the 256 bit patterns as that type
+            codes = jax.lax.bitcast_convert_type(codes, stored)
+        return self._scales(codes).reshape(256).astype(jnp.float32)
+
+    def _native_fp4_product(self, x: Array, rows: int, out_dtype) -> Array:
+        """``x @ w`` by the native FP4 kernel, XLA's product of the same values for gradients."""
+        k, n = self.kn
+        scale = self.scale[...]
+        bits = scale if scale.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(scale, jnp.uint8)
+        decode = self.spec.decode
+
+        def reference(v, q, s, table):
+            w = decode(q) * jnp.repeat(table[s.astype(jnp.int32)], k // s.shape[0], axis=0)
+            return v @ w
+
+        y = cpu_kernels.with_reference_gradient(
+            lambda v, q, s, table: cpu_kernels.fp4_product(q, s, table, v), reference,
+            x.reshape(rows, k).astype(jnp.float32), self.values[...], bits, self._scale_table())
         return y.astype(out_dtype).reshape(*x.shape[:-1], n)
 
     def _chunks(self, rows: int, dtype) -> int:

@@ -5,7 +5,9 @@
 //   rlx_gguf_q8_0 / _q4_0 / _q4_1: planar GGUF rows [N, nb * bytes] (each row's f16 headers of
 //     all its blocks first, Q4_1's d then m, then the 32 int8 / 16 nibble bytes of each block;
 //     nibble j of byte i is element 16 j + i of its block), y = x @ W^T;
-//   rlx_int8_channel: int8 values [K, N] with one f32 scale per output, y = (x @ V) * s.
+//   rlx_int8_channel: int8 values [K, N] with one f32 scale per output, y = (x @ V) * s;
+//   rlx_fp4: E2M1 codes [K/2, N] (MXFP4, NVFP4) with a scale byte per block of B inputs and
+//     column, decoded through a 256-entry f32 table of the scales, y = x @ W.
 //
 // Numerics: activations stay f32 and every sum is an f32 sum (FMAs), in another order than
 // XLA's product, so results differ from x @ dequantize(W) by f32 summation rounding only. One
@@ -326,12 +328,16 @@ constexpr int kLanes = 16, kTileCols = 4;
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec vset1(float a) { return _mm512_set1_ps(a); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 #else
 using Vec = __m256;
 constexpr int kLanes = 8, kTileCols = 3;
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return hsum(v); }
+inline Vec vset1(float a) { return _mm256_set1_ps(a); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 #endif
 
 // RG rows of x by NC decoded f32 rows w (row stride K, K a multiple of 32): y[r, c] (row
@@ -632,6 +638,133 @@ ffi::Error int8_channel_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+// ---- FP4: E2M1 values [K/2, N], one scale byte per block of B inputs and column -----------
+// Two codes a byte along K (input row 2p in the low nibble of packed row p, 2p + 1 in the high
+// one), scale bytes [K/B, N] (MXFP4's E8M0 exponents, NVFP4's e4m3 bits) and table[256]: each
+// scale byte's f32 scale as the dequantization applies it (NVFP4: times its per-matrix scale2),
+// computed by the format's own decode on the caller's side. Each panel of up to 128 input rows
+// x 32 columns is decoded once into the dequantized f32 weights e2m1(code) * scale (the same
+// one rounded product as the dequantization) and multiplied by every row of x from cache.
+
+alignas(64) constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+constexpr int64_t kFp4Rows = 128;  // input rows decoded per panel
+
+// The 32 codes at v (packed row p, columns n..n+32) times the scales s[32]: input row 2p's
+// weights into w0[0..32), row 2p + 1's into w1[0..32).
+inline void fp4_decode_pair(const uint8_t* v, const float* s, float* w0, float* w1) {
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_load_ps(kE2M1);
+  for (int t = 0; t < 2; ++t) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 16 * t)));
+    __m512 sc = _mm512_loadu_ps(s + 16 * t);
+    _mm512_storeu_ps(w0 + 16 * t, _mm512_mul_ps(_mm512_permutexvar_ps(b, table), sc));  // bits 0-3
+    _mm512_storeu_ps(w1 + 16 * t,
+                     _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table), sc));
+  }
+#else
+  const __m256 magnitude = _mm256_load_ps(kE2M1);  // codes 0-7; bit 3 is the sign
+  const __m256i sign_bit = _mm256_set1_epi32(8);
+  for (int t = 0; t < 4; ++t) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v + 8 * t)));
+    __m256 sc = _mm256_loadu_ps(s + 8 * t);
+    for (int half = 0; half < 2; ++half) {
+      __m256i c = half ? _mm256_srli_epi32(b, 4) : b;
+      __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_bit), 28));
+      __m256 value = _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitude, c), sign);
+      _mm256_storeu_ps((half ? w1 : w0) + 8 * t, _mm256_mul_ps(value, sc));
+    }
+  }
+#endif
+}
+
+// RG rows of x by a decoded f32 panel w [kb, 32] (input rows k0.., columns n..n+32), added to y
+// (the first panel: set).
+template <int RG>
+void fp4_tile(const float* x, int64_t K, const float* w, int64_t k0, int64_t kb, float* y,
+              int64_t N, int64_t n) {
+  constexpr int T = 32 / kLanes;
+  Vec acc[RG][T];
+  for (int r = 0; r < RG; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = k0 ? vload(y + r * N + n + kLanes * t) : Vec{};
+  for (int64_t kk = 0; kk < kb; ++kk) {
+    Vec wv[T];
+    for (int t = 0; t < T; ++t) wv[t] = vload(w + 32 * kk + kLanes * t);
+    for (int r = 0; r < RG; ++r) {
+      Vec xr = vset1(x[r * K + k0 + kk]);
+      for (int t = 0; t < T; ++t) acc[r][t] = vfma(xr, wv[t], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int t = 0; t < T; ++t) vstore(y + r * N + n + kLanes * t, acc[r][t]);
+}
+
+struct Fp4 {
+  const uint8_t* v;      // [K/2, N]
+  const uint8_t* scale;  // [K/B, N]
+  const float* table;    // [256]
+  int64_t K, N, B;
+};
+
+// Columns [n0, n1) of R rows of x: whole panels of 32 columns, then the last columns one by one.
+void fp4_columns(const Fp4& m, const float* x, int64_t R, int64_t n0, int64_t n1, float* y) {
+  constexpr int kRows = kLanes == 16 ? 8 : 2;  // rows of x per tile (accumulators in registers)
+  alignas(64) float w[kFp4Rows * 32];
+  alignas(64) float s[32];
+  const int64_t n32 = n0 + (n1 - n0) / 32 * 32, K = m.K, N = m.N;
+  for (int64_t k0 = 0; k0 < K; k0 += kFp4Rows) {
+    const int64_t kb = std::min(kFp4Rows, K - k0);
+    for (int64_t n = n0; n < n32; n += 32) {
+      for (int64_t kk = 0; kk < kb; kk += 2) {
+        if ((k0 + kk) % m.B == 0)  // a new block of scales (B is even)
+          for (int j = 0; j < 32; ++j) s[j] = m.table[m.scale[(k0 + kk) / m.B * N + n + j]];
+        fp4_decode_pair(m.v + (k0 + kk) / 2 * N + n, s, w + 32 * kk, w + 32 * (kk + 1));
+      }
+      int64_t r = 0;
+      for (; r + kRows <= R; r += kRows) fp4_tile<kRows>(x + r * K, K, w, k0, kb, y + r * N, N, n);
+      if constexpr (kRows == 8)
+        if (r + 4 <= R) fp4_tile<4>(x + r * K, K, w, k0, kb, y + r * N, N, n), r += 4;
+      if constexpr (kRows >= 4)
+        if (r + 2 <= R) fp4_tile<2>(x + r * K, K, w, k0, kb, y + r * N, N, n), r += 2;
+      if (r < R) fp4_tile<1>(x + r * K, K, w, k0, kb, y + r * N, N, n);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t n = n32; n < n1; ++n) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t byte = m.v[k / 2 * N + n];
+        const float wv = kE2M1[k % 2 ? byte >> 4 : byte & 15] * m.table[m.scale[k / m.B * N + n]];
+        acc = std::fma(x[r * K + k], wv, acc);
+      }
+      y[r * N + n] = acc;
+    }
+}
+
+ffi::Error fp4_product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> v,
+                       ffi::Buffer<ffi::U8> scale, ffi::Buffer<ffi::F32> table,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), vd = v.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || table.element_count() != 256)
+    return ffi::Error::InvalidArgument("expected x [R, K], values [K/2, N], scale [K/B, N], "
+                                       "table [256]");
+  const int64_t R = xd[0], K = xd[1], N = vd[1], G = sd[0];
+  if (vd[0] * 2 != K || sd[1] != N || G == 0 || K % G || (K / G) % 2)
+    return ffi::Error::InvalidArgument("values must be [K/2, N] and scale [K/B, N] with an even B "
+                                       "dividing K = " + std::to_string(K));
+  const Fp4 m{v.typed_data(), scale.typed_data(), table.typed_data(), K, N, K / G};
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const bool serial = N * K < kSerialWork;
+  const int64_t parts = serial ? 1 : std::max<int64_t>(1, pool.num_threads()) * 4;
+  const int64_t step = std::max<int64_t>(64, (N / parts + 31) / 32 * 32);
+  const int64_t count = (N + step - 1) / step;
+  parallel_chunks(pool, count, serial, [=](int64_t c) {
+    fp4_columns(m, xp, R, c * step, std::min(N, (c + 1) * step), yp);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 #define RLX_GGUF_HANDLER(name, kind)                                                     \
@@ -651,5 +784,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(rlx_int8_channel, int8_channel_product,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(rlx_fp4, fp4_product,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

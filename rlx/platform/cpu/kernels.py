@@ -2,9 +2,11 @@
 
 XLA:CPU emits no kernel that multiplies packed weights: it decodes them into float tiles before
 its product. ``kernels.cc`` (shipped beside this module) multiplies a decode step's few f32
-rows by GGUF Q8_0 / Q4_0 / Q4_1 planar rows (``rlx.quant.formats.gguf.blocks``) and by int8 channel-scale
-``QTensor`` values (a kernel, or an int8 embedding's stored ``[d, vocab]`` as the tied head) directly, decoding each block into registers with AVX2 / FMA / F16C (AVX-512
-where the CPU has it) and splitting the output columns over XLA's intra-op threads.
+rows by GGUF Q8_0 / Q4_0 / Q4_1 planar rows (``rlx.quant.formats.gguf.blocks``), by int8
+channel-scale ``QTensor`` values (a kernel, or an int8 embedding's stored ``[d, vocab]`` as the
+tied head) and by E2M1 ``QTensor`` kernels (FP4: MXFP4, NVFP4, one scale byte per block of
+inputs) directly, decoding each block into registers with AVX2 / FMA / F16C (AVX-512 where the
+CPU has it) and splitting the output columns over XLA's intra-op threads.
 
 Numerical contract: activations stay f32 and every sum is an f32 sum; the weights enter as the
 values ``dequantize`` gives (for one row of x, a GGUF block's scale multiplies the block's partial
@@ -46,6 +48,7 @@ SOURCE = Path(__file__).with_name("kernels.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 GGUF_TARGETS = {"Q8_0": "rlx_gguf_q8_0", "Q4_0": "rlx_gguf_q4_0", "Q4_1": "rlx_gguf_q4_1"}
 INT8_CHANNEL = "rlx_int8_channel"
+FP4 = "rlx_fp4"
 NEEDED_CPU_FLAGS = ("avx2", "fma", "f16c")
 
 
@@ -100,7 +103,7 @@ def build(cxx: str, cache: Path) -> Path:
 def _load() -> None:
     """Build (once per key), load and register the kernels with XLA:CPU."""
     lib = ctypes.cdll.LoadLibrary(str(build(_compiler(), _cache_dir())))
-    for name in (*GGUF_TARGETS.values(), INT8_CHANNEL):
+    for name in (*GGUF_TARGETS.values(), INT8_CHANNEL, FP4):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
 
 
@@ -169,3 +172,13 @@ def int8_channel_product(values: Array, scale: Array, x: Array) -> Array:
     s = scale.reshape(-1).astype(jnp.float32)
     call = jax.ffi.ffi_call(INT8_CHANNEL, out, vmap_method="sequential")
     return call(x.astype(jnp.float32), values, s)
+
+
+def fp4_product(values: Array, scale_bytes: Array, table: Array, x: Array) -> Array:
+    """``x @ W`` (f32 ``[R, K]`` -> ``[R, N]``) for E2M1 codes ``values [K/2, N]`` (row ``2i``
+    in the low nibble), scale bytes ``[K/B, N]`` (uint8: E8M0 exponents, e4m3 bits) and
+    ``table [256]``: the f32 scale each byte stands for, as the dequantization applies it
+    (``W[k, n] = e2m1(code) * table[scale_bytes[k // B, n]]``)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], values.shape[1]), jnp.float32)
+    call = jax.ffi.ffi_call(FP4, out, vmap_method="sequential")
+    return call(x.astype(jnp.float32), values, scale_bytes, table.reshape(-1).astype(jnp.float32))

@@ -148,6 +148,9 @@ class Format:
     # on the stored values
     integers: Callable | None = same
     int8_channel: bool = False  # int8 values: the native int8 channel kernel's operands
+    # E2M1 codes packed two a byte with one 1-byte scale per block and column (MXFP4, NVFP4):
+    # the native FP4 kernel's operands
+    e2m1_blocks: bool = False
     activations: str = ""  # value kind a W8A8 server quantizes activations for ("int8", "fp8")
     activation_mode: Callable = none_mode  # (QuantConfig) -> rlx.models.layers activation mode
     # (QuantConfig, K, N) -> stored bytes per weight of a [K, N] matrix, scales and zero points

@@ -56,4 +56,4 @@ MXFP4 = Format(
     name="mxfp4", summary="E2M1 (FP4) in blocks of 32 along the input, one E8M0 scale each",
     serving=("hf",), quantizes=True, values_per_byte=2, how=_how, block=_block,
     encode=e2m1.encode, decode=e2m1.decode, integers=None, scale_encode=scale_encode,
-    scale_decode=scale_decode, bytes_per_param=_bytes)
+    scale_decode=scale_decode, bytes_per_param=_bytes, e2m1_blocks=True)

@@ -59,7 +59,7 @@ def _bytes(q, k: int, n: int) -> float:
 NVFP4 = Format(
     name="nvfp4", summary="E2M1 (FP4) in blocks of 16 along the input, e4m3 block scales, one "
     "f32 scale per matrix", serving=("hf",), quantizes=True, values_per_byte=2, block=_block,
-    decode=e2m1.decode, integers=None, quantize=quantize, bytes_per_param=_bytes)
+    decode=e2m1.decode, integers=None, quantize=quantize, bytes_per_param=_bytes, e2m1_blocks=True)
 
 
 def _over(scale: jax.Array, global_scale: jax.Array) -> jax.Array:
@@ -71,4 +71,4 @@ NVFP4_CT = Format(
     name="nvfp4-ct", summary="NVFP4 as compressed-tensors stores it (E2M1, e4m3 block scales of "
     "16, divided by a per-matrix f32 weight_global_scale); read from checkpoints only",
     serving=("hf",), values_per_byte=2, block=_block, decode=e2m1.decode, integers=None,
-    combine_scale2=_over, bytes_per_param=_bytes)
+    combine_scale2=_over, bytes_per_param=_bytes, e2m1_blocks=True)
