@@ -2,7 +2,8 @@
 ``DeepseekV4ForCausalLM`` folder as rlx's ``DeepseekV4`` (logits against transformers 5.25 within
 1e-4 relative, f32, also placed on a 4-device mesh), and the learner trains it in mode B: the
 compiled step's log-probs equal ``log_softmax`` of the model's own logits within 1e-5 (f32), and
-one optimizer step moves the LoRA adapters (queries, routed and shared experts) and nothing else.
+one optimizer step moves the LoRA adapters (queries, the shared key-value projection, the grouped
+output's second projection, routed and shared experts) and nothing else.
 The tiny random model is ``tests.helpers.deepseek_v4``'s, where every feature binds; the fast
 cases use one compressed sparse attention layer (with the indexer) and a routed MoE, or two
 layers (and heavily compressed attention, a hash-routed MoE), the slow ones all four."""
@@ -31,7 +32,7 @@ from tests.helpers.steps import random_rollouts
 
 
 LOGP_TOL = 1e-5  # |learner log-prob - log_softmax(logits)|, f32
-TARGETS = ("q_a", "q_b", "gate", "up", "down")
+TARGETS = ("q_a", "q_b", "kv", "o_b", "gate", "up", "down")
 ONE_LAYER = dict(num_hidden_layers=1, mlp_layer_types=["moe"],
                  layer_types=["compressed_sparse_attention"])
 TWO_LAYERS = dict(num_hidden_layers=2, mlp_layer_types=["hash_moe", "moe"], layer_types=[
@@ -154,6 +155,10 @@ def _check_step(path: str, frozen_parts: tuple[str, ...], remat: str = "none"):
     opt_cfg = OptimizerConfig(learning_rate=1e-2, schedule="constant")
     graphdef, state = create_train_state(model, make_optimizer(opt_cfg), mesh,
                                          trainable=nnx.LoRAParam)
+    adapted = ["/".join(map(str, k)) for k, _ in nnx.to_flat_state(state.params)]
+    for part in ("q_a_proj", "q_b_proj", "kv_proj", "o_b_proj", "experts/gate_lora",
+                 "shared_expert/down_proj"):
+        assert any(part in n for n in adapted), part
     frozen = nnx.to_flat_state(state.frozen)
     names = ["/".join(map(str, k)) for k, _ in frozen]
     for part in frozen_parts:
