@@ -31,7 +31,7 @@ from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding, shard_variables
 from rlx.models.config import ModelConfig, from_hf_config, quantization_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.deltanet import param_map_entries
-from rlx.models.families import family_of, own_decoder
+from rlx.models.families import family_of, own_decoder, own_writer
 from rlx.platform.cpu.host_layout import on_host, once_per_index, read_direct, read_transposed
 from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder, save_sharded
@@ -443,7 +443,14 @@ def put_hf_layout(src: ParamSource, value: np.ndarray, out: dict[str, np.ndarray
 
 def to_hf(model: Transformer, path: str, dtype=np.float32, tokenizer=None,
           max_shard_bytes: int = 2 << 30) -> None:
-    """Write ``model`` as a HF folder that ``AutoModelForCausalLM.from_pretrained`` loads."""
+    """Write ``model`` as a HF folder that ``AutoModelForCausalLM.from_pretrained`` loads (a
+    decoder of its own, ``families.OWN_WRITERS``, by its family's writer: f32)."""
+    own = own_writer(model)
+    if own is not None:
+        own(model, path)
+        if tokenizer is not None:
+            tokenizer.save(path)
+        return
     os.makedirs(path, exist_ok=True)
     hf_cfg = to_hf_config(model.config)
     hf_cfg["torch_dtype"] = np.dtype(dtype).name

@@ -22,7 +22,7 @@ from rlx.learner.losses import LossConfig
 from rlx.learner.state import OptimizerConfig, create_train_state, make_optimizer
 from rlx.learner.step import FORWARDS, StepConfig, make_logprob_step, make_train_step
 from rlx.mesh import MeshShape, make_mesh
-from rlx.models import from_hf, from_hf_config
+from rlx.models import from_hf, from_hf_config, to_hf
 from rlx.models.deepseek_v4.model import DeepseekV4
 from rlx.models.hparams import ModelConfigError
 from rlx.models.loading import ModelSection, load_from_section
@@ -54,9 +54,10 @@ def small(tmp_path_factory):
     return make_v4(str(tmp_path_factory.mktemp("v4small")), **TWO_LAYERS)
 
 
-def test_from_hf_and_the_run_load_the_v4_folder(small):
+def test_from_hf_and_the_run_load_the_v4_folder(small, tmp_path):
     """``from_hf`` (on a 4-device fsdp x tensor mesh) and ``load_from_section`` give a
-    ``DeepseekV4`` with transformers' logits; ``from_hf_config`` (the ``ModelConfig`` reader)
+    ``DeepseekV4`` with transformers' logits, and ``rlx.models.to_hf`` writes a folder that
+    transformers reads back to rlx's (within 1e-5); ``from_hf_config`` (the ``ModelConfig`` reader)
     names ``from_hf`` instead of calling the class unsupported."""
     mesh = make_mesh(MeshShape(fsdp=2, tensor=2), jax.devices()[:4])
     model = from_hf(small, mesh=mesh)
@@ -64,8 +65,12 @@ def test_from_hf_and_the_run_load_the_v4_folder(small):
     assert len(model.embed[...].sharding.device_set) == 4
     ids = ids_of()
     ref = hf_logits(small, ids)
-    assert np.abs(logits(model, ids) - ref).max() <= TOL * np.abs(ref).max()
+    ours = logits(model, ids)
+    assert np.abs(ours - ref).max() <= TOL * np.abs(ref).max()
     assert isinstance(load_from_section(ModelSection(path=small), None).model, DeepseekV4)
+    out = str(tmp_path / "out")
+    to_hf(model, out)  # the family's writer; the round trip's tolerance: 1e-5 relative
+    assert np.abs(hf_logits(out, ids) - ours).max() <= 1e-5 * np.abs(ours).max()
     with open(f"{small}/config.json") as f:
         hf = json.load(f)
     with pytest.raises(ModelConfigError, match="DeepseekV4ForCausalLM has a decoder of its own"):

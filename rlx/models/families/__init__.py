@@ -39,12 +39,19 @@ PRESETS: dict[str, dict[str, Any]] = {k: v for s in FAMILIES.values() for k, v i
 GGUF_ARCHS: dict[str, FamilySpec] = {s.gguf.name: s for s in FAMILIES.values() if s.gguf is not None}
 # HF class -> load(path, dtype, param_dtype) of a family with a decoder of its own (docstring)
 OWN_DECODERS: dict[str, Callable[..., Any]] = {deepseek_v4.ARCH: deepseek_v4.load}
+# ... and its to_hf(model, path), by the class its model's record names (``cfg.architecture``)
+OWN_WRITERS: dict[str, Callable[..., None]] = {deepseek_v4.ARCH: deepseek_v4.to_hf}
 
 
 def own_decoder(hf: Mapping[str, Any]) -> Callable[..., Any] | None:
     """The loader of a ``config.json`` whose class has a decoder of its own, else None."""
     return next((OWN_DECODERS[a] for a in hf.get("architectures") or [] if a in OWN_DECODERS),
                 None)
+
+
+def own_writer(model: Any) -> Callable[..., None] | None:
+    """The writer of a model with a decoder of its own (its record: ``model.cfg``), else None."""
+    return OWN_WRITERS.get(getattr(getattr(model, "cfg", None), "architecture", None))
 
 
 def family_of(cfg: ModelConfig) -> FamilySpec:
@@ -60,5 +67,5 @@ def written_architecture(cfg: ModelConfig) -> str:
 
 
 __all__ = ["FAMILIES", "BY_ARCHITECTURE", "SUPPORTED_ARCHITECTURES", "PRESETS", "GGUF_ARCHS",
-           "family_of", "written_architecture", "OWN_DECODERS", "own_decoder", "FamilySpec", "GGUFArch", "MoENames", "Multimodal",
+           "family_of", "written_architecture", "OWN_DECODERS", "OWN_WRITERS", "own_decoder", "own_writer", "FamilySpec", "GGUFArch", "MoENames", "Multimodal",
            "ATTENTION_KINDS", "MLP_KINDS", "GQA_TARGETS", "MLA_TARGETS"]
