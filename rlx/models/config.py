@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rlx.models.families import (BY_ARCHITECTURE, FAMILIES, SUPPORTED_ARCHITECTURES, FamilySpec,
-                                 written_architecture)
+from rlx.models.families import (BY_ARCHITECTURE, FAMILIES, OWN_DECODERS,
+                                 SUPPORTED_ARCHITECTURES, FamilySpec, written_architecture)
 from rlx.models.families.common import refuse_unless, req
 from rlx.models.hparams import (ROPE_KINDS, MLAConfig, ModelConfig, ModelConfigError, MoEConfig,
                                 RopeConfig, yarn_get_mscale)
@@ -75,6 +75,10 @@ def from_hf_config(hf: dict[str, Any], *, text_only: bool = False) -> ModelConfi
 def _architecture(hf: dict[str, Any]) -> str:
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    own = next((a for a in archs if a in OWN_DECODERS), None)
+    if arch is None and own is not None:
+        raise ModelConfigError(f"config.json architectures={archs!r}: {own} has a decoder of its "
+                               "own, not a ModelConfig; load its folder with rlx.models.from_hf")
     if arch is None:
         raise ModelConfigError(
             f"config.json architectures={archs!r} is not supported; rlx supports "

@@ -27,11 +27,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding
+from rlx.mesh import TRAIN_RULES, LogicalRules, named_sharding, shard_variables
 from rlx.models.config import ModelConfig, from_hf_config, quantization_config, to_hf_config
 from rlx.models.decoder import Precision, Transformer
 from rlx.models.deltanet import param_map_entries
-from rlx.models.families import family_of
+from rlx.models.families import family_of, own_decoder, own_writer
 from rlx.platform.cpu.host_layout import on_host, once_per_index, read_direct, read_transposed
 from rlx.models.moe import CorrectionBias
 from rlx.models.safetensors_io import DTYPES, CheckpointError, SafetensorsFolder, save_sharded
@@ -377,11 +377,35 @@ def from_hf(
 ) -> Transformer:
     """Load a local HF folder (config.json + safetensors, sharded or not) into a sharded model;
     a quantized checkpoint is refused (``check_float_checkpoint``); ``text_only``: the language
-    model of a vision-language checkpoint, its vision tower skipped (``from_hf_config``)."""
+    model of a vision-language checkpoint, its vision tower skipped (``from_hf_config``). A class
+    with a decoder of its own (``rlx.models.families.OWN_DECODERS``: DeepSeek-V4) loads as that
+    model (``load_own``)."""
+    own = load_own(path, dtype, param_dtype or dtype, mesh, rules)
+    if own is not None:
+        return own
     cfg = read_hf_config(path, text_only=text_only)
     check_float_checkpoint(path)
     precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
     return load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
+
+
+def load_own(path: str, dtype, param_dtype, mesh: Mesh | None,
+             rules: LogicalRules = TRAIN_RULES) -> nnx.Module | None:
+    """The model of a HF folder whose class has a decoder of its own (``OWN_DECODERS``), every
+    variable placed by its logical axes on ``mesh`` (when given); None for any other class. Its
+    ``config.json`` is checked and a quantized checkpoint refused before any weight is read."""
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        return None  # read_hf_config names what is missing
+    with open(file) as f:
+        load = own_decoder(json.load(f))
+    if load is None:
+        return None
+    check_float_checkpoint(path)
+    model = load(path, dtype=dtype, param_dtype=param_dtype)
+    if mesh is not None:
+        shard_variables(model, nnx.Variable, mesh, rules)
+    return model
 
 
 # what a HF checkpoint holds: float base parameters and frozen buffers (not the LoRA adapters)
@@ -419,7 +443,14 @@ def put_hf_layout(src: ParamSource, value: np.ndarray, out: dict[str, np.ndarray
 
 def to_hf(model: Transformer, path: str, dtype=np.float32, tokenizer=None,
           max_shard_bytes: int = 2 << 30) -> None:
-    """Write ``model`` as a HF folder that ``AutoModelForCausalLM.from_pretrained`` loads."""
+    """Write ``model`` as a HF folder that ``AutoModelForCausalLM.from_pretrained`` loads (a
+    decoder of its own, ``families.OWN_WRITERS``, by its family's writer: f32)."""
+    own = own_writer(model)
+    if own is not None:
+        own(model, path)
+        if tokenizer is not None:
+            tokenizer.save(path)
+        return
     os.makedirs(path, exist_ok=True)
     hf_cfg = to_hf_config(model.config)
     hf_cfg["torch_dtype"] = np.dtype(dtype).name
@@ -441,6 +472,6 @@ def param_bytes_per_device(model: Transformer, kinds=nnx.Param) -> dict[str, int
     return out
 
 
-__all__ = ["from_hf", "to_hf", "load_model", "param_map", "stored_param_map", "hf_state_dict", "read_hf_config",
+__all__ = ["from_hf", "load_own", "to_hf", "load_model", "param_map", "stored_param_map", "hf_state_dict", "read_hf_config",
            "check_float_checkpoint",
            "param_bytes_per_device", "CheckpointError"]

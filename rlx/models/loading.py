@@ -18,7 +18,7 @@ from rlx.mesh import TRAIN_RULES, LogicalRules, shard_variables
 from rlx.models.config import from_hf_config
 from rlx.models.decoder import DTYPES, Precision, Transformer
 from rlx.models.hparams import ModelConfig
-from rlx.models.hf import check_float_checkpoint, load_model, read_hf_config
+from rlx.models.hf import check_float_checkpoint, load_model, load_own, read_hf_config
 from rlx.models.hub import parse_hub_id, resolve_hub
 from rlx.models.moe import MOE_IMPLS, CorrectionBias
 from rlx.models.safetensors_io import SafetensorsFolder
@@ -228,10 +228,13 @@ def load_gguf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRA
 
 def load_hf(path, dtype=jnp.float32, mesh=None, *, param_dtype=None, rules=TRAIN_RULES,
             moe_impl="ragged", text_only=False) -> LoadedModel:
-    cfg = read_hf_config(path, text_only=text_only)
-    check_float_checkpoint(path)
-    precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
-    model = load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh, rules=rules)
+    model = load_own(path, dtype, param_dtype or dtype, mesh, rules)  # DeepSeek-V4 (from_hf)
+    if model is None:
+        cfg = read_hf_config(path, text_only=text_only)
+        check_float_checkpoint(path)
+        precision = Precision(dtype=dtype, param_dtype=param_dtype or dtype, moe_impl=moe_impl)
+        model = load_model(cfg, SafetensorsFolder(path), precision=precision, mesh=mesh,
+                           rules=rules)
     has_tok = os.path.exists(os.path.join(path, "tokenizer.json"))
     return LoadedModel(model, Tokenizer.from_dir(path) if has_tok else None, path, "hf")
 

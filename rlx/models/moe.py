@@ -256,6 +256,8 @@ def _group_topk(scores: Float[Array, "n e"], bias: Float[Array, " e"] | None, m:
 class SparseMoE(nnx.Module):
     """Router + experts (+ optional shared experts, gated or not)."""
 
+    dispatches = True  # routes by ``routing`` and dispatches over the expert axis (expert_parallel)
+
     def __init__(self, d: int, m: MoEConfig, *, dtype, param_dtype, rngs, impl: str = "ragged"):
         sigmoid = m.router == "sigmoid"
         self.router = param(rngs, (d, m.num_experts), jnp.float32 if sigmoid else param_dtype,
@@ -337,7 +339,11 @@ def expert_parallel(model: nnx.Module, mesh: Mesh | None, rules: LogicalRules,
     for _, node in nnx.iter_graph(model):
         if isinstance(node, LayerStack):
             node.gather = None if ep is None else LayerGather(mesh, gathered_rules(rules))
-        if isinstance(node, SparseMoE):
+        if isinstance(node, SparseMoE) and not node.dispatches:
+            if ep is not None and ep.experts_split > 1:
+                raise ValueError(f"{type(node).__name__} layers have no token dispatch over the "
+                                 f"mesh axis {ep.expert_axis!r}; set config.mesh.expert=1")
+        elif isinstance(node, SparseMoE):
             e = node.routing.num_experts
             if ep is not None and node.impl == "ragged" and e % ep.experts_split:
                 raise ValueError(f"mesh axis {ep.expert_axis!r} of size {ep.experts_split} does "

@@ -21,9 +21,12 @@ from rlx.quant.formats import QuantConfigError
 # LoRA targets: short name -> the projection it adapts (the rlx attribute, which is also the HF
 # module name; the one list that apply_lora, the PEFT export, the config checks and SGLang's
 # --lora-target-modules read). GQA attention has q/k/v/o; multi-head latent attention (DeepSeek-V3,
-# Kimi-K2) has q_a/q_b (or a plain q without q_lora_rank), kv_a, kv_b and o.
+# Kimi-K2) has q_a/q_b (or a plain q without q_lora_rank), kv_a, kv_b and o; DeepSeek-V4's
+# shared-KV attention q_a/q_b, kv (its one key-value projection) and o_b (the grouped output's
+# second projection; the grouped first, wo_a, takes no adapter).
 ATTN_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_a": "q_a_proj",
-                "q_b": "q_b_proj", "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj"}
+                "q_b": "q_b_proj", "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj",
+                "kv": "kv_proj", "o_b": "o_b_proj"}
 MLP_MODULES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # MLPs and MoE experts
 TARGET_MODULES = {**ATTN_MODULES, **MLP_MODULES}
 ATTN_TARGETS = tuple(ATTN_MODULES)

@@ -30,78 +30,15 @@ from rlx.models.hparams import ModelConfigError
 from rlx.models.moe import CorrectionBias
 from rlx.models.deepseek_v4.model import DeepseekV4
 from rlx.quant import LoraConfig, apply_lora
-
-TOL = 1e-4
-VOCAB, T = 48, 13
-TINY = dict(
-    vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=12,
-    partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
-    layer_types=["sliding_attention", "compressed_sparse_attention",
-                 "heavily_compressed_attention", "compressed_sparse_attention"],
-    compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
-    hc_mult=3, hc_sinkhorn_iters=5, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-    swiglu_limit=0.3, sliding_window=4, o_groups=2, o_lora_rank=8, index_n_heads=8,
-    index_head_dim=12, index_topk=2, num_nextn_predict_layers=0, max_position_embeddings=64,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
-                     "beta_fast": 8.0, "beta_slow": 1.0})
-
-
-def _randomise(model, seed: int) -> None:
-    """Every parameter and buffer random (module docstring); ``tid2eid`` distinct experts."""
-    g = torch.Generator().manual_seed(seed)
-    normal = lambda t, std: torch.randn(t.shape, generator=g) * std  # noqa: E731
-    with torch.no_grad():
-        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if name.endswith("tid2eid"):
-                keys = torch.rand((t.shape[0], 4), generator=g)
-                t.copy_(keys.argsort(-1)[:, :t.shape[1]])
-            elif "inv_freq" in name:
-                continue
-            elif "norm" in name or name.endswith("scale"):
-                t.copy_(1 + normal(t, 0.2))
-            elif t.ndim == 1 or "position_bias" in name:
-                t.copy_(normal(t, 0.5))
-            else:
-                t.copy_(normal(t, 0.2))
-
-
-def make_v4(path: str, seed: int = 0, **overrides) -> str:
-    cfg = transformers.DeepseekV4Config(**(TINY | overrides))
-    torch.manual_seed(seed)
-    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
-    _randomise(model, seed)
-    model.save_pretrained(path)
-    return path
-
-
-def hf_logits(path: str, ids: np.ndarray) -> np.ndarray:
-    model = transformers.DeepseekV4ForCausalLM.from_pretrained(path).eval()
-    with torch.no_grad():
-        return model(torch.as_tensor(ids)).logits.numpy()
-
-
-@nnx.jit
-def _forward(model, ids, mask):
-    return model(ids, attention_mask=mask)
-
-
-def logits(model, ids, mask=None) -> np.ndarray:
-    ids = jnp.asarray(ids)
-    return np.asarray(_forward(model, ids, jnp.ones_like(ids) if mask is None else jnp.asarray(mask)))
-
+from tests.helpers.deepseek_v4 import TOL, T, hf_logits, ids_of, logits, make_v4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_v4(str(tmp_path_factory.mktemp("v4")))
 
 
-def _ids(b=2, t=T, seed=0):
-    return np.random.RandomState(seed).randint(0, VOCAB, (b, t))
-
-
 def test_logits_match_transformers(tiny):
-    ids = _ids()
+    ids = ids_of()
     ref = hf_logits(tiny, ids)
     scale = np.abs(ref).max()
     assert scale > 0.5, "oracle logits too small to make the test meaningful"
@@ -126,7 +63,7 @@ def _unbound(model, feature: str):
 def test_each_feature_binds(tiny):
     """Switched off, the indexer's top-k, the SwiGLU limit and the window each move the logits
     far beyond the tolerance: the parity test exercises them."""
-    ids = _ids()
+    ids = ids_of()
     out = logits(v4.load(tiny), ids)
     for feature in ("topk", "limit", "window"):
         other = logits(_unbound(v4.load(tiny), feature), ids)
@@ -136,7 +73,7 @@ def test_each_feature_binds(tiny):
 def test_padded_rows_equal_unpadded(tiny):
     """Right-padded rows of several lengths give each real token its unpadded logits."""
     model = v4.load(tiny)
-    ids = _ids(b=2)
+    ids = ids_of(b=2)
     lengths = [T, 7]
     mask = np.zeros_like(ids)
     for i, n in enumerate(lengths):
@@ -202,7 +139,7 @@ def test_mtp_tensors_are_skipped_with_a_note_and_others_refused(tiny, tmp_path, 
     with caplog.at_level(logging.INFO):
         model = v4.load(path)
     assert "multi-token-prediction" in caplog.text
-    ids = _ids()
+    ids = ids_of()
     assert np.array_equal(logits(model, ids), logits(v4.load(tiny), ids))
     stray = _copy_with(tiny, tmp_path / "stray", {"model.layers.0.attn.wq_c.weight": mtp[
         "mtp.0.attn.wq_a.weight"]})
@@ -213,7 +150,7 @@ def test_mtp_tensors_are_skipped_with_a_note_and_others_refused(tiny, tmp_path, 
 def test_to_hf_round_trip(tiny, tmp_path):
     """rlx -> ``to_hf`` -> transformers and -> rlx give rlx's logits within 1e-5."""
     model = v4.load(tiny)
-    ids = _ids()
+    ids = ids_of()
     ours = logits(model, ids)
     out = str(tmp_path / "out")
     v4.to_hf(model, out)
@@ -240,7 +177,7 @@ def test_mode_b_adapts_attention_and_experts_with_indexer_and_compressors_frozen
     of the compressors, the indexer, the correction biases or the hash tables is trainable in
     either mode (mode A trains the compressors, not the indexer)."""
     model = v4.load(tiny)
-    ids = _ids()
+    ids = ids_of()
     base = logits(model, ids)
     apply_lora(model, LoraConfig(rank=2, targets=("q_a", "q_b", "gate", "up", "down")),
                nnx.Rngs(1))
@@ -271,7 +208,7 @@ def test_cached_decode_equals_the_full_forward(tiny):
     choice; every real position's logits equal the full forward pass's over the unpadded row
     within 1e-5 (relative)."""
     model = v4.load(tiny)
-    ids = _ids()
+    ids = ids_of()
     full = logits(model, ids)
     b, t = ids.shape
     lens = np.array([5, 3])

@@ -61,7 +61,10 @@ class SharedExpert(nnx.Module):
 class V4MoE(SparseMoE):
     """One sparse layer: router (``hashed``: the table), experts and the shared expert. A
     ``SparseMoE`` by its parts (``experts``, ``shared_expert``), so ``rlx.quant.apply_lora``
-    adapts them as it does every MoE's; routing, arithmetic and call are its own."""
+    adapts them as it does every MoE's; routing, arithmetic and call are its own (its experts
+    run whole: no token dispatch over an expert mesh axis, which ``expert_parallel`` refuses)."""
+
+    dispatches = False
 
     def __init__(self, d: int, f: int, experts: int, k: int, vocab: int, *, hashed: bool,
                  scoring: str, scale: float, limit: float, dtype, param_dtype, rngs):

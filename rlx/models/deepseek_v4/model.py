@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from rlx.models.deepseek_v4.hash_moe import V4MoE
 from rlx.models.deepseek_v4.hyper import HyperConnection, HyperHead, expand
+from rlx.models.decoder import Routes
 from rlx.models.layers import Linear, RMSNorm, param
 from rlx.models.deepseek_v4.attention import LayerCache, V4Attention, V4Attn, empty_cache
 
@@ -112,12 +114,41 @@ class DeepseekV4(nnx.Module):
         self.cfg, self.dtype = cfg, dtype
 
     def hidden_states(self, input_ids: Int[Array, "b t"], positions, segment_ids,
-                      adapter: bool = True) -> Float[Array, "b t d"]:
+                      adapter: bool = True, remat: bool = False, policy=None
+                      ) -> Float[Array, "b t d"]:
+        """Final-norm hidden states; ``remat``: each block a ``jax.checkpoint`` (with checkpoint
+        ``policy``), its activations recomputed in the backward pass."""
         x = self.embed[...].astype(self.dtype)[input_ids]
         h = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.cfg.hc_mult, x.shape[-1]))
         for layer in self.layers:
-            h = layer(h, input_ids, positions, segment_ids, adapter)
+            if remat:  # a checkpoint of the block's variables and input
+                graphdef, state = nnx.split(layer)
+                h = jax.checkpoint(lambda st, h: nnx.merge(graphdef, st)(
+                    h, input_ids, positions, segment_ids, adapter), policy=policy)(state, h)
+            else:
+                h = layer(h, input_ids, positions, segment_ids, adapter)
         return self.norm(self.hc_head(h)).astype(self.dtype)
+
+    def forward(self, input_ids: Int[Array, "b t"], positions: Int[Array, "b t"],
+                segment_ids: Int[Array, "b t"], adapter: bool = True, remat: bool = False,
+                policy=None, replay=None) -> tuple[Float[Array, "b t d"], Routes]:
+        """The learner's entry (``rlx.learner.step.model_forward``): final-norm hidden states
+        and the routing taken. Nothing is dropped (every expert runs on its tokens) and no
+        routing is reported or replayed: a ``replay`` is refused."""
+        if replay is not None:
+            raise ValueError("routing replay (config.train.routing_replay) is not implemented "
+                             "for DeepSeek-V4's hash and sqrtsoftplus routers; switch it off")
+        h = self.hidden_states(input_ids, positions, segment_ids, adapter, remat, policy)
+        return h, Routes(None, jnp.zeros((), jnp.int32))
+
+    @property
+    def lm_head(self) -> Linear:
+        """The untied output projection, as ``rlx.learner.step.logprob_head`` reads it."""
+        return self.head
+
+    def logits(self, h: Float[Array, "... d"], adapter: bool = True) -> Float[Array, "... v"]:
+        """Vocabulary logits of final hidden states (``hidden_states``)."""
+        return self.head(h, adapter)
 
     def empty_cache(self, batch: int, length: int) -> tuple[LayerCache, ...]:
         """Zero decode caches of ``length`` positions, one per layer."""
@@ -138,7 +169,7 @@ class DeepseekV4(nnx.Module):
             h, cache = layer.step(h, input_ids, positions, segment_ids, cache, adapter)
             out.append(cache)
         h = self.norm(self.hc_head(h)).astype(self.dtype)
-        return self.head(h, adapter), tuple(out)
+        return self.logits(h, adapter), tuple(out)
 
     def __call__(self, input_ids: Int[Array, "b t"], positions=None, segment_ids=None,
                  attention_mask=None, adapter: bool = True) -> Float[Array, "b t v"]:
@@ -148,4 +179,4 @@ class DeepseekV4(nnx.Module):
                            else attention_mask.astype(jnp.int32))
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        return self.head(self.hidden_states(input_ids, positions, segment_ids, adapter), adapter)
+        return self.logits(self.hidden_states(input_ids, positions, segment_ids, adapter), adapter)

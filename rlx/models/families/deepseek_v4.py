@@ -25,8 +25,9 @@ part of rlx's model, as transformers does not build them: their tensors are skip
 note, and any other tensor rlx does not hold is refused.
 
 Training: in mode B ``rlx.quant.apply_lora`` adapts the query projections (targets ``q_a``,
-``q_b``), the routed experts and the shared expert (``gate``, ``up``, ``down``); nothing else
-trains. In mode A every ``nnx.Param`` trains (attention, compressors, hyper-connections, router,
+``q_b``), the shared key-value projection (``kv``), the grouped output's second projection
+(``o_b``; the grouped ``wo_a`` takes none), the routed experts and the shared expert (``gate``,
+``up``, ``down``); nothing else trains. In mode A every ``nnx.Param`` trains (attention, compressors, hyper-connections, router,
 experts); the indexer's weights, the routers' correction biases and the hash tables are frozen
 buffers in both modes (``rlx.models.deepseek_v4.compressor``: DeepSeek trains its indexer with its own KL
 loss against the main attention, which rlx does not implement, so rlx keeps the released indexer).
