@@ -46,3 +46,18 @@ def parity(model, sampling=SamplingParams(max_new_tokens=12, n=2, seed=3)):
             for r in rollouts]
     return (max_diff(learner, [r.sampler_logp for r in rollouts]),
             max_diff(learner, engine.score(seqs)), max_diff(learner, learner_logprobs(model, seqs)))
+
+
+def decoded_logits(model, ids, mask, cache, prefill: int) -> np.ndarray:
+    """Logits of every slot of ``ids`` (rows left-padded as ``mask`` says) from ``model.decode``
+    over ``cache``: the first ``prefill`` slots in one call, then one token per call."""
+    import jax.numpy as jnp
+
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    step = jax.jit(lambda m, x, p, s, c: (lambda h, c: (m.logits(h), c))(*m.decode(x, p, s, c)))
+    spans = [(0, prefill)] + [(t, t + 1) for t in range(prefill, ids.shape[1])]
+    outs = []
+    for a, b in spans:
+        logits, cache = step(model, ids[:, a:b], positions[:, a:b], mask[:, a:b], cache)
+        outs.append(np.asarray(logits))
+    return np.concatenate(outs, axis=1)

@@ -33,7 +33,7 @@ from rlx.models.kv_cache import KVCache
 from rlx.models.stack import layer_counts, stack_layers
 from tests.helpers.hf_zoo import hf_config, hf_logits, load_hf_model, make_hf_model
 from tests.helpers.parity import TOL as ENGINE_TOL
-from tests.helpers.parity import parity
+from tests.helpers.parity import decoded_logits, parity
 
 TOL = 1e-4
 ZOO = "glm_moe_dsa_shared"
@@ -125,17 +125,9 @@ def test_decode_over_the_cache_equals_forward(path, scanned):
     model = stack_layers(model) if scanned else model
     ids = jnp.asarray(_ids(b=2, t=11))
     mask = jnp.asarray(np.array([[1] * 11, [0] * 3 + [1] * 8]))
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     full = np.asarray(jax.jit(lambda m, x, a: m(x, attention_mask=a))(model, ids, mask))
-    step = jax.jit(lambda m, x, p, s, c: (lambda h, c: (m.logits(h), c))(*m.decode(x, p, s, c)))
     cache = KVCache.zeros(model.config, 2, 11, jnp.float32, layer_counts(model))
-    logits, cache = step(model, ids[:, :7], positions[:, :7], mask[:, :7], cache)
-    outs = [logits]
-    for t in range(7, 11):
-        logits, cache = step(model, ids[:, t:t + 1], positions[:, t:t + 1], mask[:, t:t + 1],
-                             cache)
-        outs.append(logits)
-    decoded = np.concatenate([np.asarray(o) for o in outs], axis=1)
+    decoded = decoded_logits(model, ids, mask, cache, prefill=7)
     real = np.asarray(mask).astype(bool)
     assert np.abs(decoded[real] - full[real]).max() <= 1e-5 * np.abs(full[real]).max()
 
