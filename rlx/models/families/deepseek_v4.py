@@ -120,12 +120,7 @@ def _layer_types(hf: Mapping[str, Any], n: int) -> tuple[str, ...]:
         types = [RATIO_TO_TYPE[r] for r in hf["compress_ratios"]]
     if types is None:
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
-    for t in types:
-        refuse_unless("layer_types[...]", t, LAYER_TYPES, ARCH)
-    if len(types) < n:
-        raise ModelConfigError(f"config.json layer_types has {len(types)} entries for "
-                               f"num_hidden_layers={n}; give one per layer")
-    return tuple(types[:n])
+    return _per_layer("layer_types", types, LAYER_TYPES, n)
 
 
 def _mlp_layer_types(hf: Mapping[str, Any], n: int) -> tuple[str, ...]:
@@ -134,10 +129,16 @@ def _mlp_layer_types(hf: Mapping[str, Any], n: int) -> tuple[str, ...]:
         k = hf.get("num_hash_layers")
         k = 3 if k is None else int(k)
         types = [HASH] * min(n, k) + [ROUTED] * max(0, n - k)
+    return _per_layer("mlp_layer_types", types, MLP_LAYER_TYPES, n)
+
+
+def _per_layer(field: str, types, allowed: tuple[str, ...], n: int) -> tuple[str, ...]:
+    """The first ``n`` entries of a per-layer list, each one of ``allowed``; refused when there
+    are fewer than ``n``."""
     for t in types:
-        refuse_unless("mlp_layer_types[...]", t, MLP_LAYER_TYPES, ARCH)
+        refuse_unless(f"{field}[...]", t, allowed, ARCH)
     if len(types) < n:
-        raise ModelConfigError(f"config.json mlp_layer_types has {len(types)} entries for "
+        raise ModelConfigError(f"config.json {field} has {len(types)} entries for "
                                f"num_hidden_layers={n}; give one per layer")
     return tuple(types[:n])
 
